@@ -1,0 +1,289 @@
+"""The run config: one typed, validated object that fully describes a run.
+
+A config is a YAML preset (a name under `olmax/configs/` or a path) plus
+`key=value` overrides on dotted paths. Unknown keys, wrong types and
+inconsistent shapes are errors that name the field and the fix, raised before
+anything is compiled or written.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+PRESET_DIR = Path(__file__).parent / "configs"
+REMAT_NAMES = ("qkv_proj", "out_proj", "mlpwi_0", "mlpwi_1", "mlpwo", "context")
+DType = Literal["float32", "bfloat16"]
+
+
+class ConfigError(ValueError):
+    """A config that cannot describe a run; the message names the field and the fix."""
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelConfig(Section):
+    vocab_size: int = Field(100278, gt=0, description="tokenizer vocabulary size")
+    vocab_pad_multiple: int = Field(128, gt=0, description="embedding rows are padded to a multiple of this")
+    d_model: int = Field(4096, gt=0)
+    n_layers: int = Field(32, gt=0)
+    n_heads: int = Field(32, gt=0)
+    n_kv_heads: int | None = Field(None, gt=0, description="None = n_heads (no GQA)")
+    head_dim: int | None = Field(None, gt=0, description="None = d_model // n_heads")
+    mlp_hidden: int = Field(11008, gt=0)
+    norm_eps: float = Field(1e-6, gt=0)
+    rope_theta: float = Field(500000.0, gt=0)
+    sliding_window: int = Field(4096, gt=0, description="keys visible to a sliding layer, itself included")
+    layer_pattern: list[Literal["sliding", "global"]] = Field(
+        default_factory=lambda: ["sliding", "sliding", "sliding", "global"],
+        description="attention kind of consecutive layers, repeated over the depth",
+    )
+    init_std: float = Field(0.02, gt=0)
+    param_dtype: DType = "float32"
+    compute_dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        "auto", description="auto: bfloat16 on accelerators, float32 on CPU (XLA's CPU bf16 matmuls are slower)"
+    )
+    remat_save: list[str] | Literal["full", "none"] = Field(
+        "none", description="'none': no remat; 'full': save nothing; or the named activations to save"
+    )
+    attention_block: int = Field(512, gt=0, description="query/key block of the blocked attention")
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def head_size(self) -> int:
+        return self.head_dim or self.d_model // self.n_heads
+
+    @property
+    def padded_vocab(self) -> int:
+        return math.ceil(self.vocab_size / self.vocab_pad_multiple) * self.vocab_pad_multiple
+
+    def is_global(self, layer: int) -> bool:
+        return self.layer_pattern[layer % len(self.layer_pattern)] == "global"
+
+    @model_validator(mode="after")
+    def _shapes(self):
+        if self.head_dim is None and self.d_model % self.n_heads:
+            raise ValueError(f"d_model {self.d_model} is not divisible by n_heads {self.n_heads}; set head_dim")
+        if self.n_heads % self.kv_heads:
+            raise ValueError(f"n_heads {self.n_heads} must be a multiple of n_kv_heads {self.kv_heads}")
+        if self.n_layers % len(self.layer_pattern):
+            raise ValueError(
+                f"n_layers {self.n_layers} is not a multiple of the layer_pattern length {len(self.layer_pattern)}"
+            )
+        if self.head_size % 2:
+            raise ValueError(f"head_dim {self.head_size} must be even for rotate-half RoPE")
+        if isinstance(self.remat_save, list) and (bad := set(self.remat_save) - set(REMAT_NAMES)):
+            raise ValueError(f"remat_save has unknown names {sorted(bad)}; known: {list(REMAT_NAMES)}")
+        return self
+
+
+class RepetitionFilterConfig(Section):
+    enabled: bool = False
+    min_period: int = Field(1, gt=0)
+    max_period: int = Field(13, gt=0)
+    max_count: int = Field(32, gt=1, description="an instance with a period repeated this often is masked")
+
+
+class DataConfig(Section):
+    paths: list[str] = Field(default_factory=list, description="token shards in mix order")
+    mix_file: str | None = Field(None, description="OLMo-core mix file of `label,path` lines (instead of paths)")
+    sequence_length: int = Field(8192, gt=1)
+    seed: int = 34521
+    eos_id: int = Field(100257, ge=0)
+    pad_id: int = Field(100277, ge=0)
+    token_dtype: Literal["uint16", "uint32"] = "uint32"
+    repetition_filter: RepetitionFilterConfig = Field(default_factory=RepetitionFilterConfig)
+    num_workers: int = Field(0, ge=0, description="prefetch worker processes (0 = in the training process)")
+    allow_fingerprint_change: bool = False
+
+
+class SkipStepConfig(Section):
+    enabled: bool = True
+    window: int = Field(128, gt=1, description="previous values kept")
+    min_values: int = Field(64, gt=1, description="values, current included, before the check starts")
+    sigma: float = Field(6.0, gt=0)
+
+
+class OptimConfig(Section):
+    lr: float = Field(3e-4, ge=0)
+    b1: float = Field(0.9, ge=0, lt=1)
+    b2: float = Field(0.95, ge=0, lt=1)
+    eps: float = Field(1e-8, gt=0)
+    weight_decay: float = Field(0.1, ge=0)
+    no_decay: list[str] = Field(default_factory=lambda: ["embed"], description="param path prefixes not decayed")
+    grad_clip: float | None = Field(1.0, gt=0)
+    moment_dtype: DType = "float32"
+    allow_low_precision_moments: bool = False
+    skip_step: SkipStepConfig = Field(default_factory=SkipStepConfig)
+
+
+class ScheduleConfig(Section):
+    kind: Literal["cosine", "linear", "wsd", "constant"] = "cosine"
+    warmup_steps: int = Field(2000, ge=0)
+    final_lr_fraction: float = Field(0.1, ge=0, le=1)
+    horizon_steps: int | None = Field(None, gt=0, description="steps the decay spans; None = train.steps")
+    decay_steps: int | None = Field(None, gt=0, description="wsd: length of the final linear decay")
+    start_lr: float | None = Field(None, ge=0, description="linear without warmup: start here instead of optim.lr")
+
+
+class LossConfig(Section):
+    z_loss: float = Field(1e-5, ge=0)
+    mask_pad: bool = Field(False, description="ignore labels equal to data.pad_id")
+
+
+class TrainConfig(Section):
+    steps: int = Field(100, gt=0)
+    global_batch_instances: int = Field(512, gt=0)
+    micro_batch_per_device: int | None = Field(
+        None, gt=0, description="instances per device per micro-step; None = whole global batch in one micro-step"
+    )
+    seed: int = 0
+    log_every: int = Field(1, gt=0)
+
+
+class MeshConfig(Section):
+    data: int = Field(1, ge=-1, description="-1 = all devices left over")
+    fsdp: int = Field(-1, ge=-1)
+    tensor: int = Field(1, ge=1)
+    expert: int = Field(1, ge=1, description="reserved for mixture-of-experts layers")
+
+
+class CheckpointConfig(Section):
+    every: int = Field(1000, gt=0)
+    keep_last: int = Field(3, gt=0)
+    keep_every: int | None = Field(None, gt=0, description="also keep every step divisible by this")
+    resume: bool = True
+    init_from: str | None = Field(None, description="checkpoint dir to take params (and moments) from at step 0")
+
+
+class RunConfig(Section):
+    name: str = "run"
+    output_dir: str = Field("runs/{name}", description="checkpoints/ and metrics/ go here")
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    optim: OptimConfig = Field(default_factory=OptimConfig)
+    schedule: ScheduleConfig = Field(default_factory=ScheduleConfig)
+    loss: LossConfig = Field(default_factory=LossConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    mesh: MeshConfig = Field(default_factory=MeshConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.output_dir.format(name=self.name))
+
+    @model_validator(mode="after")
+    def _consistent(self):
+        low = {"float32": False, "bfloat16": True}
+        moments_low = low[self.optim.moment_dtype] or low[self.model.param_dtype]
+        if moments_low and not self.optim.allow_low_precision_moments:
+            raise ValueError(
+                "optim.moment_dtype / model.param_dtype would give bfloat16 Adam moments (cost +0.93 loss after "
+                "1000 steps in MaxText's OLMo 3 run); keep both float32 or set optim.allow_low_precision_moments=true"
+            )
+        if self.data.token_dtype == "uint16" and self.model.vocab_size > 2**16:
+            raise ValueError(f"data.token_dtype uint16 cannot hold model.vocab_size {self.model.vocab_size}; use uint32")
+        for field in ("eos_id", "pad_id"):
+            if getattr(self.data, field) >= self.model.vocab_size:
+                raise ValueError(f"data.{field} {getattr(self.data, field)} >= model.vocab_size {self.model.vocab_size}")
+        if self.schedule.kind == "wsd" and self.schedule.decay_steps is None:
+            raise ValueError("schedule.kind=wsd needs schedule.decay_steps")
+        return self
+
+
+def _set_path(tree: dict, dotted: str, value) -> None:
+    *parents, leaf = dotted.split(".")
+    node = tree
+    for key in parents:
+        node = node.setdefault(key, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"override {dotted!r}: {key!r} is not a section")
+    node[leaf] = value
+
+
+def _known_path(dotted: str) -> None:
+    section: type[BaseModel] = RunConfig
+    for i, key in enumerate(dotted.split(".")):
+        fields = section.model_fields
+        if key not in fields:
+            where = ".".join(dotted.split(".")[:i]) or "the top level"
+            raise ConfigError(f"unknown config key {dotted!r}: {where} has {sorted(fields)}")
+        annotation = fields[key].annotation
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            section = annotation
+        else:
+            return
+
+
+def preset_path(name_or_path: str) -> Path:
+    path = Path(name_or_path)
+    if path.suffix in (".yaml", ".yml"):
+        if not path.exists():
+            raise ConfigError(f"config file {path} does not exist")
+        return path
+    path = PRESET_DIR / f"{name_or_path}.yaml"
+    if not path.exists():
+        known = sorted(p.stem for p in PRESET_DIR.glob("*.yaml"))
+        raise ConfigError(f"no preset {name_or_path!r}; presets: {known}, or pass a .yaml path")
+    return path
+
+
+def _read_yaml(path: Path) -> dict:
+    raw = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of sections")
+    base = raw.pop("base", None)
+    if base is None:
+        return raw
+    merged = _read_yaml(preset_path(base))
+    for key, value in _flatten(raw):
+        _set_path(merged, key, value)
+    return merged
+
+
+def _flatten(tree: dict, prefix: str = ""):
+    for key, value in tree.items():
+        if isinstance(value, dict) and key not in ("",):
+            yield from _flatten(value, f"{prefix}{key}.")
+        else:
+            yield f"{prefix}{key}", value
+
+
+def load_config(name_or_path: str, overrides: list[str] = ()) -> RunConfig:
+    """A preset name or YAML path (which may name a `base:` preset), plus `a.b=value` overrides."""
+    tree = _read_yaml(preset_path(name_or_path))
+    for key, _ in _flatten(tree):
+        _known_path(key)
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} must look like section.key=value")
+        key, text = item.split("=", 1)
+        _known_path(key)
+        _set_path(tree, key, yaml.safe_load(text))
+    return validate(tree, source=str(name_or_path))
+
+
+def validate(tree: dict, source: str = "config") -> RunConfig:
+    try:
+        return RunConfig.model_validate(tree)
+    except ValidationError as err:
+        lines = [f"{source}: invalid config"]
+        for e in err.errors():
+            where = ".".join(str(p) for p in e["loc"]) or "(top level)"
+            got = e.get("input")
+            shown = f" (got {got!r})" if e["loc"] and not isinstance(got, dict) else ""
+            lines.append(f"  {where}: {e['msg'].removeprefix('Value error, ')}{shown}")
+        raise ConfigError("\n".join(lines)) from None
+
+
+def dump(config: RunConfig) -> str:
+    return yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)
