@@ -132,7 +132,6 @@ class ScheduleConfig(Section):
     final_lr_fraction: float = Field(0.1, ge=0, le=1)
     horizon_steps: int | None = Field(None, gt=0, description="steps the decay spans; None = train.steps")
     decay_steps: int | None = Field(None, gt=0, description="wsd: length of the final linear decay")
-    start_lr: float | None = Field(None, ge=0, description="linear without warmup: start here instead of optim.lr")
 
 
 class LossConfig(Section):
@@ -162,7 +161,6 @@ class CheckpointConfig(Section):
     keep_last: int = Field(3, gt=0)
     keep_every: int | None = Field(None, gt=0, description="also keep every step divisible by this")
     resume: bool = True
-    init_from: str | None = Field(None, description="checkpoint dir to take params (and moments) from at step 0")
 
 
 class RunConfig(Section):

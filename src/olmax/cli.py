@@ -1,0 +1,94 @@
+"""`olmax` command line: train | flops | config show | data commands."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from olmax.config import ConfigError, dump, load_config
+
+
+def _config_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("config", help="preset name (olmo3_7b, tiny, ...) or a YAML path")
+    parser.add_argument("overrides", nargs="*", help="section.key=value")
+
+
+def cmd_config_show(args) -> None:
+    print(dump(load_config(args.config, args.overrides)), end="")
+
+
+def cmd_flops(args) -> None:
+    from olmax.model import flops
+
+    cfg = load_config(args.config, args.overrides)
+    seq = cfg.data.sequence_length
+    count = flops.count(cfg.model, seq)
+    per_device = args.instances_per_device or cfg.train.micro_batch_per_device or cfg.train.global_batch_instances
+    tokens = per_device * seq
+    report = {
+        "params": count.params,
+        "non_embedding_params": count.non_embedding_params,
+        "sequence_length": seq,
+        "train_flops_per_token": count.per_token,
+        "train_flops_per_token_all_global_attention": count.per_token_all_global,
+        "instances_per_device_step": per_device,
+        "train_tflop_per_device_step": count.per_token * tokens / 1e12,
+        "train_tflop_per_device_step_all_global_attention": count.per_token_all_global * tokens / 1e12,
+    }
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return
+    print(f"params                    {count.params:,}")
+    print(f"non-embedding params      {count.non_embedding_params:,}")
+    print(f"train FLOPs / token       {count.per_token / 1e9:,.2f} G  (sliding windows exact, seq {seq})")
+    print(f"  all layers global       {count.per_token_all_global / 1e9:,.2f} G")
+    print(f"train TFLOP / device-step {report['train_tflop_per_device_step']:,.1f}  ({per_device} x {seq} tokens)")
+    print(f"  all layers global       {report['train_tflop_per_device_step_all_global_attention']:,.1f}")
+
+
+def cmd_train(args) -> None:
+    from olmax.train.trainer import train
+
+    cfg = load_config(args.config, args.overrides)
+    train(cfg)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="olmax", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("train", help="train (resumes from the latest checkpoint of the run)")
+    _config_args(p)
+    p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("flops", help="parameter count and training FLOPs")
+    _config_args(p)
+    p.add_argument("--instances-per-device", type=int, help="default: train.micro_batch_per_device")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_flops)
+
+    p = sub.add_parser("config", help="config tools")
+    config_sub = p.add_subparsers(dest="config_command", required=True)
+    show = config_sub.add_parser("show", help="print the resolved config")
+    _config_args(show)
+    show.set_defaults(func=cmd_config_show)
+
+    from olmax.data.cli import add_commands
+
+    add_commands(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        args.func(args)
+    except ConfigError as err:
+        print(f"olmax: config error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

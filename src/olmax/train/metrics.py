@@ -1,0 +1,88 @@
+"""Metrics every step, with OLMo-core's names, to TensorBoard events, a JSONL file and the console.
+
+TensorBoard event files are the source of truth for long runs; metrics.jsonl is
+the same stream for scripts. On resume at step N both drop whatever a previous
+attempt logged after step N, so the logs describe one run.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+from tensorboardX import SummaryWriter
+
+# Dense bf16 peak per device (FLOP/s), by jax device_kind prefix.
+PEAK_BF16_FLOPS = {
+    "NVIDIA H100": 989.4e12,
+    "NVIDIA H200": 989.4e12,
+    "NVIDIA A100": 312e12,
+    "TPU v4": 275e12,
+    "TPU v5 lite": 197e12,
+    "TPU v5p": 459e12,
+    "TPU v5": 459e12,
+    "TPU v6 lite": 918e12,
+}
+
+
+def measure_matmul_flops(dtype=jnp.float32, size: int = 1024, repeats: int = 10) -> float:
+    """Best-of-`repeats` FLOP/s of one jitted size^3 matmul on the default device."""
+    a = jnp.ones((size, size), dtype)
+    matmul = jax.jit(lambda x, y: x @ y)
+    matmul(a, a).block_until_ready()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        matmul(a, a).block_until_ready()
+        best = min(best, time.perf_counter() - start)
+    return 2 * size**3 / best
+
+
+@functools.cache
+def device_peak_flops(dtype_name: str) -> float:
+    """Datasheet peak for known accelerators; otherwise (CPU) the measured matmul peak for the dtype."""
+    kind = jax.devices()[0].device_kind
+    for prefix, peak in PEAK_BF16_FLOPS.items():
+        if kind.startswith(prefix):
+            return peak
+    return measure_matmul_flops(jnp.dtype(dtype_name))
+
+
+class MetricsWriter:
+    def __init__(self, run_dir: Path, start_step: int, enabled: bool = True):
+        self.enabled = enabled
+        self.jsonl = Path(run_dir) / "metrics.jsonl"
+        if not enabled:
+            return
+        self.jsonl.parent.mkdir(parents=True, exist_ok=True)
+        if self.jsonl.exists():
+            kept = [ln for ln in self.jsonl.read_text().splitlines() if json.loads(ln)["step"] <= start_step]
+            self.jsonl.write_text("".join(ln + "\n" for ln in kept))
+        self.tensorboard = SummaryWriter(str(Path(run_dir) / "tensorboard"), purge_step=start_step + 1)
+        self.file = self.jsonl.open("a")
+
+    def write(self, step: int, metrics: dict[str, float]) -> None:
+        if not self.enabled:
+            return
+        for name, value in metrics.items():
+            self.tensorboard.add_scalar(name, value, step)
+        self.file.write(json.dumps({"step": step, **metrics}) + "\n")
+        self.file.flush()
+
+    def close(self) -> None:
+        if self.enabled:
+            self.tensorboard.close()
+            self.file.close()
+
+
+def console_line(step: int, total: int, m: dict[str, float]) -> str:
+    skipped = " skipped" if m.get("optim/step skipped") else ""
+    return (
+        f"step {step}/{total}  CE {m['train/CE loss']:.4f}  Z {m['train/Z loss']:.2e}  "
+        f"gnorm {m['optim/total grad norm']:.3f}  lr {m['optim/LR (group 0)']:.3e}  "
+        f"TPS/dev {m.get('throughput/device/TPS', 0):,.0f}  MFU {m.get('throughput/device/MFU', 0):.1f}%{skipped}"
+    )
