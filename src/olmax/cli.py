@@ -1,4 +1,4 @@
-"""`olmax` command line: train | flops | config show | data commands."""
+"""olmax: reproducible, verifiable OLMo 3 pretraining on JAX."""
 
 from __future__ import annotations
 
@@ -7,6 +7,8 @@ import json
 import sys
 
 from olmax.config import ConfigError, dump, load_config
+from olmax.data import DataError
+from olmax.train.checkpoint import CheckpointError
 
 
 def _config_args(parser: argparse.ArgumentParser) -> None:
@@ -52,6 +54,8 @@ def cmd_train(args) -> None:
 
     cfg = load_config(args.config, args.overrides)
     train(cfg)
+    print(f"done: checkpoints in {cfg.run_dir / 'checkpoints'}, metrics in {cfg.run_dir / 'metrics.jsonl'} "
+          f"and {cfg.run_dir / 'tensorboard'}")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -74,9 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
     _config_args(show)
     show.set_defaults(func=cmd_config_show)
 
-    from olmax.data.cli import add_commands
+    from olmax.data import cli as data_cli
 
-    add_commands(sub)
+    data_cli.add_commands(sub)
     return parser
 
 
@@ -84,8 +88,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         args.func(args)
-    except ConfigError as err:
-        print(f"olmax: config error: {err}", file=sys.stderr)
+    except (ConfigError, DataError, CheckpointError) as err:
+        print(f"olmax: {type(err).__name__}: {err}", file=sys.stderr)
         return 2
     return 0
 

@@ -2,7 +2,9 @@
 
 Parameters and activations carry logical names (`embed`, `mlp`, `batch`, ...);
 RULES says which mesh axes shard each. A dimension that a mesh axis does not
-divide stays replicated on that axis rather than failing.
+divide stays replicated on that axis rather than failing, and a mesh axis
+already used by an earlier dimension is skipped (activations: `batch` takes
+`fsdp`, so their `embed` is not sharded).
 """
 
 from __future__ import annotations
@@ -62,10 +64,14 @@ def data_parallel_size(mesh: Mesh) -> int:
 
 
 def logical_spec(names: tuple[str, ...], shape: tuple[int, ...], mesh: Mesh) -> PartitionSpec:
-    spec = []
+    spec, used = [], set()
     for name, dim in zip(names, shape):
-        axes = tuple(a for a in RULES[name] if mesh.shape[a] > 1)
-        spec.append(axes if axes and dim % math.prod(mesh.shape[a] for a in axes) == 0 else None)
+        axes = tuple(a for a in RULES[name] if mesh.shape[a] > 1 and a not in used)
+        if axes and dim % math.prod(mesh.shape[a] for a in axes) == 0:
+            spec.append(axes)
+            used.update(axes)
+        else:
+            spec.append(None)
     return PartitionSpec(*spec)
 
 

@@ -87,7 +87,7 @@ def skip_step(inner: optax.GradientTransformation, window: int, min_values: int,
 
     def update(updates, state, params=None, *, loss, **extra):
         loss = jnp.asarray(loss, jnp.float32)
-        norm = optax.global_norm(updates).astype(jnp.float32)
+        norm = optax.tree.norm(updates).astype(jnp.float32)
         finite = jnp.isfinite(loss) & jnp.isfinite(norm)
         checked = state.filled + 1 >= min_values
         spike = _spike(loss, state.losses, state.filled, sigma) | _spike(norm, state.grad_norms, state.filled, sigma)
