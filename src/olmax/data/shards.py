@@ -1,0 +1,276 @@
+"""Token shards: the mix as one dataset of fixed-length instances (OLMo-core's numpy FSL dataset).
+
+A shard is a raw, headerless array of token ids (uint16 or uint32), documents
+already tokenized, each ending with EOS. Each shard is cut on its own into
+non-overlapping instances of `sequence_length` tokens, its tail dropped, so an
+instance never crosses a shard boundary; global instance ids follow the mix
+order. Shards are read with `os.pread` straight into the batch buffer: one
+copy from the page cache, no per-shard mapping to keep open.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+TOKEN_DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
+FINGERPRINT_VERSION = "olmax-fsl-v1"
+# Tokens read from the head of every shard at startup, so a wrong token_dtype or
+# tokenizer fails before the first step rather than at some batch hours later.
+HEAD_CHECK_TOKENS = 4096
+MAX_OPEN_FILES = 256
+
+
+class DataError(ValueError):
+    """Bad data input; the message names the file or field and the fix."""
+
+
+@dataclass(frozen=True)
+class Source:
+    label: str
+    path: str
+
+
+def read_mix_file(mix_file: str | os.PathLike) -> list[Source]:
+    """OLMo-core's mix format: `label,path` lines, `#` comments; relative paths are relative to the mix file."""
+    mix = Path(mix_file)
+    if not mix.is_file():
+        raise DataError(f"mix file {mix} does not exist; set data.mix_file to an existing file of `label,path` lines")
+    sources = []
+    for number, raw in enumerate(mix.read_text().splitlines(), start=1):
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        fields = line.split(",")
+        if len(fields) != 2 or not all(f.strip() for f in fields):
+            raise DataError(f"{mix}:{number}: {raw!r} does not parse; each line must be `label,path` (one comma)")
+        label, path = (f.strip() for f in fields)
+        if "{TOKENIZER}" in path:
+            raise DataError(
+                f"{mix}:{number}: path has OLMo-core's {{TOKENIZER}} placeholder; replace it with the tokenizer's "
+                "directory name (e.g. allenai/dolma3-tokenizer) in the mix file"
+            )
+        if not os.path.isabs(path) and "://" not in path:
+            path = str(mix.parent / path)
+        sources.append(Source(label, path))
+    if not sources:
+        raise DataError(f"mix file {mix} lists no shards; add `label,path` lines")
+    return sources
+
+
+def resolve_sources(paths: list[str], mix_file: str | None) -> list[Source]:
+    if paths and mix_file:
+        raise DataError("set either data.paths or data.mix_file, not both")
+    if mix_file:
+        return read_mix_file(mix_file)
+    if not paths:
+        raise DataError("no data: set data.paths (token shards in mix order) or data.mix_file")
+    return [Source(Path(p).stem, p) for p in paths]
+
+
+class TokenShards:
+    """The instances of a mix, read by global instance id."""
+
+    def __init__(
+        self,
+        sources: list[Source],
+        *,
+        sequence_length: int,
+        token_dtype: str,
+        vocab_size: int,
+        eos_id: int,
+        pad_id: int,
+    ):
+        if token_dtype not in TOKEN_DTYPES:
+            raise DataError(f"data.token_dtype {token_dtype!r} is not one of {sorted(TOKEN_DTYPES)}")
+        self.dtype = np.dtype(TOKEN_DTYPES[token_dtype])
+        if vocab_size > np.iinfo(self.dtype).max + 1:
+            raise DataError(f"data.token_dtype {token_dtype} cannot hold vocab size {vocab_size}; use uint32")
+        for name, value in (("eos_id", eos_id), ("pad_id", pad_id)):
+            if not 0 <= value < vocab_size:
+                raise DataError(f"data.{name} {value} is outside the vocabulary [0, {vocab_size})")
+        self.sources = list(sources)
+        self.sequence_length = sequence_length
+        self.token_dtype = token_dtype
+        self.vocab_size = vocab_size
+        self.eos_id = eos_id
+        self.pad_id = pad_id
+        self.sizes = [self._checked_size(s.path) for s in self.sources]
+        counts = [size // self.dtype.itemsize // sequence_length for size in self.sizes]
+        self.offsets = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)])
+        if self.num_instances >= np.iinfo(np.uint32).max:
+            raise DataError(f"{self.num_instances} instances exceed OLMo-core's uint32 instance ids; split the mix")
+        self._lock = threading.Lock()
+        self._fds: OrderedDict[int, int] = OrderedDict()
+        for index in range(len(self.sources)):
+            self._check_ids(self._read_tokens(index, 0, min(HEAD_CHECK_TOKENS, self.sizes[index] // self.dtype.itemsize)),
+                            index, 0)
+
+    def _checked_size(self, path: str) -> int:
+        try:
+            size = os.path.getsize(path)
+        except FileNotFoundError:
+            raise DataError(f"shard {path} does not exist; fix data.paths / data.mix_file or run `olmax tokenize`") from None
+        itemsize = self.dtype.itemsize
+        if size == 0:
+            raise DataError(f"shard {path} is empty; remove it from the mix or re-run `olmax tokenize`")
+        if size % itemsize:
+            raise DataError(
+                f"shard {path}: {size} bytes is not a multiple of the {itemsize}-byte {self.token_dtype} token; "
+                "the file is truncated or written with another data.token_dtype"
+            )
+        if size // itemsize < self.sequence_length:
+            raise DataError(
+                f"shard {path} holds {size // itemsize} tokens, fewer than data.sequence_length "
+                f"{self.sequence_length}; it gives no instance: remove it from the mix (the order of the others "
+                "is unchanged) or lower data.sequence_length"
+            )
+        return size
+
+    @property
+    def num_instances(self) -> int:
+        return int(self.offsets[-1])
+
+    def facts(self) -> dict:
+        """What defines the dataset (as BRIEF): vocab, special ids, dtype, sequence length, file names and sizes."""
+        return {
+            "version": FINGERPRINT_VERSION,
+            "vocab_size": self.vocab_size,
+            "eos_id": self.eos_id,
+            "pad_id": self.pad_id,
+            "token_dtype": self.token_dtype,
+            "sequence_length": self.sequence_length,
+            # Names, not full paths, as OLMo-core: the same mix moved to another disk is the same data.
+            "files": [[os.path.basename(s.path), size] for s, size in zip(self.sources, self.sizes)],
+        }
+
+    @property
+    def fingerprint(self) -> str:
+        return fingerprint(self.facts())
+
+    def locate(self, instance: int) -> tuple[int, int]:
+        """(shard index, first token) of a global instance id."""
+        shard = int(np.searchsorted(self.offsets, instance, side="right")) - 1
+        return shard, int(instance - self.offsets[shard]) * self.sequence_length
+
+    def read(self, instances: np.ndarray) -> np.ndarray:
+        """Token ids of the given global instances, as int32 [len(instances), sequence_length]."""
+        instances = np.asarray(instances, dtype=np.int64)
+        length = self.sequence_length
+        out = np.empty((len(instances), length), dtype=np.int32)
+        shards = np.searchsorted(self.offsets, instances, side="right") - 1
+        starts = (instances - self.offsets[shards]) * length
+        wide = self.dtype.itemsize == 4
+        for row, (shard, start) in enumerate(zip(shards.tolist(), starts.tolist())):
+            # uint32 ids below 2**31 have int32's bytes, so they are read in place; uint16 needs one widening copy.
+            out[row] = self._read_tokens(shard, start, length, into=out[row] if wide else None)
+        # As uint32, an id that int32 shows as negative (>= 2**31) is large too: one pass catches both.
+        ids = out.view(np.uint32)
+        if len(out) and int(ids.max()) >= self.vocab_size:
+            row = int(np.argmax(ids.max(axis=1) >= self.vocab_size))
+            self._check_ids(ids[row], int(shards[row]), int(starts[row]))
+        return out
+
+    def _check_ids(self, tokens: np.ndarray, shard: int, start: int) -> None:
+        bad = np.flatnonzero(tokens.astype(np.int64) >= self.vocab_size)
+        if bad.size:
+            raise DataError(
+                f"shard {self.sources[shard].path}: token id {int(tokens[bad[0]])} at token {start + int(bad[0])} "
+                f">= vocab size {self.vocab_size}; the shard was made by another tokenizer or data.token_dtype is wrong "
+                f"(it is {self.token_dtype})"
+            )
+
+    def _read_tokens(self, shard: int, start: int, count: int, into: np.ndarray | None = None) -> np.ndarray:
+        buffer = np.empty(count, dtype=self.dtype) if into is None else into
+        view = memoryview(buffer).cast("B")
+        fd = self._fd(shard)
+        offset = start * self.dtype.itemsize
+        done = 0
+        while done < len(view):
+            got = os.preadv(fd, [view[done:]], offset + done)
+            if got == 0:
+                raise DataError(f"shard {self.sources[shard].path} shrank while reading; was it rewritten during the run?")
+            done += got
+        return buffer
+
+    def _fd(self, shard: int) -> int:
+        with self._lock:
+            fd = self._fds.get(shard)
+            if fd is None:
+                if len(self._fds) >= MAX_OPEN_FILES:
+                    os.close(self._fds.popitem(last=False)[1])
+                fd = self._fds[shard] = os.open(self.sources[shard].path, os.O_RDONLY)
+            else:
+                self._fds.move_to_end(shard)
+            return fd
+
+    def close(self) -> None:
+        with self._lock:
+            for fd in self._fds.values():
+                os.close(fd)
+            self._fds.clear()
+
+    def __getstate__(self):
+        state = self.__dict__.copy()
+        state["_fds"], state["_lock"] = OrderedDict(), None
+        return state
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
+
+def fingerprint(facts: dict) -> str:
+    digest = hashlib.sha256()
+    for key in ("version", "vocab_size", "eos_id", "pad_id", "token_dtype", "sequence_length"):
+        digest.update(f"{key}={facts[key]},".encode())
+    for name, size in facts["files"]:
+        digest.update(f"path={name},size={size},".encode())
+    return digest.hexdigest()
+
+
+def describe_change(old: dict, new: dict) -> list[str]:
+    """What differs between two datasets' facts, in words."""
+    changes = [
+        f"{key} {old.get(key)!r} -> {new[key]!r}"
+        for key in ("version", "vocab_size", "eos_id", "pad_id", "token_dtype", "sequence_length")
+        if old.get(key) != new[key]
+    ]
+    old_files, new_files = [tuple(f) for f in old.get("files", [])], [tuple(f) for f in new["files"]]
+    if len(old_files) != len(new_files):
+        changes.append(f"number of shards {len(old_files)} -> {len(new_files)}")
+    for index, (was, now) in enumerate(zip(old_files, new_files)):
+        if was != now:
+            changes.append(f"shard {index}: {was[0]} ({was[1]} bytes) -> {now[0]} ({now[1]} bytes)")
+    return changes
+
+
+def write_shard(path: str | os.PathLike, tokens: np.ndarray) -> None:
+    """Write a raw headerless shard atomically (a crash leaves no half shard under the final name)."""
+    path = Path(path)
+    partial = path.with_name(path.name + ".partial")
+    with open(partial, "wb") as f:
+        f.write(np.ascontiguousarray(tokens).tobytes())
+    os.replace(partial, path)
+
+
+def write_mix_file(path: str | os.PathLike, sources: list[Source]) -> None:
+    """OLMo-core's `label,path` lines; paths under the mix file's directory are written relative to it."""
+    path = Path(path)
+    lines = []
+    for source in sources:
+        shard = Path(source.path)
+        try:
+            shard = shard.resolve().relative_to(path.parent.resolve())
+        except ValueError:
+            shard = shard.resolve()
+        lines.append(f"{source.label},{shard}\n")
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text("".join(lines))
+    os.replace(partial, path)
