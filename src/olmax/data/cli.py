@@ -1,0 +1,93 @@
+"""The data commands of the `olmax` CLI: tokenize, tokenizer train, synth-data."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+
+def add_commands(subparsers) -> None:
+    tokenize = subparsers.add_parser(
+        "tokenize",
+        help="text (JSONL `text` field, .txt, directories; .gz/.zst) -> OLMo token shards + sidecars + mix file",
+    )
+    tokenize.add_argument("inputs", nargs="+", help="text files or directories of them")
+    tokenize.add_argument("--tokenizer", required=True, help="local HF tokenizers tokenizer.json")
+    tokenize.add_argument("--out", required=True, help="output directory (must hold no shards yet)")
+    tokenize.add_argument("--eos-token", default="<|endoftext|>", help="token appended after every document")
+    tokenize.add_argument("--shard-tokens", type=int, default=1 << 28, help="tokens per shard, at most (whole documents)")
+    tokenize.add_argument("--workers", type=int, default=None, help="tokenizer processes (default: all cores; 0: none)")
+    tokenize.add_argument("--label", default=None, help="source label in the mix file (default: output dir name)")
+    tokenize.add_argument("--quiet", action="store_true", help="no progress bar")
+    tokenize.set_defaults(func=run_tokenize)
+
+    tokenizer = subparsers.add_parser("tokenizer", help="tokenizer tools")
+    verbs = tokenizer.add_subparsers(dest="verb", required=True)
+    train = verbs.add_parser("train", help="train a byte-level BPE on local text (EOS <|endoftext|> = 0, pad <|pad|> = 1)")
+    train.add_argument("inputs", nargs="+", help="text files or directories of them")
+    train.add_argument("--vocab-size", type=int, required=True)
+    train.add_argument("--out", required=True, help="where to write tokenizer.json")
+    train.add_argument("--quiet", action="store_true")
+    train.set_defaults(func=run_tokenizer_train)
+
+    synth = subparsers.add_parser(
+        "synth-data", help="shards of a small learnable generated language (for the quick start and tests)"
+    )
+    synth.add_argument("--out", required=True, help="output directory")
+    synth.add_argument("--config", default="tiny", help="preset or YAML giving vocab size, EOS id and token dtype")
+    synth.add_argument("--tokens", type=int, default=1 << 21)
+    synth.add_argument("--shards", type=int, default=4)
+    synth.add_argument("--seed", type=int, default=0)
+    synth.set_defaults(func=run_synth_data)
+
+
+def run_tokenize(args: argparse.Namespace) -> None:
+    from olmax.data.tokenize import tokenize_corpus
+
+    result = tokenize_corpus(
+        args.inputs,
+        args.out,
+        tokenizer_path=args.tokenizer,
+        eos_token=args.eos_token,
+        shard_tokens=args.shard_tokens,
+        workers=args.workers,
+        label=args.label,
+        progress=not args.quiet,
+    )
+    mb_per_s = result.text_bytes / 1e6 / result.seconds
+    print(
+        f"{result.documents} documents, {result.text_bytes / 1e6:.1f} MB of text -> {result.tokens} tokens in "
+        f"{len(result.shards)} shards ({result.seconds:.1f} s, {mb_per_s:.2f} MB/s)"
+    )
+    pad = f" data.pad_id={result.pad_id}" if result.pad_id is not None else ""
+    print(
+        f"read with: data.mix_file={result.mix_file} data.token_dtype={result.token_dtype} "
+        f"data.eos_id={result.eos_id}{pad} model.vocab_size={result.vocab_size}"
+    )
+
+
+def run_tokenizer_train(args: argparse.Namespace) -> None:
+    from olmax.data.tokenize import train_tokenizer
+
+    path = train_tokenizer(args.inputs, args.out, vocab_size=args.vocab_size, progress=not args.quiet)
+    print(f"wrote {path}")
+
+
+def run_synth_data(args: argparse.Namespace) -> None:
+    from olmax.config import load_config
+    from olmax.data.shards import Source, write_mix_file
+    from olmax.data.synthetic import write_synthetic_shards
+
+    config = load_config(args.config)
+    paths = write_synthetic_shards(
+        args.out,
+        vocab_size=config.model.vocab_size,
+        eos_id=config.data.eos_id,
+        n_tokens=args.tokens,
+        n_shards=args.shards,
+        seed=args.seed,
+        token_dtype=config.data.token_dtype,
+    )
+    mix_file = Path(args.out) / "mix.txt"
+    write_mix_file(mix_file, [Source("synthetic", p) for p in paths])
+    print(f"wrote {len(paths)} shards, {args.tokens} tokens; read with: data.mix_file={mix_file}")
