@@ -1,0 +1,65 @@
+"""`olmax convert hf-to-olmax | olmax-to-hf` and `olmax parity`; `add_commands` hooks them into olmax.cli."""
+
+from __future__ import annotations
+
+import sys
+
+
+def cmd_hf_to_olmax(args) -> None:
+    from olmax.interop.hf import hf_to_olmax
+
+    cfg = hf_to_olmax(args.src, args.out)
+    m = cfg.model
+    print(f"wrote {args.out}/0: olmax weights-only checkpoint of {args.src} ({m.n_layers} layers, d_model "
+          f"{m.d_model}, {m.n_heads}/{m.kv_heads} heads, vocab {m.vocab_size} padded to {m.padded_vocab}, "
+          f"layer pattern {m.layer_pattern}, window {m.sliding_window})")
+
+
+def cmd_olmax_to_hf(args) -> None:
+    from olmax.interop.hf import olmax_to_hf
+
+    cfg, step = olmax_to_hf(args.ckpt, args.out, dtype=args.dtype, max_shard_bytes=int(args.max_shard_gb * 2**30))
+    print(f"wrote {args.out}: Olmo3ForCausalLM ({args.dtype}) from {args.ckpt} step {step}, "
+          f"vocab trimmed to {cfg.model.vocab_size}")
+
+
+def cmd_parity(args) -> None:
+    from olmax.interop.parity import format_report, run_parity, to_json
+
+    report = run_parity(
+        args.olmax, hf_dir=args.hf, olmo_core=args.reference == "olmo-core", dtype=args.dtype,
+        tokens=args.tokens, seq_len=args.seq_len, batches=args.batches, batch_size=args.batch_size, seed=args.seed,
+    )
+    print(to_json(report) if args.json else format_report(report))
+    if not report["passed"]:
+        sys.exit(1)
+
+
+def add_commands(subparsers) -> None:
+    convert = subparsers.add_parser("convert", help="convert checkpoints between HF transformers and olmax")
+    verbs = convert.add_subparsers(dest="convert_command", required=True)
+
+    p = verbs.add_parser("hf-to-olmax", help="HF Olmo3ForCausalLM directory -> weights-only olmax checkpoint")
+    p.add_argument("src", help="directory with config.json and model.safetensors (or shards + index)")
+    p.add_argument("out", help="new checkpoint directory; the weights land in OUT/0 (usable as init_from)")
+    p.set_defaults(func=cmd_hf_to_olmax)
+
+    p = verbs.add_parser("olmax-to-hf", help="olmax checkpoint (latest step) -> HF Olmo3ForCausalLM directory")
+    p.add_argument("ckpt", help="olmax checkpoint directory (training or weights-only); its latest step is used")
+    p.add_argument("out", help="new directory for config.json and safetensors")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="tensor dtype written")
+    p.add_argument("--max-shard-gb", type=float, default=5.0, help="split into shards of at most this size")
+    p.set_defaults(func=cmd_olmax_to_hf)
+
+    p = subparsers.add_parser("parity", help="logit parity of an olmax checkpoint against HF / OLMo-core")
+    p.add_argument("--olmax", required=True, help="olmax checkpoint directory (latest step)")
+    p.add_argument("--hf", help="HF Olmo3ForCausalLM directory, run in float32")
+    p.add_argument("--reference", choices=("olmo-core",), help="also compare with OLMo-core's OLMo 3 model")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="olmax compute dtype")
+    p.add_argument("--seq-len", type=int, help="tokens per instance (default: twice the sliding window)")
+    p.add_argument("--batches", type=int, default=1)
+    p.add_argument("--batch-size", type=int, default=1)
+    p.add_argument("--tokens", help="raw token shard to read inputs from (default: random token ids)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.set_defaults(func=cmd_parity)

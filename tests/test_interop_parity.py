@@ -1,0 +1,154 @@
+"""Logit parity of converted checkpoints: olmax against HF transformers and OLMo-core on identical inputs."""
+
+import argparse
+import json
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from olmax.config import CheckpointConfig, load_config
+from olmax.interop import InteropError, hf_to_olmax, load_olmax, olmax_to_hf
+from olmax.interop.cli import add_commands
+from olmax.interop.parity import Agreement, hf_reference, olmax_logits_fn, random_tokens, run_parity
+from olmax.model import olmo3
+from olmax.train.checkpoint import Checkpointer, run_meta
+from test_interop import make_hf_model
+
+SLIDING, GLOBAL = "sliding_attention", "full_attention"
+
+# Several windows (odd, 1, 8, 16), GQA, MQA and plain multi-head, head_dim != d_model / heads, all-sliding.
+MODELS = {
+    "gqa-window8": dict(layer_types=(SLIDING,) * 3 + (GLOBAL,), heads=4, kv_heads=2, window=8),
+    "mha-window5": dict(layer_types=(SLIDING, GLOBAL) * 2, heads=4, kv_heads=4, window=5),
+    "mqa-window16-headdim32": dict(layer_types=(SLIDING,) * 3, heads=4, kv_heads=1, head_dim=32, window=16),
+    "gqa-window1": dict(layer_types=(GLOBAL, SLIDING), heads=8, kv_heads=2, window=1, theta=500000.0),
+}
+
+
+def _parser():
+    parser = argparse.ArgumentParser(prog="olmax")
+    add_commands(parser.add_subparsers(dest="command", required=True))
+    return parser
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_float32_parity_with_hf_and_olmo_core(tmp_path, name):
+    spec = MODELS[name]
+    hf_dir = make_hf_model(tmp_path / "hf", **spec)
+    hf_to_olmax(hf_dir, tmp_path / "olmax")
+    seq_len = 3 * spec["window"] + 7
+    report = run_parity(tmp_path / "olmax", hf_dir=hf_dir, olmo_core=True, seq_len=seq_len, batches=2,
+                        batch_size=2)
+    for reference in ("hf", "olmo-core"):
+        result = report["comparisons"][reference]
+        assert result["tokens"] == 4 * seq_len
+        assert result["max_abs_logit_delta"] <= 1e-4 and result["kl_mean"] <= 1e-9, (reference, result)
+        assert result["top1_agreement"] == 1.0 and not result["failed"], (reference, result)
+    assert report["passed"]
+
+
+def test_blocked_sliding_attention_matches_hf(tmp_path):
+    """Long enough for olmax's blocked sliding attention (block 16, window 8 and 20): still exact."""
+    for window in (8, 20):
+        hf_dir = make_hf_model(tmp_path / f"hf{window}", window=window)
+        hf_to_olmax(hf_dir, tmp_path / f"olmax{window}")
+        cfg, params, _ = load_olmax(tmp_path / f"olmax{window}")
+        blocked = cfg.model_copy(update={"model": cfg.model.model_copy(update={"attention_block": 16})})
+        tokens = random_tokens(cfg.model.vocab_size, 1, 2, 96, seed=window)[0]
+        agreement = Agreement()
+        agreement.add(hf_reference(hf_dir, cfg)(tokens), olmax_logits_fn(blocked, params, "float32")(tokens))
+        summary = agreement.summary()
+        assert summary["max_abs_logit_delta"] <= 1e-4 and summary["kl_mean"] <= 1e-9, summary
+        assert summary["top1_agreement"] == 1.0
+
+
+def test_parity_cli_json_and_exit_code(tmp_path, capsys):
+    hf_dir = make_hf_model(tmp_path / "hf", seed=0)
+    other = make_hf_model(tmp_path / "other", seed=1)
+    hf_to_olmax(hf_dir, tmp_path / "olmax")
+    parser = _parser()
+    args = parser.parse_args(["parity", "--hf", str(hf_dir), "--olmax", str(tmp_path / "olmax"), "--json",
+                              "--batches", "2"])
+    args.func(args)
+    report = json.loads(capsys.readouterr().out)
+    assert report["passed"] and report["seq_len"] == 16 and report["comparisons"]["hf"]["tokens"] == 32
+    args = parser.parse_args(["parity", "--hf", str(other), "--olmax", str(tmp_path / "olmax")])
+    with pytest.raises(SystemExit) as exit_:
+        args.func(args)
+    assert exit_.value.code == 1
+    table = capsys.readouterr().out
+    assert "FAIL" in table and "hf: failed kl_mean" in table and "top-1 agreement" in table
+
+
+def test_parity_refuses_different_models_and_short_inputs(tmp_path):
+    hf_dir = make_hf_model(tmp_path / "hf", window=8)
+    wider = make_hf_model(tmp_path / "wider", window=12, theta=500000.0)
+    hf_to_olmax(hf_dir, tmp_path / "olmax")
+    with pytest.raises(InteropError, match="different model") as err:
+        run_parity(tmp_path / "olmax", hf_dir=wider)
+    assert "sliding_window: olmax 8, HF 12" in str(err.value) and "rope_theta" in str(err.value)
+    with pytest.raises(InteropError, match="does not exceed the sliding window 8"):
+        run_parity(tmp_path / "olmax", hf_dir=hf_dir, seq_len=8)
+    with pytest.raises(InteropError, match="nothing to compare against"):
+        run_parity(tmp_path / "olmax")
+
+
+class _State(NamedTuple):
+    params: dict
+    opt_state: object
+
+
+def _chain_tokens(vocab, n, seq_len, seed):
+    """A learnable language: each token has two successors, taken with probability 0.75 and 0.25."""
+    rng = np.random.default_rng(0)
+    successors = rng.integers(0, vocab, (vocab, 2))
+    rng = np.random.default_rng(seed)
+    tokens = np.empty((n, seq_len), np.int32)
+    tokens[:, 0] = rng.integers(0, vocab, n)
+    for t in range(1, seq_len):
+        tokens[:, t] = successors[tokens[:, t - 1], (rng.random(n) < 0.25).astype(int)]
+    return tokens
+
+
+@pytest.mark.slow
+def test_bfloat16_parity_of_a_trained_model(tmp_path):
+    """A model trained until its predictions are peaked, exported from its training checkpoint to HF:
+    olmax in bfloat16 against HF in float32 at 4x the window meets MaxText's figures."""
+    cfg = load_config("tiny", ["model.vocab_size=256", "model.sliding_window=16", "model.compute_dtype=float32",
+                               "data.sequence_length=64"])
+    m = cfg.model
+    optimizer = optax.adam(5e-3)
+    params = olmo3.init_params(m, jax.random.key(0))
+    opt_state = optimizer.init(params)
+
+    def loss_fn(params, tokens):
+        logits = olmo3.forward(m, params, tokens)[:, :-1, : m.vocab_size]
+        return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+
+    @jax.jit
+    def step(params, opt_state, tokens):
+        loss, grads = jax.value_and_grad(loss_fn)(params, tokens)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    checkpointer = Checkpointer(tmp_path / "run", CheckpointConfig())
+    for i in range(250):
+        params, opt_state, loss = step(params, opt_state, jnp.asarray(_chain_tokens(256, 8, 64, seed=i + 1)))
+        if i + 1 in (125, 250):
+            checkpointer.save(i + 1, _State(params, opt_state), run_meta(cfg, i + 1, {}))
+    checkpointer.close()
+    assert float(loss) < 0.8  # the chain's entropy is 0.56 nats per token; uniform would be 5.5
+
+    olmax_to_hf(tmp_path / "run", tmp_path / "hf")
+    tokens = _chain_tokens(256, 16, 64, seed=10_000).reshape(4, 4, 64)
+    report = run_parity(tmp_path / "run", hf_dir=tmp_path / "hf", dtype="bfloat16", tokens=tokens)
+    result = report["comparisons"]["hf"]
+    assert report["step"] == 250 and report["seq_len"] == 64 >= 2 * m.sliding_window
+    assert result["kl_mean"] <= 1.5e-3 and result["top1_agreement"] >= 0.9875, result
+    assert report["passed"]
+    exact = run_parity(tmp_path / "run", hf_dir=tmp_path / "hf", dtype="float32", tokens=tokens)
+    assert exact["passed"], exact["comparisons"]
