@@ -76,6 +76,7 @@ class Loader:
     def __init__(self, reader: BatchReader, *, num_workers: int = 0, allow_fingerprint_change: bool = False):
         self.reader = reader
         self.allow_fingerprint_change = allow_fingerprint_change
+        # Batches handed out over all epochs: the model's step while the global batch size never changed.
         self.step = 0
         self._pool = ThreadPoolExecutor(num_workers, thread_name_prefix="olmax-data") if num_workers else None
         self._depth = 2 * num_workers
@@ -139,6 +140,9 @@ class Loader:
         }
 
     def load_state_dict(self, state: dict) -> None:
+        missing = {"epoch", "tokens_processed", "seed", "fingerprint"} - set(state)
+        if missing:
+            raise DataError(f"the checkpoint's data state lacks {sorted(missing)}; it was not written by Loader.state_dict")
         changes = []
         if state["fingerprint"] != self.fingerprint:
             changes = describe_change(state.get("dataset", {}), self.reader.shards.facts()) or ["fingerprint"]
