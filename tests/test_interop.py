@@ -4,6 +4,8 @@ import argparse
 import json
 import shutil
 
+import jax
+import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
@@ -16,7 +18,10 @@ from olmax.config import CheckpointConfig
 from olmax.interop import InteropError, hf_to_olmax, load_olmax, olmax_to_hf
 from olmax.interop.cli import add_commands
 from olmax.interop.hf import hf_config_from_run, read_hf_config, run_config_from_hf
-from olmax.train.checkpoint import Checkpointer
+from olmax.model import olmo3
+from olmax.parallel.mesh import make_mesh, shardings
+from olmax.train.checkpoint import Checkpointer, run_meta
+from olmax.train.step import TrainState
 
 
 def make_hf_model(directory, *, layer_types=("sliding_attention",) * 3 + ("full_attention",), vocab=300,
@@ -223,3 +228,24 @@ def test_cli_converts_both_ways(hf_dir, tmp_path, capsys):
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["dtype"] == "bfloat16"
     with pytest.raises(InteropError, match="holds no olmax checkpoint"):
         olmax_to_hf(tmp_path / "hf", tmp_path / "again")
+
+
+def test_export_of_a_sharded_training_checkpoint(hf_dir, tmp_path):
+    """A training checkpoint (params and optimizer state, sharded over 8 devices) exports its latest step."""
+    hf_to_olmax(hf_dir, tmp_path / "olmax")
+    cfg, params, _ = load_olmax(tmp_path / "olmax")
+    mesh = make_mesh(cfg.mesh)
+    assert mesh.shape["fsdp"] == 8
+    sharded = jax.device_put(params, shardings(olmo3.param_axes(cfg.model), params, mesh))
+    assert len(sharded["embed"].sharding.device_set) == 8
+    state = TrainState(jnp.int32(7), sharded, {"mu": jax.tree.map(jnp.zeros_like, sharded)})
+    checkpointer = Checkpointer(tmp_path / "run", CheckpointConfig())
+    for step in (3, 7):
+        checkpointer.save(step, state, run_meta(cfg, step, {}))
+    checkpointer.close()
+    _, step = olmax_to_hf(tmp_path / "run", tmp_path / "hf")
+    assert step == 7
+    original, back = read_tensors(hf_dir), read_tensors(tmp_path / "hf")
+    assert sorted(original) == sorted(back)
+    for name, tensor in original.items():
+        assert np.array_equal(back[name], tensor), name

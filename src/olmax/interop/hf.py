@@ -12,6 +12,7 @@ carry the vocab padded to `vocab_pad_multiple`; HF has the real vocab only.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -23,6 +24,7 @@ from pathlib import Path
 import jax
 import ml_dtypes  # registers bfloat16 with numpy, so safetensors' numpy API reads and writes BF16
 import numpy as np
+import orbax.checkpoint as ocp
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
@@ -350,10 +352,24 @@ def hf_to_olmax(src: str | Path, out: str | Path) -> RunConfig:
     meta["converted_from"] = {"format": "hf", "architecture": ARCHITECTURE, "path": str(src.absolute())}
     checkpointer = Checkpointer(out, CheckpointConfig())
     try:
-        checkpointer.save_params(0, params, meta)
+        with _numpy_saved_in_place():
+            checkpointer.save_params(0, params, meta)
     finally:
         checkpointer.close()
     return cfg
+
+
+@contextlib.contextmanager
+def _numpy_saved_in_place():
+    """Orbax deep-copies every numpy array before a save (against concurrent mutation), which would
+    double the peak; nothing touches the params during this synchronous save, so write them in place."""
+    default = ocp.type_handlers.get_type_handler(np.ndarray)
+    ocp.type_handlers.register_type_handler(
+        np.ndarray, ocp.type_handlers.NumpyHandler(deepcopy_host_arrays=False), override=True)
+    try:
+        yield
+    finally:
+        ocp.type_handlers.register_type_handler(np.ndarray, default, override=True)
 
 
 def load_olmax(ckpt: str | Path, step: int | None = None) -> tuple[RunConfig, dict, int]:
@@ -373,16 +389,14 @@ def load_olmax(ckpt: str | Path, step: int | None = None) -> tuple[RunConfig, di
             cfg = validate(meta["config"], source=f"{ckpt}/{step} meta config")
         except ConfigError as err:
             raise InteropError(str(err)) from None
-        device = jax.devices("cpu")[0]
-        abstract = jax.tree.map(
-            lambda shape: jax.ShapeDtypeStruct(shape, np.dtype(cfg.model.param_dtype),
-                                               sharding=jax.sharding.SingleDeviceSharding(device)),
-            olmo3.param_shapes(cfg.model), is_leaf=lambda s: isinstance(s, tuple),
-        )
+        # numpy targets (np.empty touches no memory) restore straight into host arrays, whatever the
+        # sharding the checkpoint was written with; jax targets would cost a second copy.
+        abstract = jax.tree.map(lambda shape: np.empty(shape, cfg.model.param_dtype), olmo3.param_shapes(cfg.model),
+                                is_leaf=lambda s: isinstance(s, tuple))
         params, _ = checkpointer.restore_params(step, abstract)
     finally:
         checkpointer.close()
-    return cfg, jax.tree.map(np.asarray, params), step
+    return cfg, params, step
 
 
 def _plan_shards(cfg: RunConfig, itemsize: int, max_shard_bytes: int) -> list[list[str]]:
