@@ -102,7 +102,7 @@ class DataConfig(Section):
     pad_id: int = Field(100277, ge=0)
     token_dtype: Literal["uint16", "uint32"] = "uint32"
     repetition_filter: RepetitionFilterConfig = Field(default_factory=RepetitionFilterConfig)
-    num_workers: int = Field(0, ge=0, description="prefetch worker processes (0 = in the training process)")
+    num_workers: int = Field(0, ge=0, description="prefetch threads (0 = read in the training loop's thread)")
     allow_fingerprint_change: bool = False
 
 

@@ -14,46 +14,35 @@ import jax
 import jax.numpy as jnp
 
 
-def _scores_softmax_context(q, k, v, mask):
-    """q [B, Q, Hkv, G, D], k/v [B, K, Hkv, D], mask broadcastable to [B, Hkv, G, Q, K]."""
-    scale = 1.0 / math.sqrt(q.shape[-1])
-    scores = jnp.einsum("bqhgd,bkhd->bhgqk", q, k, preferred_element_type=jnp.float32) * scale
-    scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    return jnp.einsum("bhgqk,bkhd->bqhgd", probs, v)
-
-
 def _visible(q_pos, k_pos, window):
     ok = k_pos[None, :] <= q_pos[:, None]
     if window is not None:
         ok &= k_pos[None, :] > q_pos[:, None] - window
     return ok
 
-
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, window: int | None, block: int) -> jax.Array:
-    """q [B, T, Hq, D], k/v [B, T, Hkv, D] -> context [B, T, Hq, D]."""
+    """q [B, T, Hq, D], k/v [B, T, Hkv, D] -> context [B, T, Hq, D]; softmax in float32."""
     B, T, Hq, D = q.shape
     Hkv = k.shape[2]
-    q = q.reshape(B, T, Hkv, Hq // Hkv, D)
+    G = Hq // Hkv
     block = min(block, T)
     reach = 0 if window is None else math.ceil((window - 1) / block)  # earlier key blocks a query block needs
     if window is None or T % block or (reach + 1) * block >= T:
-        pos = jnp.arange(T)
-        out = _scores_softmax_context(q, k, v, _visible(pos, pos, window))
-        return out.reshape(B, T, Hq, D)
-
+        block, reach = T, 0  # one block: plain masked attention
     n = T // block
-    pad = ((0, 0), (reach * block, 0), (0, 0), (0, 0))
-    k_blocks = jnp.pad(k, pad).reshape(B, n + reach, block, Hkv, D)
-    v_blocks = jnp.pad(v, pad).reshape(B, n + reach, block, Hkv, D)
-    # Query block i sees key blocks i-reach .. i (of the padded sequence: i .. i+reach).
-    k_win = jnp.concatenate([k_blocks[:, j : j + n] for j in range(reach + 1)], axis=2)
-    v_win = jnp.concatenate([v_blocks[:, j : j + n] for j in range(reach + 1)], axis=2)
-    q_blocks = q.reshape(B, n, block, Hkv, Hq // Hkv, D)
+    # [B, Hkv, n, G * block, D]: standard batched matmuls with the batch dims leading.
+    qb = q.reshape(B, n, block, Hkv, G, D).transpose(0, 3, 1, 4, 2, 5).reshape(B, Hkv, n, G * block, D)
+    def windows(x):  # [B, T, Hkv, D] -> [B, Hkv, n, (reach + 1) * block, D]: the keys each query block sees
+        x = jnp.pad(x.transpose(0, 2, 1, 3), ((0, 0), (0, 0), (reach * block, 0), (0, 0)))
+        x = x.reshape(B, Hkv, n + reach, block, D)
+        return jnp.concatenate([x[:, :, j : j + n] for j in range(reach + 1)], axis=3)
+    kw, vw = windows(k), windows(v)
     q_pos = jnp.arange(T).reshape(n, block)
     k_pos = q_pos[:, :1] + jnp.arange(-reach * block, block)[None, :]
     mask = jax.vmap(lambda qp, kp: _visible(qp, kp, window) & (kp >= 0)[None, :])(q_pos, k_pos)
-    out = jax.vmap(_scores_softmax_context, in_axes=(1, 1, 1, 0), out_axes=1)(
-        q_blocks, k_win, v_win, mask[:, None, None, None]
-    )
-    return out.reshape(B, T, Hq, D)
+    scores = jnp.einsum("bhnqd,bhnkd->bhnqk", qb, kw, preferred_element_type=jnp.float32) / math.sqrt(D)
+    scores = scores.reshape(B, Hkv, n, G, block, -1)
+    scores = jnp.where(mask[None, None, :, None], scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype).reshape(B, Hkv, n, G * block, -1)
+    out = jnp.einsum("bhnqk,bhnkd->bhnqd", probs, vw)
+    return out.reshape(B, Hkv, n, G, block, D).transpose(0, 2, 4, 1, 3, 5).reshape(B, T, Hq, D)

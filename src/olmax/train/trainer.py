@@ -74,10 +74,10 @@ def train(cfg: RunConfig, *, quiet: bool = False) -> list[dict]:
                           process_count=jax.process_count())
     if data_state is not None:
         loader.load_state_dict(data_state)
-    if loader.state_dict()["batches_processed"] != start:
+    same_batch = data_state is None or data_state["global_batch_instances"] == cfg.train.global_batch_instances
+    if same_batch and loader.step != start:  # a new global batch size rescales the position by tokens instead
         raise CheckpointError(
-            f"data position {loader.state_dict()['batches_processed']} batches != model step {start}: "
-            "the next step must train on the next batch"
+            f"data position {loader.step} batches != model step {start}: the next step must train on the next batch"
         )
     step_fn = jit_train_step(cfg, mesh, micro_rows)
     sharding = batch_shardings(mesh, cfg.data.sequence_length, micro_rows)

@@ -1,0 +1,142 @@
+"""Train-step throughput of olmax next to HF transformers' Olmo3ForCausalLM + torch AdamW, in one run.
+
+Shape (default): OLMo 3 blocks, d 512, 8 layers, 8 heads of 64, MLP 1536, vocab 8192,
+window 256 on the 3:1 pattern, sequence 1024, batch 4: 35,668,480 parameters.
+Prints tokens/s, median step time and MFU (training FLOPs from olmax.model.flops, against
+the measured matmul peak of the framework and dtype used) and peak RSS.
+
+    python benchmarks/train_throughput.py [--steps 10] [--skip-torch] [--olmax key=value ...]
+
+Run it alone on an idle machine: on 2 cores anything beside it moves the figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import statistics
+import time
+
+import jax
+import numpy as np
+
+from olmax.config import load_config
+from olmax.model import flops
+from olmax.parallel.mesh import make_mesh
+from olmax.train.metrics import measure_matmul_flops
+from olmax.train.step import create_state, jit_train_step
+
+SHAPE = [
+    "model.vocab_size=8192", "model.d_model=512", "model.n_layers=8", "model.n_heads=8", "model.n_kv_heads=8",
+    "model.mlp_hidden=1536", "model.sliding_window=256", "model.layer_pattern=[sliding,sliding,sliding,global]",
+    "data.sequence_length=1024", "train.global_batch_instances=4", "train.micro_batch_per_device=null",
+    "data.eos_id=0", "data.pad_id=1", "optim.lr=3e-4", "schedule.warmup_steps=0", "schedule.kind=constant",
+    "mesh.fsdp=1",
+]
+
+
+def timed(step_fn, n_warmup: int, n_steps: int) -> list[float]:
+    for _ in range(n_warmup):
+        step_fn()
+    times = []
+    for _ in range(n_steps):
+        start = time.perf_counter()
+        step_fn()
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def bench_olmax(overrides: list[str], steps: int, tokens: np.ndarray) -> dict:
+    cfg = load_config("tiny", SHAPE + overrides)
+    mesh = make_mesh(cfg.mesh)
+    state = create_state(cfg, mesh, jax.random.key(0))
+    step = jit_train_step(cfg, mesh, cfg.train.global_batch_instances)
+    batch = {"input_ids": tokens[None], "instance_mask": np.ones((1, tokens.shape[0]), bool)}
+    holder = [state]
+
+    def one():
+        holder[0], metrics = step(holder[0], batch)
+        jax.block_until_ready(metrics)
+
+    times = timed(one, 2, steps)
+    dtype = np.dtype(cfg.model.compute_dtype if cfg.model.compute_dtype != "auto" else "float32").name
+    return {"cfg": cfg, "times": times, "peak": measure_matmul_flops(jax.numpy.dtype(dtype)), "dtype": dtype}
+
+
+def bench_transformers(cfg, steps: int, tokens: np.ndarray, autocast_bf16: bool) -> dict:
+    import torch
+    from transformers import Olmo3Config, Olmo3ForCausalLM
+
+    torch.manual_seed(0)
+    m = cfg.model
+    hf_cfg = Olmo3Config(
+        vocab_size=m.vocab_size, hidden_size=m.d_model, intermediate_size=m.mlp_hidden,
+        num_hidden_layers=m.n_layers, num_attention_heads=m.n_heads, num_key_value_heads=m.kv_heads,
+        max_position_embeddings=cfg.data.sequence_length, sliding_window=m.sliding_window,
+        layer_types=["full_attention" if m.is_global(i) else "sliding_attention" for i in range(m.n_layers)],
+        rope_parameters={"rope_type": "default", "rope_theta": m.rope_theta}, rms_norm_eps=m.norm_eps,
+        tie_word_embeddings=False, attention_bias=False, pad_token_id=cfg.data.pad_id,
+    )
+    model = Olmo3ForCausalLM(hf_cfg)
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    input_ids = torch.from_numpy(tokens.astype(np.int64))
+
+    def one():
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast_bf16):
+            loss = model(input_ids=input_ids, labels=input_ids).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    dtype = torch.bfloat16 if autocast_bf16 else torch.float32
+    a = torch.ones(1024, 1024, dtype=dtype)
+    best = min(timed(lambda: a @ a, 3, 10))
+    return {"times": timed(one, 2, steps), "peak": 2 * 1024**3 / best, "dtype": "bfloat16-autocast" if autocast_bf16 else "float32"}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--skip-torch", action="store_true")
+    parser.add_argument("--olmax", nargs="*", default=["model.attention_block=128"], help="extra olmax overrides")
+    parser.add_argument("--json", help="also write the results here")
+    args = parser.parse_args()
+
+    cfg = load_config("tiny", SHAPE + args.olmax)
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(2, cfg.model.vocab_size, (cfg.train.global_batch_instances, cfg.data.sequence_length))
+    tokens = tokens.astype(np.int32)
+    count = flops.count(cfg.model, cfg.data.sequence_length)
+    tokens_per_step = tokens.size
+    rows = [("olmax", bench_olmax(args.olmax, args.steps, tokens))]
+    if not args.skip_torch:
+        import torch
+
+        torch.set_num_threads(len(__import__("os").sched_getaffinity(0)))
+        for bf16 in (False, True):
+            rows.append(("transformers", bench_transformers(cfg, args.steps, tokens, bf16)))
+
+    print(f"params {count.params:,}  train FLOPs/token {count.per_token / 1e6:.1f} M  "
+          f"tokens/step {tokens_per_step}  jax {jax.__version__} on {jax.devices()[0].device_kind}")
+    print(f"{'framework':<14}{'dtype':<20}{'tokens/s':>10}{'step s':>9}{'MFU %':>8}{'peak GFLOP/s':>14}")
+    report = []
+    for name, r in rows:
+        step_s = statistics.median(r["times"])
+        tps = tokens_per_step / step_s
+        mfu = 100 * tps * count.per_token / r["peak"]
+        print(f"{name:<14}{r['dtype']:<20}{tps:>10,.0f}{step_s:>9.3f}{mfu:>8.1f}{r['peak'] / 1e9:>14,.0f}")
+        report.append({"framework": name, "dtype": r["dtype"], "tokens_per_s": tps, "median_step_s": step_s,
+                       "mfu_percent": mfu, "matmul_peak_flops": r["peak"]})
+    print(f"peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB (whole process)")
+    if len(rows) > 1:
+        print(f"olmax / transformers fp32: {report[0]['tokens_per_s'] / report[1]['tokens_per_s']:.2f}x")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
