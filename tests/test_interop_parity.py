@@ -51,6 +51,17 @@ def test_float32_parity_with_hf_and_olmo_core(tmp_path, name):
     assert report["passed"]
 
 
+@pytest.mark.xfail(strict=True, reason="olmo3.rope_tables computes the inverse frequencies with XLA's float32 "
+                   "pow, 1 ulp off torch's; the angle error grows with position (fix proposed to the model owner: "
+                   "compute inv_freq with numpy at trace time); remove this mark with the fix")
+def test_float32_parity_at_8192_tokens(tmp_path):
+    """OLMo 3's head size, theta and window at its full stage 1 context: the RoPE angles must agree far out."""
+    hf_dir = make_hf_model(tmp_path / "hf", window=4096, theta=500000.0, head_dim=128, heads=2, kv_heads=1)
+    hf_to_olmax(hf_dir, tmp_path / "olmax")
+    result = run_parity(tmp_path / "olmax", hf_dir=hf_dir, seq_len=8192)["comparisons"]["hf"]
+    assert result["max_abs_logit_delta"] <= 1e-4 and result["kl_mean"] <= 1e-9, result
+
+
 def test_blocked_sliding_attention_matches_hf(tmp_path):
     """Long enough for olmax's blocked sliding attention (block 16, window 8 and 20): still exact."""
     for window in (8, 20):

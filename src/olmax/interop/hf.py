@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import math
 import os
 import re
@@ -68,7 +69,10 @@ def read_hf_config(src: Path) -> dict:
     path = Path(src) / "config.json"
     if not path.is_file():
         raise InteropError(f"{src} is not an HF model directory: {path.name} is missing")
-    config = json.loads(path.read_text())
+    try:
+        config = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise InteropError(f"{path} is not valid JSON: {err}") from None
     architectures = config.get("architectures") or []
     if config.get("model_type") != MODEL_TYPE or architectures not in ([], [ARCHITECTURE]):
         raise InteropError(
@@ -364,12 +368,16 @@ def _numpy_saved_in_place():
     """Orbax deep-copies every numpy array before a save (against concurrent mutation), which would
     double the peak; nothing touches the params during this synchronous save, so write them in place."""
     default = ocp.type_handlers.get_type_handler(np.ndarray)
+    absl = logging.getLogger("absl")  # Orbax warns on every handler override
+    level = absl.level
+    absl.setLevel(logging.ERROR)
     ocp.type_handlers.register_type_handler(
         np.ndarray, ocp.type_handlers.NumpyHandler(deepcopy_host_arrays=False), override=True)
     try:
         yield
     finally:
         ocp.type_handlers.register_type_handler(np.ndarray, default, override=True)
+        absl.setLevel(level)
 
 
 def load_olmax(ckpt: str | Path, step: int | None = None) -> tuple[RunConfig, dict, int]:
