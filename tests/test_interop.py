@@ -14,13 +14,15 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 from transformers import Olmo3Config, Olmo3ForCausalLM
 
-from olmax.config import CheckpointConfig
-from olmax.interop import InteropError, hf_to_olmax, load_olmax, olmax_to_hf
+from olmax.config import CheckpointConfig, load_config
+from olmax.interop import InteropError
 from olmax.interop.cli import add_commands
-from olmax.interop.hf import hf_config_from_run, read_hf_config, run_config_from_hf
+from olmax.interop.hf import (
+    hf_config_from_run, hf_to_olmax, load_olmax, olmax_to_hf, read_hf_config, run_config_from_hf,
+)
 from olmax.model import olmo3
 from olmax.parallel.mesh import make_mesh, shardings
-from olmax.train.checkpoint import Checkpointer, run_meta
+from olmax.train.checkpoint import Checkpointer, check_model_compatible, run_meta
 from olmax.train.step import TrainState
 
 
@@ -72,6 +74,18 @@ def test_config_is_derived_from_hf(hf_dir):
     assert (cfg.data.eos_id, cfg.data.pad_id, cfg.data.token_dtype) == (0, 1, "uint16")
     back = hf_config_from_run(cfg)
     assert Olmo3Config(**back).to_dict()["layer_types"] == read_hf_config(hf_dir)["layer_types"]
+
+
+@pytest.mark.parametrize("preset", ["olmo3_7b", "olmo3_32b", "olmo3_1b", "tiny"])
+def test_preset_models_survive_hf_config_round_trip(preset):
+    """olmax -> config.json -> olmax gives the preset's own model config, so a converted checkpoint
+    passes the model check of a run using that preset (init_from)."""
+    cfg = load_config(preset)
+    hf = hf_config_from_run(cfg)
+    assert Olmo3Config(**hf).rope_parameters["sliding_attention"]["rope_theta"] == cfg.model.rope_theta
+    back = run_config_from_hf(hf, name=preset)
+    check_model_compatible(back.model.model_dump(mode="json"), cfg.model, "converted")
+    assert (back.data.eos_id, back.data.pad_id) == (cfg.data.eos_id, cfg.data.pad_id)
 
 
 @pytest.mark.parametrize("layer_types, pattern", [

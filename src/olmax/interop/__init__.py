@@ -1,5 +1,8 @@
-"""Interop with HF transformers and OLMo-core: checkpoint conversion and logit parity."""
+"""Interop with HF transformers and OLMo-core: checkpoint conversion (hf.py) and logit parity (parity.py).
 
-from olmax.interop.hf import InteropError, hf_to_olmax, load_olmax, olmax_to_hf
+Kept free of imports, so the CLI can catch InteropError without loading jax.
+"""
 
-__all__ = ["InteropError", "hf_to_olmax", "load_olmax", "olmax_to_hf"]
+
+class InteropError(ValueError):
+    """Input that cannot be converted or compared; the message names the file, field or tensors."""

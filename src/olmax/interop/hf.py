@@ -30,6 +30,7 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from olmax.config import CheckpointConfig, ConfigError, ModelConfig, RunConfig, validate
+from olmax.interop import InteropError
 from olmax.model import olmo3
 from olmax.train.checkpoint import Checkpointer, run_meta
 
@@ -56,10 +57,6 @@ BLOCK_TENSORS = {
     "w2": "model.layers.{}.mlp.down_proj.weight",
     "mlp_norm": "model.layers.{}.post_feedforward_layernorm.weight",
 }
-
-
-class InteropError(ValueError):
-    """Input that cannot be converted or compared; the message names the file, field or tensors."""
 
 
 # --- configs ---------------------------------------------------------------------------------------
@@ -146,7 +143,7 @@ def run_config_from_hf(hf: dict, name: str, where: str = "config.json") -> RunCo
         "d_model": d_model,
         "n_layers": n_layers,
         "n_heads": n_heads,
-        "n_kv_heads": hf.get("num_key_value_heads") or n_heads,
+        "n_kv_heads": None if hf.get("num_key_value_heads") in (None, n_heads) else hf["num_key_value_heads"],
         "head_dim": None if head_dim in (None, d_model // n_heads) else head_dim,
         "mlp_hidden": hf["intermediate_size"],
         "norm_eps": hf.get("rms_norm_eps", 1e-5),
@@ -170,7 +167,8 @@ def run_config_from_hf(hf: dict, name: str, where: str = "config.json") -> RunCo
 
 
 def hf_config_from_run(cfg: RunConfig, dtype: str = "float32") -> dict:
-    """config.json for `Olmo3ForCausalLM`; both RoPE spellings, so transformers 4.57 and 5.x read one theta."""
+    """config.json for `Olmo3ForCausalLM`; RoPE spelled both ways (rope_theta for transformers 4.x,
+    rope_parameters per layer type for 5.x), so every version reads the one theta."""
     m = cfg.model
     rope = {"rope_type": "default", "rope_theta": m.rope_theta}
     config = {

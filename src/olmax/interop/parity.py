@@ -18,7 +18,8 @@ import jax
 import numpy as np
 
 from olmax.config import RunConfig
-from olmax.interop.hf import InteropError, load_olmax, read_hf_config, run_config_from_hf
+from olmax.interop import InteropError
+from olmax.interop.hf import load_olmax, read_hf_config, run_config_from_hf
 from olmax.model import olmo3
 
 TOP_K = 10
