@@ -32,7 +32,8 @@ def _losses(history):
 
 def test_resumed_run_matches_continuous_run_bitwise(tmp_path, shards):
     continuous = train(_cfg(tmp_path, shards, "a", "train.steps=20", "checkpoint.every=10"), quiet=True)
-    first = train(_cfg(tmp_path, shards, "b", "train.steps=10", "checkpoint.every=10"), quiet=True)
+    first = train(_cfg(tmp_path, shards, "b", "train.steps=20", "train.stop_after=10", "checkpoint.every=10"),
+                  quiet=True)
     resumed = train(_cfg(tmp_path, shards, "b", "train.steps=20", "checkpoint.every=10"), quiet=True)
     assert [h["step"] for h in resumed] == list(range(11, 21)), "checkpoint 10 resumes at step 11"
     assert _losses(first + resumed) == _losses(continuous)

@@ -50,12 +50,35 @@ def cmd_flops(args) -> None:
 
 
 def cmd_train(args) -> None:
-    from olmax.train.trainer import train
+    from olmax.train.trainer import RESUMABLE_EXIT_CODE, Preempted, train
 
     cfg = load_config(args.config, args.overrides)
-    train(cfg)
+    try:
+        train(cfg)
+    except Preempted as stopped:
+        print(f"olmax: {stopped}; run the same command again to resume", file=sys.stderr)
+        sys.exit(RESUMABLE_EXIT_CODE)
     print(f"done: checkpoints in {cfg.run_dir / 'checkpoints'}, metrics in {cfg.run_dir / 'metrics.jsonl'} "
           f"and {cfg.run_dir / 'tensorboard'}")
+
+
+def cmd_resume_check(args) -> None:
+    from pathlib import Path
+
+    from olmax.train.resume_check import plot, resume_check
+
+    cfg = load_config(args.config, args.overrides)  # validate before starting any process
+    out = Path(args.out or cfg.run_dir.parent / f"{cfg.name}-resume-check")
+    rows = resume_check(args.config, args.overrides, args.at, args.steps, out)
+    lines = ["step\tcontinuous\tresumed\tdelta"] + [f"{s}\t{a!r}\t{b!r}\t{d:.3f}" for s, a, b, d in rows]
+    (out / "resume_check.tsv").write_text("\n".join(lines) + "\n")
+    plot(rows, out / "resume_check.png", args.at)
+    print("\n".join(lines))
+    worst = max(abs(r[3]) for r in rows)
+    print(f"max |delta| {worst!r} over {len(rows)} steps after the resume at {args.at}; "
+          f"table and plot in {out}")
+    if worst != 0:
+        sys.exit(1)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -65,6 +88,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("train", help="train (resumes from the latest checkpoint of the run)")
     _config_args(p)
     p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("resume-check", help="continuous run vs the same run resumed at --at: every delta must be 0")
+    _config_args(p)
+    p.add_argument("--at", type=int, required=True, help="stop and resume after this step")
+    p.add_argument("--steps", type=int, required=True, help="compare up to this step")
+    p.add_argument("--out", help="default: runs/NAME-resume-check")
+    p.set_defaults(func=cmd_resume_check)
 
     p = sub.add_parser("flops", help="parameter count and training FLOPs")
     _config_args(p)
@@ -79,8 +109,10 @@ def build_parser() -> argparse.ArgumentParser:
     show.set_defaults(func=cmd_config_show)
 
     from olmax.data import cli as data_cli
+    from olmax.interop import cli as interop_cli
 
     data_cli.add_commands(sub)
+    interop_cli.add_commands(sub)
     return parser
 
 

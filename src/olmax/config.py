@@ -140,7 +140,8 @@ class LossConfig(Section):
 
 
 class TrainConfig(Section):
-    steps: int = Field(100, gt=0)
+    steps: int = Field(100, gt=0, description="length of the run (and of its LR schedule)")
+    stop_after: int | None = Field(None, gt=0, description="end this invocation after this step (checkpointed)")
     global_batch_instances: int = Field(512, gt=0)
     micro_batch_per_device: int | None = Field(
         None, gt=0, description="instances per device per micro-step; None = whole global batch in one micro-step"
@@ -161,6 +162,45 @@ class CheckpointConfig(Section):
     keep_last: int = Field(3, gt=0)
     keep_every: int | None = Field(None, gt=0, description="also keep every step divisible by this")
     resume: bool = True
+    init_from: str | None = Field(
+        None, description="a fresh run starts from this checkpoint (dir or dir/STEP): params, and moments if present"
+    )
+    init_optimizer: bool = Field(True, description="with init_from: keep Adam's moments and count (warm start)")
+
+
+class EvalSetConfig(Section):
+    label: str = Field(min_length=1, description="metric names use it: eval/lm/{label}/CE loss")
+    paths: list[str] = Field(default_factory=list, description="token shards (documents ending with EOS)")
+    mix_file: str | None = Field(None, description="a `label,path` mix file instead of paths (its labels ignored)")
+
+    @model_validator(mode="after")
+    def _one_source(self):
+        if bool(self.paths) == bool(self.mix_file):
+            raise ValueError(f"eval set {self.label!r}: set exactly one of paths or mix_file")
+        return self
+
+
+class EvalConfig(Section):
+    every: int | None = Field(None, gt=0, description="evaluate `sets` every N steps; None = no in-loop LM eval")
+    sets: list[EvalSetConfig] = Field(default_factory=list, description="labeled held-out sets (Paloma-style domains)")
+    tokens: int | None = Field(None, gt=0, description="tokens per set: whole documents chosen by `seed`; None = all")
+    seed: int = Field(0, description="the eval order depends on nothing but the set and this seed")
+    batch_instances: int | None = Field(None, gt=0, description="rows per eval batch; None = the training micro-batch")
+    harness_tasks: list[str] = Field(default_factory=list, description="lm-eval-harness tasks, `name` or `name:shots`")
+    harness_every: int | None = Field(None, gt=0, description="run harness_tasks every N steps; None = never")
+    harness_limit: int | None = Field(None, gt=0, description="examples per harness task; None = all")
+    harness_include_path: str | None = Field(None, description="directory of extra (local) lm-eval task YAMLs")
+    tokenizer: str | None = Field(None, description="tokenizer.json the harness uses to turn text into tokens")
+
+    @model_validator(mode="after")
+    def _complete(self):
+        if self.every is not None and not self.sets:
+            raise ValueError("eval.every is set but eval.sets is empty; add labeled sets or unset eval.every")
+        if self.harness_every is not None and not (self.harness_tasks and self.tokenizer):
+            raise ValueError("eval.harness_every needs eval.harness_tasks and eval.tokenizer (a tokenizer.json)")
+        if len({s.label for s in self.sets}) != len(self.sets):
+            raise ValueError("eval.sets: labels must be unique")
+        return self
 
 
 class RunConfig(Section):
@@ -174,6 +214,7 @@ class RunConfig(Section):
     train: TrainConfig = Field(default_factory=TrainConfig)
     mesh: MeshConfig = Field(default_factory=MeshConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
 
     @property
     def run_dir(self) -> Path:

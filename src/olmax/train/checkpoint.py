@@ -10,6 +10,7 @@ checkpoint. Kept: the last `keep_last`, plus every step divisible by `keep_every
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import jax
@@ -27,10 +28,10 @@ class CheckpointError(ValueError):
 
 
 class Checkpointer:
-    def __init__(self, directory: Path, cfg: CheckpointConfig):
+    def __init__(self, directory: Path, cfg: CheckpointConfig, read_only: bool = False):
         self.directory = Path(directory).absolute()
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=cfg.keep_last, keep_period=cfg.keep_every, create=True,
+            max_to_keep=cfg.keep_last, keep_period=cfg.keep_every, create=not read_only, read_only=read_only,
             enable_async_checkpointing=False,
         )
         self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=("params", "opt_state", "meta"))
@@ -73,6 +74,14 @@ class Checkpointer:
         args = ocp.args.Composite(params=ocp.args.StandardRestore(abstract_params), meta=ocp.args.JsonRestore())
         restored = self.manager.restore(step, args=args)
         return restored["params"], restored["meta"]
+
+    def set_aside(self, step: int) -> Path:
+        """Rename an unreadable checkpoint out of the way (kept for inspection, never deleted)."""
+        target = self.directory / f"{step}.unreadable-{int(time.time())}"
+        if jax.process_index() == 0:
+            (self.directory / str(step)).rename(target)
+        self.manager.reload()
+        return target
 
     def close(self) -> None:
         self.manager.close()

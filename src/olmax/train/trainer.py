@@ -7,7 +7,12 @@ continuous run would.
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import signal
+import threading
 import time
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -19,7 +24,30 @@ from olmax.model.olmo3 import compute_dtype
 from olmax.parallel.mesh import data_parallel_size, make_mesh
 from olmax.train.checkpoint import Checkpointer, CheckpointError, abstract_like, check_model_compatible, run_meta
 from olmax.train.metrics import MetricsWriter, console_line, device_peak_flops
-from olmax.train.step import batch_shardings, create_state, jit_train_step, state_shardings
+from olmax.train.step import TrainState, batch_shardings, create_state, jit_train_step, state_shardings
+
+log = logging.getLogger(__name__)
+
+RESUMABLE_EXIT_CODE = 75  # EX_TEMPFAIL: preempted after a checkpoint; run again to resume
+
+
+class Preempted(Exception):
+    """SIGTERM/SIGINT arrived; the step in flight finished and a checkpoint was written."""
+
+
+@contextlib.contextmanager
+def preemption_signals():
+    """An Event set by SIGTERM/SIGINT while inside (signal handlers only exist on the main thread)."""
+    stop = threading.Event()
+    if threading.current_thread() is not threading.main_thread():
+        yield stop
+        return
+    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield stop
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def micro_batch_rows(cfg: RunConfig, dp_size: int) -> int:
@@ -36,19 +64,78 @@ def micro_batch_rows(cfg: RunConfig, dp_size: int) -> int:
     return rows
 
 
-def restore_or_init(cfg: RunConfig, mesh, checkpointer: Checkpointer):
-    """(state, step, data_state or None): the latest checkpoint when resuming, else a fresh state."""
-    step = checkpointer.latest_step() if cfg.checkpoint.resume else None
-    if step is None:
-        return create_state(cfg, mesh, jax.random.key(cfg.train.seed)), 0, None
+def _abstract_state(cfg: RunConfig, mesh):
+    shapes = jax.eval_shape(lambda: create_state(cfg, mesh, jax.random.key(0)))
+    return abstract_like(state_shardings(cfg, mesh), shapes)
+
+
+def _restore(cfg: RunConfig, mesh, checkpointer: Checkpointer, step: int):
     where = f"checkpoint {checkpointer.directory / str(step)}"
     meta = checkpointer.read_meta(step)
     check_model_compatible(meta["config"]["model"], cfg.model, where)
-    shapes = jax.eval_shape(lambda: create_state(cfg, mesh, jax.random.key(0)))
-    state, meta = checkpointer.restore(step, abstract_like(state_shardings(cfg, mesh), shapes))
+    state, meta = checkpointer.restore(step, _abstract_state(cfg, mesh))
     if meta["step"] != step:
         raise CheckpointError(f"{where} holds step {meta['step']}; the directory is misnamed or corrupt")
-    return state, step, meta["data"]
+    return state, meta
+
+
+def restore_or_init(cfg: RunConfig, mesh, checkpointer: Checkpointer):
+    """(state, step, data_state or None): the latest readable checkpoint when resuming, else a fresh state.
+
+    An unreadable checkpoint (a torn or corrupted write) falls back to the one before it
+    with a warning; a checkpoint of a different model is an error, not a fallback.
+    """
+    steps = checkpointer.all_steps() if cfg.checkpoint.resume else []
+    unreadable = []
+    for step in reversed(steps):
+        try:
+            state, meta = _restore(cfg, mesh, checkpointer, step)
+        except CheckpointError:
+            raise
+        except Exception as err:  # Orbax/tensorstore/JSON errors all mean "this one is unreadable"
+            log.warning("checkpoint %s is unreadable (%s: %s); trying the one before it",
+                        checkpointer.directory / str(step), type(err).__name__, str(err).splitlines()[0][:200])
+            unreadable.append(step)
+            continue
+        for bad in unreadable:  # the run will write these steps again
+            log.warning("set unreadable checkpoint aside as %s", checkpointer.set_aside(bad))
+        return state, step, meta["data"]
+    if steps:
+        raise CheckpointError(
+            f"no readable checkpoint in {checkpointer.directory} (tried steps {steps}); nothing was overwritten. "
+            "Move the directory away to start over, or restore it from a copy"
+        )
+    if cfg.checkpoint.init_from:
+        return warm_start(cfg, mesh, cfg.checkpoint.init_from), 0, None
+    return create_state(cfg, mesh, jax.random.key(cfg.train.seed)), 0, None
+
+
+def warm_start(cfg: RunConfig, mesh, source: str) -> TrainState:
+    """Step 0 of a new run from another run's checkpoint (stage 2 from stage 1, or a converted HF model).
+
+    Params are kept, and Adam's moments and count too when the source has them and
+    `checkpoint.init_optimizer`; the step (so the LR schedule), the skip-step history
+    (the old run's losses say nothing about the new mix) and the data position start fresh.
+    """
+    path = Path(source)
+    directory, step = (path.parent, int(path.name)) if path.name.isdigit() else (path, None)
+    if not directory.is_dir():
+        raise CheckpointError(f"checkpoint.init_from {source}: no such checkpoint directory")
+    checkpointer = Checkpointer(directory, cfg.checkpoint, read_only=True)
+    try:
+        step = checkpointer.latest_step() if step is None else step
+        if step is None:
+            raise CheckpointError(f"checkpoint.init_from {source}: holds no checkpoint")
+        check_model_compatible(checkpointer.read_meta(step)["config"]["model"], cfg.model,
+                               f"checkpoint.init_from {directory / str(step)}")
+        fresh = create_state(cfg, mesh, jax.random.key(cfg.train.seed))
+        if cfg.checkpoint.init_optimizer and (directory / str(step) / "opt_state").exists():
+            state, _ = checkpointer.restore(step, _abstract_state(cfg, mesh))
+            return TrainState(fresh.step, state.params, fresh.opt_state._replace(inner=state.opt_state.inner))
+        params, _ = checkpointer.restore_params(step, _abstract_state(cfg, mesh).params)
+        return fresh._replace(params=params)
+    finally:
+        checkpointer.close()
 
 
 def place_batch(batch: dict, sharding: dict, micro_rows: int) -> dict:
@@ -105,16 +192,21 @@ def train(cfg: RunConfig, *, quiet: bool = False) -> list[dict]:
             print(console_line(step, cfg.train.steps, values), flush=True)
 
     try:
-        for step in range(start + 1, cfg.train.steps + 1):
-            batch = place_batch(next(loader), sharding, micro_rows)
-            state, metrics = step_fn(state, batch)
+        with preemption_signals() as stop:
+            last = min(cfg.train.steps, cfg.train.stop_after or cfg.train.steps)
+            for step in range(start + 1, last + 1):
+                batch = place_batch(next(loader), sharding, micro_rows)
+                state, metrics = step_fn(state, batch)
+                if pending:
+                    finish(*pending)
+                pending = (step, metrics)
+                if step % cfg.checkpoint.every == 0 or step == last or stop.is_set():
+                    checkpointer.save(step, state, run_meta(cfg, step, loader.state_dict()))
+                if stop.is_set():
+                    finish(*pending)
+                    raise Preempted(f"stopped by a signal after step {step}; checkpoint {step} written")
             if pending:
                 finish(*pending)
-            pending = (step, metrics)
-            if step % cfg.checkpoint.every == 0 or step == cfg.train.steps:
-                checkpointer.save(step, state, run_meta(cfg, step, loader.state_dict()))
-        if pending:
-            finish(*pending)
     finally:
         loader.close()
         writer.close()

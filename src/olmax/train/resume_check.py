@@ -1,0 +1,61 @@
+"""Resume A/B: a continuous run against the same run stopped at step N and resumed in a new process.
+
+Each run is a separate `olmax train` process, so nothing in memory carries over the
+resume. On CPU every per-step delta must be exactly 0.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+
+def _train(config: str, overrides: list[str], run_dir: Path, steps: int, stop_after: int | None, every: int) -> None:
+    args = [sys.executable, "-m", "olmax.cli", "train", config, *overrides, f"output_dir={run_dir}",
+            f"train.steps={steps}", f"checkpoint.every={every}", "checkpoint.resume=true"]
+    if stop_after:
+        args.append(f"train.stop_after={stop_after}")
+    subprocess.run(args, check=True)
+
+
+def _metric(run_dir: Path, name: str) -> dict[int, float]:
+    rows = (json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines())
+    return {row["step"]: row[name] for row in rows}
+
+
+def resume_check(config: str, overrides: list[str], at: int, steps: int, out: Path,
+                 metric: str = "train/CE loss") -> list[tuple[int, float, float, float]]:
+    """(step, continuous, resumed, delta) for every step after the resume."""
+    if not 0 < at < steps:
+        raise ValueError(f"--at {at} must be between 0 and --steps {steps}")
+    continuous, resumed = out / "continuous", out / "resumed"
+    for run_dir in (continuous, resumed):
+        shutil.rmtree(run_dir, ignore_errors=True)
+    _train(config, overrides, continuous, steps, None, at)
+    _train(config, overrides, resumed, steps, at, at)
+    _train(config, overrides, resumed, steps, None, at)
+    a, b = _metric(continuous, metric), _metric(resumed, metric)
+    return [(step, a[step], b[step], b[step] - a[step]) for step in range(at + 1, steps + 1)]
+
+
+def plot(rows, path: Path, at: int) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [r[0] for r in rows]
+    fig, (top, bottom) = plt.subplots(2, 1, sharex=True, figsize=(7, 5))
+    top.plot(steps, [r[1] for r in rows], label="continuous")
+    top.plot(steps, [r[2] for r in rows], "--", label=f"resumed at {at}")
+    top.set_ylabel("train/CE loss")
+    top.legend()
+    bottom.plot(steps, [r[3] for r in rows], color="C3")
+    bottom.set_ylabel("resumed - continuous")
+    bottom.set_xlabel("step")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

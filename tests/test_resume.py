@@ -1,0 +1,147 @@
+"""Runs that survive: preemption, torn and corrupt checkpoints, elastic resume, warm start, bad resumes."""
+
+import json
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from olmax.config import load_config
+from olmax.data import DataError
+from olmax.data.synthetic import write_synthetic_shards
+from olmax.train.checkpoint import CheckpointError
+from olmax.train.trainer import RESUMABLE_EXIT_CODE, train
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+    return write_synthetic_shards(tmp_path_factory.mktemp("shards"), vocab_size=512, eos_id=0, n_tokens=200_000,
+                                  n_shards=2, seed=0, token_dtype="uint16")
+
+
+def _overrides(tmp_path, shards, name, *extra):
+    return [f"data.paths={json.dumps(shards)}", f"output_dir={tmp_path}/{name}", "mesh.fsdp=1", *extra]
+
+
+def _train(tmp_path, shards, name, *extra):
+    return train(load_config("tiny", _overrides(tmp_path, shards, name, *extra)), quiet=True)
+
+
+def _losses(history):
+    return [h["train/CE loss"] for h in history]
+
+
+def _logged(run_dir):
+    return {m["step"]: m["train/CE loss"] for m in map(json.loads, Path(run_dir, "metrics.jsonl").read_text().splitlines())}
+
+
+def _cli(tmp_path, shards, name, *extra):
+    # Same environment as this process (8 fake devices, from conftest), so the numerics are the same.
+    return subprocess.Popen([sys.executable, "-m", "olmax.cli", "train", "tiny",
+                             *_overrides(tmp_path, shards, name, *extra)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+def _wait_for(predicate, timeout=240):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def continuous(tmp_path_factory, shards):
+    """The reference: 30 uninterrupted steps."""
+    return _losses(_train(tmp_path_factory.mktemp("ref"), shards, "ref", "train.steps=30", "checkpoint.every=30"))
+
+
+@pytest.mark.slow
+def test_sigterm_finishes_the_step_checkpoints_and_exits_resumable(tmp_path, shards, continuous):
+    run = tmp_path / "pre"
+    proc = _cli(tmp_path, shards, "pre", "train.steps=30", "checkpoint.every=1000")
+    _wait_for(lambda: (run / "metrics.jsonl").exists() and len((run / "metrics.jsonl").read_text().splitlines()) >= 3)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == RESUMABLE_EXIT_CODE, err
+    saved = sorted(int(p.name) for p in (run / "checkpoints").iterdir() if p.name.isdigit())
+    assert len(saved) == 1 and 3 <= saved[0] < 30 and f"checkpoint {saved[0]} written" in err
+    _train(tmp_path, shards, "pre", "train.steps=30", "checkpoint.every=1000")
+    logged = _logged(run)
+    assert [logged[s] for s in range(1, 31)] == continuous
+
+
+@pytest.mark.slow
+def test_kill_9_during_checkpointing_leaves_a_resumable_run(tmp_path, shards, continuous):
+    run = tmp_path / "kill"
+    proc = _cli(tmp_path, shards, "kill", "train.steps=30", "checkpoint.every=1", "checkpoint.keep_last=3")
+    ckpts = run / "checkpoints"
+    _wait_for(lambda: ckpts.exists() and any("tmp" in p.name for p in ckpts.iterdir())
+              and sum(p.name.isdigit() for p in ckpts.iterdir()) >= 2)
+    proc.kill()  # SIGKILL, most likely in the middle of writing the next checkpoint
+    proc.wait()
+    _train(tmp_path, shards, "kill", "train.steps=30", "checkpoint.every=1", "checkpoint.keep_last=3")
+    logged = _logged(run)
+    assert [logged[s] for s in range(1, 31)] == continuous
+
+
+def test_torn_checkpoint_is_ignored_and_corrupt_one_falls_back(tmp_path, shards, continuous, caplog):
+    _train(tmp_path, shards, "c", "train.steps=30", "train.stop_after=20", "checkpoint.every=10")
+    ckpts = tmp_path / "c" / "checkpoints"
+    (ckpts / "30.orbax-checkpoint-tmp-1234").mkdir()  # what a write killed half-way leaves behind
+    for f in (ckpts / "20" / "params").rglob("*"):
+        if f.is_file() and f.stat().st_size > 1000:
+            f.write_bytes(b"\0" * 7)  # corrupt the latest complete checkpoint
+    resumed = _train(tmp_path, shards, "c", "train.steps=30", "checkpoint.every=10")
+    assert "unreadable" in caplog.text and resumed[0]["step"] == 11
+    assert _losses(resumed) == continuous[10:]
+
+
+def test_no_readable_checkpoint_is_an_error_and_nothing_is_overwritten(tmp_path, shards):
+    _train(tmp_path, shards, "d", "train.steps=10", "checkpoint.every=10")
+    meta = tmp_path / "d" / "checkpoints" / "10" / "meta" / "metadata"
+    meta.write_text("{not json")
+    with pytest.raises(CheckpointError, match="no readable checkpoint"):
+        _train(tmp_path, shards, "d", "train.steps=20", "checkpoint.every=10")
+    assert meta.read_text() == "{not json"
+
+
+def test_resume_with_another_model_or_data_is_refused(tmp_path, shards):
+    _train(tmp_path, shards, "e", "train.steps=5", "checkpoint.every=5")
+    with pytest.raises(CheckpointError, match="model.d_model: checkpoint 64, config 128"):
+        _train(tmp_path, shards, "e", "train.steps=10", "model.d_model=128")
+    other = write_synthetic_shards(tmp_path / "other", vocab_size=512, eos_id=0, n_tokens=100_000, n_shards=2,
+                                   seed=1, token_dtype="uint16")
+    with pytest.raises(DataError, match="allow_fingerprint_change"):
+        train(load_config("tiny", _overrides(tmp_path, other, "e", "train.steps=10")), quiet=True)
+
+
+@pytest.mark.slow
+def test_elastic_resume_8_to_2_to_4_devices(tmp_path, shards):
+    """Same global batch on 8, then 2, then 4 devices: per-device batch x accumulation is recomputed."""
+    common = ["train.steps=15", "checkpoint.every=5", "train.micro_batch_per_device=2"]
+    reference = _losses(_train(tmp_path, shards, "ref8", *common, "mesh.fsdp=8"))
+    elastic = []
+    for devices, stop in ((8, 5), (2, 10), (4, 15)):
+        elastic += _train(tmp_path, shards, "elastic", *common, f"mesh.fsdp={devices}", f"train.stop_after={stop}")
+    assert [h["step"] for h in elastic] == list(range(1, 16))
+    # Accumulating 4 / 2 / 1 micro-batches sums the gradient in another order: equal up to float32 rounding.
+    np.testing.assert_allclose(_losses(elastic), reference, rtol=1e-5)
+
+
+def test_warm_start_keeps_params_and_moments_resets_step_schedule_and_data(tmp_path, shards):
+    first = _train(tmp_path, shards, "stage1", "train.steps=20", "checkpoint.every=20")
+    stage2 = ["train.steps=5", "checkpoint.every=5", "schedule.kind=linear", "schedule.warmup_steps=0",
+              "schedule.final_lr_fraction=0", "optim.lr=2e-3", f"checkpoint.init_from={tmp_path}/stage1/checkpoints"]
+    warm = _train(tmp_path, shards, "stage2", *stage2)
+    cold = _train(tmp_path, shards, "cold", *stage2[:-1])
+    assert warm[0]["step"] == 1 and warm[0]["optim/LR (group 0)"] == pytest.approx(2e-3 * (1 - 1 / 5))  # no warmup
+    assert warm[0]["optim/adam step"] == first[-1]["optim/adam step"] + 1, "Adam's count and moments carry over"
+    assert warm[0]["train/CE loss"] < cold[0]["train/CE loss"] - 0.5, "params carry over"
+    fresh_moments = _train(tmp_path, shards, "stage2b", *stage2, "checkpoint.init_optimizer=false")
+    assert fresh_moments[0]["optim/adam step"] == 1
+    assert fresh_moments[0]["train/CE loss"] == warm[0]["train/CE loss"]
