@@ -383,7 +383,7 @@ def load_olmax(ckpt: str | Path, step: int | None = None) -> tuple[RunConfig, di
     ckpt = Path(ckpt)
     if not ckpt.is_dir():
         raise InteropError(f"olmax checkpoint directory {ckpt} does not exist")
-    checkpointer = Checkpointer(ckpt, CheckpointConfig())
+    checkpointer = Checkpointer(ckpt, CheckpointConfig(), read_only=True)
     try:
         step = checkpointer.latest_step() if step is None else step
         if step is None:
