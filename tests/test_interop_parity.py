@@ -52,9 +52,6 @@ def test_float32_parity_with_hf_and_olmo_core(tmp_path, name):
     assert report["passed"]
 
 
-@pytest.mark.xfail(strict=True, reason="olmo3.rope_tables computes the inverse frequencies with XLA's float32 "
-                   "pow, 1 ulp off torch's; the angle error grows with position (fix proposed to the model owner: "
-                   "compute inv_freq with numpy at trace time); remove this mark with the fix")
 def test_float32_parity_at_8192_tokens(tmp_path):
     """OLMo 3's head size, theta and window at its full stage 1 context: the RoPE angles must agree far out."""
     hf_dir = make_hf_model(tmp_path / "hf", window=4096, theta=500000.0, head_dim=128, heads=2, kv_heads=1)

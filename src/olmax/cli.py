@@ -8,6 +8,7 @@ import sys
 
 from olmax.config import ConfigError, dump, load_config
 from olmax.data import DataError
+from olmax.interop import InteropError
 from olmax.train.checkpoint import CheckpointError
 
 
@@ -81,6 +82,12 @@ def cmd_resume_check(args) -> None:
         sys.exit(1)
 
 
+def cmd_demo(args) -> None:
+    from olmax.demo import run_demo
+
+    run_demo(args.overrides, fresh=args.fresh)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="olmax", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -88,6 +95,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("train", help="train (resumes from the latest checkpoint of the run)")
     _config_args(p)
     p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("demo", help="the whole pipeline on the Python standard library, with a report")
+    p.add_argument("overrides", nargs="*", help="section.key=value on the demo preset")
+    p.add_argument("--fresh", action="store_true", help="rebuild the cached corpus, tokenizer and shards")
+    p.set_defaults(func=cmd_demo)
 
     p = sub.add_parser("resume-check", help="continuous run vs the same run resumed at --at: every delta must be 0")
     _config_args(p)
@@ -120,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         args.func(args)
-    except (ConfigError, DataError, CheckpointError) as err:
+    except (ConfigError, DataError, CheckpointError, InteropError) as err:
         print(f"olmax: {type(err).__name__}: {err}", file=sys.stderr)
         return 2
     return 0

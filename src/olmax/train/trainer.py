@@ -19,6 +19,7 @@ import numpy as np
 
 from olmax.config import ConfigError, RunConfig
 from olmax.data import build_loader
+from olmax.eval.in_loop import make_in_loop_eval
 from olmax.model import flops
 from olmax.model.olmo3 import compute_dtype
 from olmax.parallel.mesh import data_parallel_size, make_mesh
@@ -167,6 +168,7 @@ def train(cfg: RunConfig, *, quiet: bool = False) -> list[dict]:
             f"data position {loader.step} batches != model step {start}: the next step must train on the next batch"
         )
     step_fn = jit_train_step(cfg, mesh, micro_rows)
+    evaluate = make_in_loop_eval(cfg, mesh)
     sharding = batch_shardings(mesh, cfg.data.sequence_length, micro_rows)
     writer = MetricsWriter(cfg.run_dir, start, enabled=jax.process_index() == 0)
     tokens_per_step = cfg.train.global_batch_instances * cfg.data.sequence_length
@@ -175,11 +177,11 @@ def train(cfg: RunConfig, *, quiet: bool = False) -> list[dict]:
     history, pending = [], None
     last_done = time.perf_counter()
 
-    def finish(step: int, metrics) -> None:
+    def finish(step: int, metrics, eval_metrics: dict, eval_seconds: float) -> None:
         nonlocal last_done
-        values = {k: float(v) for k, v in jax.device_get(metrics).items()}
+        values = {k: float(v) for k, v in jax.device_get(metrics).items()} | eval_metrics
         now = time.perf_counter()
-        tps = tokens_per_step / (now - last_done) / jax.device_count()
+        tps = tokens_per_step / (now - last_done - eval_seconds) / jax.device_count()
         last_done = now
         values.update({
             "throughput/total tokens": step * tokens_per_step,
@@ -199,7 +201,9 @@ def train(cfg: RunConfig, *, quiet: bool = False) -> list[dict]:
                 state, metrics = step_fn(state, batch)
                 if pending:
                     finish(*pending)
-                pending = (step, metrics)
+                eval_start = time.perf_counter()
+                eval_metrics = evaluate(step, state.params) if evaluate else {}
+                pending = (step, metrics, eval_metrics, time.perf_counter() - eval_start if eval_metrics else 0.0)
                 if step % cfg.checkpoint.every == 0 or step == last or stop.is_set():
                     checkpointer.save(step, state, run_meta(cfg, step, loader.state_dict()))
                 if stop.is_set():
