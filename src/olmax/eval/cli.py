@@ -1,0 +1,207 @@
+"""`olmax eval heldout | perplexity | kl | harness` and `olmax compare`; `add_commands` hooks them into olmax.cli.
+
+Every command prints JSON on stdout; kl and compare also write a PNG (and compare a TSV).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import sys
+from pathlib import Path
+
+# BRIEF's downstream suite, as the MaxText reproduction ran it; needs the datasets in the HF cache.
+DEFAULT_TASKS = ("mmlu:5", "hellaswag:0", "arc_easy:0", "arc_challenge:0", "openbookqa:0", "piqa:0", "boolq:0",
+                 "winogrande:0")
+MODEL_HELP = ("olmax checkpoint directory (latest step), a step of one (.../checkpoints/STEP), a run directory, "
+              "or an HF Olmo3 directory")
+
+
+def _reports_errors(command):
+    """Bad input ends the command with a one-line error naming it, exit status 2."""
+    @functools.wraps(command)
+    def run(args) -> None:
+        from olmax.config import ConfigError
+        from olmax.data import DataError
+        from olmax.eval.models import EvalError
+        from olmax.interop.hf import InteropError
+        from olmax.train.checkpoint import CheckpointError
+
+        try:
+            command(args)
+        except (EvalError, InteropError, DataError, CheckpointError, ConfigError) as err:
+            print(f"olmax: {type(err).__name__}: {err}", file=sys.stderr)
+            sys.exit(2)
+    return run
+
+
+def _print_json(report: dict, out: str | None) -> None:
+    text = json.dumps(report, indent=2)
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(text + "\n")
+    print(text)
+
+
+def _selection(args, model):
+    from olmax.eval.documents import select, sets_from_argument
+
+    data = model.cfg.data
+    token_dtype = args.token_dtype or data.token_dtype
+    sets = [s for argument in args.data for s in sets_from_argument(argument, token_dtype=token_dtype, eos_id=data.eos_id)]
+    labels = [s.label for s in sets]
+    if len(set(labels)) != len(labels):
+        from olmax.eval.models import EvalError
+
+        raise EvalError(f"eval set labels {labels} repeat; name the sets with --data LABEL=PATH")
+    return select(sets, sequence_length=args.seq_len or data.sequence_length, tokens=args.tokens, seed=args.seed)
+
+
+def _rows(args, mesh) -> int:
+    from olmax.parallel.mesh import data_parallel_size
+
+    return args.batch_instances or 4 * data_parallel_size(mesh)
+
+
+@_reports_errors
+def cmd_heldout(args) -> None:
+    import jax
+
+    from olmax.eval.heldout import evaluate
+    from olmax.eval.models import eval_mesh, load_model, place
+
+    model = load_model(args.model)
+    selection = _selection(args, model)
+    mesh = eval_mesh()
+    results = evaluate(model.cfg.model, place(model.cfg, model.params, mesh), selection, mesh,
+                       rows_per_batch=_rows(args, mesh), eos_id=model.cfg.data.eos_id, pad_id=model.cfg.data.pad_id)
+    _print_json({"model": model.name, **results, "tokens": int(sum(selection.tokens)), "seed": args.seed,
+                 "token_budget_per_set": args.tokens, "devices": jax.device_count()}, args.out)
+
+
+@_reports_errors
+def cmd_kl(args) -> None:
+    from olmax.eval import kl
+    from olmax.eval.models import eval_mesh, load_model
+
+    model_a, model_b = load_model(args.a), load_model(args.b)
+    selection = _selection(args, model_a)
+    mesh = eval_mesh()
+    values, agree = kl.token_kls(model_a, model_b, selection, mesh, rows_per_batch=_rows(args, mesh))
+    summary = kl.summarize(values, agree)
+    counts, edges = kl.histogram(values)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    kl.plot_histogram(values, summary, out.with_suffix(".png"), f"KL({model_a.name} || {model_b.name})")
+    _print_json({"a": model_a.name, "b": model_b.name, "direction": "KL(A || B)", **summary,
+                 "sets": [s.label for s in selection.sets], "sequence_length": selection.sequence_length,
+                 "histogram": {"log10_edges": edges.tolist(), "counts": counts.tolist()},
+                 "plot": str(out.with_suffix(".png"))}, str(out.with_suffix(".json")))
+
+
+def _harness_results(path: str, args) -> dict:
+    """A results JSON of an earlier `olmax eval harness`, or a model to run the tasks on."""
+    from olmax.eval.models import EvalError, eval_mesh, load_model, place
+
+    if path.endswith(".json") and Path(path).is_file():
+        report = json.loads(Path(path).read_text())
+        if "tasks" not in report:
+            raise EvalError(f"{path} is not the results JSON of a one-model `olmax eval harness` run")
+        return report
+    try:
+        from olmax.eval import harness
+    except ImportError as err:
+        raise EvalError(f"the harness needs lm-eval ({err}); pip install lm-eval==0.4.13") from None
+
+    model = load_model(path)
+    tokenizer_path = args.tokenizer or (Path(path) / "tokenizer.json" if (Path(path) / "config.json").is_file() else None)
+    if tokenizer_path is None or not Path(tokenizer_path).exists():
+        raise EvalError(f"no tokenizer for {path}: pass --tokenizer (a tokenizer.json)")
+    mesh = eval_mesh()
+    lm = harness.OlmaxLM(model.cfg.model, place(model.cfg, model.params, mesh), harness.load_text_tokenizer(tokenizer_path),
+                         mesh, eos_id=model.cfg.data.eos_id, max_length=args.max_length or model.cfg.data.sequence_length,
+                         batch_size=args.batch_size)
+    results = harness.run_tasks(lm, args.tasks.split(","), limit=args.limit, include_path=args.include_path)
+    return {"model": model.name, **results}
+
+
+@_reports_errors
+def cmd_harness(args) -> None:
+    from olmax.eval.harness import deltas
+
+    a = _harness_results(args.model, args)
+    if args.model_b is None:
+        _print_json(a, args.out)
+        return
+    b = _harness_results(args.model_b, args)
+    _print_json({"a": a, "b": b, "deltas": deltas(a, b)}, args.out)
+
+
+@_reports_errors
+def cmd_compare(args) -> None:
+    from olmax.eval import curves
+
+    a = curves.read_curve(args.a, args.metric)
+    b = curves.read_curve(args.b, args.metric_b or args.metric)
+    result = curves.compare(a, b, window=args.window, smooth=args.smooth, ranges=curves.parse_ranges(args.ranges))
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".tsv").write_text(curves.window_table(result))
+    curves.plot(a, b, result, args.metric, out.with_suffix(".png"))
+    _print_json({k: v for k, v in result.items() if k != "windows"} | {
+        "metric": args.metric, "delta": "B - A", "table": str(out.with_suffix(".tsv")),
+        "plot": str(out.with_suffix(".png"))}, str(out.with_suffix(".json")))
+
+
+def _data_args(p) -> None:
+    p.add_argument("--data", action="append", required=True, metavar="[LABEL=]PATH",
+                   help="token shard or mix file (.txt); repeat for several sets. A mix file without LABEL gives one "
+                        "set per label in it (per-domain perplexity)")
+    p.add_argument("--tokens", type=int, help="tokens per set: whole documents chosen by --seed (default: all)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the document choice (with --tokens)")
+    p.add_argument("--seq-len", type=int, help="predictions per row (default: the model's data.sequence_length)")
+    p.add_argument("--batch-instances", type=int, help="rows per batch (default: 4 per device)")
+    p.add_argument("--token-dtype", choices=("uint16", "uint32"), help="of the shards (default: the model's)")
+
+
+def add_commands(subparsers) -> None:
+    evaluate = subparsers.add_parser("eval", help="held-out loss, per-domain perplexity, checkpoint KL, lm-eval-harness")
+    verbs = evaluate.add_subparsers(dest="eval_command", required=True)
+
+    p = verbs.add_parser("heldout", aliases=["perplexity"],
+                         help="CE, PPL and bits per byte of labeled held-out sets, and their macro average (JSON)")
+    p.add_argument("model", help=MODEL_HELP)
+    _data_args(p)
+    p.add_argument("--out", help="also write the JSON here")
+    p.set_defaults(func=cmd_heldout)
+
+    p = verbs.add_parser("kl", help="token-level KL(A || B) on identical inputs: mean, quantiles, histogram PNG")
+    p.add_argument("a", help=MODEL_HELP)
+    p.add_argument("b", help=MODEL_HELP)
+    _data_args(p)
+    p.add_argument("--out", default="kl", help="writes OUT.json and OUT.png (default: ./kl)")
+    p.set_defaults(func=cmd_kl)
+
+    p = verbs.add_parser("harness", help="lm-eval-harness tasks; with two models, deltas with stderr in quadrature")
+    p.add_argument("model", help=MODEL_HELP + ", or a results JSON of an earlier run")
+    p.add_argument("model_b", nargs="?", help="a second model (or results JSON): report B - A")
+    p.add_argument("--tasks", default=",".join(DEFAULT_TASKS),
+                   help="comma-separated `name` or `name:shots` (default: BRIEF's 8 tasks, MMLU 5-shot)")
+    p.add_argument("--tokenizer", help="tokenizer.json (default: the HF directory's)")
+    p.add_argument("--limit", type=int, help="examples per task (default: all)")
+    p.add_argument("--include-path", help="directory of extra (local) task YAMLs")
+    p.add_argument("--batch-size", type=int, default=16, help="rows per batch")
+    p.add_argument("--max-length", type=int, help="context length (default: the model's data.sequence_length)")
+    p.add_argument("--out", help="also write the JSON here")
+    p.set_defaults(func=cmd_harness)
+
+    p = subparsers.add_parser("compare", help="step-aligned comparison of a metric of two runs or published curves")
+    p.add_argument("a", help="run directory, TensorBoard directory, metrics .jsonl, or a step<TAB>value .tsv")
+    p.add_argument("b", help="the same kinds; deltas are B - A")
+    p.add_argument("--metric", default="train/CE loss")
+    p.add_argument("--metric-b", help="metric name in B (default: --metric)")
+    p.add_argument("--window", type=int, default=2000, help="steps per window of means")
+    p.add_argument("--smooth", type=int, default=18000, help="steps the smoothed delta averages over")
+    p.add_argument("--ranges", help="summaries per step range too: lo:hi,lo:hi (hi may be empty)")
+    p.add_argument("--out", default="compare", help="writes OUT.tsv, OUT.png and OUT.json (default: ./compare)")
+    p.set_defaults(func=cmd_compare)

@@ -1,0 +1,99 @@
+"""Held-out loss and per-domain perplexity (Paloma style): CE, PPL and bits per byte of labeled sets.
+
+Each row's summed CE comes back from the device; the sums per set are taken on
+the host in float64 in row order, so the result does not depend on how rows
+were batched or how many devices shared them. CE is over the real vocabulary
+(not the embedding's padding rows), so an olmax checkpoint and its HF export
+score the same. Bits per byte = summed CE / ln 2 / UTF-8 bytes of the
+documents read (from the tokenize sidecars).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh
+
+from olmax.config import ModelConfig
+from olmax.eval.documents import Selection, read_rows
+from olmax.eval.models import batch_rows, put_batch, replicated
+from olmax.model import olmo3
+from olmax.parallel.mesh import activation_sharding
+
+
+def target_log_probs(logits: jax.Array, targets: jax.Array, vocab_size: int) -> jax.Array:
+    """log p(target) [B, T] in float32 over the real vocabulary."""
+    logits = logits[..., :vocab_size].astype(jnp.float32)
+    target = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+    return target - jax.nn.logsumexp(logits, axis=-1)
+
+
+def make_row_losses(model_cfg: ModelConfig, mesh: Mesh) -> Callable:
+    """jit (params, inputs, targets, weights) -> summed CE per row, float32 [B], replicated."""
+    def row_losses(params, inputs, targets, weights):
+        with activation_sharding(mesh):
+            logits = olmo3.forward(model_cfg, params, inputs)
+        return -(target_log_probs(logits, targets, model_cfg.vocab_size) * weights).sum(axis=1)
+
+    return jax.jit(row_losses, out_shardings=replicated(mesh))
+
+
+def summed_losses(row_losses: Callable, params: dict, selection: Selection, mesh: Mesh, *, rows_per_batch: int,
+                  eos_id: int, pad_id: int, vocab_size: int) -> np.ndarray:
+    """Summed CE of every row of the selection, float32 [rows], in row order."""
+    rows = batch_rows(rows_per_batch, mesh)
+    out = []
+    for first in range(0, len(selection.rows), rows):
+        batch = read_rows(selection, slice(first, first + rows), eos_id=eos_id, pad_id=pad_id,
+                          vocab_size=vocab_size, batch_rows=rows)
+        out.append(row_losses(params, *put_batch(batch, mesh)))
+    n = len(selection.rows)
+    return np.concatenate([np.asarray(x) for x in out])[:n]
+
+
+def set_results(selection: Selection, losses: np.ndarray) -> dict[str, dict]:
+    """label -> CE loss, PPL, bits per byte (None without sidecars), tokens, bytes, documents, rows."""
+    totals = np.zeros(len(selection.sets), dtype=np.float64)
+    np.add.at(totals, selection.rows.set_index, losses.astype(np.float64))
+    counts = np.bincount(selection.rows.set_index, minlength=len(selection.sets))
+    results = {}
+    for i, eval_set in enumerate(selection.sets):
+        tokens, text_bytes = selection.tokens[i], selection.text_bytes[i]
+        ce = float(totals[i] / tokens)
+        results[eval_set.label] = {
+            "CE loss": ce,
+            "PPL": math.exp(ce),
+            "bits per byte": float(totals[i] / math.log(2) / text_bytes) if text_bytes else None,
+            "tokens": tokens,
+            "bytes": text_bytes,
+            "documents": selection.documents[i],
+            "rows": int(counts[i]),
+            "sum CE (nats)": float(totals[i]),
+        }
+    return results
+
+
+def macro_average(results: dict[str, dict]) -> dict:
+    """Unweighted mean over the sets (Paloma's macro average); bits per byte only if every set has it."""
+    bpb = [r["bits per byte"] for r in results.values()]
+    return {
+        "CE loss": float(np.mean([r["CE loss"] for r in results.values()])),
+        "PPL": float(np.mean([r["PPL"] for r in results.values()])),
+        "bits per byte": float(np.mean(bpb)) if all(b is not None for b in bpb) else None,
+        "sets": len(results),
+    }
+
+
+def evaluate(model_cfg: ModelConfig, params: dict, selection: Selection, mesh: Mesh, *, rows_per_batch: int,
+             eos_id: int, pad_id: int, row_losses: Callable | None = None) -> dict:
+    """{"sets": label -> results, "macro": averages, "sequence_length", "rows_per_batch"}."""
+    row_losses = row_losses or make_row_losses(model_cfg, mesh)
+    losses = summed_losses(row_losses, params, selection, mesh, rows_per_batch=rows_per_batch, eos_id=eos_id,
+                           pad_id=pad_id, vocab_size=model_cfg.vocab_size)
+    results = set_results(selection, losses)
+    return {"sets": results, "macro": macro_average(results), "sequence_length": selection.sequence_length,
+            "rows_per_batch": batch_rows(rows_per_batch, mesh)}
