@@ -228,8 +228,10 @@ def test_kl_cli_between_a_checkpoint_and_its_hf_export(cfg, params, checkpoint, 
 
     write_hf(cfg, params, tmp_path / "hf")
     assert load_model(tmp_path / "hf").cfg.model.vocab_size == cfg.model.vocab_size
-    run_cli("eval", "kl", checkpoint, tmp_path / "hf", "--data", shards[0], "--tokens", 500, "--out", tmp_path / "kl")
+    run_cli("eval", "kl", checkpoint / "0", tmp_path / "hf", "--data", shards[0], "--tokens", 500, "--out",
+            tmp_path / "kl")
     report = json.loads((tmp_path / "kl.json").read_text())
+    assert report["a"] == f"{checkpoint}/0" and report["b"] == str(tmp_path / "hf")
     assert report["tokens"] >= 500 and report["kl_mean"] < 1e-9 and report["top1_agreement"] == 1.0
     assert sum(report["histogram"]["counts"]) == report["tokens"]
     assert (tmp_path / "kl.png").read_bytes()[:4] == b"\x89PNG"

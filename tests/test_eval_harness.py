@@ -220,3 +220,19 @@ def test_task_specs():
     assert harness.parse_tasks(["mmlu:5", "piqa", "boolq:0"]) == {5: ["mmlu"], None: ["piqa"], 0: ["boolq"]}
     with pytest.raises(ValueError, match="name:shots"):
         harness.parse_tasks(["mmlu:five"])
+
+
+@pytest.mark.slow
+def test_in_loop_harness_metrics(cfg, params, tokenizer_path, task_dir):
+    from olmax.eval.in_loop import make_in_loop_eval
+    from olmax.parallel.mesh import make_mesh
+
+    run = cfg.model_copy(update={"eval": cfg.eval.model_copy(update={
+        "harness_every": 4, "harness_tasks": ["toy_choice"], "harness_limit": 4, "tokenizer": tokenizer_path,
+        "harness_include_path": str(task_dir)})})
+    mesh = make_mesh(run.mesh)
+    evaluate = make_in_loop_eval(run, mesh)
+    placed = place(cfg, params, mesh)
+    assert evaluate(2, placed) == {}
+    metrics = evaluate(8, placed)
+    assert set(metrics) == {"eval/downstream/toy_choice/acc"} and 0 <= metrics["eval/downstream/toy_choice/acc"] <= 1

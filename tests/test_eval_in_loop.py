@@ -43,7 +43,7 @@ def test_hook_reports_the_sets_at_the_steps_due(tmp_path, shards):
     mesh = make_mesh(cfg.mesh)
     evaluate = make_in_loop_eval(cfg, mesh)
     params = olmo3.init_params(cfg.model, jax.random.key(0))
-    assert evaluate(3, params) == {}
+    assert evaluate(3, params) == {} and not evaluate.due(3) and evaluate.due(10)
     metrics = evaluate(10, params)
     assert set(metrics) == {"eval/lm/held/CE loss", "eval/lm/held/PPL"}
     selection = documents.select([documents.open_eval_set("held", shards[1], token_dtype="uint16", eos_id=0)],

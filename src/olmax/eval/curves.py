@@ -189,6 +189,7 @@ def compare(a: Curve, b: Curve, *, window: int, smooth: int = 0, ranges: list[tu
     delta = mean_b - mean_a
     windows = {
         "window_start": index * window, "window_end": (index + 1) * window - 1, "steps": count.astype(np.int64),
+        "mean_step": np.bincount(start, steps) / count,
         "mean_a": mean_a, "mean_b": mean_b, "delta": delta, "smoothed_delta": _smoothed(index, delta, smooth // 2 // window),
     }
     step_delta = vb - va
@@ -217,7 +218,7 @@ def plot(a: Curve, b: Curve, result: dict, metric: str, path) -> None:
     import matplotlib.pyplot as plt
 
     w = result["windows"]
-    centres = (w["window_start"] + w["window_end"]) / 2
+    centres = w["mean_step"]
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(10, 7), sharex=True, gridspec_kw={"height_ratios": [3, 2]})
     for curve, means, colour in ((a, w["mean_a"], "tab:blue"), (b, w["mean_b"], "tab:orange")):
         top.plot(curve.steps, curve.values, color=colour, alpha=0.25, linewidth=0.6)

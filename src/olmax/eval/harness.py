@@ -95,6 +95,8 @@ class OlmaxLM(TemplateLM):
         """(log p(continuation | context), continuation is greedy) of token-list pairs, in order.
 
         Context and continuation are cut to the last max_length + 1 tokens, as in lm-eval's HF model."""
+        if too_long := [len(c) for _, c in pairs if len(c) > self.max_length]:
+            raise EvalError(f"continuations of {max(too_long)} tokens exceed max_length {self.max_length}")
         order = sorted(range(len(pairs)), key=lambda i: -len(pairs[i][0]) - len(pairs[i][1]))
         results: list[tuple[float, bool]] = [(0.0, False)] * len(pairs)
         for first in range(0, len(order), self.batch_size):

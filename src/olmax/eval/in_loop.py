@@ -10,8 +10,6 @@ evaluator is made; every evaluation then reads the very same rows.
 
 from __future__ import annotations
 
-from typing import Callable
-
 from jax.sharding import Mesh
 
 from olmax.config import RunConfig
@@ -30,41 +28,60 @@ def lm_metrics(results: dict) -> dict[str, float]:
     return out
 
 
-def make_in_loop_eval(cfg: RunConfig, mesh: Mesh) -> Callable[[int, dict], dict[str, float]] | None:
-    """None when the config asks for no in-loop eval; else `evaluate(step, params) -> metrics`, which
-    returns the evaluations due at `step` ({} when none is). `params` are the train state's, on `mesh`."""
-    e, data = cfg.eval, cfg.data
-    if e.every is None and e.harness_every is None:
-        return None
-    selection = None
-    if e.every is not None:
-        sets = [open_eval_set(s.label, shard_paths(s.paths, s.mix_file), token_dtype=data.token_dtype,
-                              eos_id=data.eos_id) for s in e.sets]
-        selection = select(sets, sequence_length=data.sequence_length, tokens=e.tokens, seed=e.seed)
-        row_losses = make_row_losses(cfg.model, mesh)
-    rows = e.batch_instances or (cfg.train.micro_batch_per_device * data_parallel_size(mesh)
-                                 if cfg.train.micro_batch_per_device else cfg.train.global_batch_instances)
-    harness_lm = None
-    if e.harness_every is not None:
-        from olmax.eval import harness  # lm-eval is imported, and the tokenizer read, before the first step
+class InLoopEval:
+    """`evaluate(step, params) -> metrics`: the evaluations due at `step` ({} when none is), on the train
+    state's params (on `mesh`). `due(step)` says beforehand whether there will be any, so the trainer can
+    wait for the step to finish before timing the evaluation."""
 
-        tokenizer = harness.load_text_tokenizer(e.tokenizer)
+    def __init__(self, cfg: RunConfig, mesh: Mesh):
+        self.cfg, self.mesh = cfg, mesh
+        e, data = cfg.eval, cfg.data
+        self.selection = None
+        if e.every is not None:
+            sets = [open_eval_set(s.label, shard_paths(s.paths, s.mix_file), token_dtype=data.token_dtype,
+                                  eos_id=data.eos_id) for s in e.sets]
+            self.selection = select(sets, sequence_length=data.sequence_length, tokens=e.tokens, seed=e.seed)
+            self.row_losses = make_row_losses(cfg.model, mesh)
+        self.rows = e.batch_instances or (cfg.train.micro_batch_per_device * data_parallel_size(mesh)
+                                          if cfg.train.micro_batch_per_device else cfg.train.global_batch_instances)
+        self.harness_lm = None
+        if e.harness_every is not None:
+            from olmax.eval import harness  # lm-eval is imported, and the tokenizer read, before the first step
 
-    def run(step: int, params: dict) -> dict[str, float]:
-        nonlocal harness_lm
+            self.tokenizer = harness.load_text_tokenizer(e.tokenizer)
+
+    def lm_due(self, step: int) -> bool:
+        return self.cfg.eval.every is not None and step % self.cfg.eval.every == 0
+
+    def harness_due(self, step: int) -> bool:
+        return self.cfg.eval.harness_every is not None and step % self.cfg.eval.harness_every == 0
+
+    def due(self, step: int) -> bool:
+        return self.lm_due(step) or self.harness_due(step)
+
+    def __call__(self, step: int, params: dict) -> dict[str, float]:
+        e, data = self.cfg.eval, self.cfg.data
         metrics = {}
-        if selection is not None and step % e.every == 0:
-            results = evaluate(cfg.model, params, selection, mesh, rows_per_batch=rows, eos_id=data.eos_id,
-                               pad_id=data.pad_id, row_losses=row_losses)
+        if self.lm_due(step):
+            results = evaluate(self.cfg.model, params, self.selection, self.mesh, rows_per_batch=self.rows,
+                               eos_id=data.eos_id, pad_id=data.pad_id, row_losses=self.row_losses)
             metrics.update(lm_metrics(results))
-        if e.harness_every is not None and step % e.harness_every == 0:
-            if harness_lm is None:
-                harness_lm = harness.OlmaxLM(cfg.model, params, tokenizer, mesh, eos_id=data.eos_id,
-                                             max_length=data.sequence_length, batch_size=rows)
-            harness_lm.params = params
-            results = harness.run_tasks(harness_lm, e.harness_tasks, limit=e.harness_limit,
+        if self.harness_due(step):
+            from olmax.eval import harness
+
+            if self.harness_lm is None:
+                self.harness_lm = harness.OlmaxLM(self.cfg.model, params, self.tokenizer, self.mesh,
+                                                  eos_id=data.eos_id, max_length=data.sequence_length,
+                                                  batch_size=self.rows)
+            self.harness_lm.params = params
+            results = harness.run_tasks(self.harness_lm, e.harness_tasks, limit=e.harness_limit,
                                         include_path=e.harness_include_path)
             metrics.update(harness.flat_metrics(results))
         return metrics
 
-    return run
+
+def make_in_loop_eval(cfg: RunConfig, mesh: Mesh) -> InLoopEval | None:
+    """None when the config asks for no in-loop eval, else the evaluator (see InLoopEval)."""
+    if cfg.eval.every is None and cfg.eval.harness_every is None:
+        return None
+    return InLoopEval(cfg, mesh)

@@ -73,10 +73,11 @@ def summarize(kl: np.ndarray, agree: np.ndarray) -> dict:
 
 
 def histogram(kl: np.ndarray, bins: int = 60) -> tuple[np.ndarray, np.ndarray]:
-    """(counts, log10 edges) of log10 KL, values below HISTOGRAM_FLOOR counted in the first bin."""
+    """(counts, log10 edges) of log10 KL over whole decades from the smallest value to the largest; values
+    below HISTOGRAM_FLOOR (exact zeros too) count in the first bin."""
     logs = np.log10(np.maximum(kl.astype(np.float64), HISTOGRAM_FLOOR))
-    high = max(math.ceil(logs.max()), math.log10(HISTOGRAM_FLOOR) + 1)
-    return np.histogram(logs, bins=bins, range=(math.log10(HISTOGRAM_FLOOR), high))
+    low = math.floor(logs.min())
+    return np.histogram(logs, bins=bins, range=(low, max(math.ceil(logs.max()), low + 1)))
 
 
 def plot_histogram(kl: np.ndarray, summary: dict, path, title: str) -> None:
@@ -90,7 +91,7 @@ def plot_histogram(kl: np.ndarray, summary: dict, path, title: str) -> None:
     ax.bar(edges[:-1], counts, width=np.diff(edges), align="edge", color="tab:blue")
     ax.axvline(math.log10(max(summary["kl_mean"], HISTOGRAM_FLOOR)), color="tab:red", label="mean")
     ax.set_yscale("log")
-    ax.set_xlabel(f"log10 KL per token (nats; values < {HISTOGRAM_FLOOR:g} in the first bin)")
+    ax.set_xlabel(f"log10 KL per token in nats (values < {HISTOGRAM_FLOOR:g} in the first bin)")
     ax.set_ylabel("tokens")
     q = summary["kl_quantiles"]
     ax.set_title(f"{title}\nmean {summary['kl_mean']:.3g}  p50 {q['p50']:.3g}  p99 {q['p99']:.3g}  "
