@@ -24,7 +24,7 @@ def _reports_errors(command):
         from olmax.config import ConfigError
         from olmax.data import DataError
         from olmax.eval.models import EvalError
-        from olmax.interop.hf import InteropError
+        from olmax.interop import InteropError
         from olmax.train.checkpoint import CheckpointError
 
         try:
