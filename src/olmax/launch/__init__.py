@@ -1,0 +1,1 @@
+"""Runs that survive: the resume-until-done supervisor and multi-process setup."""

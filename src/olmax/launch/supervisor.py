@@ -1,0 +1,296 @@
+"""Resume until done: run `olmax train` as child processes and restart them until the run finishes.
+
+The trainer resumes from the run's latest checkpoint by itself, so a restart
+is just running the same command again. What the exit says decides what
+happens next (`olmax train`'s exit code contract):
+
+    0           finished: the step target is reached; stop.
+    2           bad input (config, data, checkpoint): retrying cannot help; stop.
+    75          preempted after writing a checkpoint: restart at once, not a failure.
+    other/signal  crashed: restart after a backoff.
+
+A failure is a crash, or a "preemption" that wrote no new checkpoint (a child
+that exits 75 in a loop must not spin for ever). The n-th failure in a row
+waits `backoff * factor**(n-1)` seconds, capped at `backoff_max`; an attempt
+that advanced the latest checkpoint resets the count, and `max_retries`
+failures in a row without progress give up. A run that keeps making progress
+is never given up on. A crash after the final checkpoint was written (e.g.
+in shutdown) counts as finished.
+
+Children run in their own process groups: SIGTERM/SIGINT to the launcher are
+passed on (the run checkpoints and exits 75) and the launcher then exits 75
+without restarting; if the launcher is killed outright, its children get
+SIGTERM (Linux).
+
+With `nprocs > 1` the attempt is a group of local processes of one
+multi-process run (see olmax.launch.distributed): when one process fails the
+others cannot go on (their collectives wait for it), so they are killed and
+the whole group restarts.
+
+Every attempt is printed and appended to `RUN_DIR/launch.jsonl`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import datetime
+import functools
+import json
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from olmax.config import load_config
+from olmax.launch.distributed import ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID
+
+EXIT_FINISHED = 0
+EXIT_BAD_INPUT = 2
+EXIT_PREEMPTED = 75  # EX_TEMPFAIL
+EXIT_GAVE_UP = 1
+
+TRAIN_COMMAND = (sys.executable, "-m", "olmax.cli", "train")
+# How long the other processes of a group may take to exit on their own once one has exited cleanly
+# (0, 2 or 75: the others are finishing the same checkpoint or error) before they are killed.
+STOP_GRACE_SECONDS = 60.0
+POLL_SECONDS = 0.05
+
+
+@dataclass(frozen=True)
+class Backoff:
+    initial: float = 300.0
+    factor: float = 2.0
+    maximum: float = 3600.0
+
+    def delay(self, failures_in_a_row: int) -> float:
+        return min(self.initial * self.factor ** (failures_in_a_row - 1), self.maximum)
+
+
+def latest_checkpoint_step(run_dir: Path) -> int:
+    """The newest committed checkpoint's step, 0 if none: Orbax writes into a temporary directory
+    (`N.orbax-checkpoint-tmp-*`) and renames it to `N` when complete."""
+    directory = Path(run_dir) / "checkpoints"
+    if not directory.is_dir():
+        return 0
+    return max((int(p.name) for p in directory.iterdir() if p.name.isdigit() and p.is_dir()), default=0)
+
+
+def exit_reason(returncode: int) -> str:
+    if returncode < 0:
+        try:
+            return f"killed by {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"killed by signal {-returncode}"
+    return {EXIT_FINISHED: "finished", EXIT_BAD_INPUT: "bad input", EXIT_PREEMPTED: "preempted"}.get(
+        returncode, f"crashed (exit {returncode})"
+    )
+
+
+def _exit_with(launcher_pid: int, libc) -> None:
+    """In a child before exec (Linux): SIGTERM when the launcher dies, even by SIGKILL, so that no trainer
+    outlives it and races a relaunched one over the same run directory (it checkpoints and exits instead)."""
+    libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    if os.getppid() != launcher_pid:  # the launcher died before prctl
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Supervisor:
+    """Runs `command + [config, *overrides]` (as `nprocs` processes) until the run finishes."""
+
+    def __init__(
+        self,
+        config: str,
+        overrides: list[str] = (),
+        *,
+        nprocs: int = 1,
+        backoff: Backoff = Backoff(),
+        max_retries: int = 50,
+        command: tuple[str, ...] = TRAIN_COMMAND,
+        env: dict[str, str] | None = None,
+        stop_grace: float = STOP_GRACE_SECONDS,
+        sleep=None,
+        on_start=None,
+        echo=None,
+    ):
+        if nprocs < 1 or max_retries < 0:
+            raise ValueError(f"need nprocs >= 1 and max_retries >= 0, got {nprocs} and {max_retries}")
+        cfg = load_config(config, list(overrides))  # a bad config fails here, before any child starts
+        self.run_dir = cfg.run_dir
+        self.target_step = cfg.train.steps
+        self.argv = [*command, config, *overrides]
+        self.nprocs = nprocs
+        self.backoff = backoff
+        self.max_retries = max_retries
+        self.env = dict(os.environ if env is None else env)
+        self.stop_grace = stop_grace
+        self.on_start = on_start  # called with the list of Popen handles of each attempt (tests inject faults)
+        self.echo = echo or (lambda line: print(line, file=sys.stderr, flush=True))
+        self._stop_signal: int | None = None
+        self._stopping = threading.Event()
+        self.sleep = sleep or self._stopping.wait  # a signal cuts a backoff short
+        self._procs: list[subprocess.Popen] = []
+
+    # ---- one attempt -------------------------------------------------------------------------
+
+    def _child_envs(self) -> list[dict[str, str]]:
+        if self.nprocs == 1:
+            return [self.env]
+        coordinator = f"127.0.0.1:{free_port()}"  # a fresh port: the last attempt's may still be bound
+        return [{**self.env, ENV_COORDINATOR: coordinator, ENV_NUM_PROCESSES: str(self.nprocs),
+                 ENV_PROCESS_ID: str(i)} for i in range(self.nprocs)]
+
+    def _kill(self, proc: subprocess.Popen, sig: int) -> None:
+        # Each child leads its own process group: the signal reaches whatever it started too.
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            pass
+
+    def _run_group(self) -> tuple[list[int], int]:
+        """Start the processes and wait for all; (exit codes, the process whose exit describes the attempt:
+        the first to fail, else the first to exit)."""
+        # libc is loaded here, not in the forked child (loading a library after fork can deadlock).
+        preexec = functools.partial(_exit_with, os.getpid(), ctypes.CDLL(None)) if sys.platform == "linux" else None
+        self._procs = [subprocess.Popen(self.argv, env=env, start_new_session=True, preexec_fn=preexec)
+                       for env in self._child_envs()]
+        procs = self._procs
+        if self._stop_signal is not None:  # a signal arrived while the processes were starting
+            self._forward(self._stop_signal)
+        if self.on_start:
+            self.on_start(procs)
+        exit_order, deadline = [], None
+        while True:
+            codes = [p.poll() for p in procs]
+            exit_order += [i for i, c in enumerate(codes) if c is not None and i not in exit_order]
+            if None not in codes:
+                break
+            if exit_order and deadline is None:
+                if any(codes[i] not in (EXIT_FINISHED, EXIT_BAD_INPUT, EXIT_PREEMPTED) for i in exit_order):
+                    deadline = time.monotonic()  # a crash: the others are stuck waiting for it in a collective
+                else:
+                    deadline = time.monotonic() + self.stop_grace
+            if deadline is not None and time.monotonic() >= deadline:
+                for p in procs:
+                    if p.poll() is None:
+                        self._kill(p, signal.SIGKILL)
+                deadline = float("inf")
+            time.sleep(POLL_SECONDS)
+        self._procs = []
+        return codes, next((i for i in exit_order if codes[i] != EXIT_FINISHED), exit_order[0])
+
+    # ---- signals -----------------------------------------------------------------------------
+
+    def _forward(self, sig: int) -> None:
+        for p in self._procs:
+            if p.poll() is None:
+                self._kill(p, sig)
+
+    def _on_signal(self, sig, frame) -> None:
+        if self._stop_signal is not None:  # a second signal: stop waiting for a clean exit
+            self._forward(signal.SIGKILL)
+            return
+        self._stop_signal = sig
+        self._stopping.set()
+        self.echo(f"olmax launch: {signal.Signals(sig).name}: stopping the run (it checkpoints and exits); "
+                  "signal again to kill it")
+        self._forward(sig)
+
+    def _install_signal_handlers(self):
+        if threading.current_thread() is not threading.main_thread():
+            return {}
+        return {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+
+    # ---- the loop ----------------------------------------------------------------------------
+
+    def _log(self, record: dict) -> None:
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        with open(self.run_dir / "launch.jsonl", "a") as f:
+            f.write(json.dumps(record) + "\n")
+        codes = ", ".join(f"process {i}: {exit_reason(c)}" for i, c in enumerate(record["exit_codes"]))
+        self.echo(
+            f"olmax launch: attempt {record['attempt']} {record['reason']} after {record['seconds']:.1f} s "
+            f"(checkpoint {record['checkpoint_before']} -> {record['checkpoint_after']} of {self.target_step}"
+            + (f"; {codes}" if self.nprocs > 1 else "") + f"); {record['action']}"
+        )
+
+    def run(self) -> int:
+        """Attempts until done; the exit code for `olmax launch` (0 finished, 2 bad input, 75 stopped
+        by a signal, 1 gave up after max_retries failures in a row)."""
+        previous = self._install_signal_handlers()
+        try:
+            return self._loop()
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def _previous_attempts(self) -> int:
+        log = self.run_dir / "launch.jsonl"
+        return len(log.read_text().splitlines()) if log.exists() else 0
+
+    def _loop(self) -> int:
+        attempt, failures_in_a_row = self._previous_attempts(), 0  # numbered over every launch of the run
+        while True:
+            attempt += 1
+            before = latest_checkpoint_step(self.run_dir)
+            self.echo(f"olmax launch: attempt {attempt} from checkpoint {before} of {self.target_step}"
+                      + (f" ({self.nprocs} processes)" if self.nprocs > 1 else "") + f": {shlex.join(self.argv)}")
+            started = time.time()
+            codes, first = self._run_group()
+            after = latest_checkpoint_step(self.run_dir)
+            code = codes[first]
+            reason = exit_reason(code) + (f" (process {first})" if self.nprocs > 1 and code != 0 else "")
+            record = {
+                "attempt": attempt, "started": datetime.datetime.fromtimestamp(started).isoformat(timespec="seconds"),
+                "seconds": round(time.time() - started, 3), "nprocs": self.nprocs, "exit_codes": codes,
+                "reason": reason, "checkpoint_before": before, "checkpoint_after": after,
+                "target_step": self.target_step, "sleep": 0.0,
+            }
+            progressed = after > before
+            if progressed:
+                failures_in_a_row = 0
+            if all(c == EXIT_FINISHED for c in codes):
+                result, record["action"] = EXIT_FINISHED, "done"
+            elif code == EXIT_BAD_INPUT:
+                result, record["action"] = EXIT_BAD_INPUT, "stop: bad input is not retried (see the error above)"
+            elif after >= self.target_step:
+                result, record["action"] = EXIT_FINISHED, f"done: the final checkpoint {after} was written"
+            elif self._stop_signal is not None:
+                result = EXIT_PREEMPTED
+                record["action"] = f"stop: the launcher got {signal.Signals(self._stop_signal).name}"
+            elif code == EXIT_PREEMPTED and progressed:
+                result, record["action"] = None, "restart now"
+            else:
+                failures_in_a_row += 1
+                if failures_in_a_row > self.max_retries:
+                    result = EXIT_GAVE_UP
+                    record["action"] = f"give up: {failures_in_a_row} failures in a row (--max-retries {self.max_retries})"
+                else:
+                    result = None
+                    record["sleep"] = self.backoff.delay(failures_in_a_row)
+                    record["action"] = (f"restart in {record['sleep']:g} s "
+                                        f"(retry {failures_in_a_row} of at most {self.max_retries} in a row)")
+            record["failures_in_a_row"] = failures_in_a_row
+            self._log(record)
+            if result is not None:
+                return result
+            if record["sleep"]:
+                self.sleep(record["sleep"])
+            if self._stop_signal is not None:
+                self.echo("olmax launch: stopped before the next attempt")
+                return EXIT_PREEMPTED
+
+
+def launch(config: str, overrides: list[str] = (), **kwargs) -> int:
+    return Supervisor(config, overrides, **kwargs).run()
