@@ -121,10 +121,12 @@ def build_parser() -> argparse.ArgumentParser:
     show.set_defaults(func=cmd_config_show)
 
     from olmax.data import cli as data_cli
+    from olmax.eval import cli as eval_cli
     from olmax.interop import cli as interop_cli
 
     data_cli.add_commands(sub)
     interop_cli.add_commands(sub)
+    eval_cli.add_commands(sub)
     return parser
 
 

@@ -177,12 +177,14 @@ def train(cfg: RunConfig, *, quiet: bool = False) -> list[dict]:
     history, pending = [], None
     last_done = time.perf_counter()
 
-    def finish(step: int, metrics, eval_metrics: dict, eval_seconds: float) -> None:
-        nonlocal last_done
+    paused = 0.0  # seconds of evals and checkpoint writes since the last step was logged: not step time
+
+    def finish(step: int, metrics, eval_metrics: dict) -> None:
+        nonlocal last_done, paused
         values = {k: float(v) for k, v in jax.device_get(metrics).items()} | eval_metrics
         now = time.perf_counter()
-        tps = tokens_per_step / (now - last_done - eval_seconds) / jax.device_count()
-        last_done = now
+        tps = tokens_per_step / (now - last_done - paused) / jax.device_count()
+        last_done, paused = now, 0.0
         values.update({
             "throughput/total tokens": step * tokens_per_step,
             "throughput/device/TPS": tps,
@@ -201,11 +203,17 @@ def train(cfg: RunConfig, *, quiet: bool = False) -> list[dict]:
                 state, metrics = step_fn(state, batch)
                 if pending:
                     finish(*pending)
-                eval_start = time.perf_counter()
-                eval_metrics = evaluate(step, state.params) if evaluate else {}
-                pending = (step, metrics, eval_metrics, time.perf_counter() - eval_start if eval_metrics else 0.0)
-                if step % cfg.checkpoint.every == 0 or step == last or stop.is_set():
-                    checkpointer.save(step, state, run_meta(cfg, step, loader.state_dict()))
+                pending = (step, metrics, {})
+                save = step % cfg.checkpoint.every == 0 or step == last or stop.is_set()
+                eval_due = evaluate is not None and evaluate.due(step)
+                if eval_due or save:
+                    jax.block_until_ready(metrics)
+                    side_work_start = time.perf_counter()
+                    if eval_due:
+                        pending[2].update(evaluate(step, state.params))
+                    if save:
+                        checkpointer.save(step, state, run_meta(cfg, step, loader.state_dict()))
+                    paused += time.perf_counter() - side_work_start
                 if stop.is_set():
                     finish(*pending)
                     raise Preempted(f"stopped by a signal after step {step}; checkpoint {step} written")

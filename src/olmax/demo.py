@@ -1,0 +1,250 @@
+"""`olmax demo`: the whole pipeline on real text that every Python install has.
+
+1. Corpus: the standard library's modules as a `code` domain and their docstrings
+   as a `prose` domain, split into train and held-out by file (a hash of the path).
+2. A byte-level BPE trained on the train split; shards written by `olmax tokenize`.
+3. A tiny OLMo 3 (reordered norm, QK-norm, 3:1 sliding/global) trained with the
+   stage 1 recipe scaled down, with checkpoints and in-loop held-out evals.
+4. runs/demo/report.md with loss curves, held-out CE per domain next to the
+   unigram baseline of the same text, greedy samples, and the next commands.
+
+Corpus, tokenizer and shards are cached under runs/demo/cache (`--fresh` rebuilds);
+the training run always starts over, and the report says whether its losses are
+bitwise equal to the previous run's.
+"""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+import json
+import shutil
+import sys
+import sysconfig
+import time
+from pathlib import Path
+
+import numpy as np
+
+from olmax.config import load_config
+
+DOMAINS = ("code", "prose")
+SKIP_DIRS = {"site-packages", "test", "tests", "idlelib", "lib2to3", "__pycache__"}
+CACHE_VERSION = 1
+
+
+def stdlib_files() -> list[Path]:
+    root = Path(sysconfig.get_paths()["stdlib"])
+    return [p for p in sorted(root.rglob("*.py")) if not SKIP_DIRS & set(p.relative_to(root).parts)]
+
+
+def is_heldout(relative_path: str) -> bool:
+    return int(hashlib.sha1(relative_path.encode()).hexdigest(), 16) % 10 == 0
+
+
+def docstrings(source: str) -> str:
+    """The module, class and function docstrings of a source file, as prose."""
+    try:
+        tree = ast.parse(source)
+    except (SyntaxError, ValueError):
+        return ""
+    nodes = [tree] + [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))]
+    return "\n\n".join(d for n in nodes if (d := ast.get_docstring(n)))
+
+
+def build_corpus(out: Path) -> dict[str, int]:
+    """JSONL files {domain}-{train,heldout}.jsonl; returns documents per file."""
+    out.mkdir(parents=True, exist_ok=True)
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = {f"{d}-{s}": (out / f"{d}-{s}.jsonl").open("w") for d in DOMAINS for s in ("train", "heldout")}
+    counts = dict.fromkeys(files, 0)
+    try:
+        for path in stdlib_files():
+            source = path.read_text(encoding="utf-8", errors="replace")
+            split = "heldout" if is_heldout(str(path.relative_to(root))) else "train"
+            for domain, text in (("code", source), ("prose", docstrings(source))):
+                if text.strip():
+                    files[f"{domain}-{split}"].write(json.dumps({"text": text}) + "\n")
+                    counts[f"{domain}-{split}"] += 1
+    finally:
+        for f in files.values():
+            f.close()
+    return counts
+
+
+def prepare_data(cache: Path, vocab_size: int, fresh: bool) -> dict:
+    """Corpus, tokenizer and shards, built once and reused while the cache key matches."""
+    from olmax.data.shards import Source, write_mix_file
+    from olmax.data.tokenize import tokenize_corpus, train_tokenizer
+
+    key = {"version": CACHE_VERSION, "python": sys.version, "stdlib": sysconfig.get_paths()["stdlib"],
+           "vocab_size": vocab_size}
+    manifest = cache / "manifest.json"
+    if not fresh and manifest.exists() and json.loads(manifest.read_text())["key"] == key:
+        print(f"demo: reusing corpus, tokenizer and shards from {cache} (--fresh rebuilds)")
+        return json.loads(manifest.read_text())
+    shutil.rmtree(cache, ignore_errors=True)
+    started = time.perf_counter()
+    counts = build_corpus(cache / "corpus")
+    print(f"demo: corpus from the standard library: {counts}")
+    tokenizer = train_tokenizer([str(cache / "corpus" / f"{d}-train.jsonl") for d in DOMAINS],
+                                cache / "tokenizer.json", vocab_size=vocab_size, progress=False)
+    shards = {}
+    for domain in DOMAINS:
+        for split in ("train", "heldout"):
+            result = tokenize_corpus([str(cache / "corpus" / f"{domain}-{split}.jsonl")],
+                                     cache / "shards" / f"{domain}-{split}", tokenizer_path=tokenizer,
+                                     label=domain, progress=False, workers=0)
+            shards[f"{domain}-{split}"] = {"paths": result.shards, "tokens": result.tokens,
+                                           "bytes": result.text_bytes, "documents": result.documents}
+    write_mix_file(cache / "train-mix.txt",
+                   [Source(d, p) for d in DOMAINS for p in shards[f"{d}-train"]["paths"]])
+    info = {"key": key, "tokenizer": tokenizer, "shards": shards, "documents": counts,
+            "seconds": time.perf_counter() - started}
+    manifest.write_text(json.dumps(info, indent=1))
+    return info
+
+
+def unigram_baseline(train_paths: list[str], heldout_paths: list[str], vocab_size: int, dtype: str) -> float:
+    """Cross-entropy (nats/token) of held-out tokens under the train split's add-one unigram distribution."""
+    counts = np.ones(vocab_size, np.float64)
+    for path in train_paths:
+        counts += np.bincount(np.fromfile(path, dtype=dtype), minlength=vocab_size)[:vocab_size]
+    log_p = np.log(counts / counts.sum())
+    heldout = np.concatenate([np.fromfile(p, dtype=dtype) for p in heldout_paths])
+    return float(-log_p[heldout].mean())
+
+
+def greedy_samples(cfg, params, tokenizer_path: str, prompts: list[str], new_tokens: int) -> list[str]:
+    """Greedy continuations, one fixed-shape forward per token (no cache: the demo model is small)."""
+    import jax
+    import jax.numpy as jnp
+    from tokenizers import Tokenizer
+
+    from olmax.model import olmo3
+
+    tokenizer = Tokenizer.from_file(tokenizer_path)
+    length = cfg.data.sequence_length
+    next_token = jax.jit(lambda p, t, i: jnp.argmax(olmo3.forward(cfg.model, p, t)[0, i, : cfg.model.vocab_size]))
+    samples = []
+    for prompt in prompts:
+        ids = tokenizer.encode(prompt).ids
+        buffer = np.zeros((1, length), np.int32)
+        buffer[0, : len(ids)] = ids
+        for i in range(len(ids) - 1, min(len(ids) - 1 + new_tokens, length - 1)):
+            token = int(next_token(params, buffer, i))
+            if token == cfg.data.eos_id:
+                break
+            buffer[0, i + 1] = token
+            ids.append(token)
+        samples.append(tokenizer.decode(ids))
+    return samples
+
+
+def plot_curves(metrics: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (train_ax, eval_ax) = plt.subplots(1, 2, figsize=(11, 4))
+    steps = [m["step"] for m in metrics]
+    train_ax.plot(steps, [m["train/CE loss"] for m in metrics], lw=0.8)
+    train_ax.set(title="train CE loss", xlabel="step", ylabel="nats/token")
+    for domain in DOMAINS:
+        points = [(m["step"], m[f"eval/lm/{domain}/CE loss"]) for m in metrics if f"eval/lm/{domain}/CE loss" in m]
+        eval_ax.plot(*zip(*points), marker="o", label=domain)
+    eval_ax.set(title="held-out CE loss per domain", xlabel="step", ylabel="nats/token")
+    eval_ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def run_demo(overrides: list[str], fresh: bool) -> Path:
+    """Build (or reuse) the data, train the demo preset from scratch, evaluate, write the report."""
+    from olmax.parallel.mesh import make_mesh
+    from olmax.train.checkpoint import Checkpointer
+    from olmax.train.trainer import restore_or_init, train
+
+    cfg = load_config("demo", overrides)
+    out = cfg.run_dir.parent
+    data = prepare_data(out / "cache", cfg.model.vocab_size, fresh)
+    shards = data["shards"]
+    previous = cfg.run_dir / "metrics.jsonl"
+    previous_losses = None
+    if previous.exists():
+        previous_losses = [json.loads(line)["train/CE loss"] for line in previous.read_text().splitlines()]
+    shutil.rmtree(cfg.run_dir, ignore_errors=True)
+
+    started = time.perf_counter()
+    history = train(cfg)
+    train_seconds = time.perf_counter() - started
+    losses = [h["train/CE loss"] for h in history]
+    same_as_previous = None if previous_losses is None else previous_losses == losses
+
+    checkpointer = Checkpointer(cfg.run_dir / "checkpoints", cfg.checkpoint)
+    state, _, _ = restore_or_init(cfg, make_mesh(cfg.mesh), checkpointer)
+    checkpointer.close()
+    samples = greedy_samples(cfg, state.params, data["tokenizer"],
+                             ["def __init__(self", "import os\n", "class ", "Return the"], new_tokens=48)
+    baselines = {d: unigram_baseline(shards[f"{d}-train"]["paths"], shards[f"{d}-heldout"]["paths"],
+                                     cfg.model.vocab_size, cfg.data.token_dtype) for d in DOMAINS}
+    plot_curves(history, out / "loss_curves.png")
+    report = write_report(out, cfg, data, history, baselines, samples, train_seconds, same_as_previous)
+    print(f"demo: report in {report}")
+    return report
+
+
+def write_report(out: Path, cfg, data, history, baselines, samples, train_seconds, same_as_previous) -> Path:
+    final = history[-1]
+    tokens = final["throughput/total tokens"]
+    rows = []
+    for d in DOMAINS:
+        ce = final[f"eval/lm/{d}/CE loss"]
+        bpb = final.get(f"eval/lm/{d}/BPB")
+        rows.append(f"| {d} | {ce:.4f} | {np.exp(ce):.1f} | {'' if bpb is None else f'{bpb:.3f}'} | "
+                    f"{baselines[d]:.4f} | {baselines[d] - ce:+.4f} |")
+    shard_rows = [f"| {k} | {v['documents']:,} | {v['tokens']:,} | {v['bytes']:,} |" for k, v in data["shards"].items()]
+    repeat = {None: "this is the first run in this directory; run `olmax demo` again to check that the losses repeat",
+              True: "bitwise identical to the previous run's, step for step",
+              False: "DIFFERENT from the previous run's (same config and seed): a determinism bug"}[same_as_previous]
+    run_dir = cfg.run_dir
+    ckpt = run_dir / "checkpoints"
+    lines = [
+        "# olmax demo report", "",
+        f"A {cfg.model.n_layers}-layer OLMo 3 (d_model {cfg.model.d_model}, {cfg.model.n_heads} heads, "
+        f"pattern {cfg.model.layer_pattern}, window {cfg.model.sliding_window}, vocab {cfg.model.vocab_size}) "
+        f"trained for {cfg.train.steps} steps of {cfg.train.global_batch_instances} x {cfg.data.sequence_length} "
+        f"tokens ({tokens:,} tokens) in {train_seconds:.0f} s on this machine's CPU, "
+        f"recipe: AdamW lr {cfg.optim.lr} with {cfg.schedule.warmup_steps} warmup steps, {cfg.schedule.kind} to "
+        f"{cfg.schedule.final_lr_fraction} x, z-loss {cfg.loss.z_loss}, skip-step, embedding excluded from decay.", "",
+        "## Data (the Python standard library, split by file)", "",
+        "| split | documents | tokens | text bytes |", "| --- | ---: | ---: | ---: |", *shard_rows, "",
+        "## Held-out loss at the last step", "",
+        "| domain | CE (nats/token) | PPL | bits/byte | unigram baseline CE | baseline - model |",
+        "| --- | ---: | ---: | ---: | ---: | ---: |", *rows, "",
+        "The unigram baseline is the cross-entropy of the held-out tokens under the train split's token "
+        "frequencies (add-one smoothed), with the same tokenizer.", "",
+        f"Final train CE {final['train/CE loss']:.4f}. Losses: {repeat}.", "",
+        "![loss curves](loss_curves.png)", "",
+        "## Greedy samples", "",
+        *[f"```\n{s}\n```\n" for s in samples],
+        "## Where things are", "",
+        f"- checkpoints: `{ckpt}`", f"- metrics: `{run_dir / 'metrics.jsonl'}`, TensorBoard events in "
+        f"`{run_dir / 'tensorboard'}`", f"- tokenizer and shards: `{out / 'cache'}`", "",
+        "## Next commands", "",
+        "```bash",
+        f"olmax train demo train.steps={2 * cfg.train.steps}   # resume from the last checkpoint, train further",
+        f"olmax resume-check tiny data.mix_file=runs/synth/mix.txt --at 20 --steps 40   # exact resume A/B",
+        f"olmax eval heldout {ckpt} --data code={out}/cache/shards/code-heldout/mix.txt",
+        f"olmax convert olmax-to-hf {ckpt} runs/demo/hf",
+        f"olmax compare {run_dir} runs/OTHER_RUN",
+        "```", "",
+    ]
+    report = out / "report.md"
+    report.write_text("\n".join(lines))
+    (out / "report.json").write_text(json.dumps({"final": final, "unigram_baseline": baselines,
+                                                 "losses_repeat_previous_run": same_as_previous,
+                                                 "train_seconds": train_seconds}, indent=1))
+    return report
