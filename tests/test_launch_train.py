@@ -1,0 +1,95 @@
+"""`olmax launch` over real training: a child killed mid-run is restarted and the run completes."""
+
+import json
+import os
+import signal
+import struct
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from tensorboardX.proto import event_pb2
+
+from olmax.data.synthetic import write_synthetic_shards
+from olmax.launch.supervisor import Backoff, Supervisor
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+    return write_synthetic_shards(tmp_path_factory.mktemp("shards"), vocab_size=512, eos_id=0, n_tokens=200_000,
+                                  n_shards=2, seed=0, token_dtype="uint16")
+
+
+def child_env(cache_dir: Path, devices: int, **extra) -> dict:
+    """The environment of training children: `devices` CPU devices (not the 8 of conftest) and a shared
+    compilation cache, so the restarted attempt does not compile again."""
+    return {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
+            "JAX_COMPILATION_CACHE_DIR": str(cache_dir), "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", **extra}
+
+
+def signal_once_after_checkpoint(run_dir: Path, step: int, sig: int, process: int = 0, watchdog: float = 180):
+    """An on_start hook: in the first attempt, send `sig` to `process` as soon as checkpoint `step` is
+    committed; if the attempt has not ended `watchdog` seconds later (a hang), SIGKILL all its processes."""
+    attempts = []
+
+    def on_start(procs):
+        attempts.append(procs)
+        if len(attempts) > 1:
+            return
+
+        def send():
+            while not (run_dir / "checkpoints" / str(step)).is_dir():
+                if procs[process].poll() is not None:
+                    return
+                time.sleep(0.01)
+            procs[process].send_signal(sig)
+            deadline = time.monotonic() + watchdog
+            while any(p.poll() is None for p in procs):
+                if time.monotonic() > deadline:
+                    for p in procs:
+                        p.kill()
+                time.sleep(0.1)
+        threading.Thread(target=send, daemon=True).start()
+    return on_start
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def tensorboard_steps(log_dir: Path, tag: str = "train/CE_loss") -> list[int]:
+    """The steps of `tag` as TensorBoard shows them: a file's purge step (a SessionLog START written on
+    resume) drops the steps >= it that earlier files logged. tensorboardX writes "train/CE loss" as
+    "train/CE_loss"."""
+    steps = []
+    for path in sorted(log_dir.glob("events.out.tfevents.*"), key=lambda p: int(p.name.split(".")[3])):
+        data, pos = path.read_bytes(), 0
+        while pos + 12 <= len(data):
+            (length,) = struct.unpack("<Q", data[pos:pos + 8])
+            if pos + 12 + length > len(data):
+                break  # a record cut short by a kill
+            event = event_pb2.Event.FromString(data[pos + 12:pos + 12 + length])
+            pos += 12 + length + 4
+            if event.session_log.status == event_pb2.SessionLog.START:
+                steps = [s for s in steps if s < event.step]
+            steps += [event.step for v in event.summary.value if v.tag == tag]
+    return steps
+
+
+@pytest.mark.slow
+def test_a_training_child_killed_mid_run_is_restarted_and_finishes(tmp_path, shards):
+    run = tmp_path / "run"
+    overrides = [f"data.paths={json.dumps(shards)}", f"output_dir={run}", "train.steps=12", "checkpoint.every=3",
+                 "mesh.fsdp=-1"]
+    sleeps = []
+    supervisor = Supervisor("tiny", overrides, backoff=Backoff(0.1, 2, 1), max_retries=2, sleep=sleeps.append,
+                            env=child_env(tmp_path / "jax-cache", 1), on_start=signal_once_after_checkpoint(run, 3, signal.SIGKILL))
+    assert supervisor.run() == 0
+    first, second = read_jsonl(run / "launch.jsonl")
+    assert first["reason"] == "killed by SIGKILL" and 3 <= first["checkpoint_after"] < 12
+    assert second["reason"] == "finished" and second["checkpoint_after"] == 12
+    assert sleeps == [0.1]
+    # Both metric streams hold every step once: the steps up to the checkpoint were on disk before it existed.
+    assert [m["step"] for m in read_jsonl(run / "metrics.jsonl")] == list(range(1, 13))
+    assert tensorboard_steps(run / "tensorboard") == list(range(1, 13))
