@@ -51,6 +51,9 @@ def cmd_flops(args) -> None:
 
 
 def cmd_train(args) -> None:
+    from olmax.launch.distributed import initialize_from_env
+
+    initialize_from_env()  # join a multi-process run (OLMAX_* variables) before anything touches a device
     from olmax.train.trainer import RESUMABLE_EXIT_CODE, Preempted, train
 
     cfg = load_config(args.config, args.overrides)
@@ -123,9 +126,11 @@ def build_parser() -> argparse.ArgumentParser:
     from olmax.data import cli as data_cli
     from olmax.eval import cli as eval_cli
     from olmax.interop import cli as interop_cli
+    from olmax.launch import cli as launch_cli
 
     data_cli.add_commands(sub)
     interop_cli.add_commands(sub)
+    launch_cli.add_commands(sub)
     eval_cli.add_commands(sub)
     return parser
 

@@ -53,6 +53,9 @@ class ModelConfig(Section):
         "none", description="'none': no remat; 'full': save nothing; or the named activations to save"
     )
     attention_block: int = Field(512, gt=0, description="query/key block of the blocked attention")
+    scan_layers: bool = Field(
+        True, description="scan over layer groups (compile time independent of depth); false unrolls them"
+    )
 
     @property
     def kv_heads(self) -> int:

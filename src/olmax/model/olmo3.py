@@ -153,7 +153,11 @@ def hidden_states(cfg: ModelConfig, params: dict, tokens: jax.Array) -> jax.Arra
             x = block(cfg, jax.tree.map(lambda a: a[i], group_params), x, rope, window)
         return x, None
 
-    x, _ = jax.lax.scan(_remat(cfg, group), x, groups)
+    if cfg.scan_layers:
+        x, _ = jax.lax.scan(_remat(cfg, group), x, groups)
+    else:
+        for g in range(cfg.n_layers // period):
+            x, _ = _remat(cfg, group)(x, jax.tree.map(lambda a: a[g], groups))
     return rms_norm(x, params["final_norm"], cfg.norm_eps)
 
 

@@ -14,7 +14,9 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-from tensorboardX import SummaryWriter
+from tensorboardX.event_file_writer import EventsWriter
+from tensorboardX.proto.event_pb2 import Event, SessionLog
+from tensorboardX.proto.summary_pb2 import Summary
 
 # Dense bf16 peak per device (FLOP/s), by jax device_kind prefix.
 PEAK_BF16_FLOPS = {
@@ -53,6 +55,10 @@ def device_peak_flops(dtype_name: str) -> float:
 
 
 class MetricsWriter:
+    """Writes synchronously, so that flush() puts every logged step on disk (tensorboardX's SummaryWriter
+    hands events to a thread through a queue that its flush() does not drain: a process killed after
+    flush() could lose the steps before the checkpoint it then wrote)."""
+
     def __init__(self, run_dir: Path, start_step: int, enabled: bool = True):
         self.enabled = enabled
         self.jsonl = Path(run_dir) / "metrics.jsonl"
@@ -62,20 +68,32 @@ class MetricsWriter:
         if self.jsonl.exists():
             kept = [ln for ln in self.jsonl.read_text().splitlines() if json.loads(ln)["step"] <= start_step]
             self.jsonl.write_text("".join(ln + "\n" for ln in kept))
-        self.tensorboard = SummaryWriter(str(Path(run_dir) / "tensorboard"), purge_step=start_step + 1)
+        tensorboard = Path(run_dir) / "tensorboard"
+        tensorboard.mkdir(exist_ok=True)
+        self.events = EventsWriter(str(tensorboard / "events"))
+        # TensorBoard's purge marker (as SummaryWriter(purge_step=...)): earlier files' later steps are dropped.
+        self.events.write_event(Event(step=start_step + 1, wall_time=time.time(),
+                                      session_log=SessionLog(status=SessionLog.START)))
+        self.events.flush()
         self.file = self.jsonl.open("a")
 
     def write(self, step: int, metrics: dict[str, float]) -> None:
         if not self.enabled:
             return
-        for name, value in metrics.items():
-            self.tensorboard.add_scalar(name, value, step)
+        # Tags are OLMo-core's metric names verbatim (tensorboardX's scalar() would turn spaces into `_`).
+        values = [Summary.Value(tag=name, simple_value=float(value)) for name, value in metrics.items()]
+        self.events.write_event(Event(step=step, wall_time=time.time(), summary=Summary(value=values)))
         self.file.write(json.dumps({"step": step, **metrics}) + "\n")
         self.file.flush()
 
+    def flush(self) -> None:
+        if self.enabled:
+            self.events.flush()
+            self.file.flush()
+
     def close(self) -> None:
         if self.enabled:
-            self.tensorboard.close()
+            self.events.close()
             self.file.close()
 
 

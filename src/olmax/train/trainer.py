@@ -16,6 +16,7 @@ from pathlib import Path
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 
 from olmax.config import ConfigError, RunConfig
 from olmax.data import build_loader
@@ -49,6 +50,14 @@ def preemption_signals():
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def stop_requested(stop: threading.Event) -> bool:
+    """Whether any process was signalled. The processes of a run get the signal at different steps, but
+    must all stop (and checkpoint) after the same one, or their collectives wait on each other for ever."""
+    if jax.process_count() == 1:
+        return stop.is_set()
+    return bool(multihost_utils.process_allgather(np.int32(stop.is_set())).any())
 
 
 def micro_batch_rows(cfg: RunConfig, dp_size: int) -> int:
@@ -192,7 +201,7 @@ def train(cfg: RunConfig, *, quiet: bool = False) -> list[dict]:
         })
         writer.write(step, values)
         history.append({"step": step, **values})
-        if not quiet and (step % cfg.train.log_every == 0 or step == cfg.train.steps):
+        if not quiet and jax.process_index() == 0 and (step % cfg.train.log_every == 0 or step == cfg.train.steps):
             print(console_line(step, cfg.train.steps, values), flush=True)
 
     try:
@@ -204,7 +213,8 @@ def train(cfg: RunConfig, *, quiet: bool = False) -> list[dict]:
                 if pending:
                     finish(*pending)
                 pending = (step, metrics, {})
-                save = step % cfg.checkpoint.every == 0 or step == last or stop.is_set()
+                stopping = stop_requested(stop)
+                save = step % cfg.checkpoint.every == 0 or step == last or stopping
                 eval_due = evaluate is not None and evaluate.due(step)
                 if eval_due or save:
                     jax.block_until_ready(metrics)
@@ -212,10 +222,15 @@ def train(cfg: RunConfig, *, quiet: bool = False) -> list[dict]:
                     if eval_due:
                         pending[2].update(evaluate(step, state.params))
                     if save:
+                        # Step N is logged and on disk before checkpoint N exists: a resume at N keeps steps <= N.
+                        paused += time.perf_counter() - side_work_start
+                        finish(*pending)
+                        pending = None
+                        writer.flush()
+                        side_work_start = time.perf_counter()
                         checkpointer.save(step, state, run_meta(cfg, step, loader.state_dict()))
                     paused += time.perf_counter() - side_work_start
-                if stop.is_set():
-                    finish(*pending)
+                if stopping:
                     raise Preempted(f"stopped by a signal after step {step}; checkpoint {step} written")
             if pending:
                 finish(*pending)
