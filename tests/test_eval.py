@@ -232,7 +232,9 @@ def test_kl_cli_between_a_checkpoint_and_its_hf_export(cfg, params, checkpoint, 
             tmp_path / "kl")
     report = json.loads((tmp_path / "kl.json").read_text())
     assert report["a"] == f"{checkpoint}/0" and report["b"] == str(tmp_path / "hf")
-    assert report["tokens"] >= 500 and report["kl_mean"] < 1e-9 and report["top1_agreement"] == 1.0
+    # Same weights; the HF directory does not carry olmax's attention_block (a speed knob: 16 in `tiny`, 512
+    # by default), so attention sums run in other block orders. Measured: mean KL 1.1e-8, max 4.8e-7.
+    assert report["tokens"] >= 500 and report["kl_mean"] < 1e-7 and report["top1_agreement"] == 1.0
     assert sum(report["histogram"]["counts"]) == report["tokens"]
     assert (tmp_path / "kl.png").read_bytes()[:4] == b"\x89PNG"
 

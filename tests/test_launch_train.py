@@ -3,13 +3,12 @@
 import json
 import os
 import signal
-import struct
 import threading
 import time
 from pathlib import Path
 
 import pytest
-from tensorboardX.proto import event_pb2
+from olmax.eval.curves import read_events
 
 from olmax.data.synthetic import write_synthetic_shards
 from olmax.launch.supervisor import Backoff, Supervisor
@@ -58,23 +57,9 @@ def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-def tensorboard_steps(log_dir: Path, tag: str = "train/CE_loss") -> list[int]:
-    """The steps of `tag` as TensorBoard shows them: a file's purge step (a SessionLog START written on
-    resume) drops the steps >= it that earlier files logged. tensorboardX writes "train/CE loss" as
-    "train/CE_loss"."""
-    steps = []
-    for path in sorted(log_dir.glob("events.out.tfevents.*"), key=lambda p: int(p.name.split(".")[3])):
-        data, pos = path.read_bytes(), 0
-        while pos + 12 <= len(data):
-            (length,) = struct.unpack("<Q", data[pos:pos + 8])
-            if pos + 12 + length > len(data):
-                break  # a record cut short by a kill
-            event = event_pb2.Event.FromString(data[pos + 12:pos + 12 + length])
-            pos += 12 + length + 4
-            if event.session_log.status == event_pb2.SessionLog.START:
-                steps = [s for s in steps if s < event.step]
-            steps += [event.step for v in event.summary.value if v.tag == tag]
-    return steps
+def tensorboard_steps(log_dir: Path, tag: str = "train/CE loss") -> list[int]:
+    """The steps of `tag` as TensorBoard shows them (a resume's purge marker drops later steps of earlier files)."""
+    return sorted(read_events(log_dir).get(tag, {}))
 
 
 @pytest.mark.slow
