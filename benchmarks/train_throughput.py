@@ -101,7 +101,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--skip-torch", action="store_true")
-    parser.add_argument("--olmax", nargs="*", default=["model.attention_block=128"], help="extra olmax overrides")
+    parser.add_argument("--olmax", nargs="*", default=["model.attention_block=128", "model.scan_layers=false"], help="extra olmax overrides")
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args()
 
