@@ -10,7 +10,7 @@
 
 Corpus, tokenizer and shards are cached under runs/demo/cache (`--fresh` rebuilds);
 the training run always starts over, and the report says whether its losses are
-bitwise equal to the previous run's.
+bitwise equal to the previous run's when that run had the same config.
 """
 
 from __future__ import annotations
@@ -171,10 +171,10 @@ def run_demo(overrides: list[str], fresh: bool) -> Path:
     out = cfg.run_dir.parent
     data = prepare_data(out / "cache", cfg.model.vocab_size, fresh)
     shards = data["shards"]
-    previous = cfg.run_dir / "metrics.jsonl"
+    previous = out / "report.json"
     previous_losses = None
-    if previous.exists():
-        previous_losses = [json.loads(line)["train/CE loss"] for line in previous.read_text().splitlines()]
+    if previous.exists() and json.loads(previous.read_text()).get("config") == cfg.model_dump(mode="json"):
+        previous_losses = json.loads(previous.read_text())["losses"]
     shutil.rmtree(cfg.run_dir, ignore_errors=True)
 
     started = time.perf_counter()
@@ -206,7 +206,8 @@ def write_report(out: Path, cfg, data, history, baselines, samples, train_second
         rows.append(f"| {d} | {ce:.4f} | {np.exp(ce):.1f} | {'' if bpb is None else f'{bpb:.3f}'} | "
                     f"{baselines[d]:.4f} | {baselines[d] - ce:+.4f} |")
     shard_rows = [f"| {k} | {v['documents']:,} | {v['tokens']:,} | {v['bytes']:,} |" for k, v in data["shards"].items()]
-    repeat = {None: "this is the first run in this directory; run `olmax demo` again to check that the losses repeat",
+    repeat = {None: "no earlier run with this config in this directory; run `olmax demo` again to check that "
+                    "the losses repeat",
               True: "bitwise identical to the previous run's, step for step",
               False: "DIFFERENT from the previous run's (same config and seed): a determinism bug"}[same_as_previous]
     run_dir = cfg.run_dir
@@ -245,6 +246,8 @@ def write_report(out: Path, cfg, data, history, baselines, samples, train_second
     report = out / "report.md"
     report.write_text("\n".join(lines))
     (out / "report.json").write_text(json.dumps({"final": final, "unigram_baseline": baselines,
+                                                 "config": cfg.model_dump(mode="json"),
+                                                 "losses": [h["train/CE loss"] for h in history],
                                                  "losses_repeat_previous_run": same_as_previous,
                                                  "train_seconds": train_seconds}, indent=1))
     return report
