@@ -3,3 +3,24 @@ import os
 # Multi-device code is tested on 8 fake CPU devices; this must happen before jax is imported.
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def cfg():
+    """The tiny preset (its model is what the eval tests score)."""
+    from olmax.config import load_config
+
+    return load_config("tiny")
+
+
+@pytest.fixture(scope="module")
+def params(cfg):
+    """Randomly initialised tiny-model params on the host."""
+    import jax
+
+    from olmax.model import olmo3
+
+    return jax.device_get(olmo3.init_params(cfg.model, jax.random.key(0)))

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh
 
-from olmax.config import CheckpointConfig, load_config
+from olmax.config import CheckpointConfig
 from olmax.data import DataError
 from olmax.data.synthetic import write_synthetic_shards
 from olmax.data.tokenize import tokenize_corpus, train_tokenizer
@@ -28,16 +28,6 @@ WORDS = ("the cat sat on a mat and the dog ran to the red house while small bird
 
 def fsdp_mesh(devices: int) -> Mesh:
     return Mesh(np.asarray(jax.devices()[:devices]).reshape(1, devices, 1, 1), AXES)
-
-
-@pytest.fixture(scope="module")
-def cfg():
-    return load_config("tiny")
-
-
-@pytest.fixture(scope="module")
-def params(cfg):
-    return jax.device_get(olmo3.init_params(cfg.model, jax.random.key(0)))
 
 
 @pytest.fixture(scope="module")
