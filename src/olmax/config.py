@@ -294,7 +294,7 @@ def _read_yaml(path: Path) -> dict:
 
 def _flatten(tree: dict, prefix: str = ""):
     for key, value in tree.items():
-        if isinstance(value, dict) and key not in ("",):
+        if isinstance(value, dict):
             yield from _flatten(value, f"{prefix}{key}.")
         else:
             yield f"{prefix}{key}", value
