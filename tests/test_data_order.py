@@ -110,11 +110,17 @@ def test_resume_state_matches_olmo_core_position(tmp_path):
                                     world=1, work_dir=tmp_path)
     loader = build_loader(data_config(paths, token_dtype="uint16", length=length),
                           global_batch_instances=global_batch, vocab_size=VOCAB)
+    advance_together(loader, reference, 5)
+
+
+def advance_together(loader, reference, batches):
+    """Take `batches` of epoch 1 from both loaders; their states, which must agree on the position."""
     reference.reshuffle(epoch=1)
-    batches = iter(reference)
-    for _ in range(5):
-        next(batches)
+    taken = iter(reference)
+    for _ in range(batches):
+        next(taken)
         next(loader)
     ours, theirs = json.loads(json.dumps(loader.state_dict())), reference.state_dict()
     for key in ("epoch", "batches_processed", "tokens_processed", "seed"):
         assert ours[key] == theirs[key], key
+    return ours, theirs

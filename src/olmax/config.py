@@ -96,9 +96,25 @@ class RepetitionFilterConfig(Section):
     max_count: int = Field(32, gt=1, description="an instance with a period repeated this often is masked")
 
 
+class SourceConfig(Section):
+    """A source of a mid-training mix (OLMo-core's SourceMixtureConfig)."""
+
+    name: str = Field(min_length=1)
+    ratio: float = Field(gt=0, le=1, description="the source's share of data.requested_tokens")
+    paths: list[str] = Field(
+        default_factory=list, description="its token shards; empty = the data.mix_file lines labeled `name`"
+    )
+    max_repetition_ratio: float = Field(1.0, ge=1, description="passes over the source allowed (upsampling)")
+    max_source_fraction: float = Field(1.0, gt=0, le=1, description="share of the source's tokens allowed")
+
+
 class DataConfig(Section):
     paths: list[str] = Field(default_factory=list, description="token shards in mix order")
     mix_file: str | None = Field(None, description="OLMo-core mix file of `label,path` lines (instead of paths)")
+    sources: list[SourceConfig] = Field(
+        default_factory=list, description="a mix by per-source ratios of requested_tokens (instead of paths)"
+    )
+    requested_tokens: int | None = Field(None, gt=0, description="tokens the sources' mix is built to hold")
     sequence_length: int = Field(8192, gt=1)
     seed: int = 34521
     eos_id: int = Field(100257, ge=0)
@@ -107,6 +123,29 @@ class DataConfig(Section):
     repetition_filter: RepetitionFilterConfig = Field(default_factory=RepetitionFilterConfig)
     num_workers: int = Field(0, ge=0, description="prefetch threads (0 = read in the training loop's thread)")
     allow_fingerprint_change: bool = False
+
+    @model_validator(mode="after")
+    def _mixture(self):
+        if not self.sources:
+            if self.requested_tokens is not None:
+                raise ValueError("data.requested_tokens is set but data.sources is empty; list the sources")
+            return self
+        if self.requested_tokens is None:
+            raise ValueError("data.sources needs data.requested_tokens, the tokens the mix is built to hold")
+        if self.paths:
+            raise ValueError("set either data.paths or data.sources, not both")
+        names = [s.name for s in self.sources]
+        if len(set(names)) != len(names):
+            raise ValueError(f"data.sources: names must be unique, got {names}")
+        total = sum(s.ratio for s in self.sources)
+        if abs(total - 1.0) > 1e-8 + 1e-5:  # np.allclose's tolerance, as OLMo-core
+            raise ValueError(f"data.sources: ratios must sum to 1, got {total}")
+        unlisted = [s.name for s in self.sources if not s.paths]
+        if unlisted and not self.mix_file:
+            raise ValueError(f"data.sources {unlisted} list no paths; set their paths or a data.mix_file labeling them")
+        if self.mix_file and not unlisted:
+            raise ValueError("data.mix_file is unused: every source lists its paths; unset data.mix_file")
+        return self
 
 
 class SkipStepConfig(Section):

@@ -18,6 +18,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import numpy as np
 
 from olmax.data.filters import repetition_keep
+from olmax.data.mixture import mixture_facts, select_mixture
 from olmax.data.order import batches_per_epoch, epoch_order, local_rows
 from olmax.data.shards import DataError, TokenShards, describe_change, resolve_sources
 
@@ -208,13 +209,20 @@ def build_loader(
             f"train.global_batch_instances {global_batch_instances} is not divisible by the {process_count} "
             "processes; each process takes an equal slice: pick a multiple"
         )
+    if data.sources:
+        sources, instances = select_mixture(data, global_batch_instances=global_batch_instances)
+        mixture = mixture_facts(data)
+    else:
+        sources, instances, mixture = resolve_sources(data.paths, data.mix_file), None, None
     shards = TokenShards(
-        resolve_sources(data.paths, data.mix_file),
+        sources,
         sequence_length=data.sequence_length,
         token_dtype=data.token_dtype,
         vocab_size=vocab_size,
         eos_id=data.eos_id,
         pad_id=data.pad_id,
+        instances=instances,
+        mixture=mixture,
     )
     if shards.num_instances < global_batch_instances:
         raise DataError(

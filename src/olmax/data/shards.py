@@ -11,6 +11,7 @@ copy from the page cache, no per-shard mapping to keep open.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import threading
 from collections import OrderedDict
@@ -74,8 +75,30 @@ def resolve_sources(paths: list[str], mix_file: str | None) -> list[Source]:
     return [Source(Path(p).stem, p) for p in paths]
 
 
+def count_tokens(path: str, token_dtype: str) -> int:
+    """Tokens in a shard, checking that it exists, is not empty and holds whole tokens."""
+    try:
+        size = os.path.getsize(path)
+    except FileNotFoundError:
+        raise DataError(f"shard {path} does not exist; fix data.paths / data.mix_file or run `olmax tokenize`") from None
+    itemsize = np.dtype(TOKEN_DTYPES[token_dtype]).itemsize
+    if size == 0:
+        raise DataError(f"shard {path} is empty; remove it from the mix or re-run `olmax tokenize`")
+    if size % itemsize:
+        raise DataError(
+            f"shard {path}: {size} bytes is not a multiple of the {itemsize}-byte {token_dtype} token; "
+            "the file is truncated or written with another data.token_dtype"
+        )
+    return size // itemsize
+
+
 class TokenShards:
-    """The instances of a mix, read by global instance id."""
+    """The instances of a mix, read by global instance id.
+
+    `instances`, when given, is how many instances each shard gives from its head
+    (a mixture's selection; a shard may appear more than once); `mixture` is that
+    selection's definition, part of the facts.
+    """
 
     def __init__(
         self,
@@ -86,6 +109,8 @@ class TokenShards:
         vocab_size: int,
         eos_id: int,
         pad_id: int,
+        instances: list[int] | None = None,
+        mixture: dict | None = None,
     ):
         if token_dtype not in TOKEN_DTYPES:
             raise DataError(f"data.token_dtype {token_dtype!r} is not one of {sorted(TOKEN_DTYPES)}")
@@ -102,8 +127,11 @@ class TokenShards:
         self.eos_id = eos_id
         self.pad_id = pad_id
         self.sizes = [self._checked_size(s.path) for s in self.sources]
-        counts = [size // self.dtype.itemsize // sequence_length for size in self.sizes]
-        self.offsets = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)])
+        self.mixture = mixture
+        if instances is None:
+            instances = [size // self.dtype.itemsize // sequence_length for size in self.sizes]
+        self.instances = list(instances)
+        self.offsets = np.concatenate([[0], np.cumsum(self.instances, dtype=np.int64)])
         if self.num_instances >= np.iinfo(np.uint32).max:
             raise DataError(f"{self.num_instances} instances exceed OLMo-core's uint32 instance ids; split the mix")
         self._lock = threading.Lock()
@@ -113,33 +141,25 @@ class TokenShards:
                             index, 0)
 
     def _checked_size(self, path: str) -> int:
-        try:
-            size = os.path.getsize(path)
-        except FileNotFoundError:
-            raise DataError(f"shard {path} does not exist; fix data.paths / data.mix_file or run `olmax tokenize`") from None
-        itemsize = self.dtype.itemsize
-        if size == 0:
-            raise DataError(f"shard {path} is empty; remove it from the mix or re-run `olmax tokenize`")
-        if size % itemsize:
+        tokens = count_tokens(path, self.token_dtype)
+        if tokens < self.sequence_length:
             raise DataError(
-                f"shard {path}: {size} bytes is not a multiple of the {itemsize}-byte {self.token_dtype} token; "
-                "the file is truncated or written with another data.token_dtype"
-            )
-        if size // itemsize < self.sequence_length:
-            raise DataError(
-                f"shard {path} holds {size // itemsize} tokens, fewer than data.sequence_length "
+                f"shard {path} holds {tokens} tokens, fewer than data.sequence_length "
                 f"{self.sequence_length}; it gives no instance: remove it from the mix (the order of the others "
                 "is unchanged) or lower data.sequence_length"
             )
-        return size
+        return tokens * self.dtype.itemsize
 
     @property
     def num_instances(self) -> int:
         return int(self.offsets[-1])
 
     def facts(self) -> dict:
-        """What defines the dataset (as BRIEF): vocab, special ids, dtype, sequence length, file names and sizes."""
-        return {
+        """What defines the dataset (as BRIEF): vocab, special ids, dtype, sequence length, file names and sizes.
+
+        A mixture adds its definition and the instances taken from each shard.
+        """
+        facts = {
             "version": FINGERPRINT_VERSION,
             "vocab_size": self.vocab_size,
             "eos_id": self.eos_id,
@@ -149,6 +169,9 @@ class TokenShards:
             # Names, not full paths, as OLMo-core: the same mix moved to another disk is the same data.
             "files": [[os.path.basename(s.path), size] for s, size in zip(self.sources, self.sizes)],
         }
+        if self.mixture is not None:
+            facts.update(mixture=self.mixture, instances=self.instances)
+        return facts
 
     @property
     def fingerprint(self) -> str:
@@ -232,6 +255,9 @@ def fingerprint(facts: dict) -> str:
         digest.update(f"{key}={facts[key]},".encode())
     for name, size in facts["files"]:
         digest.update(f"path={name},size={size},".encode())
+    if "mixture" in facts:
+        mixture = json.dumps(facts["mixture"], sort_keys=True)
+        digest.update(f"mixture={mixture},instances={facts['instances']},".encode())
     return digest.hexdigest()
 
 
@@ -248,6 +274,28 @@ def describe_change(old: dict, new: dict) -> list[str]:
     for index, (was, now) in enumerate(zip(old_files, new_files)):
         if was != now:
             changes.append(f"shard {index}: {was[0]} ({was[1]} bytes) -> {now[0]} ({now[1]} bytes)")
+    return changes + _mixture_changes(old, new)
+
+
+def _mixture_changes(old: dict, new: dict) -> list[str]:
+    was, now = old.get("mixture"), new.get("mixture")
+    if was is None or now is None:
+        return [] if was is now else [f"data.sources {'set' if now else 'unset'}"]
+    changes = []
+    if was["requested_tokens"] != now["requested_tokens"]:
+        changes.append(f"data.requested_tokens {was['requested_tokens']} -> {now['requested_tokens']}")
+    old_sources = {s["name"]: s for s in was["sources"]}
+    for source in now["sources"]:
+        before = old_sources.pop(source["name"], None)
+        if before is None:
+            changes.append(f"source {source['name']} added")
+            continue
+        changes += [f"source {source['name']} {key} {before.get(key)} -> {value}"
+                    for key, value in source.items() if before.get(key) != value]
+    changes += [f"source {name} removed" for name in old_sources]
+    old_counts, new_counts = old["instances"], new["instances"]
+    if old_counts != new_counts:
+        changes.append(f"instances selected {sum(old_counts)} -> {sum(new_counts)}")
     return changes
 
 
