@@ -72,8 +72,10 @@ def peak_of(code: str) -> tuple[float, float]:
     """(peak RSS in GB, seconds) of a fresh Python process running `code`."""
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     start = time.perf_counter()
-    out = subprocess.run([sys.executable, "-c", f"{code}\n{PEAK}"], env=env, check=True,
-                         capture_output=True, text=True).stdout
+    run = subprocess.run([sys.executable, "-c", f"{code}\n{PEAK}"], env=env, capture_output=True, text=True)
+    if run.returncode:
+        sys.exit(f"failed ({run.returncode}):\n{code}\n{run.stderr[-3000:]}")
+    out = run.stdout
     seconds = time.perf_counter() - start
     kb = int(next(line for line in out.splitlines() if line.startswith("PEAK_KB")).split()[1])
     return kb * 1024 / GB, seconds
@@ -106,9 +108,9 @@ def main() -> None:
         baseline, _ = peak_of(BASELINE)
         read_peak, read_s = peak_of(f"from olmax.interop.hf import *\nsrc = {str(hf_dir)!r}\n"
                                     "load_hf_params(src, run_config_from_hf(read_hf_config(src), 'x'))")
-        import_peak, import_s = peak_of(f"from olmax.interop import hf_to_olmax\nhf_to_olmax({str(hf_dir)!r}, "
+        import_peak, import_s = peak_of(f"from olmax.interop.hf import hf_to_olmax\nhf_to_olmax({str(hf_dir)!r}, "
                                         f"{str(ckpt)!r})")
-        export_peak, export_s = peak_of(f"from olmax.interop import olmax_to_hf\nolmax_to_hf({str(ckpt)!r}, "
+        export_peak, export_s = peak_of(f"from olmax.interop.hf import olmax_to_hf\nolmax_to_hf({str(ckpt)!r}, "
                                         f"{str(back)!r}, max_shard_bytes={int(args.shard_gb * GB)})")
     finally:
         shutil.rmtree(work, ignore_errors=True)

@@ -263,3 +263,31 @@ def test_export_of_a_sharded_training_checkpoint(hf_dir, tmp_path):
     assert sorted(original) == sorted(back)
     for name, tensor in original.items():
         assert np.array_equal(back[name], tensor), name
+
+
+def test_conversion_in_small_slabs_is_bit_identical(hf_dir, tmp_path, monkeypatch):
+    """Streaming a slab of rows at a time (here 1 KB, so every matrix takes many slabs, transposed or not)
+    gives the same tensors as reading each whole tensor with safetensors."""
+    from olmax.interop import stream
+    monkeypatch.setattr(stream, "SLAB_BYTES", 1024)
+    hf_to_olmax(hf_dir, tmp_path / "olmax")
+    olmax_to_hf(tmp_path / "olmax", tmp_path / "back")
+    original, back = read_tensors(hf_dir), read_tensors(tmp_path / "back")
+    assert sorted(original) == sorted(back)
+    for name, tensor in original.items():
+        assert np.array_equal(back[name], tensor), name
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda data: data[:-100], "truncated or corrupt"),
+    (lambda data: b"\xff" * 8 + data[8:], "not a safetensors file"),
+    (lambda data: data[:8] + b"\x00" + data[9:], "header is not JSON"),
+])
+def test_damaged_safetensors_are_named(hf_dir, tmp_path, damage, message):
+    src = tmp_path / "src"
+    shutil.copytree(hf_dir, src)
+    weights = src / "model.safetensors"
+    weights.write_bytes(damage(weights.read_bytes()))
+    with pytest.raises(InteropError, match=message) as err:
+        hf_to_olmax(src, tmp_path / "out")
+    assert "model.safetensors" in str(err.value) and not (tmp_path / "out").exists()
