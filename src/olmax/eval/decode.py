@@ -77,7 +77,7 @@ def forward_cached(cfg: ModelConfig, params: dict, tokens: jax.Array, positions:
     length = cache.k.shape[2]
     query_pos = positions[:, None] + jnp.arange(tokens.shape[1])[None, :]
     cos_table, sin_table = olmo3.rope_tables(length, cfg.head_size, cfg.rope_theta)
-    cos, sin = cos_table[query_pos], sin_table[query_pos]
+    cos, sin = jnp.asarray(cos_table)[query_pos], jnp.asarray(sin_table)[query_pos]
     windows = jnp.array([length if cfg.is_global(i) else cfg.sliding_window for i in range(cfg.n_layers)])
     x = params["embed"].astype(dtype)[tokens]
 
