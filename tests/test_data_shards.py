@@ -1,6 +1,7 @@
 """Bad input fails with an error naming the file and the fix; fingerprints; mix files."""
 
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -110,8 +111,25 @@ def test_mix_file_errors(tmp_path):
         read_mix_file(tmp_path / "absent.txt")
     mix = tmp_path / "olmo.txt"
     mix.write_text("web,preprocessed/{TOKENIZER}/part-0.npy\n")
-    with pytest.raises(DataError, match=r"olmo\.txt:1: .*\{TOKENIZER\} placeholder"):
+    with pytest.raises(DataError, match=r"olmo\.txt:1: .*\{TOKENIZER\} placeholder; set data.mix_tokenizer"):
         read_mix_file(mix)
+
+
+def test_published_mix_with_tokenizer_placeholder_and_base_dir(tmp_path, good):
+    """AI2's mix files as published: paths relative to a base directory, with a {TOKENIZER} placeholder."""
+    base = tmp_path / "ai2-llm"
+    for i, shard in enumerate(good):
+        target = base / "preprocessed" / f"src{i}" / "allenai" / "dolma2-tokenizer" / "part-0.npy"
+        target.parent.mkdir(parents=True)
+        shutil.copy(shard, target)
+    mix = tmp_path / "mixes" / "OLMo-mix.txt"
+    mix.parent.mkdir()
+    mix.write_text("".join(f"src{i},preprocessed/src{i}/{{TOKENIZER}}/part-0.npy\n" for i in range(len(good))))
+    sources = read_mix_file(mix, base_dir=str(base), tokenizer="allenai/dolma2-tokenizer")
+    assert [s.label for s in sources] == [f"src{i}" for i in range(len(good))]
+    assert all(Path(s.path).is_file() for s in sources)
+    published = loader_for(mix_file=str(mix), mix_base_dir=str(base), mix_tokenizer="allenai/dolma2-tokenizer")
+    assert np.array_equal(next(published)["input_ids"], next(loader_for(good))["input_ids"])
 
 
 def test_fingerprint_ignores_directories_but_not_names_or_sizes(tmp_path, good):

@@ -64,7 +64,7 @@ def apportion(desired_tokens: list[int], capacity: list[int], requested_instance
 
 def select_mixture(data, *, global_batch_instances: int) -> tuple[list[Source], list[int]]:
     """The shard occurrences of `data.sources`'s mix (labeled by source) in mix order, and the instances each gives."""
-    mix = read_mix_file(data.mix_file) if data.mix_file else None
+    mix = read_mix_file(data.mix_file, data.mix_base_dir, data.mix_tokenizer) if data.mix_file else None
     length = data.sequence_length
     occurrences: list[tuple[Source, int, int]] = []  # shard, tokens wanted, tokens it holds
     for source in data.sources:

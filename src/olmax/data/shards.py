@@ -38,8 +38,10 @@ class Source:
     path: str
 
 
-def read_mix_file(mix_file: str | os.PathLike) -> list[Source]:
-    """OLMo-core's mix format: `label,path` lines, `#` comments; relative paths are relative to the mix file."""
+def read_mix_file(mix_file: str | os.PathLike, base_dir: str | None = None, tokenizer: str | None = None) -> list[Source]:
+    """OLMo-core's mix format: `label,path` lines, `#` comments. Relative paths are relative to `base_dir`
+    (OLMo-core's mix_base_dir), by default the mix file's directory; `{TOKENIZER}` becomes `tokenizer`, as
+    OLMo-core builds its published mixes (e.g. allenai/dolma2-tokenizer)."""
     mix = Path(mix_file)
     if not mix.is_file():
         raise DataError(f"mix file {mix} does not exist; set data.mix_file to an existing file of `label,path` lines")
@@ -53,23 +55,26 @@ def read_mix_file(mix_file: str | os.PathLike) -> list[Source]:
             raise DataError(f"{mix}:{number}: {raw!r} does not parse; each line must be `label,path` (one comma)")
         label, path = (f.strip() for f in fields)
         if "{TOKENIZER}" in path:
-            raise DataError(
-                f"{mix}:{number}: path has OLMo-core's {{TOKENIZER}} placeholder; replace it with the tokenizer's "
-                "directory name (e.g. allenai/dolma3-tokenizer) in the mix file"
-            )
+            if tokenizer is None:
+                raise DataError(
+                    f"{mix}:{number}: path has OLMo-core's {{TOKENIZER}} placeholder; set data.mix_tokenizer to "
+                    "the tokenizer's directory name (e.g. allenai/dolma2-tokenizer)"
+                )
+            path = path.replace("{TOKENIZER}", tokenizer)
         if not os.path.isabs(path) and "://" not in path:
-            path = str(mix.parent / path)
+            path = str(Path(base_dir) / path) if base_dir else str(mix.parent / path)
         sources.append(Source(label, path))
     if not sources:
         raise DataError(f"mix file {mix} lists no shards; add `label,path` lines")
     return sources
 
 
-def resolve_sources(paths: list[str], mix_file: str | None) -> list[Source]:
+def resolve_sources(paths: list[str], mix_file: str | None, base_dir: str | None = None,
+                    tokenizer: str | None = None) -> list[Source]:
     if paths and mix_file:
         raise DataError("set either data.paths or data.mix_file, not both")
     if mix_file:
-        return read_mix_file(mix_file)
+        return read_mix_file(mix_file, base_dir, tokenizer)
     if not paths:
         raise DataError("no data: set data.paths (token shards in mix order) or data.mix_file")
     return [Source(Path(p).stem, p) for p in paths]
