@@ -278,10 +278,21 @@ def test_conversion_in_small_slabs_is_bit_identical(hf_dir, tmp_path, monkeypatc
         assert np.array_equal(back[name], tensor), name
 
 
+def _with_header(data: bytes, edit) -> bytes:
+    """The safetensors file `data` with its JSON header edited (and its length prefix rewritten)."""
+    length = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8:8 + length])
+    edit(header)
+    encoded = json.dumps(header).encode()
+    return len(encoded).to_bytes(8, "little") + encoded + data[8 + length:]
+
+
 @pytest.mark.parametrize("damage, message", [
     (lambda data: data[:-100], "truncated or corrupt"),
     (lambda data: b"\xff" * 8 + data[8:], "not a safetensors file"),
     (lambda data: data[:8] + b"\x00" + data[9:], "header is not JSON"),
+    (lambda data: _with_header(data, lambda h: h["lm_head.weight"].update(dtype="F8_E4M3")),
+     "dtype 'F8_E4M3', which olmax does not read"),
 ])
 def test_damaged_safetensors_are_named(hf_dir, tmp_path, damage, message):
     src = tmp_path / "src"

@@ -45,6 +45,9 @@ def read_header(path: Path) -> tuple[dict[str, dict], int]:
     header.pop("__metadata__", None)
     start, data = 8 + length, size - 8 - length
     for name, entry in header.items():
+        if isinstance(entry, dict) and entry.get("dtype") not in DTYPES:
+            raise InteropError(f"{path}: tensor {name!r} has dtype {entry.get('dtype')!r}, which olmax does not "
+                               f"read (it reads {sorted(DTYPES)}); convert it to F32 or BF16")
         try:
             begin, end = entry["data_offsets"]
             nbytes = math.prod(entry["shape"]) * np.dtype(DTYPES[entry["dtype"]]).itemsize
