@@ -111,8 +111,8 @@ class SourceConfig(Section):
 class DataConfig(Section):
     paths: list[str] = Field(default_factory=list, description="token shards in mix order")
     mix_file: str | None = Field(None, description="OLMo-core mix file of `label,path` lines (instead of paths)")
-    mix_base_dir: str | None = Field(None, description="relative mix paths start here (default: the mix file's directory)")
-    mix_tokenizer: str | None = Field(None, description="replaces {TOKENIZER} in mix paths, e.g. allenai/dolma2-tokenizer")
+    mix_base_dir: str | None = Field(None, description="where relative mix paths start (default: the mix file's dir)")
+    mix_tokenizer: str | None = Field(None, description="replaces {TOKENIZER} in mix paths (allenai/dolma2-tokenizer)")
     sources: list[SourceConfig] = Field(
         default_factory=list, description="a mix by per-source ratios of requested_tokens (instead of paths)"
     )

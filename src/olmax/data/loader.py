@@ -213,7 +213,8 @@ def build_loader(
         sources, instances = select_mixture(data, global_batch_instances=global_batch_instances)
         mixture = mixture_facts(data)
     else:
-        sources, instances, mixture = resolve_sources(data.paths, data.mix_file, data.mix_base_dir, data.mix_tokenizer), None, None
+        sources = resolve_sources(data.paths, data.mix_file, data.mix_base_dir, data.mix_tokenizer)
+        instances, mixture = None, None
     shards = TokenShards(
         sources,
         sequence_length=data.sequence_length,

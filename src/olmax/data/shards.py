@@ -38,7 +38,8 @@ class Source:
     path: str
 
 
-def read_mix_file(mix_file: str | os.PathLike, base_dir: str | None = None, tokenizer: str | None = None) -> list[Source]:
+def read_mix_file(mix_file: str | os.PathLike, base_dir: str | None = None,
+                  tokenizer: str | None = None) -> list[Source]:
     """OLMo-core's mix format: `label,path` lines, `#` comments. Relative paths are relative to `base_dir`
     (OLMo-core's mix_base_dir), by default the mix file's directory; `{TOKENIZER}` becomes `tokenizer`, as
     OLMo-core builds its published mixes (e.g. allenai/dolma2-tokenizer)."""

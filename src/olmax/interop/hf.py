@@ -42,7 +42,7 @@ LAYER_KINDS = {"sliding_attention": "sliding", "full_attention": "global"}
 HF_LAYER_TYPES = {kind: name for name, kind in LAYER_KINDS.items()}
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
-FLOAT_DTYPES = {"F32": np.float32, "BF16": ml_dtypes.bfloat16, "F16": np.float16, "F64": np.float64}
+FLOAT_DTYPES = {"F32", "BF16", "F16", "F64"}  # safetensors dtype codes the import accepts
 EXPORT_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}
 
 M_ARENA_MAX = -8  # glibc's mallopt parameter
