@@ -3,7 +3,11 @@
 Shape (default): OLMo 3 blocks, d 512, 8 layers, 8 heads of 64, MLP 1536, vocab 8192,
 window 256 on the 3:1 pattern, sequence 1024, batch 4: 35,668,480 parameters.
 Prints tokens/s, median step time and MFU (training FLOPs from olmax.model.flops, against
-the measured matmul peak of the framework and dtype used) and peak RSS.
+the measured matmul peak of the framework and dtype used) and the peak RSS of each.
+
+Each row runs in a fresh process, one after another. olmax runs as `olmax train` does,
+with glibc's malloc on transparent huge pages (olmax.runtime); transformers runs as it
+ships, and once more in fp32 with the same malloc setting, so that both comparisons show.
 
     python benchmarks/train_throughput.py [--steps 10] [--skip-torch] [--olmax key=value ...]
 
@@ -14,8 +18,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import statistics
+import subprocess
+import sys
 import time
 
 import jax
@@ -24,6 +31,7 @@ import numpy as np
 from olmax.config import load_config
 from olmax.model import flops
 from olmax.parallel.mesh import make_mesh
+from olmax.runtime import huge_pages_env
 from olmax.train.metrics import measure_matmul_flops
 from olmax.train.step import create_state, jit_train_step
 
@@ -97,42 +105,70 @@ def bench_transformers(cfg, steps: int, tokens: np.ndarray, autocast_bf16: bool)
     return {"times": timed(one, 2, steps), "peak": 2 * 1024**3 / best, "dtype": "bfloat16-autocast" if autocast_bf16 else "float32"}
 
 
+ROWS = {  # name: (framework, bf16 autocast, malloc on huge pages)
+    "olmax": ("olmax", False, True),
+    "transformers-fp32": ("transformers", False, False),
+    "transformers-fp32-hugepages": ("transformers", False, True),
+    "transformers-bf16": ("transformers", True, False),
+}
+
+
+def run_row(row: str, args, tokens: np.ndarray) -> dict:
+    """One row, in this process (a fresh one: see main)."""
+    framework, bf16, _ = ROWS[row]
+    if framework == "olmax":
+        r = bench_olmax(args.olmax, args.steps, tokens)
+        del r["cfg"]
+    else:
+        import torch
+
+        torch.set_num_threads(len(os.sched_getaffinity(0)))
+        r = bench_transformers(load_config("tiny", SHAPE + args.olmax), args.steps, tokens, bf16)
+    return {**r, "framework": framework, "malloc": os.environ.get("GLIBC_TUNABLES") or "glibc default",
+            "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--skip-torch", action="store_true")
     parser.add_argument("--olmax", nargs="*", default=["model.attention_block=128", "model.scan_layers=false"], help="extra olmax overrides")
     parser.add_argument("--json", help="also write the results here")
+    parser.add_argument("--row", choices=ROWS, help=argparse.SUPPRESS)  # internal: run one row, print its JSON
     args = parser.parse_args()
 
     cfg = load_config("tiny", SHAPE + args.olmax)
     rng = np.random.default_rng(0)
     tokens = rng.integers(2, cfg.model.vocab_size, (cfg.train.global_batch_instances, cfg.data.sequence_length))
     tokens = tokens.astype(np.int32)
+    if args.row:
+        print("ROW " + json.dumps(run_row(args.row, args, tokens)))
+        return
     count = flops.count(cfg.model, cfg.data.sequence_length)
     tokens_per_step = tokens.size
-    rows = [("olmax", bench_olmax(args.olmax, args.steps, tokens))]
-    if not args.skip_torch:
-        import torch
-
-        torch.set_num_threads(len(__import__("os").sched_getaffinity(0)))
-        for bf16 in (False, True):
-            rows.append(("transformers", bench_transformers(cfg, args.steps, tokens, bf16)))
-
-    print(f"params {count.params:,}  train FLOPs/token {count.per_token / 1e6:.1f} M  "
-          f"tokens/step {tokens_per_step}  jax {jax.__version__} on {jax.devices()[0].device_kind}")
-    print(f"{'framework':<14}{'dtype':<20}{'tokens/s':>10}{'step s':>9}{'MFU %':>8}{'peak GFLOP/s':>14}")
     report = []
-    for name, r in rows:
+    print(f"params {count.params:,}  train FLOPs/token {count.per_token / 1e6:.1f} M  "
+          f"tokens/step {tokens_per_step}  jax {jax.__version__}")
+    print(f"{'framework':<14}{'dtype':<19}{'malloc':<27}{'tokens/s':>9}{'step s':>8}{'MFU %':>7}"
+          f"{'peak GFLOP/s':>13}{'RSS GiB':>9}")
+    for row in ["olmax"] if args.skip_torch else list(ROWS):
+        child = [sys.executable, __file__, "--row", row, "--steps", str(args.steps), "--olmax", *args.olmax]
+        env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
+        env = huge_pages_env(env) if ROWS[row][2] else env
+        out = subprocess.run(child, check=True, capture_output=True, text=True, env=env).stdout
+        r = json.loads(next(line[4:] for line in out.splitlines() if line.startswith("ROW ")))
         step_s = statistics.median(r["times"])
         tps = tokens_per_step / step_s
         mfu = 100 * tps * count.per_token / r["peak"]
-        print(f"{name:<14}{r['dtype']:<20}{tps:>10,.0f}{step_s:>9.3f}{mfu:>8.1f}{r['peak'] / 1e9:>14,.0f}")
-        report.append({"framework": name, "dtype": r["dtype"], "tokens_per_s": tps, "median_step_s": step_s,
-                       "mfu_percent": mfu, "matmul_peak_flops": r["peak"]})
-    print(f"peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB (whole process)")
-    if len(rows) > 1:
-        print(f"olmax / transformers fp32: {report[0]['tokens_per_s'] / report[1]['tokens_per_s']:.2f}x")
+        print(f"{r['framework']:<14}{r['dtype']:<19}{r['malloc']:<27}{tps:>9,.0f}{step_s:>8.3f}{mfu:>7.1f}"
+              f"{r['peak'] / 1e9:>13,.0f}{r['peak_rss_gib']:>9.2f}", flush=True)
+        report.append({"row": row, "framework": r["framework"], "dtype": r["dtype"], "malloc": r["malloc"],
+                       "tokens_per_s": tps, "median_step_s": step_s, "step_s": r["times"], "mfu_percent": mfu,
+                       "matmul_peak_flops": r["peak"], "peak_rss_gib": r["peak_rss_gib"]})
+    by_row = {r["row"]: r["tokens_per_s"] for r in report}
+    for torch_row in ("transformers-fp32", "transformers-fp32-hugepages"):
+        if torch_row in by_row:
+            print(f"olmax / {torch_row}: {by_row['olmax'] / by_row[torch_row]:.2f}x")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)

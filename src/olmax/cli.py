@@ -52,7 +52,9 @@ def cmd_flops(args) -> None:
 
 def cmd_train(args) -> None:
     from olmax.launch.distributed import initialize_from_env
+    from olmax.runtime import restart_with_huge_pages
 
+    restart_with_huge_pages()
     initialize_from_env()  # join a multi-process run (OLMAX_* variables) before anything touches a device
     from olmax.train.trainer import RESUMABLE_EXIT_CODE, Preempted, train
 
@@ -87,6 +89,9 @@ def cmd_resume_check(args) -> None:
 
 def cmd_demo(args) -> None:
     from olmax.demo import run_demo
+    from olmax.runtime import restart_with_huge_pages
+
+    restart_with_huge_pages()
 
     run_demo(args.overrides, fresh=args.fresh)
 

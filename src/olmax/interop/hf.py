@@ -15,12 +15,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import json
 import logging
 import math
 import os
-import platform
 import re
 import shutil
 from dataclasses import dataclass
@@ -34,6 +32,7 @@ import orbax.checkpoint as ocp
 from olmax.config import CheckpointConfig, ConfigError, ModelConfig, RunConfig, validate
 from olmax.interop import InteropError, stream
 from olmax.model import olmo3
+from olmax.runtime import GLIBC
 from olmax.train.checkpoint import Checkpointer, run_meta
 
 ARCHITECTURE = "Olmo3ForCausalLM"
@@ -44,9 +43,8 @@ INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 FLOAT_DTYPES = {"F32", "BF16", "F16", "F64"}  # safetensors dtype codes the import accepts
 EXPORT_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}
-
 M_ARENA_MAX = -8  # glibc's mallopt parameter
-GLIBC = ctypes.CDLL("libc.so.6") if platform.libc_ver()[0] == "glibc" else None
+
 
 # olmax block parameter -> HF tensor name; all but the norms are Linear weights stored transposed.
 BLOCK_TENSORS = {
