@@ -4,7 +4,7 @@ XLA's CPU client mallocs the buffers of every step when the step starts and free
 them when it ends (3.4 GB of temporaries for the train-throughput benchmark's
 model). glibc serves any allocation above 32 MB with a fresh mmap and unmaps it on
 free, so every step page-faults all of that memory in again, 4 KiB at a time:
-measured on the benchmark, 1.4-3.4 CPU-s of kernel time in each 5-7 s step. With
+measured on the benchmark, 1.4-3.5 CPU-s of kernel time in each 5-7 s step. With
 glibc's `glibc.malloc.hugetlb=1` tunable those mappings are transparent huge pages
 (2 MiB), and the same steps spend 0.5 CPU-s in the kernel. Tunables are read when a
 process starts, so `olmax train` and `olmax demo` start themselves again with it set.

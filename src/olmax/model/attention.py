@@ -7,11 +7,10 @@ window reaches for a sliding layer, so that cost grows with
 sequence x (window + block) rather than sequence^2. Softmax runs in float32.
 
 Each block has a hand-written backward pass (FlashAttention's, on the saved
-probabilities): on CPU the score-sized elementwise passes, not the matmuls, are
-what attention costs, and autodiff of a masked softmax makes about twice as many
-(a select and a scale each way, the softmax's sum over keys) as this needs; the
-1/sqrt(d) scale is applied to the queries, not to the scores, and the mask is a
-constant. Measured on the train-step benchmark, interleaved in one process:
+probabilities): autodiff of a masked softmax makes about twice the score-sized
+elementwise passes (a select and a scale each way, the softmax's sum over keys)
+that this needs. The 1/sqrt(d) scale is applied to the queries, not to the
+scores, and the mask is a constant. Measured on the train-step benchmark, interleaved in one process:
 +15% tokens/s over autodiff of the same blocks.
 """
 
