@@ -32,7 +32,7 @@ from safetensors.numpy import save_file
 
 from olmax.config import validate
 from olmax.interop.hf import INDEX_FILE, hf_config_from_run, hf_tensor_specs
-from olmax.model import olmo3
+from olmax.model import families
 
 GB = 1e9
 # VmHWM, not ru_maxrss: ru_maxrss survives exec and would count the parent's pages from before it.
@@ -97,7 +97,7 @@ def main() -> None:
         "vocab_size": args.vocab, "d_model": args.d_model, "n_layers": args.layers, "n_heads": args.heads,
         "mlp_hidden": args.mlp_hidden}})
     m = cfg.model
-    shapes = jax.tree.leaves(olmo3.param_shapes(m), is_leaf=lambda s: isinstance(s, tuple))
+    shapes = jax.tree.leaves(families.param_shapes(m), is_leaf=lambda s: isinstance(s, tuple))
     olmax_bytes = 4 * sum(math.prod(shape) for shape in shapes)
     work = Path(tempfile.mkdtemp(prefix="olmax-convert-memory-", dir=args.workdir))
     try:

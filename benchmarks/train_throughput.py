@@ -30,7 +30,7 @@ import numpy as np
 
 from olmax.config import load_config
 from olmax.model import flops
-from olmax.parallel.mesh import make_mesh
+from olmax.parallel.mesh import make_layout
 from olmax.runtime import huge_pages_env
 from olmax.train.metrics import measure_matmul_flops
 from olmax.train.step import create_state, jit_train_step
@@ -57,9 +57,9 @@ def timed(step_fn, n_warmup: int, n_steps: int) -> list[float]:
 
 def bench_olmax(overrides: list[str], steps: int, tokens: np.ndarray) -> dict:
     cfg = load_config("tiny", SHAPE + overrides)
-    mesh = make_mesh(cfg.mesh)
-    state = create_state(cfg, mesh, jax.random.key(0))
-    step = jit_train_step(cfg, mesh, cfg.train.global_batch_instances)
+    layout = make_layout(cfg.mesh)
+    state = create_state(cfg, layout, jax.random.key(0))
+    step = jit_train_step(cfg, layout, cfg.train.global_batch_instances)
     batch = {"input_ids": tokens[None], "instance_mask": np.ones((1, tokens.shape[0]), bool)}
     holder = [state]
 
@@ -68,7 +68,7 @@ def bench_olmax(overrides: list[str], steps: int, tokens: np.ndarray) -> dict:
         jax.block_until_ready(metrics)
 
     times = timed(one, 2, steps)
-    dtype = np.dtype(cfg.model.compute_dtype if cfg.model.compute_dtype != "auto" else "float32").name
+    dtype = np.dtype(cfg.impl.compute_dtype if cfg.impl.compute_dtype != "auto" else "float32").name
     return {"cfg": cfg, "times": times, "peak": measure_matmul_flops(jax.numpy.dtype(dtype)), "dtype": dtype}
 
 
@@ -83,7 +83,8 @@ def bench_transformers(cfg, steps: int, tokens: np.ndarray, autocast_bf16: bool)
         num_hidden_layers=m.n_layers, num_attention_heads=m.n_heads, num_key_value_heads=m.kv_heads,
         max_position_embeddings=cfg.data.sequence_length, sliding_window=m.sliding_window,
         layer_types=["full_attention" if m.is_global(i) else "sliding_attention" for i in range(m.n_layers)],
-        rope_parameters={"rope_type": "default", "rope_theta": m.rope_theta}, rms_norm_eps=m.norm_eps,
+        rope_parameters={t: {"rope_type": "default", "rope_theta": m.rope["global"].theta}
+                         for t in ("sliding_attention", "full_attention")}, rms_norm_eps=m.norm_eps,
         tie_word_embeddings=False, attention_bias=False, pad_token_id=cfg.data.pad_id,
     )
     model = Olmo3ForCausalLM(hf_cfg)
@@ -132,7 +133,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--skip-torch", action="store_true")
-    parser.add_argument("--olmax", nargs="*", default=["model.attention_block=128", "model.scan_layers=false"], help="extra olmax overrides")
+    parser.add_argument("--olmax", nargs="*", default=["impl.attention.block=128", "impl.scan_layers=false"], help="extra olmax overrides")
     parser.add_argument("--json", help="also write the results here")
     parser.add_argument("--row", choices=ROWS, help=argparse.SUPPRESS)  # internal: run one row, print its JSON
     args = parser.parse_args()

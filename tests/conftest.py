@@ -21,6 +21,6 @@ def params(cfg):
     """Randomly initialised tiny-model params on the host."""
     import jax
 
-    from olmax.model import olmo3
+    from olmax.model import families
 
-    return jax.device_get(olmo3.init_params(cfg.model, jax.random.key(0)))
+    return jax.device_get(families.init_params(cfg.model, jax.random.key(0)))

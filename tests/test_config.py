@@ -35,7 +35,10 @@ def test_overrides_and_show_roundtrip():
         ("model.n_heads=3", "not divisible by n_heads"),
         ("model.n_kv_heads=3", "multiple of n_kv_heads"),
         ("model.n_layers=6", "layer_pattern"),
-        ("model.remat_save=[qkv, context]", "unknown names ['qkv']"),
+        ("impl.remat=[qkv, context]", "unknown names ['qkv']"),
+        ("model.rope.global.type=yarn", "yarn needs factor"),
+        ("model.layer_pattern=[sliding, global, local]", "model.layer_pattern"),
+        ("mesh.rules.batch=[data, fsdb]", "not mesh axes"),
         ("data.eos_id=9999", "data.eos_id"),
         ("schedule.kind=wsd", "decay_steps"),
         ("optim.moment_dtype=bfloat16", "bfloat16 Adam moments"),
@@ -57,3 +60,45 @@ def test_bf16_moments_only_when_asked_for():
 def test_unknown_preset_lists_presets():
     with pytest.raises(ConfigError, match="olmo3_7b"):
         load_config("olmo4")
+
+
+@pytest.mark.parametrize("old, new", [
+    ("model.remat_save=full", "impl.remat"),
+    ("model.compute_dtype=float32", "impl.compute_dtype"),
+    ("model.attention_block=64", "impl.attention.block"),
+    ("model.scan_layers=false", "impl.scan_layers"),
+    ("model.rope_theta=10000", "model.rope.global.theta"),
+])
+def test_moved_keys_name_their_new_place(old, new, tmp_path):
+    with pytest.raises(ConfigError, match="moved") as err:
+        load_config("tiny", [old])
+    assert new in str(err.value)
+    key, value = old.split("=")
+    section, field = key.split(".")
+    (tmp_path / "old.yaml").write_text(f"base: tiny\n{section}:\n  {field}: {value}\n")
+    with pytest.raises(ConfigError, match=new.replace(".", r"\.")):
+        load_config(str(tmp_path / "old.yaml"))
+
+
+def test_model_is_architecture_and_impl_how_it_runs():
+    """Everything in `model` changes the function (a resume checks it); `impl` holds what does not."""
+    from olmax.config import ImplConfig, ModelConfig
+
+    assert {"compute_dtype", "remat", "attention", "scan_layers", "loss_chunk"} <= set(ImplConfig.model_fields)
+    assert not {"compute_dtype", "remat_save", "attention_block", "scan_layers"} & set(ModelConfig.model_fields)
+    cfg = load_config("olmo3_7b")
+    assert cfg.impl.remat == ["qkv_proj", "out_proj", "mlpwi_0", "mlpwo", "context"]
+    assert {k: (r.type, r.theta) for k, r in cfg.model.rope.items()} == {"sliding": ("default", 5e5),
+                                                                         "global": ("default", 5e5)}
+    assert cfg.mesh.rules["batch"] == ["data", "fsdp", "expert"]
+
+
+def test_upgrade_moves_old_checkpoint_configs():
+    from olmax.config import upgrade, validate
+
+    old = {"model": {"d_model": 64, "rope_theta": 1e4, "remat_save": "full", "attention_block": 16,
+                     "compute_dtype": "float32", "scan_layers": False}}
+    cfg = validate(upgrade(old))
+    assert cfg.model.rope["sliding"].theta == cfg.model.rope["global"].theta == 1e4
+    assert (cfg.impl.remat, cfg.impl.attention.block, cfg.impl.compute_dtype, cfg.impl.scan_layers) == (
+        "full", 16, "float32", False)

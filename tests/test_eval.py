@@ -9,25 +9,25 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import Mesh
 
-from olmax.config import CheckpointConfig
+from olmax.config import CheckpointConfig, MeshConfig
 from olmax.data import DataError
 from olmax.data.synthetic import write_synthetic_shards
 from olmax.data.tokenize import tokenize_corpus, train_tokenizer
 from olmax.eval import documents, heldout, kl
 from olmax.eval.cli import add_commands
-from olmax.eval.models import Model, eval_mesh, load_model, place
-from olmax.model import olmo3
-from olmax.parallel.mesh import AXES
+from olmax.eval.cli import load_model
+from olmax.eval.models import Model, eval_layout, place
+from olmax.model import transformer
+from olmax.parallel.mesh import Layout, make_layout
 from olmax.train.checkpoint import Checkpointer, run_meta
 
 WORDS = ("the cat sat on a mat and the dog ran to the red house while small birds sang over green hills, "
          "naïve café owners served crème brûlée").split()
 
 
-def fsdp_mesh(devices: int) -> Mesh:
-    return Mesh(np.asarray(jax.devices()[:devices]).reshape(1, devices, 1, 1), AXES)
+def fsdp_layout(devices: int) -> Layout:
+    return make_layout(MeshConfig(), jax.devices()[:devices])
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +73,7 @@ def direct_log_probs(cfg, params, docs: list[np.ndarray], length: int) -> list[n
     inputs = np.full((len(docs), length), cfg.data.pad_id, dtype=np.int32)
     for row, doc in enumerate(docs):
         inputs[row, : len(doc)] = [cfg.data.eos_id, *doc[:-1]]
-    logits = np.asarray(jax.jit(functools.partial(olmo3.forward, cfg.model))(params, inputs))
+    logits = np.asarray(jax.jit(functools.partial(transformer.forward_logits, cfg.model, cfg.impl))(params, inputs))
     logits = logits[..., : cfg.model.vocab_size].astype(np.float64)
     log_z = np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + logits.max(-1)
     return [logits[row, np.arange(len(doc)), doc] - log_z[row, : len(doc)] for row, doc in enumerate(docs)]
@@ -125,9 +125,9 @@ def test_heldout_loss_is_the_same_on_1_and_8_devices_and_any_batch(cfg, params, 
     selection = documents.select(sets, sequence_length=64, tokens=2500, seed=0)
     results = {}
     for devices, rows in ((1, 8), (8, 8), (8, 24)):
-        mesh = fsdp_mesh(devices)
-        results[devices, rows] = heldout.evaluate(cfg.model, place(cfg, params, mesh), selection, mesh,
-                                                  rows_per_batch=rows, eos_id=0, pad_id=1)
+        layout = fsdp_layout(devices)
+        results[devices, rows] = heldout.evaluate(cfg, place(cfg, params, layout), selection, layout,
+                                                  rows_per_batch=rows)
     reference = results[1, 8]
     for key, result in results.items():
         for label in ("a", "b"):
@@ -143,10 +143,9 @@ def test_bits_per_byte_by_hand(cfg, params, corpus):
     texts, result, _ = corpus
     sets = documents.sets_from_argument(result.mix_file, token_dtype="uint16", eos_id=0)
     assert [s.label for s in sets] == ["words"] and sets[0].has_bytes
-    mesh = eval_mesh()
+    layout = eval_layout()
     selection = documents.select(sets, sequence_length=128)
-    got = heldout.evaluate(cfg.model, place(cfg, params, mesh), selection, mesh, rows_per_batch=8, eos_id=0,
-                           pad_id=1)["sets"]["words"]
+    got = heldout.evaluate(cfg, place(cfg, params, layout), selection, layout, rows_per_batch=8)["sets"]["words"]
     docs = [np.asarray(shard.tokens[start:end], dtype=np.int64)
             for shard in sets[0].shards for start, end in zip(shard.offsets[:-1], shard.offsets[1:])]
     assert max(len(d) for d in docs) <= 128, "each document fits one row, so one plain forward pass scores it"
@@ -203,11 +202,11 @@ def test_bad_eval_data_is_named(tmp_path):
 def test_kl_of_a_checkpoint_with_itself_is_zero_and_with_a_perturbed_copy_positive(cfg, params, shards):
     selection = documents.select([documents.open_eval_set("s", shards, token_dtype="uint16", eos_id=0)],
                                  sequence_length=64, tokens=1000)
-    mesh = eval_mesh()
-    same, agree = kl.token_kls(Model("a", cfg, params), Model("a", cfg, params), selection, mesh, rows_per_batch=8)
+    layout = eval_layout()
+    same, agree = kl.token_kls(Model("a", cfg, params), Model("a", cfg, params), selection, layout, rows_per_batch=8)
     assert same.size == sum(selection.tokens) and np.all(same == 0) and agree.all()
     noise = jax.tree.map(lambda p: p + 0.01 * np.random.default_rng(0).standard_normal(p.shape).astype(p.dtype), params)
-    values, agree = kl.token_kls(Model("a", cfg, params), Model("b", cfg, noise), selection, mesh, rows_per_batch=8)
+    values, agree = kl.token_kls(Model("a", cfg, params), Model("b", cfg, noise), selection, layout, rows_per_batch=8)
     summary = kl.summarize(values, agree)
     assert summary["kl_mean"] > 0 and np.all(values >= -1e-6)
     assert summary["kl_quantiles"]["p50"] <= summary["kl_quantiles"]["p99"] <= summary["kl_max"]
@@ -222,7 +221,7 @@ def test_kl_cli_between_a_checkpoint_and_its_hf_export(cfg, params, checkpoint, 
             tmp_path / "kl")
     report = json.loads((tmp_path / "kl.json").read_text())
     assert report["a"] == f"{checkpoint}/0" and report["b"] == str(tmp_path / "hf")
-    # Same weights; the HF directory does not carry olmax's attention_block (a speed knob: 16 in `tiny`, 512
+    # Same weights; the HF directory does not carry olmax's impl.attention.block (a speed knob: 16 in `tiny`, 512
     # by default), so attention sums run in other block orders. Measured: mean KL 1.1e-8, max 4.8e-7.
     assert report["tokens"] >= 500 and report["kl_mean"] < 1e-7 and report["top1_agreement"] == 1.0
     assert sum(report["histogram"]["counts"]) == report["tokens"]

@@ -19,8 +19,8 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window  # noq
 from olmax.config import CheckpointConfig  # noqa: E402
 from olmax.data.tokenize import train_tokenizer  # noqa: E402
 from olmax.eval import harness  # noqa: E402
-from olmax.eval.models import eval_mesh, place  # noqa: E402
-from olmax.model import olmo3  # noqa: E402
+from olmax.eval.models import eval_layout, place  # noqa: E402
+from olmax.model import transformer  # noqa: E402
 from olmax.train.checkpoint import Checkpointer, run_meta  # noqa: E402
 
 WORDS = "the cat sat on a mat and the dog ran to the red house while small birds sang over green hills".split()
@@ -38,15 +38,15 @@ def tokenizer_path(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def lm(cfg, params, tokenizer_path):
-    mesh = eval_mesh()
-    return harness.OlmaxLM(cfg.model, place(cfg, params, mesh), harness.load_text_tokenizer(tokenizer_path), mesh,
-                           eos_id=0, max_length=MAX_LENGTH, batch_size=8, max_gen_toks=12)
+    layout = eval_layout()
+    return harness.OlmaxLM(cfg, place(cfg, params, layout), harness.load_text_tokenizer(tokenizer_path), layout,
+                           max_length=MAX_LENGTH, batch_size=8, max_gen_toks=12)
 
 
 @pytest.fixture(scope="module")
 def forward(cfg, params):
     """tokens [1, MAX_LENGTH] -> float32 logits over the real vocabulary, by the plain forward pass."""
-    jitted = jax.jit(functools.partial(olmo3.forward, cfg.model))
+    jitted = jax.jit(functools.partial(transformer.forward_logits, cfg.model, cfg.impl))
     return lambda tokens: np.asarray(jitted(params, tokens))[..., : cfg.model.vocab_size]
 
 
@@ -215,14 +215,14 @@ def test_task_specs():
 @pytest.mark.slow
 def test_in_loop_harness_metrics(cfg, params, tokenizer_path, task_dir):
     from olmax.eval.in_loop import make_in_loop_eval
-    from olmax.parallel.mesh import make_mesh
+    from olmax.parallel.mesh import make_layout
 
     run = cfg.model_copy(update={"eval": cfg.eval.model_copy(update={
         "harness_every": 4, "harness_tasks": ["toy_choice"], "harness_limit": 4, "tokenizer": tokenizer_path,
         "harness_include_path": str(task_dir)})})
-    mesh = make_mesh(run.mesh)
-    evaluate = make_in_loop_eval(run, mesh)
-    placed = place(cfg, params, mesh)
+    layout = make_layout(run.mesh)
+    evaluate = make_in_loop_eval(run, layout)
+    placed = place(cfg, params, layout)
     assert evaluate(2, placed) == {}
     metrics = evaluate(8, placed)
     assert set(metrics) == {"eval/downstream/toy_choice/acc"} and 0 <= metrics["eval/downstream/toy_choice/acc"] <= 1

@@ -11,8 +11,8 @@ from olmax.data.synthetic import write_synthetic_shards
 from olmax.eval import documents, heldout
 from olmax.eval.curves import read_events
 from olmax.eval.in_loop import make_in_loop_eval
-from olmax.model import olmo3
-from olmax.parallel.mesh import make_mesh
+from olmax.model import families
+from olmax.parallel.mesh import make_layout
 
 
 @pytest.fixture(scope="module")
@@ -40,15 +40,15 @@ def test_in_loop_eval_is_off_by_default_and_checked():
 
 def test_hook_reports_the_sets_at_the_steps_due(tmp_path, shards):
     cfg = _cfg(tmp_path, shards, "eval.every=5", "eval.batch_instances=16")
-    mesh = make_mesh(cfg.mesh)
-    evaluate = make_in_loop_eval(cfg, mesh)
-    params = olmo3.init_params(cfg.model, jax.random.key(0))
+    layout = make_layout(cfg.mesh)
+    evaluate = make_in_loop_eval(cfg, layout)
+    params = families.init_params(cfg.model, jax.random.key(0))
     assert evaluate(3, params) == {} and not evaluate.due(3) and evaluate.due(10)
     metrics = evaluate(10, params)
     assert set(metrics) == {"eval/lm/held/CE loss", "eval/lm/held/PPL"}
     selection = documents.select([documents.open_eval_set("held", shards[1], token_dtype="uint16", eos_id=0)],
                                  sequence_length=64, tokens=1000, seed=0)
-    want = heldout.evaluate(cfg.model, params, selection, mesh, rows_per_batch=16, eos_id=0, pad_id=1)
+    want = heldout.evaluate(cfg, params, selection, layout, rows_per_batch=16)
     assert metrics["eval/lm/held/CE loss"] == want["sets"]["held"]["CE loss"]
 
 
@@ -56,7 +56,8 @@ def test_hook_reports_the_sets_at_the_steps_due(tmp_path, shards):
 def test_in_loop_metrics_are_in_the_event_files_of_a_short_run(tmp_path, shards):
     from olmax.train.trainer import train
 
-    train(_cfg(tmp_path, shards, "train.steps=10", "checkpoint.every=10", "eval.every=5"), quiet=True)
+    train(_cfg(tmp_path, shards, "train.steps=10", "checkpoint.every=10", "eval.every=5"), quiet=True,
+          make_eval=make_in_loop_eval)
     events = read_events(Path(tmp_path, "run", "tensorboard"))
     for name in ("eval/lm/held/CE loss", "eval/lm/held/PPL"):
         assert sorted(events[name]) == [5, 10], name

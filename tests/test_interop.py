@@ -20,31 +20,35 @@ from olmax.interop.cli import add_commands
 from olmax.interop.hf import (
     hf_config_from_run, hf_to_olmax, load_olmax, olmax_to_hf, read_hf_config, run_config_from_hf,
 )
-from olmax.model import olmo3
-from olmax.parallel.mesh import make_mesh, shardings
+from olmax.model import families
+from olmax.parallel.mesh import make_layout
 from olmax.train.checkpoint import Checkpointer, check_model_compatible, run_meta
 from olmax.train.step import TrainState
 
 
 def make_hf_model(directory, *, layer_types=("sliding_attention",) * 3 + ("full_attention",), vocab=300,
                   hidden=64, heads=4, kv_heads=2, head_dim=None, mlp=96, window=8, theta=10000.0, seed=0,
-                  dtype=torch.float32, max_shard_size=None):
-    """A random Olmo3ForCausalLM saved with save_pretrained; norms random too, so a swapped norm shows."""
+                  dtype=torch.float32, max_shard_size=None, full_rope=None, max_position=2048, scale=1.0):
+    """A random Olmo3ForCausalLM saved with save_pretrained; norms random too, so a swapped norm shows.
+    `full_rope` replaces the full-attention layers' RoPE entry; `scale` multiplies every weight (peaked
+    predictions)."""
     torch.manual_seed(seed)
     extra = {"head_dim": head_dim} if head_dim else {}
+    rope = {t: {"rope_type": "default", "rope_theta": theta} for t in ("full_attention", "sliding_attention")}
+    if full_rope:
+        rope["full_attention"] = full_rope
     config = Olmo3Config(
         vocab_size=vocab, hidden_size=hidden, intermediate_size=mlp, num_hidden_layers=len(layer_types),
         num_attention_heads=heads, num_key_value_heads=kv_heads, layer_types=list(layer_types),
         sliding_window=window, rms_norm_eps=1e-6, initializer_range=0.1, eos_token_id=0, pad_token_id=1,
-        rope_parameters={t: {"rope_type": "default", "rope_theta": theta} for t in ("full_attention",
-                                                                                   "sliding_attention")},
-        **extra,
+        rope_parameters=rope, max_position_embeddings=max_position, **extra,
     )
     model = Olmo3ForCausalLM(config)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.uniform_(0.5, 1.5)
+            p.mul_(scale)
     model = model.to(dtype)
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(directory, **kwargs)
@@ -69,7 +73,9 @@ def test_config_is_derived_from_hf(hf_dir):
     m = cfg.model
     assert (m.vocab_size, m.padded_vocab, m.d_model, m.n_layers, m.n_heads, m.kv_heads, m.head_size) == (
         300, 384, 64, 4, 4, 2, 16)
-    assert (m.mlp_hidden, m.norm_eps, m.rope_theta, m.sliding_window) == (96, 1e-6, 10000.0, 8)
+    assert (m.mlp_hidden, m.norm_eps, m.sliding_window) == (96, 1e-6, 8)
+    assert {kind: (r.type, r.theta) for kind, r in m.rope.items()} == {"sliding": ("default", 1e4),
+                                                                       "global": ("default", 1e4)}
     assert m.layer_pattern == ["sliding", "sliding", "sliding", "global"]
     assert (cfg.data.eos_id, cfg.data.pad_id, cfg.data.token_dtype) == (0, 1, "uint16")
     back = hf_config_from_run(cfg)
@@ -82,9 +88,11 @@ def test_preset_models_survive_hf_config_round_trip(preset):
     passes the model check of a run using that preset (init_from)."""
     cfg = load_config(preset)
     hf = hf_config_from_run(cfg)
-    assert Olmo3Config(**hf).rope_parameters["sliding_attention"]["rope_theta"] == cfg.model.rope_theta
+    resolved = Olmo3Config(**hf).rope_parameters
+    assert resolved["sliding_attention"]["rope_theta"] == cfg.model.rope["sliding"].theta
+    assert resolved["full_attention"]["rope_theta"] == cfg.model.rope["global"].theta
     back = run_config_from_hf(hf, name=preset)
-    check_model_compatible(back.model.model_dump(mode="json"), cfg.model, "converted")
+    check_model_compatible(back.model_dump(mode="json"), cfg.model, "converted")
     assert (back.data.eos_id, back.data.pad_id) == (cfg.data.eos_id, cfg.data.pad_id)
 
 
@@ -101,13 +109,51 @@ def test_layer_pattern_is_the_shortest_period(layer_types, pattern):
     assert run_config_from_hf(hf, name="x").model.layer_pattern == pattern
 
 
+YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0, "original_max_position_embeddings": 64}
+
+
+def _resolved(hf: dict) -> dict:
+    """transformers' own reading of a config.json's RoPE, per layer type (the keys olmax models)."""
+    keys = ("rope_type", "rope_theta", "factor", "original_max_position_embeddings", "attention_factor")
+    return {t: {k: p.get(k) for k in keys} for t, p in Olmo3Config(**hf).rope_parameters.items()}
+
+
+def _olmax_rope(cfg) -> dict:
+    return {kind: (r.type, r.theta, r.factor, r.original_max_position_embeddings) for kind, r in cfg.model.rope.items()}
+
+
+@pytest.mark.parametrize("rope_fields", [
+    {"rope_parameters": {"full_attention": YARN, "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}},
+    # old-style rope_scaling beside rope_parameters: transformers merges it into full attention's entry
+    {"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1e4},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}},
+     "rope_scaling": {k: v for k, v in YARN.items() if k != "rope_theta"}},
+    # a top-level rope_theta reaches full attention only; sliding layers keep 500000
+    {"rope_theta": 1e4, "rope_scaling": {k: v for k, v in YARN.items() if k != "rope_theta"}},
+])
+def test_rope_per_layer_kind_is_read_as_transformers_reads_it(hf_dir, rope_fields):
+    hf = {k: v for k, v in read_hf_config(hf_dir).items() if k not in ("rope_parameters", "rope_scaling")}
+    hf |= rope_fields
+    cfg = run_config_from_hf(hf, name="x")
+    want = _resolved(hf)
+    got = _olmax_rope(cfg)
+    for name, kind in (("full_attention", "global"), ("sliding_attention", "sliding")):
+        w = want[name]
+        assert got[kind] == (w["rope_type"], w["rope_theta"], w["factor"], w["original_max_position_embeddings"])
+    assert got["global"][0] == "yarn"
+    back = hf_config_from_run(cfg)
+    assert _resolved(back) == want, "export writes rope_parameters back as they were read"
+    assert "rope_theta" not in back  # the two kinds differ: only rope_parameters says it right
+
+
 def test_legacy_rope_fields_and_default_layer_types():
     """transformers 4.x configs (OLMo 3 on the Hub): rope_theta + rope_scaling, layer_types may be absent."""
     hf = {"model_type": "olmo3", "architectures": ["Olmo3ForCausalLM"], "vocab_size": 100278, "hidden_size": 64,
           "intermediate_size": 96, "num_hidden_layers": 8, "num_attention_heads": 4, "rope_theta": 500000,
           "rope_scaling": None, "sliding_window": 4096, "eos_token_id": 100257, "pad_token_id": 100277}
     cfg = run_config_from_hf(hf, name="x")
-    assert cfg.model.rope_theta == 500000.0 and cfg.model.padded_vocab == 100352
+    assert cfg.model.rope["global"].theta == cfg.model.rope["sliding"].theta == 5e5
+    assert cfg.model.padded_vocab == 100352
     assert cfg.model.layer_pattern == ["sliding", "sliding", "sliding", "global"]
     assert cfg.data.token_dtype == "uint32"
 
@@ -119,10 +165,12 @@ def test_legacy_rope_fields_and_default_layer_types():
     ({"attention_bias": True}, "attention_bias"),
     ({"layer_types": ["sliding_attention"] * 3}, "layer_types has 3 entries"),
     ({"layer_types": ["sliding_attention"] * 3 + ["chunked_attention"]}, "chunked_attention"),
-    ({"rope_parameters": {"full_attention": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 8.0},
-                          "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}}, "yarn"),
-    ({"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1e6},
-                          "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}}, "rope_theta differs"),
+    ({"rope_parameters": {"full_attention": {"rope_type": "llama3", "rope_theta": 1e4, "factor": 8.0},
+                          "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}}, "'llama3' is not implemented"),
+    ({"rope_parameters": {"full_attention": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 8.0, "mscale": 0.7,
+                                             "original_max_position_embeddings": 64},
+                          "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}}, "['mscale']"),
+    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 8.0}}, "not layer types"),
     ({"sliding_window": None}, "sliding_window"),
     ({"eos_token_id": 5000}, "eos_token_id 5000"),
     ({"num_attention_heads": 3}, "n_heads"),
@@ -248,9 +296,9 @@ def test_export_of_a_sharded_training_checkpoint(hf_dir, tmp_path):
     """A training checkpoint (params and optimizer state, sharded over 8 devices) exports its latest step."""
     hf_to_olmax(hf_dir, tmp_path / "olmax")
     cfg, params, _ = load_olmax(tmp_path / "olmax")
-    mesh = make_mesh(cfg.mesh)
-    assert mesh.shape["fsdp"] == 8
-    sharded = jax.device_put(params, shardings(olmo3.param_axes(cfg.model), params, mesh))
+    layout = make_layout(cfg.mesh)
+    assert layout.mesh.shape["fsdp"] == 8
+    sharded = jax.device_put(params, layout.shardings(families.param_axes(cfg.model), params))
     assert len(sharded["embed"].sharding.device_set) == 8
     state = TrainState(jnp.int32(7), sharded, {"mu": jax.tree.map(jnp.zeros_like, sharded)})
     checkpointer = Checkpointer(tmp_path / "run", CheckpointConfig())

@@ -4,12 +4,21 @@ import numpy as np
 import pytest
 
 from olmax.config import load_config
-from olmax.model import olmo3
-from olmax.model.attention import attention
+from olmax.model import families, transformer
+from olmax.model.attention.xla import attention as blocked_attention
 
 
 def _tiny(*overrides):
-    return load_config("tiny", list(overrides)).model
+    return load_config("tiny", list(overrides))
+
+
+def _logits(cfg, params, tokens):
+    return transformer.forward_logits(cfg.model, cfg.impl, params, tokens)
+
+
+def attention(q, k, v, window, block):
+    """The blocked attention on unscaled q, as a naive reference computes it."""
+    return blocked_attention(q / np.sqrt(q.shape[-1]), k, v, window=window, block=block)
 
 
 def _naive_attention(q, k, v, window):
@@ -68,60 +77,60 @@ def test_attention_gradients_match_autodiff_of_masked_softmax(window, block):
 
 def test_forward_is_deterministic_and_init_follows_olmo_core():
     cfg = _tiny()
-    params = olmo3.init_params(cfg, jax.random.key(0))
-    again = olmo3.init_params(cfg, jax.random.key(0))
+    params = families.init_params(cfg.model, jax.random.key(0))
+    again = families.init_params(cfg.model, jax.random.key(0))
     for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(again)):
         np.testing.assert_array_equal(a, b)
     w = np.asarray(params["blocks"]["w1"])
     assert np.abs(w).max() <= 3 * 0.02 and abs(w.std() - 0.02 * 0.9866) < 5e-4  # N(0, 1) cut at +-3 has std 0.9866
     assert np.all(np.asarray(params["blocks"]["q_norm"]) == 1)
-    tokens = jax.random.randint(jax.random.key(1), (2, 64), 0, cfg.vocab_size)
-    fwd = jax.jit(lambda p, t: olmo3.forward(cfg, p, t))
+    tokens = jax.random.randint(jax.random.key(1), (2, 64), 0, cfg.model.vocab_size)
+    fwd = jax.jit(lambda p, t: _logits(cfg, p, t))
     a, b = fwd(params, tokens), fwd(params, tokens)
-    assert a.dtype == jnp.float32 and a.shape == (2, 64, cfg.padded_vocab)
+    assert a.dtype == jnp.float32 and a.shape == (2, 64, cfg.model.padded_vocab)
     np.testing.assert_array_equal(a, b)
 
 
 def test_causal_and_sliding_window_reach():
     """Changing token j changes logits at i only if i >= j, and a sliding-only model only within its window."""
     cfg = _tiny("model.layer_pattern=[sliding]", "model.sliding_window=8")
-    params = olmo3.init_params(cfg, jax.random.key(0))
-    tokens = jax.random.randint(jax.random.key(1), (1, 64), 0, cfg.vocab_size)
-    changed = tokens.at[0, 20].set((tokens[0, 20] + 1) % cfg.vocab_size)
-    diff = np.abs(np.asarray(olmo3.forward(cfg, params, tokens) - olmo3.forward(cfg, params, changed))).max(-1)[0]
-    reach = 20 + cfg.n_layers * (cfg.sliding_window - 1)  # each layer extends the receptive field by w - 1
+    params = families.init_params(cfg.model, jax.random.key(0))
+    tokens = jax.random.randint(jax.random.key(1), (1, 64), 0, cfg.model.vocab_size)
+    changed = tokens.at[0, 20].set((tokens[0, 20] + 1) % cfg.model.vocab_size)
+    diff = np.abs(np.asarray(_logits(cfg, params, tokens) - _logits(cfg, params, changed))).max(-1)[0]
+    reach = 20 + cfg.model.n_layers * (cfg.model.sliding_window - 1)  # each layer extends the receptive field by w - 1
     assert np.all(diff[:20] == 0) and np.all(diff[20 : reach + 1] > 0) and np.all(diff[reach + 1 :] == 0)
 
 
 def test_remat_policies_change_memory_not_math():
     base = _tiny()
-    params = olmo3.init_params(base, jax.random.key(0))
-    tokens = jax.random.randint(jax.random.key(1), (2, 64), 0, base.vocab_size)
+    params = families.init_params(base.model, jax.random.key(0))
+    tokens = jax.random.randint(jax.random.key(1), (2, 64), 0, base.model.vocab_size)
 
     def grads(cfg):
-        return jax.jit(jax.grad(lambda p: olmo3.forward(cfg, p, tokens).mean()))(params)
+        return jax.jit(jax.grad(lambda p: _logits(cfg, p, tokens).mean()))(params)
 
     reference = grads(base)
     for remat in ("full", "[qkv_proj, out_proj, mlpwi_0, mlpwo, context]"):
-        for a, b in zip(jax.tree.leaves(reference), jax.tree.leaves(grads(_tiny(f"model.remat_save={remat}")))):
+        for a, b in zip(jax.tree.leaves(reference), jax.tree.leaves(grads(_tiny(f"impl.remat={remat}")))):
             np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
 
 
 def test_program_size_does_not_grow_with_depth():
     def hlo_size(layers):
         cfg = _tiny(f"model.n_layers={layers}")
-        params = jax.eval_shape(lambda: olmo3.init_params(cfg, jax.random.key(0)))
+        params = jax.eval_shape(lambda: families.init_params(cfg.model, jax.random.key(0)))
         tokens = jax.ShapeDtypeStruct((2, 64), jnp.int32)
-        return len(jax.jit(lambda p, t: olmo3.forward(cfg, p, t)).lower(params, tokens).as_text())
+        return len(jax.jit(lambda p, t: _logits(cfg, p, t)).lower(params, tokens).as_text())
 
     assert abs(hlo_size(4) - hlo_size(32)) < 200  # layer count appears only in shapes, not as unrolled code
 
 
 def test_bf16_compute_keeps_float32_params_and_logits():
-    cfg = _tiny("model.compute_dtype=bfloat16")
-    params = olmo3.init_params(cfg, jax.random.key(0))
-    tokens = jax.random.randint(jax.random.key(1), (2, 64), 0, cfg.vocab_size)
-    logits = olmo3.forward(cfg, params, tokens)
-    reference = olmo3.forward(_tiny("model.compute_dtype=float32"), params, tokens)
+    cfg = _tiny("impl.compute_dtype=bfloat16")
+    params = families.init_params(cfg.model, jax.random.key(0))
+    tokens = jax.random.randint(jax.random.key(1), (2, 64), 0, cfg.model.vocab_size)
+    logits = _logits(cfg, params, tokens)
+    reference = _logits(_tiny("impl.compute_dtype=float32"), params, tokens)
     assert logits.dtype == jnp.float32 and params["embed"].dtype == jnp.float32
     assert float(jnp.abs(logits - reference).max()) < 0.05

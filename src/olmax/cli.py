@@ -58,9 +58,11 @@ def cmd_train(args) -> None:
     initialize_from_env()  # join a multi-process run (OLMAX_* variables) before anything touches a device
     from olmax.train.trainer import RESUMABLE_EXIT_CODE, Preempted, train
 
+    from olmax.eval.in_loop import make_in_loop_eval
+
     cfg = load_config(args.config, args.overrides)
     try:
-        train(cfg)
+        train(cfg, make_eval=make_in_loop_eval)
     except Preempted as stopped:
         print(f"olmax: {stopped}; run the same command again to resume", file=sys.stderr)
         sys.exit(RESUMABLE_EXIT_CODE)

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 PRESET_DIR = Path(__file__).parent / "configs"
 REMAT_NAMES = ("qkv_proj", "out_proj", "mlpwi_0", "mlpwi_1", "mlpwo", "context")
@@ -28,7 +28,41 @@ class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
+class RopeConfig(Section):
+    """RoPE of one layer kind, as transformers' `rope_parameters` entry for it (rotate-half, float32)."""
+
+    theta: float = Field(500000.0, gt=0)
+    type: Literal["default", "yarn"] = "default"
+    factor: float | None = Field(None, gt=0, description="yarn: context extension factor")
+    original_max_position_embeddings: int | None = Field(None, gt=0, description="yarn: the pre-extension context")
+    beta_fast: float = Field(32.0, gt=0, description="yarn: rotations where extrapolation ends")
+    beta_slow: float = Field(1.0, gt=0, description="yarn: rotations where interpolation starts")
+    attention_factor: float | None = Field(None, gt=0, description="yarn: cos/sin scale; None = 0.1 ln(factor) + 1")
+
+    @model_validator(mode="after")
+    def _yarn(self):
+        if self.type == "yarn" and (self.factor is None or self.original_max_position_embeddings is None):
+            raise ValueError("rope type yarn needs factor and original_max_position_embeddings")
+        if self.type == "default" and (self.factor is not None or self.original_max_position_embeddings is not None):
+            raise ValueError("factor / original_max_position_embeddings are yarn settings; set type: yarn")
+        return self
+
+
+LayerKind = Literal["sliding", "global"]
+# Keys that moved out of `model` (architecture) into `impl` (how it runs), or were reshaped.
+MOVED_KEYS = {
+    "model.compute_dtype": "impl.compute_dtype",
+    "model.remat_save": "impl.remat",
+    "model.attention_block": "impl.attention.block",
+    "model.scan_layers": "impl.scan_layers",
+    "model.rope_theta": "model.rope.global.theta and model.rope.sliding.theta",
+}
+
+
 class ModelConfig(Section):
+    """The architecture: every field changes the function the parameters compute (checked on resume)."""
+
+    family: Literal["olmo3"] = Field("olmo3", description="block structure and parameter names (HF Olmo3)")
     vocab_size: int = Field(100278, gt=0, description="tokenizer vocabulary size")
     vocab_pad_multiple: int = Field(128, gt=0, description="embedding rows are padded to a multiple of this")
     d_model: int = Field(4096, gt=0)
@@ -36,26 +70,20 @@ class ModelConfig(Section):
     n_heads: int = Field(32, gt=0)
     n_kv_heads: int | None = Field(None, gt=0, description="None = n_heads (no GQA)")
     head_dim: int | None = Field(None, gt=0, description="None = d_model // n_heads")
+    mlp: Literal["dense"] = Field("dense", description="the MLP sublayer: dense SwiGLU")
     mlp_hidden: int = Field(11008, gt=0)
     norm_eps: float = Field(1e-6, gt=0)
-    rope_theta: float = Field(500000.0, gt=0)
+    rope: dict[LayerKind, RopeConfig] = Field(
+        default_factory=lambda: {"sliding": RopeConfig(), "global": RopeConfig()},
+        description="RoPE per layer kind (long-context checkpoints carry YaRN on global layers only)",
+    )
     sliding_window: int = Field(4096, gt=0, description="keys visible to a sliding layer, itself included")
-    layer_pattern: list[Literal["sliding", "global"]] = Field(
+    layer_pattern: list[LayerKind] = Field(
         default_factory=lambda: ["sliding", "sliding", "sliding", "global"],
         description="attention kind of consecutive layers, repeated over the depth",
     )
     init_std: float = Field(0.02, gt=0)
     param_dtype: DType = "float32"
-    compute_dtype: Literal["auto", "float32", "bfloat16"] = Field(
-        "auto", description="auto: bfloat16 on accelerators, float32 on CPU (XLA's CPU bf16 matmuls are slower)"
-    )
-    remat_save: list[str] | Literal["full", "none"] = Field(
-        "none", description="'none': no remat; 'full': save nothing; or the named activations to save"
-    )
-    attention_block: int = Field(512, gt=0, description="query/key block of the blocked attention")
-    scan_layers: bool = Field(
-        True, description="scan over layer groups (compile time independent of depth); false unrolls them"
-    )
 
     @property
     def kv_heads(self) -> int:
@@ -69,8 +97,15 @@ class ModelConfig(Section):
     def padded_vocab(self) -> int:
         return math.ceil(self.vocab_size / self.vocab_pad_multiple) * self.vocab_pad_multiple
 
+    def layer_kind(self, layer: int) -> str:
+        return self.layer_pattern[layer % len(self.layer_pattern)]
+
     def is_global(self, layer: int) -> bool:
-        return self.layer_pattern[layer % len(self.layer_pattern)] == "global"
+        return self.layer_kind(layer) == "global"
+
+    def window(self, layer: int) -> int | None:
+        """Keys a query of this layer sees (None: all before it)."""
+        return None if self.is_global(layer) else self.sliding_window
 
     @model_validator(mode="after")
     def _shapes(self):
@@ -84,8 +119,37 @@ class ModelConfig(Section):
             )
         if self.head_size % 2:
             raise ValueError(f"head_dim {self.head_size} must be even for rotate-half RoPE")
-        if isinstance(self.remat_save, list) and (bad := set(self.remat_save) - set(REMAT_NAMES)):
-            raise ValueError(f"remat_save has unknown names {sorted(bad)}; known: {list(REMAT_NAMES)}")
+        if missing := sorted(set(self.layer_pattern) - set(self.rope)):
+            raise ValueError(f"rope has no entry for layer kinds {missing}; add model.rope.<kind>")
+        return self
+
+
+class AttentionImplConfig(Section):
+    implementation: Literal["auto", "xla"] = Field("auto", description="auto: the platform's best; xla: blocked")
+    block: int = Field(512, gt=0, description="query/key block of the blocked XLA attention")
+
+
+class ImplConfig(Section):
+    """How the model runs: free to change between runs and on resume (the function stays the same)."""
+
+    compute_dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        "auto", description="auto: bfloat16 on accelerators, float32 on CPU (XLA's CPU bf16 matmuls are slower)"
+    )
+    remat: list[str] | Literal["full", "none"] = Field(
+        "none", description="'none': no remat; 'full': save nothing; or the named activations to save"
+    )
+    attention: AttentionImplConfig = Field(default_factory=AttentionImplConfig)
+    scan_layers: bool = Field(
+        True, description="scan over layer groups (compile time independent of depth); false unrolls them"
+    )
+    loss_chunk: int | None = Field(
+        1024, gt=0, description="sequence positions per chunk of LM head + loss (never all logits); null = all"
+    )
+
+    @model_validator(mode="after")
+    def _names(self):
+        if isinstance(self.remat, list) and (bad := set(self.remat) - set(REMAT_NAMES)):
+            raise ValueError(f"remat has unknown names {sorted(bad)}; known: {list(REMAT_NAMES)}")
         return self
 
 
@@ -194,11 +258,46 @@ class TrainConfig(Section):
     log_every: int = Field(1, gt=0)
 
 
+MESH_AXES = ("data", "stage", "fsdp", "expert", "tensor")  # outermost first: neighbours share the inner axes
+DEFAULT_RULES = {
+    "batch": ["data", "fsdp", "expert"],
+    "vocab": ["tensor"],
+    "embed": ["fsdp"],
+    "q_heads": ["tensor"],
+    "kv_heads": ["tensor"],
+    "mlp": ["tensor"],
+    "experts": ["expert"],
+    "layers": [],
+    "length": [],
+    "norm": [],
+}
+
+
 class MeshConfig(Section):
-    data: int = Field(1, ge=-1, description="-1 = all devices left over")
-    fsdp: int = Field(-1, ge=-1)
-    tensor: int = Field(1, ge=1)
-    expert: int = Field(1, ge=1, description="reserved for mixture-of-experts layers")
+    """Device mesh sizes (-1 on one of data/fsdp: all devices left over) and the rules table mapping each
+    logical axis name of parameters and activations onto mesh axes."""
+
+    data: int = Field(1, ge=-1, description="pure data parallelism (replicated params)")
+    stage: int = Field(1, ge=1, description="pipeline stages")
+    fsdp: int = Field(-1, ge=-1, description="data parallelism with sharded params and optimizer state")
+    expert: int = Field(1, ge=1, description="expert parallelism (batch is split over it too)")
+    tensor: int = Field(1, ge=1, description="tensor parallelism (heads, MLP hidden, vocab)")
+    rules: dict[str, list[str]] = Field(
+        default_factory=lambda: {k: list(v) for k, v in DEFAULT_RULES.items()},
+        description="logical axis -> mesh axes; entries given replace the default's, the rest stay",
+    )
+
+    @field_validator("rules", mode="before")
+    @classmethod
+    def _over_defaults(cls, rules):
+        return {**DEFAULT_RULES, **rules} if isinstance(rules, dict) else rules
+
+    @model_validator(mode="after")
+    def _rules(self):
+        for name, axes in self.rules.items():
+            if bad := [a for a in axes if a not in MESH_AXES]:
+                raise ValueError(f"mesh.rules.{name}: {bad} are not mesh axes {list(MESH_AXES)}")
+        return self
 
 
 class CheckpointConfig(Section):
@@ -251,6 +350,7 @@ class RunConfig(Section):
     name: str = "run"
     output_dir: str = Field("runs/{name}", description="checkpoints/ and metrics/ go here")
     model: ModelConfig = Field(default_factory=ModelConfig)
+    impl: ImplConfig = Field(default_factory=ImplConfig)
     data: DataConfig = Field(default_factory=DataConfig)
     optim: OptimConfig = Field(default_factory=OptimConfig)
     schedule: ScheduleConfig = Field(default_factory=ScheduleConfig)
@@ -294,6 +394,8 @@ def _set_path(tree: dict, dotted: str, value) -> None:
 
 
 def _known_path(dotted: str) -> None:
+    if dotted in MOVED_KEYS:
+        raise ConfigError(f"config key {dotted!r} moved: set {MOVED_KEYS[dotted]} instead")
     section: type[BaseModel] = RunConfig
     for i, key in enumerate(dotted.split(".")):
         fields = section.model_fields
@@ -366,6 +468,21 @@ def validate(tree: dict, source: str = "config") -> RunConfig:
             shown = f" (got {got!r})" if e["loc"] and not isinstance(got, dict) else ""
             lines.append(f"  {where}: {e['msg'].removeprefix('Value error, ')}{shown}")
         raise ConfigError("\n".join(lines)) from None
+
+
+def upgrade(tree: dict) -> dict:
+    """A config as written by an older olmax (a checkpoint's meta), with moved keys in their new places."""
+    tree = {k: dict(v) if isinstance(v, dict) else v for k, v in tree.items()}
+    model, impl = tree.setdefault("model", {}), tree.setdefault("impl", {})
+    if "rope_theta" in model:
+        theta = model.pop("rope_theta")
+        model["rope"] = {kind: {"theta": theta} for kind in ("sliding", "global")}
+    for old, new in (("compute_dtype", "compute_dtype"), ("remat_save", "remat"), ("scan_layers", "scan_layers")):
+        if old in model:
+            impl[new] = model.pop(old)
+    if "attention_block" in model:
+        impl["attention"] = {"block": model.pop("attention_block")}
+    return tree
 
 
 def dump(config: RunConfig) -> str:

@@ -116,27 +116,42 @@ def unigram_baseline(train_paths: list[str], heldout_paths: list[str], vocab_siz
 
 
 def greedy_samples(cfg, params, tokenizer_path: str, prompts: list[str], new_tokens: int) -> list[str]:
-    """Greedy continuations, one fixed-shape forward per token (no cache: the demo model is small)."""
+    """Greedy continuations with the model's KV cache: the prompt in one call, then a token per call."""
     import jax
     import jax.numpy as jnp
     from tokenizers import Tokenizer
 
-    from olmax.model import olmo3
+    from olmax.model import transformer
 
     tokenizer = Tokenizer.from_file(tokenizer_path)
-    length = cfg.data.sequence_length
-    next_token = jax.jit(lambda p, t, i: jnp.argmax(olmo3.forward(cfg.model, p, t)[0, i, : cfg.model.vocab_size]))
+    model, impl, length = cfg.model, cfg.impl, cfg.data.sequence_length
+
+    def next_token(params, hidden):
+        return jnp.argmax(transformer.logits(params, hidden)[..., : model.vocab_size], axis=-1)
+
+    @jax.jit
+    def prefill(params, tokens, n):
+        cache = transformer.init_cache(model, impl, 1, length)
+        hidden, cache = transformer.forward_cached(model, impl, params, tokens, jnp.zeros(1, jnp.int32), cache,
+                                                   length, n)
+        return next_token(params, hidden[0, n[0] - 1]), cache
+
+    @jax.jit
+    def step(params, token, position, cache):
+        hidden, cache = transformer.forward_cached(model, impl, params, token.reshape(1, 1), position, cache, length)
+        return next_token(params, hidden[0, 0]), cache
+
     samples = []
     for prompt in prompts:
-        ids = tokenizer.encode(prompt).ids
+        ids = tokenizer.encode(prompt).ids[: length - 1]
         buffer = np.zeros((1, length), np.int32)
         buffer[0, : len(ids)] = ids
-        for i in range(len(ids) - 1, min(len(ids) - 1 + new_tokens, length - 1)):
-            token = int(next_token(params, buffer, i))
-            if token == cfg.data.eos_id:
+        token, cache = prefill(params, buffer, np.array([len(ids)], np.int32))
+        for position in range(len(ids), min(len(ids) + new_tokens, length)):
+            if int(token) == cfg.data.eos_id:
                 break
-            buffer[0, i + 1] = token
-            ids.append(token)
+            ids.append(int(token))
+            token, cache = step(params, token, np.array([position], np.int32), cache)
         samples.append(tokenizer.decode(ids))
     return samples
 
@@ -163,7 +178,8 @@ def plot_curves(metrics: list[dict], path: Path) -> None:
 
 def run_demo(overrides: list[str], fresh: bool) -> Path:
     """Build (or reuse) the data, train the demo preset from scratch, evaluate, write the report."""
-    from olmax.parallel.mesh import make_mesh
+    from olmax.eval.in_loop import make_in_loop_eval
+    from olmax.parallel.mesh import make_layout
     from olmax.train.checkpoint import Checkpointer
     from olmax.train.trainer import restore_or_init, train
 
@@ -178,13 +194,13 @@ def run_demo(overrides: list[str], fresh: bool) -> Path:
     shutil.rmtree(cfg.run_dir, ignore_errors=True)
 
     started = time.perf_counter()
-    history = train(cfg)
+    history = train(cfg, make_eval=make_in_loop_eval)
     train_seconds = time.perf_counter() - started
     losses = [h["train/CE loss"] for h in history]
     same_as_previous = None if previous_losses is None else previous_losses == losses
 
     checkpointer = Checkpointer(cfg.run_dir / "checkpoints", cfg.checkpoint)
-    state, _, _ = restore_or_init(cfg, make_mesh(cfg.mesh), checkpointer)
+    state, _, _ = restore_or_init(cfg, make_layout(cfg.mesh), checkpointer)
     checkpointer.close()
     samples = greedy_samples(cfg, state.params, data["tokenizer"],
                              ["def __init__(self", "import os\n", "class ", "Return the"], new_tokens=48)

@@ -57,10 +57,29 @@ def _selection(args, model):
     return select(sets, sequence_length=args.seq_len or data.sequence_length, tokens=args.tokens, seed=args.seed)
 
 
-def _rows(args, mesh) -> int:
-    from olmax.parallel.mesh import data_parallel_size
+def _rows(args, layout) -> int:
+    return args.batch_instances or 4 * layout.data_parallel_size
 
-    return args.batch_instances or 4 * data_parallel_size(mesh)
+
+def load_model(path: str | Path):
+    """An HF Olmo3 directory (config.json + safetensors), an olmax checkpoint directory (its latest
+    step), one step of it (`.../checkpoints/STEP`), or a run directory (its `checkpoints/`)."""
+    from olmax.eval.models import EvalError, Model
+    from olmax.interop.hf import load_hf_params, load_olmax, read_hf_config, run_config_from_hf
+
+    path = Path(path)
+    if not path.exists():
+        raise EvalError(f"{path} does not exist; give an olmax checkpoint or run directory, or an HF model directory")
+    if (path / "config.json").is_file():
+        cfg = run_config_from_hf(read_hf_config(path), name=path.absolute().name, where=str(path / "config.json"))
+        return Model(str(path), cfg, load_hf_params(path, cfg))
+    step = None
+    if path.name.isdigit() and (path / "meta").exists():
+        path, step = path.parent, int(path.name)
+    elif (path / "checkpoints").is_dir():
+        path = path / "checkpoints"
+    cfg, params, step = load_olmax(path, step)
+    return Model(f"{path}/{step}", cfg, params)
 
 
 @_reports_errors
@@ -68,13 +87,13 @@ def cmd_heldout(args) -> None:
     import jax
 
     from olmax.eval.heldout import evaluate
-    from olmax.eval.models import eval_mesh, load_model, place
+    from olmax.eval.models import eval_layout, place
 
     model = load_model(args.model)
     selection = _selection(args, model)
-    mesh = eval_mesh()
-    results = evaluate(model.cfg.model, place(model.cfg, model.params, mesh), selection, mesh,
-                       rows_per_batch=_rows(args, mesh), eos_id=model.cfg.data.eos_id, pad_id=model.cfg.data.pad_id)
+    layout = eval_layout()
+    results = evaluate(model.cfg, place(model.cfg, model.params, layout), selection, layout,
+                       rows_per_batch=_rows(args, layout))
     _print_json({"model": model.name, **results, "tokens": int(sum(selection.tokens)), "seed": args.seed,
                  "token_budget_per_set": args.tokens, "devices": jax.device_count()}, args.out)
 
@@ -82,12 +101,12 @@ def cmd_heldout(args) -> None:
 @_reports_errors
 def cmd_kl(args) -> None:
     from olmax.eval import kl
-    from olmax.eval.models import eval_mesh, load_model
+    from olmax.eval.models import eval_layout
 
     model_a, model_b = load_model(args.a), load_model(args.b)
     selection = _selection(args, model_a)
-    mesh = eval_mesh()
-    values, agree = kl.token_kls(model_a, model_b, selection, mesh, rows_per_batch=_rows(args, mesh))
+    layout = eval_layout()
+    values, agree = kl.token_kls(model_a, model_b, selection, layout, rows_per_batch=_rows(args, layout))
     summary = kl.summarize(values, agree)
     counts, edges = kl.histogram(values)
     out = Path(args.out)
@@ -101,7 +120,7 @@ def cmd_kl(args) -> None:
 
 def _harness_results(path: str, args) -> dict:
     """A results JSON of an earlier `olmax eval harness`, or a model to run the tasks on."""
-    from olmax.eval.models import EvalError, eval_mesh, load_model, place
+    from olmax.eval.models import EvalError, eval_layout, place
 
     if path.endswith(".json") and Path(path).is_file():
         report = json.loads(Path(path).read_text())
@@ -117,9 +136,9 @@ def _harness_results(path: str, args) -> dict:
     tokenizer_path = args.tokenizer or (Path(path) / "tokenizer.json" if (Path(path) / "config.json").is_file() else None)
     if tokenizer_path is None or not Path(tokenizer_path).exists():
         raise EvalError(f"no tokenizer for {path}: pass --tokenizer (a tokenizer.json)")
-    mesh = eval_mesh()
-    lm = harness.OlmaxLM(model.cfg.model, place(model.cfg, model.params, mesh), harness.load_text_tokenizer(tokenizer_path),
-                         mesh, eos_id=model.cfg.data.eos_id, max_length=args.max_length or model.cfg.data.sequence_length,
+    layout = eval_layout()
+    lm = harness.OlmaxLM(model.cfg, place(model.cfg, model.params, layout), harness.load_text_tokenizer(tokenizer_path),
+                         layout, max_length=args.max_length or model.cfg.data.sequence_length,
                          batch_size=args.batch_size)
     results = harness.run_tasks(lm, args.tasks.split(","), limit=args.limit, include_path=args.include_path)
     return {"model": model.name, **results}

@@ -4,11 +4,11 @@ The adapter scores token lists with the olmax forward pass, batched and
 sharded over the mesh's batch axes: `loglikelihood` (log p(continuation |
 context) and whether it is the greedy continuation), `loglikelihood_rolling`
 (lm-eval's disjoint windows: every token once, with as much context as fits),
-and `generate_until` (greedy, with a KV cache, decode.py). Rows of a batch are
+and `generate_until` (greedy, with the model's KV cache). Rows of a batch are
 right-padded to a power of two, so a run compiles a handful of shapes.
 
 OLMo 3's tokenizer has no BOS: an empty context is EOS, as in lm-eval.
-Tasks are lm-eval's own (BRIEF's 8-task suite is the CLI default, for
+Tasks are lm-eval's own (the 8-task suite of MaxText's OLMo 3 reproduction is the CLI default, for
 machines that hold the datasets; nothing is downloaded when
 HF_DATASETS_OFFLINE=1) or defined in a local directory of task YAMLs.
 """
@@ -21,16 +21,14 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh
 from lm_eval.api.model import TemplateLM
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
-from olmax.config import ModelConfig
-from olmax.eval import decode
-from olmax.eval.heldout import target_log_probs
-from olmax.eval.models import EvalError, batch_rows, put_batch, replicated
-from olmax.model import olmo3
-from olmax.parallel.mesh import activation_sharding
+from olmax.config import RunConfig
+from olmax.eval.models import EvalError, batch_rows, put_batch
+from olmax.model import transformer
+from olmax.model.loss import over_logits
+from olmax.parallel.mesh import Layout
 
 MIN_BUCKET = 16
 
@@ -48,34 +46,42 @@ def _bucket(length: int, cap: int) -> int:
 
 
 class OlmaxLM(TemplateLM):
-    """An olmax model (params already placed on `mesh`) as an lm-eval LM."""
+    """An olmax model (params already placed on `layout`) as an lm-eval LM."""
 
-    def __init__(self, model_cfg: ModelConfig, params: dict, tokenizer, mesh: Mesh, *, eos_id: int,
-                 max_length: int, batch_size: int = 16, max_gen_toks: int = 256):
+    def __init__(self, cfg: RunConfig, params: dict, tokenizer, layout: Layout, *, max_length: int,
+                 batch_size: int = 16, max_gen_toks: int = 256):
         super().__init__()
-        self.model_cfg, self.params, self.mesh = model_cfg, params, mesh
+        self.params, self.layout = params, layout
         self.text_tokenizer = tokenizer
-        self.eos_id, self.max_length, self.max_gen_toks = eos_id, max_length, max_gen_toks
-        self.batch_size = batch_rows(batch_size, mesh)
-        vocab = model_cfg.vocab_size
+        self.eos_id, self.max_length, self.max_gen_toks = cfg.data.eos_id, max_length, max_gen_toks
+        self.batch_size = batch_rows(batch_size, layout)
+        model_cfg, impl, vocab = cfg.model, cfg.impl, cfg.model.vocab_size
+
+        def scored(logits, targets):
+            logits = logits[0][..., :vocab]
+            log_prob = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0] - jax.nn.logsumexp(logits, -1)
+            return log_prob, jnp.argmax(logits, axis=-1) == targets
 
         def score(params, inputs, targets):
-            with activation_sharding(mesh):
-                logits = olmo3.forward(model_cfg, params, inputs)
-            greedy = jnp.argmax(logits[..., :vocab], axis=-1) == targets
-            return target_log_probs(logits, targets, vocab), greedy
+            hidden, _ = transformer.forward(model_cfg, impl, params, inputs, layout)
+            return over_logits(scored, (params,), (hidden,), (targets,), impl.loss_chunk)
+
+        def next_token(params, hidden):
+            return jnp.argmax(transformer.logits(params, hidden)[..., :vocab], axis=-1)
 
         def prefill(params, tokens, lengths):
-            cache = decode.init_cache(model_cfg, tokens.shape[0], max_length)
-            logits, cache = decode.forward_cached(model_cfg, params, tokens, jnp.zeros_like(lengths), cache)
-            last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0, :vocab]
-            return jnp.argmax(last, axis=-1), cache
+            cache = transformer.init_cache(model_cfg, impl, tokens.shape[0], max_length)
+            hidden, cache = transformer.forward_cached(model_cfg, impl, params, tokens, jnp.zeros_like(lengths), cache,
+                                                       max_length, lengths)
+            last = jnp.take_along_axis(hidden, (lengths - 1)[:, None, None], axis=1)[:, 0]
+            return next_token(params, last), cache
 
         def step(params, tokens, positions, cache):
-            logits, cache = decode.forward_cached(model_cfg, params, tokens[:, None], positions, cache)
-            return jnp.argmax(logits[:, 0, :vocab], axis=-1), cache
+            hidden, cache = transformer.forward_cached(model_cfg, impl, params, tokens[:, None], positions, cache,
+                                                       max_length)
+            return next_token(params, hidden[:, 0]), cache
 
-        self._score = jax.jit(score, out_shardings=replicated(mesh))
+        self._score = jax.jit(score, out_shardings=layout.replicated)
         self._prefill = jax.jit(prefill)
         self._step = jax.jit(step, donate_argnums=3)
 
@@ -108,7 +114,7 @@ class OlmaxLM(TemplateLM):
             for row, window in enumerate(windows):
                 inputs[row, : len(window) - 1] = window[:-1]
                 targets[row, : len(window) - 1] = window[1:]
-            log_probs, greedy = (np.asarray(x) for x in self._score(self.params, *put_batch((inputs, targets), self.mesh)))
+            log_probs, greedy = (np.asarray(x) for x in self._score(self.params, *put_batch((inputs, targets), self.layout)))
             for row, (i, window) in enumerate(zip(chunk, windows)):
                 n = len(window) - 1
                 span = slice(n - len(pairs[i][1]), n)

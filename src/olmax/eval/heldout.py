@@ -14,43 +14,35 @@ import math
 from typing import Callable
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh
 
-from olmax.config import ModelConfig
+from olmax.config import RunConfig
 from olmax.eval.documents import Selection, read_rows
-from olmax.eval.models import batch_rows, put_batch, replicated
-from olmax.model import olmo3
-from olmax.parallel.mesh import activation_sharding
+from olmax.eval.models import batch_rows, put_batch
+from olmax.model import transformer
+from olmax.model.loss import target_log_probs
+from olmax.parallel.mesh import Layout
 
 
-def target_log_probs(logits: jax.Array, targets: jax.Array, vocab_size: int) -> jax.Array:
-    """log p(target) [B, T] in float32 over the real vocabulary."""
-    logits = logits[..., :vocab_size].astype(jnp.float32)
-    target = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
-    return target - jax.nn.logsumexp(logits, axis=-1)
-
-
-def make_row_losses(model_cfg: ModelConfig, mesh: Mesh) -> Callable:
+def make_row_losses(cfg: RunConfig, layout: Layout) -> Callable:
     """jit (params, inputs, targets, weights) -> summed CE per row, float32 [B], replicated."""
     def row_losses(params, inputs, targets, weights):
-        with activation_sharding(mesh):
-            logits = olmo3.forward(model_cfg, params, inputs)
-        return -(target_log_probs(logits, targets, model_cfg.vocab_size) * weights).sum(axis=1)
+        hidden, _ = transformer.forward(cfg.model, cfg.impl, params, inputs, layout)
+        log_probs = target_log_probs(params, hidden, targets, cfg.model.vocab_size, cfg.impl.loss_chunk)
+        return -(log_probs * weights).sum(axis=1)
 
-    return jax.jit(row_losses, out_shardings=replicated(mesh))
+    return jax.jit(row_losses, out_shardings=layout.replicated)
 
 
-def summed_losses(row_losses: Callable, params: dict, selection: Selection, mesh: Mesh, *, rows_per_batch: int,
-                  eos_id: int, pad_id: int, vocab_size: int) -> np.ndarray:
+def summed_losses(row_losses: Callable, params: dict, selection: Selection, layout: Layout, *,
+                  rows_per_batch: int, eos_id: int, pad_id: int, vocab_size: int) -> np.ndarray:
     """Summed CE of every row of the selection, float32 [rows], in row order."""
-    rows = batch_rows(rows_per_batch, mesh)
+    rows = batch_rows(rows_per_batch, layout)
     out = []
     for first in range(0, len(selection.rows), rows):
         batch = read_rows(selection, slice(first, first + rows), eos_id=eos_id, pad_id=pad_id,
                           vocab_size=vocab_size, batch_rows=rows)
-        out.append(row_losses(params, *put_batch(batch, mesh)))
+        out.append(row_losses(params, *put_batch(batch, layout)))
     n = len(selection.rows)
     return np.concatenate([np.asarray(x) for x in out])[:n]
 
@@ -88,12 +80,12 @@ def macro_average(results: dict[str, dict]) -> dict:
     }
 
 
-def evaluate(model_cfg: ModelConfig, params: dict, selection: Selection, mesh: Mesh, *, rows_per_batch: int,
-             eos_id: int, pad_id: int, row_losses: Callable | None = None) -> dict:
+def evaluate(cfg: RunConfig, params: dict, selection: Selection, layout: Layout, *, rows_per_batch: int,
+             row_losses: Callable | None = None) -> dict:
     """{"sets": label -> results, "macro": averages, "sequence_length", "rows_per_batch"}."""
-    row_losses = row_losses or make_row_losses(model_cfg, mesh)
-    losses = summed_losses(row_losses, params, selection, mesh, rows_per_batch=rows_per_batch, eos_id=eos_id,
-                           pad_id=pad_id, vocab_size=model_cfg.vocab_size)
+    row_losses = row_losses or make_row_losses(cfg, layout)
+    losses = summed_losses(row_losses, params, selection, layout, rows_per_batch=rows_per_batch,
+                           eos_id=cfg.data.eos_id, pad_id=cfg.data.pad_id, vocab_size=cfg.model.vocab_size)
     results = set_results(selection, losses)
     return {"sets": results, "macro": macro_average(results), "sequence_length": selection.sequence_length,
-            "rows_per_batch": batch_rows(rows_per_batch, mesh)}
+            "rows_per_batch": batch_rows(rows_per_batch, layout)}

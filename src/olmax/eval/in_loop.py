@@ -10,12 +10,10 @@ evaluator is made; every evaluation then reads the very same rows.
 
 from __future__ import annotations
 
-from jax.sharding import Mesh
-
 from olmax.config import RunConfig
 from olmax.eval.documents import open_eval_set, select, shard_paths
 from olmax.eval.heldout import evaluate, make_row_losses
-from olmax.parallel.mesh import data_parallel_size
+from olmax.parallel.mesh import Layout
 
 
 def lm_metrics(results: dict) -> dict[str, float]:
@@ -30,19 +28,19 @@ def lm_metrics(results: dict) -> dict[str, float]:
 
 class InLoopEval:
     """`evaluate(step, params) -> metrics`: the evaluations due at `step` ({} when none is), on the train
-    state's params (on `mesh`). `due(step)` says beforehand whether there will be any, so the trainer can
+    state's params (on `layout`). `due(step)` says beforehand whether there will be any, so the trainer can
     wait for the step to finish before timing the evaluation."""
 
-    def __init__(self, cfg: RunConfig, mesh: Mesh):
-        self.cfg, self.mesh = cfg, mesh
+    def __init__(self, cfg: RunConfig, layout: Layout):
+        self.cfg, self.layout = cfg, layout
         e, data = cfg.eval, cfg.data
         self.selection = None
         if e.every is not None:
             sets = [open_eval_set(s.label, shard_paths(s.paths, s.mix_file), token_dtype=data.token_dtype,
                                   eos_id=data.eos_id) for s in e.sets]
             self.selection = select(sets, sequence_length=data.sequence_length, tokens=e.tokens, seed=e.seed)
-            self.row_losses = make_row_losses(cfg.model, mesh)
-        self.rows = e.batch_instances or (cfg.train.micro_batch_per_device * data_parallel_size(mesh)
+            self.row_losses = make_row_losses(cfg, layout)
+        self.rows = e.batch_instances or (cfg.train.micro_batch_per_device * layout.data_parallel_size
                                           if cfg.train.micro_batch_per_device else cfg.train.global_batch_instances)
         self.harness_lm = None
         if e.harness_every is not None:
@@ -63,16 +61,15 @@ class InLoopEval:
         e, data = self.cfg.eval, self.cfg.data
         metrics = {}
         if self.lm_due(step):
-            results = evaluate(self.cfg.model, params, self.selection, self.mesh, rows_per_batch=self.rows,
-                               eos_id=data.eos_id, pad_id=data.pad_id, row_losses=self.row_losses)
+            results = evaluate(self.cfg, params, self.selection, self.layout, rows_per_batch=self.rows,
+                               row_losses=self.row_losses)
             metrics.update(lm_metrics(results))
         if self.harness_due(step):
             from olmax.eval import harness
 
             if self.harness_lm is None:
-                self.harness_lm = harness.OlmaxLM(self.cfg.model, params, self.tokenizer, self.mesh,
-                                                  eos_id=data.eos_id, max_length=data.sequence_length,
-                                                  batch_size=self.rows)
+                self.harness_lm = harness.OlmaxLM(self.cfg, params, self.tokenizer, self.layout,
+                                                  max_length=data.sequence_length, batch_size=self.rows)
             self.harness_lm.params = params
             results = harness.run_tasks(self.harness_lm, e.harness_tasks, limit=e.harness_limit,
                                         include_path=e.harness_include_path)
@@ -80,8 +77,9 @@ class InLoopEval:
         return metrics
 
 
-def make_in_loop_eval(cfg: RunConfig, mesh: Mesh) -> InLoopEval | None:
-    """None when the config asks for no in-loop eval, else the evaluator (see InLoopEval)."""
+def make_in_loop_eval(cfg: RunConfig, layout: Layout) -> InLoopEval | None:
+    """None when the config asks for no in-loop eval, else the evaluator (see InLoopEval); the trainer's
+    `make_eval`."""
     if cfg.eval.every is None and cfg.eval.harness_every is None:
         return None
-    return InLoopEval(cfg, mesh)
+    return InLoopEval(cfg, layout)

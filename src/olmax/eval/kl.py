@@ -3,8 +3,9 @@
 Both models read the same rows of a held-out set (documents.py); at every
 predicted position, KL over the real vocabulary in float32, and whether the
 two argmax tokens agree. Reported: mean, quantiles, max, top-1 agreement, and
-a histogram (PNG) of log10 KL. For scale (BRIEF): two independent runs of one
-recipe differ by 0.389 nats; framework noise is about 200x smaller.
+a histogram (PNG) of log10 KL. For scale (MaxText's OLMo 3 reproduction): two independent runs of one
+recipe differ by 0.389 nats; framework noise is about 200x smaller. The logits are
+computed a chunk of positions at a time (`impl.loss_chunk` of model A), never whole.
 """
 
 from __future__ import annotations
@@ -15,47 +16,52 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh
 
-from olmax.config import ModelConfig
+from olmax.config import RunConfig
 from olmax.eval.documents import Selection, read_rows
-from olmax.eval.models import EvalError, Model, batch_rows, place, put_batch, replicated
-from olmax.model import olmo3
-from olmax.parallel.mesh import activation_sharding
+from olmax.eval.models import EvalError, Model, batch_rows, place, put_batch
+from olmax.model import transformer
+from olmax.model.loss import over_logits
+from olmax.parallel.mesh import Layout
 
 QUANTILES = (0.5, 0.9, 0.99, 0.999)
 HISTOGRAM_FLOOR = 1e-12  # KL values below this (exact zeros included) land in the first bin
 
 
-def make_token_kl(cfg_a: ModelConfig, cfg_b: ModelConfig, mesh: Mesh) -> Callable:
+def _kl(logits):
+    log_p, log_q = (jax.nn.log_softmax(x, axis=-1) for x in logits)
+    kl = jnp.sum(jnp.exp(log_p) * (log_p - log_q), axis=-1)
+    return kl, jnp.argmax(log_p, axis=-1) == jnp.argmax(log_q, axis=-1)
+
+
+def make_token_kl(cfg_a: RunConfig, cfg_b: RunConfig, layout: Layout) -> Callable:
     """jit (params_a, params_b, inputs) -> (KL(A || B) [B, T], argmax agreement [B, T]), replicated."""
-    vocab = cfg_a.vocab_size
+    vocab = cfg_a.model.vocab_size
 
     def token_kl(params_a, params_b, inputs):
-        with activation_sharding(mesh):
-            log_p = jax.nn.log_softmax(olmo3.forward(cfg_a, params_a, inputs)[..., :vocab], axis=-1)
-            log_q = jax.nn.log_softmax(olmo3.forward(cfg_b, params_b, inputs)[..., :vocab], axis=-1)
-        kl = jnp.sum(jnp.exp(log_p) * (log_p - log_q), axis=-1)
-        return kl, jnp.argmax(log_p, axis=-1) == jnp.argmax(log_q, axis=-1)
+        hidden_a, _ = transformer.forward(cfg_a.model, cfg_a.impl, params_a, inputs, layout)
+        hidden_b, _ = transformer.forward(cfg_b.model, cfg_b.impl, params_b, inputs, layout)
+        return over_logits(lambda logits: _kl(tuple(x[..., :vocab] for x in logits)), (params_a, params_b),
+                           (hidden_a, hidden_b), (), cfg_a.impl.loss_chunk)
 
-    return jax.jit(token_kl, out_shardings=replicated(mesh))
+    return jax.jit(token_kl, out_shardings=layout.replicated)
 
 
-def token_kls(model_a: Model, model_b: Model, selection: Selection, mesh: Mesh, *,
+def token_kls(model_a: Model, model_b: Model, selection: Selection, layout: Layout, *,
               rows_per_batch: int) -> tuple[np.ndarray, np.ndarray]:
     """(KL, argmax agreement) at every predicted position of the selection, in row order."""
     a, b = model_a.cfg, model_b.cfg
     if a.model.vocab_size != b.model.vocab_size:
         raise EvalError(f"{model_a.name} has vocab {a.model.vocab_size}, {model_b.name} has {b.model.vocab_size}: "
                         "KL needs one tokenizer")
-    params_a, params_b = place(a, model_a.params, mesh), place(b, model_b.params, mesh)
-    kl_fn = make_token_kl(a.model, b.model, mesh)
-    rows = batch_rows(rows_per_batch, mesh)
+    params_a, params_b = place(a, model_a.params, layout), place(b, model_b.params, layout)
+    kl_fn = make_token_kl(a, b, layout)
+    rows = batch_rows(rows_per_batch, layout)
     kls, agree = [], []
     for first in range(0, len(selection.rows), rows):
         inputs, _, weights = read_rows(selection, slice(first, first + rows), eos_id=a.data.eos_id,
                                        pad_id=a.data.pad_id, vocab_size=a.model.vocab_size, batch_rows=rows)
-        kl, same = kl_fn(params_a, params_b, *put_batch((inputs,), mesh))
+        kl, same = kl_fn(params_a, params_b, *put_batch((inputs,), layout))
         counted = weights > 0
         kls.append(np.asarray(kl)[counted])
         agree.append(np.asarray(same)[counted])

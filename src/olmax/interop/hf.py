@@ -21,7 +21,6 @@ import math
 import os
 import re
 import shutil
-from dataclasses import dataclass
 from pathlib import Path
 
 import jax
@@ -29,9 +28,9 @@ import ml_dtypes
 import numpy as np
 import orbax.checkpoint as ocp
 
-from olmax.config import CheckpointConfig, ConfigError, ModelConfig, RunConfig, validate
+from olmax.config import CheckpointConfig, ConfigError, ModelConfig, RunConfig, upgrade, validate
 from olmax.interop import InteropError, stream
-from olmax.model import olmo3
+from olmax.model import families
 from olmax.runtime import GLIBC
 from olmax.train.checkpoint import Checkpointer, run_meta
 
@@ -45,21 +44,6 @@ FLOAT_DTYPES = {"F32", "BF16", "F16", "F64"}  # safetensors dtype codes the impo
 EXPORT_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}
 M_ARENA_MAX = -8  # glibc's mallopt parameter
 
-
-# olmax block parameter -> HF tensor name; all but the norms are Linear weights stored transposed.
-BLOCK_TENSORS = {
-    "q_proj": "model.layers.{}.self_attn.q_proj.weight",
-    "k_proj": "model.layers.{}.self_attn.k_proj.weight",
-    "v_proj": "model.layers.{}.self_attn.v_proj.weight",
-    "o_proj": "model.layers.{}.self_attn.o_proj.weight",
-    "q_norm": "model.layers.{}.self_attn.q_norm.weight",
-    "k_norm": "model.layers.{}.self_attn.k_norm.weight",
-    "attn_norm": "model.layers.{}.post_attention_layernorm.weight",
-    "w1": "model.layers.{}.mlp.gate_proj.weight",
-    "w3": "model.layers.{}.mlp.up_proj.weight",
-    "w2": "model.layers.{}.mlp.down_proj.weight",
-    "mlp_norm": "model.layers.{}.post_feedforward_layernorm.weight",
-}
 
 
 # --- configs ---------------------------------------------------------------------------------------
@@ -82,21 +66,56 @@ def read_hf_config(src: Path) -> dict:
     return config
 
 
-def _rope_theta(hf: dict, where: str) -> float:
-    """The one RoPE theta of the model; per-layer-type parameters must agree and be unscaled."""
-    params = hf.get("rope_parameters")
-    if params is None:
-        scaling = hf.get("rope_scaling") or {}
-        params = {"rope_type": scaling.get("rope_type", scaling.get("type", "default")),
-                  "rope_theta": hf.get("rope_theta", 500000.0)}
-    per_type = {k: v for k, v in params.items() if k in LAYER_KINDS} or {"all layers": params}
-    types = {name: (p or {}).get("rope_type", "default") for name, p in per_type.items()}
-    if bad := {name: t for name, t in types.items() if t != "default"}:
-        raise InteropError(f"{where}: rope_type {bad} is not supported (olmax implements unscaled RoPE only)")
-    thetas = {name: float((p or {}).get("rope_theta", hf.get("rope_theta", 500000.0))) for name, p in per_type.items()}
-    if len(set(thetas.values())) > 1:
-        raise InteropError(f"{where}: rope_theta differs between layer types {thetas}; olmax has one rope_theta")
-    return next(iter(thetas.values()))
+ROPE_KEYS = {"rope_type", "rope_theta", "factor", "original_max_position_embeddings", "beta_fast", "beta_slow",
+             "attention_factor", "truncate"}
+
+
+def _rope(hf: dict, where: str) -> dict:
+    """olmax `model.rope` (per layer kind) from transformers' Olmo3 RoPE fields, resolved exactly as
+    `Olmo3Config` resolves them: `rope_parameters` keyed by layer type; an old-style `rope_scaling` merged
+    into the full-attention entry only; a top-level `rope_theta` filling in the full-attention theta only
+    (sliding layers default to 500000 whatever it says)."""
+    params = hf.get("rope_parameters") or {}
+    if ignored := sorted(set(params) - set(LAYER_KINDS)):
+        raise InteropError(f"{where}: rope_parameters has keys {ignored} that are not layer types; transformers' "
+                           f"Olmo3 reads only {sorted(LAYER_KINDS)} (and would ignore these)")
+    entries = {name: dict(params.get(name) or {"rope_type": "default"}) for name in LAYER_KINDS}
+    if hf.get("rope_scaling"):
+        entries["full_attention"].update(hf["rope_scaling"])
+    entries["full_attention"].setdefault("rope_theta", hf.get("rope_theta", 500000.0))
+    entries["sliding_attention"].setdefault("rope_theta", 500000.0)
+    rope = {}
+    for name, p in entries.items():
+        at = f"{where}: rope_parameters[{name!r}]"
+        if unknown := sorted(set(p) - ROPE_KEYS - {"type"}):
+            raise InteropError(f"{at} has fields olmax does not implement: {unknown}")
+        kind = p.get("rope_type", p.get("type", "default"))
+        if kind not in ("default", "yarn"):
+            raise InteropError(f"{at}: rope_type {kind!r} is not implemented (olmax has default and yarn)")
+        if p.get("truncate", True) is not True:
+            raise InteropError(f"{at}: truncate=false is not implemented (and transformers' Olmo3 reads truncate "
+                               "from the top level of rope_parameters, so it would not honour it either)")
+        entry = {"theta": float(p["rope_theta"]), "type": kind}
+        if kind == "yarn":
+            original = p.get("original_max_position_embeddings") or hf.get("max_position_embeddings")
+            if not original:
+                raise InteropError(f"{at}: yarn needs original_max_position_embeddings (or max_position_embeddings)")
+            entry |= {"factor": p.get("factor") or hf["max_position_embeddings"] / original,
+                      "original_max_position_embeddings": original, "beta_fast": p.get("beta_fast") or 32.0,
+                      "beta_slow": p.get("beta_slow") or 1.0, "attention_factor": p.get("attention_factor")}
+        rope[LAYER_KINDS[name]] = entry
+    return rope
+
+
+def _hf_rope(rope) -> dict:
+    """transformers' `rope_parameters` entry of one olmax RopeConfig."""
+    entry = {"rope_type": rope.type, "rope_theta": rope.theta}
+    if rope.type == "yarn":
+        entry |= {"factor": rope.factor, "original_max_position_embeddings": rope.original_max_position_embeddings,
+                  "beta_fast": rope.beta_fast, "beta_slow": rope.beta_slow}
+        if rope.attention_factor is not None:
+            entry["attention_factor"] = rope.attention_factor
+    return entry
 
 
 def _layer_pattern(hf: dict, n_layers: int, where: str) -> list[str]:
@@ -150,7 +169,7 @@ def run_config_from_hf(hf: dict, name: str, where: str = "config.json") -> RunCo
         "head_dim": None if head_dim in (None, d_model // n_heads) else head_dim,
         "mlp_hidden": hf["intermediate_size"],
         "norm_eps": hf.get("rms_norm_eps", 1e-5),
-        "rope_theta": _rope_theta(hf, where),
+        "rope": _rope(hf, where),
         "layer_pattern": pattern,
         "init_std": hf.get("initializer_range", 0.02),
         "param_dtype": "float32",
@@ -170,10 +189,11 @@ def run_config_from_hf(hf: dict, name: str, where: str = "config.json") -> RunCo
 
 
 def hf_config_from_run(cfg: RunConfig, dtype: str = "float32") -> dict:
-    """config.json for `Olmo3ForCausalLM`; RoPE spelled both ways (rope_theta for transformers 4.x,
-    rope_parameters per layer type for 5.x), so every version reads the one theta."""
+    """config.json for `Olmo3ForCausalLM`: RoPE as `rope_parameters` per layer type (transformers 5), and as
+    `rope_theta` too when both kinds share an unscaled theta (transformers 4 reads that)."""
     m = cfg.model
-    rope = {"rope_type": "default", "rope_theta": m.rope_theta}
+    unscaled = {r.theta for r in m.rope.values() if r.type == "default"}
+    single_theta = len(unscaled) == 1 and all(r.type == "default" for r in m.rope.values())
     config = {
         "architectures": [ARCHITECTURE],
         "model_type": MODEL_TYPE,
@@ -187,9 +207,7 @@ def hf_config_from_run(cfg: RunConfig, dtype: str = "float32") -> dict:
         "max_position_embeddings": cfg.data.sequence_length,
         "initializer_range": m.init_std,
         "rms_norm_eps": m.norm_eps,
-        "rope_theta": m.rope_theta,
-        "rope_scaling": None,
-        "rope_parameters": {name: dict(rope) for name in LAYER_KINDS},
+        "rope_parameters": {name: _hf_rope(m.rope.get(kind, m.rope["global"])) for name, kind in LAYER_KINDS.items()},
         "sliding_window": m.sliding_window,
         "layer_types": [HF_LAYER_TYPES["global" if m.is_global(i) else "sliding"] for i in range(m.n_layers)],
         "attention_bias": False,
@@ -201,59 +219,14 @@ def hf_config_from_run(cfg: RunConfig, dtype: str = "float32") -> dict:
         "use_cache": True,
         "dtype": dtype,
     }
+    if single_theta:
+        config["rope_theta"] = unscaled.pop()
     if m.head_dim is not None:
         config["head_dim"] = m.head_dim
     return config
 
 
 # --- tensors ---------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class TensorSpec:
-    """Where one HF tensor lives in the olmax params: `path` in the tree, `layer` on the stacked axis.
-
-    Linear weights are transposed (olmax [in, out], torch [out, in]); the embedding and norms are not.
-    """
-
-    path: tuple[str, ...]
-    layer: int | None
-    hf_shape: tuple[int, ...]
-
-    @property
-    def transposed(self) -> bool:
-        return len(self.hf_shape) == 2 and self.path != ("embed",)
-
-
-def hf_tensor_specs(m: ModelConfig) -> dict[str, TensorSpec]:
-    shapes = olmo3.param_shapes(m)
-    specs = {
-        "model.embed_tokens.weight": TensorSpec(("embed",), None, (m.vocab_size, m.d_model)),
-        "model.norm.weight": TensorSpec(("final_norm",), None, (m.d_model,)),
-        "lm_head.weight": TensorSpec(("lm_head",), None, (m.vocab_size, m.d_model)),
-    }
-    for key, template in BLOCK_TENSORS.items():
-        per_layer = shapes["blocks"][key][1:]
-        for layer in range(m.n_layers):
-            specs[template.format(layer)] = TensorSpec(("blocks", key), layer, tuple(reversed(per_layer)))
-    return specs
-
-
-def _target(params: dict, spec: TensorSpec, m: ModelConfig) -> np.ndarray:
-    """The view of the olmax array that holds this HF tensor, in olmax layout."""
-    node = params
-    for key in spec.path:
-        node = node[key]
-    if spec.path == ("embed",):
-        return node[: m.vocab_size]
-    if spec.path == ("lm_head",):
-        return node[:, : m.vocab_size]
-    return node if spec.layer is None else node[spec.layer]
-
-
-def _swap(array: np.ndarray, spec: TensorSpec) -> np.ndarray:
-    """olmax layout <-> HF layout (a view)."""
-    return array.T if spec.transposed else array
 
 
 def _natural_key(name: str):
@@ -306,12 +279,13 @@ def _listing(title: str, items: list[str], limit: int = 24) -> list[str]:
     return [f"  {title} ({len(items)}): {shown}"]
 
 
-def check_hf_tensors(found: dict, specs: dict[str, TensorSpec], src: Path, m: ModelConfig) -> None:
+def check_hf_tensors(found: dict, src: Path, m: ModelConfig) -> None:
     """Every tensor the config implies, nothing else, each with the implied shape and a float dtype."""
+    specs = {name: p.foreign_shape(m) for name, (p, _) in families.foreign_tensors(m).items()}
     missing = [n for n in specs if n not in found]
     extra = [n for n in found if n not in specs]
-    mismatched = [f"{n} is {list(found[n][0])}, config implies {list(s.hf_shape)}"
-                  for n, s in specs.items() if n in found and found[n][0] != s.hf_shape]
+    mismatched = [f"{n} is {list(found[n][0])}, config implies {list(shape)}"
+                  for n, shape in specs.items() if n in found and found[n][0] != shape]
     not_float = [f"{n} ({found[n][1]})" for n in specs if n in found and found[n][1] not in FLOAT_DTYPES]
     if missing or extra or mismatched or not_float:
         lines = [f"{src}: the tensors do not match config.json ({ARCHITECTURE}: {m.n_layers} layers, hidden "
@@ -327,16 +301,16 @@ def check_hf_tensors(found: dict, specs: dict[str, TensorSpec], src: Path, m: Mo
 def load_hf_params(src: Path, cfg: RunConfig) -> dict:
     """olmax float32 params (numpy) from the safetensors files, one slab of a tensor in flight at a time."""
     m = cfg.model
-    specs = hf_tensor_specs(m)
+    tensors = families.foreign_tensors(m)
     files = hf_tensor_files(src)
-    check_hf_tensors(_tensor_headers(files), specs, src, m)
-    params = jax.tree.map(lambda shape: np.zeros(shape, np.float32), olmo3.param_shapes(m),
+    check_hf_tensors(_tensor_headers(files), src, m)
+    params = jax.tree.map(lambda shape: np.zeros(shape, np.float32), families.param_shapes(m),
                           is_leaf=lambda s: isinstance(s, tuple))
     for path in sorted(set(files.values())):
         header, start = stream.read_header(path)
         with open(path, "rb") as f:
             for name, entry in header.items():
-                stream.read_into(f, start, entry, _swap(_target(params, specs[name], m), specs[name]))
+                stream.read_into(f, start, entry, families.foreign_view(params, *tensors[name], m))
     return params
 
 
@@ -422,12 +396,12 @@ def load_olmax(ckpt: str | Path, step: int | None = None) -> tuple[RunConfig, di
         if "config" not in meta:
             raise InteropError(f"{ckpt}/{step}: meta has no resolved config")
         try:
-            cfg = validate(meta["config"], source=f"{ckpt}/{step} meta config")
+            cfg = validate(upgrade(meta["config"]), source=f"{ckpt}/{step} meta config")
         except ConfigError as err:
             raise InteropError(str(err)) from None
         # numpy targets (np.empty touches no memory) restore straight into host arrays, whatever the
         # sharding the checkpoint was written with; jax targets would cost a second copy.
-        abstract = jax.tree.map(lambda shape: np.empty(shape, cfg.model.param_dtype), olmo3.param_shapes(cfg.model),
+        abstract = jax.tree.map(lambda shape: np.empty(shape, cfg.model.param_dtype), families.param_shapes(cfg.model),
                                 is_leaf=lambda s: isinstance(s, tuple))
         with _numpy_one_array_at_a_time():
             params, _ = checkpointer.restore_params(step, abstract)
@@ -438,8 +412,8 @@ def load_olmax(ckpt: str | Path, step: int | None = None) -> tuple[RunConfig, di
 
 def _plan_shards(cfg: RunConfig, itemsize: int, max_shard_bytes: int) -> list[list[str]]:
     shards, size = [[]], 0
-    for name, spec in hf_tensor_specs(cfg.model).items():
-        nbytes = math.prod(spec.hf_shape) * itemsize
+    for name, (p, _) in families.foreign_tensors(cfg.model).items():
+        nbytes = math.prod(p.foreign_shape(cfg.model)) * itemsize
         if shards[-1] and size + nbytes > max_shard_bytes:
             shards.append([])
             size = 0
@@ -471,17 +445,17 @@ def write_hf(cfg: RunConfig, params: dict, out: str | Path, dtype: str = "float3
 
 def _write_hf_files(cfg: RunConfig, params: dict, out: Path, dtype: str, np_dtype, max_shard_bytes: int) -> None:
     m = cfg.model
-    specs = hf_tensor_specs(m)
+    tensors = families.foreign_tensors(m)
     shards = _plan_shards(cfg, np_dtype.itemsize, max_shard_bytes)
     names = [SINGLE_FILE] if len(shards) == 1 else [
         f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     weight_map = {}
     for file, shard in zip(names, shards):
-        views = {name: _swap(_target(params, specs[name], m), specs[name]) for name in shard}
+        views = {name: families.foreign_view(params, *tensors[name], m) for name in shard}
         stream.write_file(out / file, views, np_dtype, metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(shard, file))
     if len(shards) > 1:
-        total = sum(math.prod(s.hf_shape) for s in specs.values()) * np_dtype.itemsize
+        total = sum(math.prod(p.foreign_shape(m)) for p, _ in tensors.values()) * np_dtype.itemsize
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (out / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
     (out / "config.json").write_text(json.dumps(hf_config_from_run(cfg, dtype), indent=2) + "\n")

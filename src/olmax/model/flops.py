@@ -2,10 +2,11 @@
 
 Training FLOPs per token (forward + backward = 3 x forward, 2 FLOPs per multiply-add):
 
-    6 * N_nonembed  +  sum over layers of 12 * n_heads * head_dim * A_layer
+    6 * N_active_nonembed  +  sum over layers of 12 * n_heads * head_dim * A_layer
 
-N_nonembed counts every parameter but the input embedding (the LM head is a
-matmul, the embedding a lookup). A_layer is the number of keys a query attends
+N_active_nonembed counts the parameters a token's forward pass multiplies with
+(a mixture of experts' top_k of n_experts expert weights), except the input
+embedding (the LM head is a matmul, the embedding a lookup). A_layer is the number of keys a query attends
 to, averaged over the positions of a sequence of length T: (T + 1) / 2 for a
 causal global layer, and sum_i min(i + 1, w) / T for a window of w keys. The
 attention term is 2 matmuls (QK^T and PV) x 2 FLOPs x 3 for the backward.
@@ -14,23 +15,10 @@ Counting every layer as a global one reproduces the figure MaxText reported.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from olmax.config import ModelConfig
-from olmax.model.olmo3 import param_shapes
-
-
-def _flat_shapes(tree: dict):
-    for value in tree.values():
-        if isinstance(value, dict):
-            yield from _flat_shapes(value)
-        else:
-            yield value
-
-
-def param_count(cfg: ModelConfig) -> int:
-    return sum(math.prod(s) for s in _flat_shapes(param_shapes(cfg)))
+from olmax.model.families import active_param_count, param_count
 
 
 def embedding_params(cfg: ModelConfig) -> int:
@@ -48,6 +36,7 @@ def attended_positions(seq_len: int, window: int | None) -> float:
 class FlopCount:
     params: int
     non_embedding_params: int
+    active_params: int  # per token
     per_token: float  # sliding layers counted with their window
     per_token_all_global: float  # every layer counted as full causal attention
 
@@ -56,10 +45,9 @@ class FlopCount:
 
 
 def count(cfg: ModelConfig, seq_len: int) -> FlopCount:
-    params = param_count(cfg)
-    non_embedding = params - embedding_params(cfg)
+    params, active = param_count(cfg), active_param_count(cfg)
+    matmuls = 6 * (active - embedding_params(cfg))
     per_position = 12 * cfg.n_heads * cfg.head_size
-    windows = [None if cfg.is_global(i) else cfg.sliding_window for i in range(cfg.n_layers)]
-    attention = per_position * sum(attended_positions(seq_len, w) for w in windows)
+    attention = per_position * sum(attended_positions(seq_len, cfg.window(i)) for i in range(cfg.n_layers))
     attention_all_global = per_position * cfg.n_layers * attended_positions(seq_len, None)
-    return FlopCount(params, non_embedding, 6 * non_embedding + attention, 6 * non_embedding + attention_all_global)
+    return FlopCount(params, params - embedding_params(cfg), active, matmuls + attention, matmuls + attention_all_global)

@@ -17,11 +17,7 @@ import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
-from olmax.config import CheckpointConfig, ModelConfig, RunConfig
-
-# Model fields that change no parameter shape or value: a resume may change them.
-_FREE_MODEL_FIELDS = {"compute_dtype", "remat_save", "attention_block"}
-
+from olmax.config import CheckpointConfig, ModelConfig, RunConfig, upgrade
 
 class CheckpointError(ValueError):
     """A checkpoint that cannot be used for this run; the message says why and what to do."""
@@ -94,9 +90,11 @@ def abstract_like(shardings_tree, shapes_tree):
 
 
 def check_model_compatible(saved: dict, current: ModelConfig, where: str) -> None:
-    """A resume must not change the model's shape or math; name every field that differs."""
+    """A resume must not change the model (the architecture: every field of `model`; `impl` may change);
+    name every field that differs. `saved` is the checkpoint's config."""
+    saved = ModelConfig.model_validate(upgrade(saved)["model"]).model_dump(mode="json")
     now = current.model_dump(mode="json")
-    changed = {k: (saved.get(k), v) for k, v in now.items() if k not in _FREE_MODEL_FIELDS and saved.get(k) != v}
+    changed = {k: (saved.get(k), v) for k, v in now.items() if saved.get(k) != v}
     if changed:
         lines = "\n".join(f"  model.{k}: checkpoint {old!r}, config {new!r}" for k, (old, new) in changed.items())
         raise CheckpointError(

@@ -2,7 +2,9 @@
 
 TensorBoard event files are the source of truth for long runs; metrics.jsonl is
 the same stream for scripts. On resume at step N both drop whatever a previous
-attempt logged after step N, so the logs describe one run.
+attempt logged after step N, so the logs describe one run. A metric may be a
+vector (say tokens per expert): a list in metrics.jsonl, and in the event files a
+histogram of its values plus one scalar per index (`name/0`, `name/1`, ...).
 """
 
 from __future__ import annotations
@@ -14,9 +16,10 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from tensorboardX.event_file_writer import EventsWriter
 from tensorboardX.proto.event_pb2 import Event, SessionLog
-from tensorboardX.proto.summary_pb2 import Summary
+from tensorboardX.proto.summary_pb2 import HistogramProto, Summary
 
 # Dense bf16 peak per device (FLOP/s), by jax device_kind prefix.
 PEAK_BF16_FLOPS = {
@@ -77,11 +80,17 @@ class MetricsWriter:
         self.events.flush()
         self.file = self.jsonl.open("a")
 
-    def write(self, step: int, metrics: dict[str, float]) -> None:
+    def write(self, step: int, metrics: dict[str, float | list[float]]) -> None:
         if not self.enabled:
             return
         # Tags are OLMo-core's metric names verbatim (tensorboardX's scalar() would turn spaces into `_`).
-        values = [Summary.Value(tag=name, simple_value=float(value)) for name, value in metrics.items()]
+        values = []
+        for name, value in metrics.items():
+            if isinstance(value, list):
+                values.append(Summary.Value(tag=name, histo=_histogram(value)))
+                values += [Summary.Value(tag=f"{name}/{i}", simple_value=float(v)) for i, v in enumerate(value)]
+            else:
+                values.append(Summary.Value(tag=name, simple_value=float(value)))
         self.events.write_event(Event(step=step, wall_time=time.time(), summary=Summary(value=values)))
         self.file.write(json.dumps({"step": step, **metrics}) + "\n")
         self.file.flush()
@@ -95,6 +104,13 @@ class MetricsWriter:
         if self.enabled:
             self.events.close()
             self.file.close()
+
+
+def _histogram(values: list[float], bins: int = 30) -> HistogramProto:
+    x = np.asarray(values, dtype=np.float64)
+    counts, edges = np.histogram(x, bins=bins)
+    return HistogramProto(min=float(x.min()), max=float(x.max()), num=float(x.size), sum=float(x.sum()),
+                          sum_squares=float((x * x).sum()), bucket_limit=edges[1:].tolist(), bucket=counts.tolist())
 
 
 def console_line(step: int, total: int, m: dict[str, float]) -> str:

@@ -18,12 +18,11 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from olmax.config import ConfigError, RunConfig
+from olmax.config import ConfigError, ModelConfig, RunConfig, upgrade
 from olmax.data import build_loader
-from olmax.eval.in_loop import make_in_loop_eval
-from olmax.model import flops
-from olmax.model.olmo3 import compute_dtype
-from olmax.parallel.mesh import data_parallel_size, make_mesh
+from olmax.model import families, flops
+from olmax.model.transformer import compute_dtype
+from olmax.parallel.mesh import Layout, make_layout
 from olmax.train.checkpoint import Checkpointer, CheckpointError, abstract_like, check_model_compatible, run_meta
 from olmax.train.metrics import MetricsWriter, console_line, device_peak_flops
 from olmax.train.step import TrainState, batch_shardings, create_state, jit_train_step, state_shardings
@@ -74,22 +73,22 @@ def micro_batch_rows(cfg: RunConfig, dp_size: int) -> int:
     return rows
 
 
-def _abstract_state(cfg: RunConfig, mesh):
-    shapes = jax.eval_shape(lambda: create_state(cfg, mesh, jax.random.key(0)))
-    return abstract_like(state_shardings(cfg, mesh), shapes)
+def _abstract_state(cfg: RunConfig, layout: Layout):
+    shapes = jax.eval_shape(lambda: create_state(cfg, layout, jax.random.key(0)))
+    return abstract_like(state_shardings(cfg, layout), shapes)
 
 
-def _restore(cfg: RunConfig, mesh, checkpointer: Checkpointer, step: int):
+def _restore(cfg: RunConfig, layout: Layout, checkpointer: Checkpointer, step: int):
     where = f"checkpoint {checkpointer.directory / str(step)}"
     meta = checkpointer.read_meta(step)
-    check_model_compatible(meta["config"]["model"], cfg.model, where)
-    state, meta = checkpointer.restore(step, _abstract_state(cfg, mesh))
+    check_model_compatible(meta["config"], cfg.model, where)
+    state, meta = checkpointer.restore(step, _abstract_state(cfg, layout))
     if meta["step"] != step:
         raise CheckpointError(f"{where} holds step {meta['step']}; the directory is misnamed or corrupt")
     return state, meta
 
 
-def restore_or_init(cfg: RunConfig, mesh, checkpointer: Checkpointer):
+def restore_or_init(cfg: RunConfig, layout: Layout, checkpointer: Checkpointer):
     """(state, step, data_state or None): the latest readable checkpoint when resuming, else a fresh state.
 
     An unreadable checkpoint (a torn or corrupted write) falls back to the one before it
@@ -99,7 +98,7 @@ def restore_or_init(cfg: RunConfig, mesh, checkpointer: Checkpointer):
     unreadable = []
     for step in reversed(steps):
         try:
-            state, meta = _restore(cfg, mesh, checkpointer, step)
+            state, meta = _restore(cfg, layout, checkpointer, step)
         except CheckpointError:
             raise
         except Exception as err:  # Orbax/tensorstore/JSON errors all mean "this one is unreadable"
@@ -116,16 +115,27 @@ def restore_or_init(cfg: RunConfig, mesh, checkpointer: Checkpointer):
             "Move the directory away to start over, or restore it from a copy"
         )
     if cfg.checkpoint.init_from:
-        return warm_start(cfg, mesh, cfg.checkpoint.init_from), 0, None
-    return create_state(cfg, mesh, jax.random.key(cfg.train.seed)), 0, None
+        return warm_start(cfg, layout, cfg.checkpoint.init_from), 0, None
+    return create_state(cfg, layout, jax.random.key(cfg.train.seed)), 0, None
 
 
-def warm_start(cfg: RunConfig, mesh, source: str) -> TrainState:
+def check_same_parameters(saved: dict, current: ModelConfig, where: str) -> list[str]:
+    """A warm start keeps the parameters, so their shapes must match; other model fields may change between
+    stages (OLMo 3's long-context stage adds YaRN to the global layers). Returns those changes, one line each."""
+    before = ModelConfig.model_validate(upgrade(saved)["model"])
+    if families.param_shapes(before) != families.param_shapes(current):
+        check_model_compatible(saved, current, where)  # names the fields that changed the shapes
+    old, new = before.model_dump(mode="json"), current.model_dump(mode="json")
+    return [f"model.{k}: {old[k]!r} -> {new[k]!r}" for k in new if old[k] != new[k]]
+
+
+def warm_start(cfg: RunConfig, layout: Layout, source: str) -> TrainState:
     """Step 0 of a new run from another run's checkpoint (stage 2 from stage 1, or a converted HF model).
 
     Params are kept, and Adam's moments and count too when the source has them and
     `checkpoint.init_optimizer`; the step (so the LR schedule), the skip-step history
     (the old run's losses say nothing about the new mix) and the data position start fresh.
+    The model may change where its parameters do not (RoPE scaling for the long-context stage).
     """
     path = Path(source)
     directory, step = (path.parent, int(path.name)) if path.name.isdigit() else (path, None)
@@ -136,13 +146,14 @@ def warm_start(cfg: RunConfig, mesh, source: str) -> TrainState:
         step = checkpointer.latest_step() if step is None else step
         if step is None:
             raise CheckpointError(f"checkpoint.init_from {source}: holds no checkpoint")
-        check_model_compatible(checkpointer.read_meta(step)["config"]["model"], cfg.model,
-                               f"checkpoint.init_from {directory / str(step)}")
-        fresh = create_state(cfg, mesh, jax.random.key(cfg.train.seed))
+        where = f"checkpoint.init_from {directory / str(step)}"
+        for change in check_same_parameters(checkpointer.read_meta(step)["config"], cfg.model, where):
+            log.warning("%s: the model changes, its parameters stay: %s", where, change)
+        fresh = create_state(cfg, layout, jax.random.key(cfg.train.seed))
         if cfg.checkpoint.init_optimizer and (directory / str(step) / "opt_state").exists():
-            state, _ = checkpointer.restore(step, _abstract_state(cfg, mesh))
+            state, _ = checkpointer.restore(step, _abstract_state(cfg, layout))
             return TrainState(fresh.step, state.params, fresh.opt_state._replace(inner=state.opt_state.inner))
-        params, _ = checkpointer.restore_params(step, _abstract_state(cfg, mesh).params)
+        params, _ = checkpointer.restore_params(step, _abstract_state(cfg, layout).params)
         return fresh._replace(params=params)
     finally:
         checkpointer.close()
@@ -160,12 +171,18 @@ def place_batch(batch: dict, sharding: dict, micro_rows: int) -> dict:
     return out
 
 
-def train(cfg: RunConfig, *, quiet: bool = False) -> list[dict]:
-    """Train to cfg.train.steps; returns the metrics of the steps this call ran."""
-    mesh = make_mesh(cfg.mesh)
-    micro_rows = micro_batch_rows(cfg, data_parallel_size(mesh))
+def train(cfg: RunConfig, *, quiet: bool = False, make_eval=None) -> list[dict]:
+    """Train to cfg.train.steps; returns the metrics of the steps this call ran.
+
+    `make_eval(cfg, layout)` builds the in-loop evaluator (`due(step)`, `(step, params) -> metrics`) when the
+    config asks for evaluations (olmax.eval.in_loop.make_in_loop_eval)."""
+    if (cfg.eval.every or cfg.eval.harness_every) and make_eval is None:
+        raise ConfigError("the config asks for in-loop evals (eval.every / eval.harness_every) but train() was "
+                          "given no make_eval; pass olmax.eval.in_loop.make_in_loop_eval")
+    layout = make_layout(cfg.mesh)
+    micro_rows = micro_batch_rows(cfg, layout.data_parallel_size)
     checkpointer = Checkpointer(cfg.run_dir / "checkpoints", cfg.checkpoint)
-    state, start, data_state = restore_or_init(cfg, mesh, checkpointer)
+    state, start, data_state = restore_or_init(cfg, layout, checkpointer)
     loader = build_loader(cfg.data, global_batch_instances=cfg.train.global_batch_instances,
                           vocab_size=cfg.model.vocab_size, process_index=jax.process_index(),
                           process_count=jax.process_count())
@@ -176,13 +193,13 @@ def train(cfg: RunConfig, *, quiet: bool = False) -> list[dict]:
         raise CheckpointError(
             f"data position {loader.step} batches != model step {start}: the next step must train on the next batch"
         )
-    step_fn = jit_train_step(cfg, mesh, micro_rows)
-    evaluate = make_in_loop_eval(cfg, mesh)
-    sharding = batch_shardings(mesh, cfg.data.sequence_length, micro_rows)
+    step_fn = jit_train_step(cfg, layout, micro_rows)
+    evaluate = make_eval(cfg, layout) if make_eval else None
+    sharding = batch_shardings(layout, cfg.data.sequence_length, micro_rows)
     writer = MetricsWriter(cfg.run_dir, start, enabled=jax.process_index() == 0)
     tokens_per_step = cfg.train.global_batch_instances * cfg.data.sequence_length
     flops_per_token = flops.count(cfg.model, cfg.data.sequence_length).per_token
-    peak = device_peak_flops(np.dtype(compute_dtype(cfg.model)).name)
+    peak = device_peak_flops(np.dtype(compute_dtype(cfg.impl)).name)
     history, pending = [], None
     last_done = time.perf_counter()
 
@@ -190,7 +207,7 @@ def train(cfg: RunConfig, *, quiet: bool = False) -> list[dict]:
 
     def finish(step: int, metrics, eval_metrics: dict) -> None:
         nonlocal last_done, paused
-        values = {k: float(v) for k, v in jax.device_get(metrics).items()} | eval_metrics
+        values = {k: v.tolist() if np.ndim(v) else float(v) for k, v in jax.device_get(metrics).items()} | eval_metrics
         now = time.perf_counter()
         tps = tokens_per_step / (now - last_done - paused) / jax.device_count()
         last_done, paused = now, 0.0

@@ -1,0 +1,151 @@
+"""The decoder-only transformer (OLMo 3), as pure functions over a parameter pytree.
+
+Layers repeat `layer_pattern` (3 sliding, 1 global in OLMo 3). Block parameters are stacked on a
+leading `layers` axis and the model scans over groups of one pattern period, so the compiled program
+does not grow with depth and each layer's kind (window, RoPE) is static. Training, evaluation and
+cached decoding run the same block (block.py); they differ in the attention they pass it. Parameters
+are float32; matmuls run in the compute dtype; norms, RoPE, softmax, logits and the loss in float32.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from olmax.config import ImplConfig, ModelConfig
+from olmax.model import attention as attention_lib
+from olmax.model import rope as rope_lib
+from olmax.model.attention import cached
+from olmax.model.block import ACTIVATION, block, mlp_sublayer, rms_norm
+from olmax.parallel.mesh import Layout, constrain
+
+
+def compute_dtype(impl: ImplConfig):
+    if impl.compute_dtype == "auto":
+        return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
+    return jnp.dtype(impl.compute_dtype)
+
+
+def _remat(impl: ImplConfig, fn):
+    if impl.remat == "none":
+        return fn
+    if impl.remat == "full":
+        return jax.checkpoint(fn, policy=jax.checkpoint_policies.nothing_saveable)
+    return jax.checkpoint(fn, policy=jax.checkpoint_policies.save_only_these_names(*impl.remat))
+
+
+def _over_groups(cfg: ModelConfig, impl: ImplConfig, group, x, xs, remat: bool):
+    """x through group(x, xs_g) -> (x, ys_g) for every pattern period g: leaves of xs are [n_layers * k, ...]
+    sliced [k, ...] per group; the ys come back as [n_layers * k, ...]."""
+    n = cfg.n_layers // len(cfg.layer_pattern)
+    xs = jax.tree.map(lambda a: a.reshape(n, a.shape[0] // n, *a.shape[1:]), xs)
+    group = _remat(impl, group) if remat else group
+    if impl.scan_layers:
+        x, ys = jax.lax.scan(group, x, xs)
+    else:
+        outs = []
+        for g in range(n):
+            x, y = group(x, jax.tree.map(lambda a: a[g], xs))
+            outs.append(y)
+        ys = jax.tree.map(lambda *a: jnp.stack(a), *outs)
+    return x, jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), ys)
+
+
+def _embed(cfg: ModelConfig, impl: ImplConfig, params: dict, tokens: jax.Array, layout: Layout | None):
+    return constrain(layout, params["embed"].astype(compute_dtype(impl))[tokens], ACTIVATION)
+
+
+def forward(cfg: ModelConfig, impl: ImplConfig, params: dict, tokens: jax.Array,
+            layout: Layout | None = None) -> tuple[jax.Array, dict]:
+    """(final-normed hidden states [B, T, d_model] in the compute dtype, aux of every layer [n_layers, ...])
+    for int tokens [B, T] at positions 0..T-1."""
+    positions = np.arange(tokens.shape[1])
+    ropes = {kind: rope_lib.tables(cfg.rope[kind], cfg.head_size, positions) for kind in set(cfg.layer_pattern)}
+    attentions = [attention_lib.make(impl, cfg.window(i), layout) for i in range(len(cfg.layer_pattern))]
+    mlp = mlp_sublayer(cfg)
+
+    def group(x, group_params):
+        auxes = []
+        for i, kind in enumerate(cfg.layer_pattern):
+            p = jax.tree.map(lambda a: a[i], group_params)
+            x, aux, _ = block(cfg, p, x, rope=ropes[kind], attention=attentions[i], mlp=mlp, layout=layout)
+            auxes.append(aux)
+        return x, jax.tree.map(lambda *a: jnp.stack(a), *auxes)
+
+    x = _embed(cfg, impl, params, tokens, layout)
+    x, aux = _over_groups(cfg, impl, group, x, params["blocks"], remat=True)
+    return rms_norm(x, params["final_norm"], cfg.norm_eps), aux
+
+
+def logits(params: dict, hidden: jax.Array) -> jax.Array:
+    """Float32 logits [..., padded_vocab] of hidden states."""
+    return jnp.dot(hidden, params["lm_head"].astype(hidden.dtype), preferred_element_type=jnp.float32)
+
+
+def forward_logits(cfg: ModelConfig, impl: ImplConfig, params: dict, tokens: jax.Array,
+                   layout: Layout | None = None) -> jax.Array:
+    """All float32 logits [B, T, padded_vocab] at once (for comparisons; training and evaluation go through
+    model/loss.py, a chunk of positions at a time)."""
+    return logits(params, forward(cfg, impl, params, tokens, layout)[0])
+
+
+# --- decoding with a KV cache ----------------------------------------------------------------------
+
+
+class Cache(NamedTuple):
+    """Per layer kind, the KV rings of its layers in depth order: kind -> LayerCache [n, B, slots, Hkv, D]."""
+
+    layers: dict
+
+
+def cache_slots(cfg: ModelConfig, kind: str, length: int) -> int:
+    return length if kind == "global" else min(cfg.sliding_window, length)
+
+
+def init_cache(cfg: ModelConfig, impl: ImplConfig, batch: int, length: int) -> Cache:
+    """An empty cache for `batch` rows of up to `length` positions."""
+    dtype = compute_dtype(impl)
+    layers = {}
+    for kind in set(cfg.layer_pattern):
+        n = cfg.n_layers // len(cfg.layer_pattern) * cfg.layer_pattern.count(kind)
+        shape = (n, batch, cache_slots(cfg, kind, length), cfg.kv_heads, cfg.head_size)
+        layers[kind] = cached.LayerCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+    return Cache(layers)
+
+
+def forward_cached(cfg: ModelConfig, impl: ImplConfig, params: dict, tokens: jax.Array, positions: jax.Array,
+                   cache: Cache, length: int, lengths: jax.Array | None = None) -> tuple[jax.Array, Cache]:
+    """(final-normed hidden states [B, T, d_model], the updated cache) for tokens [B, T] whose row b starts
+    at positions[b]; `lengths[b]` of its tokens are real (the rest right padding, never cached); `length`
+    is the cache's length in positions (the RoPE table's)."""
+    T = tokens.shape[1]
+    lengths = jnp.full(tokens.shape[:1], T, jnp.int32) if lengths is None else lengths
+    query_pos = positions[:, None] + jnp.arange(T)
+    table_pos = np.arange(length)
+    ropes = {}
+    for kind in set(cfg.layer_pattern):
+        cos, sin = rope_lib.tables(cfg.rope[kind], cfg.head_size, table_pos)
+        ropes[kind] = (jnp.asarray(cos)[query_pos], jnp.asarray(sin)[query_pos])
+    mlp = mlp_sublayer(cfg)
+    # layer i of the period is the index_in_kind[i]-th of its kind within the period
+    index_in_kind = [cfg.layer_pattern[:i].count(kind) for i, kind in enumerate(cfg.layer_pattern)]
+
+    def group(x, inputs):
+        group_params, caches = inputs
+        new = {kind: [None] * cfg.layer_pattern.count(kind) for kind in caches}
+        for i, kind in enumerate(cfg.layer_pattern):
+            j = index_in_kind[i]
+            layer_cache = jax.tree.map(lambda a: a[j], caches[kind])
+            attend = functools.partial(cached.attention, cache=layer_cache, positions=positions, lengths=lengths,
+                                       window=cfg.window(i))
+            p = jax.tree.map(lambda a: a[i], group_params)
+            x, _, new[kind][j] = block(cfg, p, x, rope=ropes[kind], attention=attend, mlp=mlp)
+        return x, {kind: jax.tree.map(lambda *a: jnp.stack(a), *layer_caches) for kind, layer_caches in new.items()}
+
+    x = _embed(cfg, impl, params, tokens, None)
+    x, layers = _over_groups(cfg, impl, group, x, (params["blocks"], cache.layers), remat=False)
+    return rms_norm(x, params["final_norm"], cfg.norm_eps), Cache(layers)

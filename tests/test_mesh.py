@@ -1,0 +1,39 @@
+"""The mesh and layout come from the config: axis sizes, and the rules table placing logical axes on them."""
+
+import jax
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from olmax.config import ConfigError, load_config
+from olmax.model import families
+from olmax.parallel.mesh import make_layout
+
+
+def _layout(*overrides):
+    return make_layout(load_config("tiny", list(overrides)).mesh)
+
+
+def test_batch_spans_data_fsdp_and_expert():
+    layout = _layout("mesh.data=2", "mesh.fsdp=2", "mesh.expert=2")
+    assert dict(layout.mesh.shape) == {"data": 2, "stage": 1, "fsdp": 2, "expert": 2, "tensor": 1}
+    assert layout.data_parallel_size == 8
+    assert layout.spec(("batch", "length"), (16, 64)) == P(("data", "fsdp", "expert"), None)
+    assert layout.spec(("embed", "mlp"), (64, 192)) == P("fsdp", None)  # params: FSDP only on fsdp
+
+
+def test_rules_from_config_place_layers_on_stages_and_can_be_partial():
+    cfg = load_config("tiny", ["mesh.stage=2", "mesh.fsdp=4", "mesh.rules.layers=[stage]"])
+    assert cfg.mesh.rules["layers"] == ["stage"] and cfg.mesh.rules["embed"] == ["fsdp"]  # the rest: defaults
+    layout = make_layout(cfg.mesh)
+    shardings = layout.shardings(families.param_axes(cfg.model), families.param_shapes(cfg.model))
+    assert shardings["blocks"]["w1"].spec == P("stage", "fsdp", None)
+    assert shardings["embed"].spec == P(None, "fsdp")
+
+
+def test_explicit_devices_and_bad_sizes():
+    layout = make_layout(load_config("tiny", ["mesh.fsdp=2"]).mesh, devices=jax.devices()[6:])
+    assert list(layout.mesh.devices.flat) == jax.devices()[6:8]
+    with pytest.raises(ConfigError, match="only 8 devices"):
+        _layout("mesh.fsdp=4", "mesh.tensor=4")
+    with pytest.raises(ConfigError, match="not mesh axes"):
+        load_config("tiny", ["mesh.rules.mlp=[model]"])
