@@ -5,7 +5,7 @@ Only the steps both curves have count. They are cut into windows of `window`
 steps ([k * window, (k + 1) * window)); each window gives the mean of A, the
 mean of B over the same steps, and delta = B - A; the smoothed delta at a
 window is the mean delta of the windows whose centres lie within `smooth` / 2
-steps of its own (BRIEF: 2k-step windows, 18k smoothing). Summary statistics
+steps of its own (MaxText's OLMo 3 comparison used 2k-step windows, 18k smoothing). Summary statistics
 are given for the whole span and for each requested step range. With
 window = 1 the deltas are per step: a resume A/B wants max |delta| = 0.
 """

@@ -1,8 +1,8 @@
 """The recipe's optimizer: skip-step around (clip -> AdamW with decoupled decay), LR set per step.
 
 The LR is a function of the trainer step, not of Adam's count, so the schedule
-keeps advancing through skipped steps while Adam's count does not (BRIEF,
-skip-step). It is injected into the optimizer state before every update.
+keeps advancing through skipped steps while Adam's count does not (OLMo-core's
+SkipStepOptimizer). It is injected into the optimizer state before every update.
 """
 
 from __future__ import annotations
