@@ -53,10 +53,12 @@ def mesh_shape(cfg: MeshConfig, n_devices: int) -> tuple[int, ...]:
     return tuple(sizes)
 
 
-def make_mesh(cfg: MeshConfig) -> Mesh:
-    """The mesh over the first data x fsdp x tensor x expert devices (all of them when an axis is -1)."""
-    shape = mesh_shape(cfg, jax.device_count())
-    return Mesh(np.asarray(jax.devices()[: math.prod(shape)]).reshape(shape), AXES)
+def make_mesh(cfg: MeshConfig, devices=None) -> Mesh:
+    """The mesh over the first data x fsdp x tensor x expert of `devices` (default jax.devices(); all of them
+    when an axis is -1). `olmax compile` passes the compile-only devices of a TPU slice or GPU host."""
+    devices = jax.devices() if devices is None else list(devices)
+    shape = mesh_shape(cfg, len(devices))
+    return Mesh(np.asarray(devices[: math.prod(shape)]).reshape(shape), AXES)
 
 
 def data_parallel_size(mesh: Mesh) -> int:
