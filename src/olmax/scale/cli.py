@@ -91,7 +91,7 @@ def format_compile(r: dict) -> str:
             row("    batch", r["batch"]),
             row("  gradients (fp32)", r["gradients"]),
             row("  activations and other buffers", r["peak"] - r["arguments"] - r["gradients"]),
-            row("temporaries (all, reused or not)", r["temporaries"]),
+            row("temporaries (compiler's total)", r["temporaries"]),
         ]
     else:
         if "required" in r:

@@ -120,7 +120,7 @@ def compile_train_step(cfg: RunConfig, target: Target, mfu: float) -> dict:
     memory = compiled.memory_analysis()
     report.update({
         # What the compiler's own out-of-memory check compares with the device: the most bytes live at
-        # once, arguments included. temp_size is the sum of all temporary buffers, reused or not.
+        # once, arguments included. The TPU compiler's temp_size can exceed it: not a figure to fit by.
         "peak": memory.peak_memory_in_bytes,
         "arguments": memory.argument_size_in_bytes,
         "temporaries": memory.temp_size_in_bytes,
