@@ -134,11 +134,13 @@ def build_parser() -> argparse.ArgumentParser:
     from olmax.eval import cli as eval_cli
     from olmax.interop import cli as interop_cli
     from olmax.launch import cli as launch_cli
+    from olmax.scale import cli as scale_cli
 
     data_cli.add_commands(sub)
     interop_cli.add_commands(sub)
     launch_cli.add_commands(sub)
     eval_cli.add_commands(sub)
+    scale_cli.add_commands(sub)
     return parser
 
 

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from olmax.config import RunConfig
+from olmax.config import ConfigError, RunConfig
 from olmax.model import families, transformer
 from olmax.model.loss import label_mask, loss_sums
 from olmax.parallel.mesh import Layout
@@ -53,6 +53,20 @@ def state_shardings(cfg: RunConfig, layout: Layout) -> TrainState:
 def create_state(cfg: RunConfig, layout: Layout, key: jax.Array) -> TrainState:
     """The initial state, created already sharded (no full copy on one device)."""
     return jax.jit(functools.partial(init_state, cfg), out_shardings=state_shardings(cfg, layout))(key)
+
+
+def micro_batch_rows(cfg: RunConfig, dp_size: int) -> int:
+    """Instances per micro-step over the whole mesh; the global batch must be a whole number of them."""
+    global_batch = cfg.train.global_batch_instances
+    per_device = cfg.train.micro_batch_per_device
+    rows = global_batch if per_device is None else per_device * dp_size
+    if global_batch % dp_size or global_batch % rows:
+        raise ConfigError(
+            f"train.global_batch_instances {global_batch} must be divisible by data-parallel size {dp_size} "
+            f"x train.micro_batch_per_device {per_device or global_batch // dp_size} = {rows}; "
+            "change the global batch or the micro-batch"
+        )
+    return rows
 
 
 def batch_shardings(layout: Layout, seq_len: int, micro_rows: int) -> dict:

@@ -25,7 +25,9 @@ from olmax.model.transformer import compute_dtype
 from olmax.parallel.mesh import Layout, make_layout
 from olmax.train.checkpoint import Checkpointer, CheckpointError, abstract_like, check_model_compatible, run_meta
 from olmax.train.metrics import MetricsWriter, console_line, device_peak_flops
-from olmax.train.step import TrainState, batch_shardings, create_state, jit_train_step, state_shardings
+from olmax.train.step import (
+    TrainState, batch_shardings, create_state, jit_train_step, micro_batch_rows, state_shardings,
+)
 
 log = logging.getLogger(__name__)
 
@@ -57,20 +59,6 @@ def stop_requested(stop: threading.Event) -> bool:
     if jax.process_count() == 1:
         return stop.is_set()
     return bool(multihost_utils.process_allgather(np.int32(stop.is_set())).any())
-
-
-def micro_batch_rows(cfg: RunConfig, dp_size: int) -> int:
-    """Instances per micro-step over the whole mesh; the global batch must be a whole number of them."""
-    global_batch = cfg.train.global_batch_instances
-    per_device = cfg.train.micro_batch_per_device
-    rows = global_batch if per_device is None else per_device * dp_size
-    if global_batch % dp_size or global_batch % rows:
-        raise ConfigError(
-            f"train.global_batch_instances {global_batch} must be divisible by data-parallel size {dp_size} "
-            f"x train.micro_batch_per_device {per_device or global_batch // dp_size} = {rows}; "
-            "change the global batch or the micro-batch"
-        )
-    return rows
 
 
 def _abstract_state(cfg: RunConfig, layout: Layout):

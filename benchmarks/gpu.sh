@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# olmax on one NVIDIA H200, in about 8 minutes: the train step at the CPU benchmark's shape and at a slice
+# of the OLMo 3 7B shape, and cuDNN attention against olmax's blocked XLA attention (numerics and time).
+# JSON results go to $OUT (default benchmarks/out/gpu); MFU is against 989 TFLOP/s, the H200's dense bf16
+# peak. Never run by CI.
+#
+#   bash benchmarks/gpu.sh
+#
+# JAX with CUDA: the machine's own if it already sees the GPU, else `jax[cuda12]==0.10.2` from the
+# package index, or from a folder of wheels (WHEELS=DIR) where nothing can be fetched. olmax runs from
+# src/ (PYTHONPATH); its pure-Python dependencies that are missing are installed the same way.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-benchmarks/out/gpu}
+PY=${PYTHON:-python3}
+mkdir -p "$OUT"
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+
+pip_install() {
+  if [[ -n "${WHEELS:-}" ]]; then
+    "$PY" -m pip install -q --no-index --find-links "$WHEELS" "$@"
+  else
+    "$PY" -m pip install -q "$@"
+  fi
+}
+
+if ! "$PY" -c 'import jax, sys; sys.exit(jax.default_backend() != "gpu")' 2>/dev/null; then
+  pip_install 'jax[cuda12]==0.10.2'
+fi
+for module in pydantic:pydantic==2.14.4 yaml:pyyaml==6.0.4 optax:optax==0.2.8; do
+  "$PY" -c "import ${module%%:*}" 2>/dev/null || pip_install "${module#*:}"
+done
+
+{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true; } > "$OUT/gpu.txt"
+"$PY" -c 'import jax; print(jax.__version__, jax.devices())' | tee -a "$OUT/gpu.txt"
+
+# Each part has its own time limit, so one that hangs leaves the others their results.
+status=0
+timeout 150 "$PY" benchmarks/gpu_bench.py step --shape cpu --steps 10 --out "$OUT/step_cpu_shape.json" || status=1
+timeout 210 "$PY" benchmarks/gpu_bench.py step --shape 7b-slice --steps 5 --out "$OUT/step_7b_slice.json" || status=1
+timeout 120 "$PY" benchmarks/gpu_bench.py attention --implementation cudnn --out "$OUT/attention_cudnn.json" || status=1
+exit $status

@@ -1,0 +1,160 @@
+"""Train-step throughput and attention on one GPU: the Python half of benchmarks/gpu.sh.
+
+    python benchmarks/gpu_bench.py step --shape cpu|7b-slice [--steps 5] [--out FILE] [key=value ...]
+    python benchmarks/gpu_bench.py attention [--seq 8192] [--implementation cudnn] [--out FILE]
+
+`step` times olmax's train step (the function `olmax train` runs) at the CPU benchmark's shape
+(benchmarks/train_throughput.py) or at a slice of the OLMo 3 7B shape (4 layers at d 4096, 4 x 8192
+tokens, the recipe's remat), in bf16. `attention` compares an attention implementation of
+`jax.nn.dot_product_attention` (cuDNN on a GPU) with olmax's blocked XLA attention on 7B-shaped
+heads, sliding (4096 keys) and global, forward and gradients, and times both. MFU is against the
+H200's dense bf16 peak, 989 TFLOP/s (NVIDIA's H200 datasheet); FLOPs from olmax.model.flops.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from olmax.config import load_config
+from olmax.model import flops
+from olmax.model.attention.xla import attention as blocked_attention
+from olmax.parallel.mesh import make_layout
+from olmax.train.step import create_state, jit_train_step
+
+PEAK_FLOPS = 989e12
+SHAPES = {
+    "cpu": ("tiny", [
+        "model.vocab_size=8192", "model.d_model=512", "model.n_layers=8", "model.n_heads=8", "model.n_kv_heads=8",
+        "model.mlp_hidden=1536", "model.sliding_window=256", "data.sequence_length=1024",
+        "train.global_batch_instances=4", "data.eos_id=0", "data.pad_id=1", "impl.attention.block=128",
+    ]),
+    "7b-slice": ("olmo3_7b", ["model.n_layers=4", "train.global_batch_instances=4", "impl.attention.block=512"]),
+}
+
+
+def timed(fn, warmup: int, steps: int) -> list[float]:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def peak_device_memory() -> int | None:
+    stats = jax.devices()[0].memory_stats()  # None on CPU
+    return stats and stats.get("peak_bytes_in_use")
+
+
+def step_benchmark(shape: str, steps: int, overrides: list[str] = ()) -> dict:
+    preset, shape_overrides = SHAPES[shape]
+    fixed = ["train.micro_batch_per_device=null", "mesh.fsdp=1", "impl.compute_dtype=bfloat16"]
+    cfg = load_config(preset, [*shape_overrides, *fixed, *overrides])
+    layout = make_layout(cfg.mesh, jax.devices()[:1])
+    rows, seq = cfg.train.global_batch_instances, cfg.data.sequence_length
+    tokens = np.random.default_rng(0).integers(2, cfg.model.vocab_size, (1, rows, seq)).astype(np.int32)
+    batch = {"input_ids": tokens, "instance_mask": np.ones((1, rows), bool)}
+    state = [create_state(cfg, layout, jax.random.key(0))]
+    step = jit_train_step(cfg, layout, rows)
+
+    def one():
+        state[0], metrics = step(state[0], batch)
+        jax.block_until_ready(metrics)
+
+    start = time.perf_counter()
+    one()
+    first = time.perf_counter() - start  # compile + one step
+    times = timed(one, 1, steps)
+    step_s = statistics.median(times)
+    per_token = flops.count(cfg.model, seq)
+    tps = rows * seq / step_s
+    return {
+        "shape": shape, "overrides": [*shape_overrides, *fixed, *overrides], "device": jax.devices()[0].device_kind,
+        "jax": jax.__version__, "params": per_token.params, "tokens_per_step": rows * seq,
+        "first_step_s": first, "step_s": times, "median_step_s": step_s, "tokens_per_s": tps,
+        "mfu_exact_window": tps * per_token.per_token / PEAK_FLOPS,
+        "mfu_all_global": tps * per_token.per_token_all_global / PEAK_FLOPS,
+        "peak_device_memory_bytes": peak_device_memory(),
+    }
+
+
+def attention_reference(q, k, v, window: int | None, implementation: str | None):
+    """jax.nn.dot_product_attention with olmax's window: key j visible to query i iff i - window < j <= i."""
+    local = None if window is None else (window - 1, 0)
+    return jax.nn.dot_product_attention(q, k, v, is_causal=True, local_window_size=local, implementation=implementation)
+
+
+def attention_benchmark(seq: int, heads: int, kv_heads: int, head_dim: int, window: int | None, block: int,
+                        implementation: str | None, steps: int, dtype=jnp.bfloat16) -> dict:
+    """Forward and gradients of both attentions on the same random q, k, v; their largest differences and times."""
+    keys = jax.random.split(jax.random.key(0), 4)
+    q = jax.random.normal(keys[0], (1, seq, heads, head_dim), dtype)
+    k = jax.random.normal(keys[1], (1, seq, kv_heads, head_dim), dtype)
+    v = jax.random.normal(keys[2], (1, seq, kv_heads, head_dim), dtype)
+    cotangent = jax.random.normal(keys[3], q.shape, dtype)
+
+    def loss_and_grads(fn):
+        loss = lambda q, k, v: jnp.sum(fn(q, k, v).astype(jnp.float32) * cotangent.astype(jnp.float32))  # noqa: E731
+        return jax.jit(lambda q, k, v: (fn(q, k, v), jax.grad(loss, argnums=(0, 1, 2))(q, k, v)))
+
+    scale = jnp.asarray(head_dim**-0.5, dtype)  # olmax's block scales q before its attention
+    ours = loss_and_grads(lambda q, k, v: blocked_attention(q * scale, k, v, window=window, block=block))
+    theirs = loss_and_grads(lambda q, k, v: attention_reference(q, k, v, window, implementation))
+    out_a, grads_a = ours(q, k, v)
+    out_b, grads_b = theirs(q, k, v)
+
+    def max_diff(a, b):
+        return float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))))
+
+    attended = flops.attended_positions(seq, window)
+    train_flops = 12 * heads * head_dim * attended * seq  # forward + backward, as olmax.model.flops counts it
+    report = {"seq": seq, "heads": heads, "kv_heads": kv_heads, "head_dim": head_dim, "window": window,
+              "implementation": implementation or "auto", "dtype": jnp.dtype(dtype).name,
+              "max_abs_diff_out": max_diff(out_a, out_b),
+              "max_abs_diff_grads": [max_diff(a, b) for a, b in zip(grads_a, grads_b)],
+              "max_abs_out": float(jnp.max(jnp.abs(out_a.astype(jnp.float32))))}
+    for name, fn in (("xla_blocked", ours), ("reference", theirs)):
+        step_s = statistics.median(timed(lambda: jax.block_until_ready(fn(q, k, v)), 1, steps))
+        report[name] = {"median_s": step_s, "tflops": train_flops / step_s / 1e12,
+                        "fraction_of_peak": train_flops / step_s / PEAK_FLOPS}
+    return report
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="what", required=True)
+    step = sub.add_parser("step")
+    step.add_argument("--shape", choices=SHAPES, required=True)
+    step.add_argument("--steps", type=int, default=5)
+    step.add_argument("overrides", nargs="*")
+    attention = sub.add_parser("attention")
+    attention.add_argument("--seq", type=int, default=8192)
+    attention.add_argument("--implementation", default="cudnn", help="of jax.nn.dot_product_attention")
+    attention.add_argument("--steps", type=int, default=5)
+    for p in (step, attention):
+        p.add_argument("--out", help="write the JSON here too")
+    args = parser.parse_args()
+    if args.what == "step":
+        report = step_benchmark(args.shape, args.steps, args.overrides)
+    else:  # OLMo 3 7B heads: 32 x 128, sliding layers see 4096 keys
+        report = [attention_benchmark(args.seq, 32, 32, 128, window, 512, args.implementation, args.steps)
+                  for window in (4096, None)]
+    text = json.dumps(report, indent=2)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

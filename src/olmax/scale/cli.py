@@ -1,0 +1,115 @@
+"""`olmax plan` and `olmax compile`: what a run costs on a target, and whether its step fits there."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from olmax.config import ConfigError, load_config
+
+MFU_HELP = "model FLOPs utilization the step time and throughput assume"
+
+
+def add_commands(subparsers) -> None:
+    p = subparsers.add_parser(
+        "plan", help="chip-seconds per step, step time, tokens/s per chip and chip-hours of a run at an MFU",
+        description="Arithmetic from the model's FLOP count and the target's peak: no compilation. TARGET is "
+        "tpu:KIND:TOPOLOGY (tpu:v5p:4x4x8, tpu:tpu7x:4x4x4) or gpu:KINDxN (gpu:h100x8).",
+    )
+    p.add_argument("config", help="preset name (olmo3_7b, tiny, ...) or a YAML path")
+    p.add_argument("overrides", nargs="*", help="section.key=value")
+    p.add_argument("--target", required=True)
+    p.add_argument("--mfu", type=float, required=True, help=MFU_HELP)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=run_plan)
+
+    p = subparsers.add_parser(
+        "compile", help="compile the train step for a TPU slice or GPU host on this machine; does it fit?",
+        description="Compiles the step `olmax train` runs (the config's mesh, remat and micro-batch) for the "
+        "target's devices without the hardware, and reports per-device memory at the compiler's peak, the "
+        "parameter / optimizer / activation split, FLOPs and time per step at an MFU. Needs the aot extra "
+        "(pip install -e '.[aot]'). Exit 1 (DoesNotFit) when the step needs more memory than a device has.",
+    )
+    p.add_argument("config", help="preset name (olmo3_7b, tiny, ...) or a YAML path")
+    p.add_argument("overrides", nargs="*", help="section.key=value")
+    p.add_argument("--target", required=True, help="tpu:KIND:TOPOLOGY (tpu:v5p:4x4x8) or gpu:KINDxN (gpu:h100x8)")
+    p.add_argument("--mfu", type=float, default=0.4, help=MFU_HELP + " (default 0.4)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=run_compile)
+
+
+def _mfu(value: float) -> float:
+    if not 0 < value <= 1:
+        raise ConfigError(f"--mfu {value}: give a fraction in (0, 1], e.g. 0.445")
+    return value
+
+
+def run_plan(args: argparse.Namespace) -> None:
+    from olmax.scale.plan import format_plan, plan
+    from olmax.scale.targets import parse_target
+
+    report = plan(load_config(args.config, args.overrides), parse_target(args.target), _mfu(args.mfu))
+    print(json.dumps(report, indent=2) if args.json else format_plan(report))
+
+
+def run_compile(args: argparse.Namespace) -> None:
+    from olmax.scale.compile import DoesNotFit, compile_train_step
+    from olmax.scale.targets import parse_target
+
+    cfg, target = load_config(args.config, args.overrides), parse_target(args.target)
+    try:
+        report = compile_train_step(cfg, target, _mfu(args.mfu))
+    except DoesNotFit as err:
+        print(json.dumps(err.report, indent=2) if args.json else format_compile(err.report))
+        print(f"olmax: DoesNotFit: {err}", file=sys.stderr)
+        sys.exit(1)
+    print(json.dumps(report, indent=2) if args.json else format_compile(report))
+
+
+def format_compile(r: dict) -> str:
+    device = r["memory_per_device"]
+
+    def row(label: str, value: float, share: bool = False) -> str:
+        return f"{label:36}{value / 2**30:10.2f}" + (f"   {value / device:.1%} of the device" if share else "")
+
+    mesh = " x ".join(f"{axis} {size}" for axis, size in r["mesh"].items())
+    lines = [
+        f"{r['config']} for {r['target']}: {r['devices']} x {r['device_kind']}, mesh {mesh}",
+        f"{r['instances_per_device_micro_step']} x {r['sequence_length']} tokens per device per micro-step, "
+        f"{r['micro_steps']} micro-step(s) per step, {r['compute_dtype']} compute, remat {r['remat']}",
+        "",
+        f"{'per device':36}{'GiB':>10}",
+        row("device memory", device),
+    ]
+    if "peak" in r:
+        lines += [
+            row("peak (compiler)", r["peak"], share=True),
+            row("  arguments", r["arguments"]),
+            row("    parameters (fp32)", r["parameters"]),
+            row("    optimizer state", r["optimizer_state"]),
+            row("    batch", r["batch"]),
+            row("  gradients (fp32)", r["gradients"]),
+            row("  activations and other buffers", r["peak"] - r["arguments"] - r["gradients"]),
+            row("temporaries (compiler's total)", r["temporaries"]),
+        ]
+    else:
+        if "required" in r:
+            lines.append(row("temporaries (compiler's check)", r["required"], share=True))
+        lines += [
+            row("arguments", r["parameters"] + r["optimizer_state"] + r["batch"], share=True),
+            row("  parameters (fp32)", r["parameters"]),
+            row("  optimizer state", r["optimizer_state"]),
+            row("  batch", r["batch"]),
+            f"compiler: {r['compiler_error']}",
+        ]
+    exact, full = r["plan"]["exact_window"], r["plan"]["all_global"]
+    lines += [
+        "",
+        f"TFLOP / device-step    {exact['tflop_per_device_step']:,.1f} (sliding windows exact), "
+        f"{full['tflop_per_device_step']:,.1f} (every layer global)",
+        f"at {r['plan']['mfu']:.1%} MFU (exact count): step {exact['step_seconds']:,.2f} s, "
+        f"{exact['tokens_per_second_per_chip']:,.0f} tokens/s per chip",
+        f"compile {r['compile_seconds']:,.0f} s",
+    ]
+    return "\n".join(lines)

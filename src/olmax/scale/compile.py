@@ -1,0 +1,134 @@
+"""Ahead-of-time compilation of the real train step for a TPU slice or a GPU host, on any machine.
+
+The step is `olmax.train.step.jit_train_step`, the function `olmax train` runs, built over a mesh of the
+target's compile-only devices with the config's mesh, remat and micro-batch; its inputs are shapes
+with shardings, so nothing is allocated. XLA's buffer assignment then says what one device holds at
+its peak. The TPU compiler refuses a program whose peak exceeds the chip's HBM (its message gives the
+figures); the GPU compiler does not check, so the peak is compared with the GPU's memory here.
+
+FLOPs come from olmax's own count, not from XLA's cost analysis, which counts a scanned layer body
+once and does not see into Pallas kernels.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import re
+import time
+
+import jax
+import jax.numpy as jnp
+
+from olmax.config import RunConfig
+from olmax.parallel.mesh import Layout, make_layout
+from olmax.scale.plan import plan
+from olmax.scale.targets import GiB, Target, compile_only_devices
+from olmax.train.step import batch_shardings, init_state, jit_train_step, micro_batch_rows, state_shardings
+
+
+class DoesNotFit(Exception):
+    """The step needs more memory per device than the target has; `report` holds what is known."""
+
+    def __init__(self, message: str, report: dict):
+        super().__init__(message)
+        self.report = report
+
+
+def for_accelerator(cfg: RunConfig) -> RunConfig:
+    """compute_dtype `auto` means bfloat16 on an accelerator, but it is decided by the backend JAX runs
+    on, the host's CPU here: resolve it for the target."""
+    if cfg.impl.compute_dtype != "auto":
+        return cfg
+    resolved = cfg.model_copy(deep=True)
+    resolved.impl.compute_dtype = "bfloat16"
+    return resolved
+
+
+def device_bytes(tree) -> int:
+    """Bytes one device holds of a pytree of sharded shapes (the largest shard: uneven splits round up)."""
+    return sum(
+        math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(tree)
+    )
+
+
+def abstract_inputs(cfg: RunConfig, layout: Layout, micro_rows: int):
+    shapes = jax.eval_shape(functools.partial(init_state, cfg), jax.random.key(0))
+    state = jax.tree.map(
+        lambda x, sharding: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
+        shapes, state_shardings(cfg, layout),
+    )
+    seq, micro_steps = cfg.data.sequence_length, cfg.train.global_batch_instances // micro_rows
+    sharding = batch_shardings(layout, seq, micro_rows)
+    batch = {
+        "input_ids": jax.ShapeDtypeStruct((micro_steps, micro_rows, seq), jnp.int32, sharding=sharding["input_ids"]),
+        "instance_mask": jax.ShapeDtypeStruct((micro_steps, micro_rows), jnp.bool_, sharding=sharding["instance_mask"]),
+    }
+    return state, batch
+
+
+def _hbm_figures(message: str) -> dict:
+    """The TPU compiler's out-of-memory figures, in bytes: what the program needs and what the device has."""
+    units = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+    found = re.search(r"HLO temporaries \(([\d.]+)([KMGT])\) exceeds available HBM \(([\d.]+)([KMGT])\)", message)
+    if not found:
+        return {}
+    need, need_unit, have, have_unit = found.groups()
+    return {"required": round(float(need) * units[need_unit]), "compiler_memory": round(float(have) * units[have_unit])}
+
+
+def compile_train_step(cfg: RunConfig, target: Target, mfu: float) -> dict:
+    """Compile the step for `target` and report per-device memory, FLOPs and time at `mfu`.
+
+    Raises DoesNotFit (with the report) when the step needs more memory per device than the target has.
+    """
+    cfg = for_accelerator(cfg)
+    layout = make_layout(cfg.mesh, compile_only_devices(target))
+    mesh = layout.mesh
+    micro_rows = micro_batch_rows(cfg, layout.data_parallel_size)
+    state, batch = abstract_inputs(cfg, layout, micro_rows)
+    params, optimizer = device_bytes(state.params), device_bytes(state.opt_state)
+    report = {
+        "config": cfg.name,
+        "target": target.name,
+        "device_kind": mesh.devices.flat[0].device_kind,
+        "devices": target.devices,
+        "mesh": dict(mesh.shape),
+        "instances_per_device_micro_step": micro_rows // layout.data_parallel_size,
+        "micro_steps": cfg.train.global_batch_instances // micro_rows,
+        "sequence_length": cfg.data.sequence_length,
+        "compute_dtype": cfg.impl.compute_dtype,
+        "remat": cfg.impl.remat,
+        "memory_per_device": target.accelerator.memory_per_device,
+        "parameters": params,
+        "optimizer_state": optimizer,
+        "batch": device_bytes(batch),
+        "plan": plan(cfg, target, mfu),
+    }
+    start = time.perf_counter()
+    lowered = jit_train_step(cfg, layout, micro_rows).lower(state, batch)
+    try:
+        compiled = lowered.compile()
+    except jax.errors.JaxRuntimeError as err:
+        if "RESOURCE_EXHAUSTED" not in str(err):
+            raise
+        report["compile_seconds"] = time.perf_counter() - start
+        report["compiler_error"] = str(err).splitlines()[0]
+        report.update(_hbm_figures(str(err)))
+        raise DoesNotFit(report["compiler_error"], report) from None
+    report["compile_seconds"] = time.perf_counter() - start
+    memory = compiled.memory_analysis()
+    report.update({
+        # What the compiler's own out-of-memory check compares with the device: the most bytes live at
+        # once, arguments included. The TPU compiler's temp_size can exceed it: not a figure to fit by.
+        "peak": memory.peak_memory_in_bytes,
+        "arguments": memory.argument_size_in_bytes,
+        "temporaries": memory.temp_size_in_bytes,
+        # The gradient is a float32 copy of the parameters, and the clip needs all of it at once.
+        "gradients": params,
+    })
+    if report["peak"] > report["memory_per_device"]:
+        raise DoesNotFit(
+            f"peak {report['peak'] / GiB:.2f} GiB per device exceeds the {report['memory_per_device'] / GiB:.2f} GiB "
+            f"of a {target.kind} device", report)
+    return report

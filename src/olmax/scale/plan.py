@@ -1,0 +1,69 @@
+"""What a run costs on a target at an assumed MFU: chip-seconds per step, step time, chip-hours.
+
+Chip-seconds per step = training FLOPs of the global batch / (MFU x the chip's peak), the same on any
+slice of one chip kind (the published OLMo 3 7B accounting: 0.76 s x 256 Ironwood chips ~ 3.05 s x 64
+chips ~ 195 chip-s). Both FLOP counts are given: sliding windows counted exactly, and every layer
+counted as global attention, the convention of MaxText's published MFU. The same wall time is a lower
+MFU by the exact count; a plan at a given MFU is therefore cheaper by the exact count.
+"""
+
+from __future__ import annotations
+
+from olmax.config import RunConfig
+from olmax.model import flops
+from olmax.scale.targets import Target
+
+COUNTS = {"exact_window": "sliding windows exact", "all_global": "every layer global"}
+
+
+def plan(cfg: RunConfig, target: Target, mfu: float) -> dict:
+    seq = cfg.data.sequence_length
+    count = flops.count(cfg.model, seq)
+    tokens_per_step = cfg.train.global_batch_instances * seq
+    sustained_per_chip = mfu * target.accelerator.peak_flops_per_chip
+    report = {
+        "config": cfg.name,
+        "target": target.name,
+        "chips": target.chips,
+        "devices": target.devices,
+        "mfu": mfu,
+        "peak_tflops_per_chip": target.accelerator.peak_flops_per_chip / 1e12,
+        "sustained_tflops_per_device": sustained_per_chip / target.accelerator.devices_per_chip / 1e12,
+        "tokens_per_step": tokens_per_step,
+        "steps": cfg.train.steps,
+        "tokens": tokens_per_step * cfg.train.steps,
+    }
+    per_token = {"exact_window": count.per_token, "all_global": count.per_token_all_global}
+    for key, flops_per_token in per_token.items():
+        chip_seconds = flops_per_token * tokens_per_step / sustained_per_chip
+        report[key] = {
+            "train_flops_per_token": flops_per_token,
+            "tflop_per_device_step": flops_per_token * tokens_per_step / target.devices / 1e12,
+            "chip_seconds_per_step": chip_seconds,
+            "step_seconds": chip_seconds / target.chips,
+            "tokens_per_second_per_chip": tokens_per_step / chip_seconds,
+            "chip_hours": chip_seconds * cfg.train.steps / 3600,
+        }
+    return report
+
+
+def format_plan(report: dict) -> str:
+    rows = [
+        ("train GFLOP / token", "train_flops_per_token", lambda v: f"{v / 1e9:,.2f}"),
+        ("TFLOP / device-step", "tflop_per_device_step", lambda v: f"{v:,.1f}"),
+        ("chip-seconds / step", "chip_seconds_per_step", lambda v: f"{v:,.1f}"),
+        ("step time (s)", "step_seconds", lambda v: f"{v:,.3f}"),
+        ("tokens / s / chip", "tokens_per_second_per_chip", lambda v: f"{v:,.0f}"),
+        ("chip-hours", "chip_hours", lambda v: f"{v:,.0f}"),
+    ]
+    lines = [
+        f"{report['config']} on {report['target']}: {report['chips']} chips, {report['devices']} devices, "
+        f"at {report['mfu']:.1%} MFU of {report['peak_tflops_per_chip']:,.0f} TFLOP/s per chip "
+        f"({report['sustained_tflops_per_device']:,.1f} TFLOP/s per device)",
+        f"{report['steps']:,} steps of {report['tokens_per_step']:,} tokens = {report['tokens'] / 1e12:,.3f}T tokens",
+        "",
+        f"{'':24}{COUNTS['exact_window']:>24}{COUNTS['all_global']:>24}",
+    ]
+    for label, key, fmt in rows:
+        lines.append(f"{label:24}{fmt(report['exact_window'][key]):>24}{fmt(report['all_global'][key]):>24}")
+    return "\n".join(lines)

@@ -1,0 +1,120 @@
+"""Accelerators olmax plans for and compiles for, and the compile-only devices of a target.
+
+A target names a slice: `tpu:KIND:TOPOLOGY` with libtpu's names (`tpu:v5p:4x4x8` is 128 v5p chips,
+`tpu:tpu7x:4x4x4` 64 Ironwood chips) or `gpu:KINDxCOUNT` (`gpu:h100x8`, one host of 8; `gpu:h200x16`,
+two hosts). Memory is per device, as the compiler sees it: for TPUs the figure in XLA's own
+out-of-memory message (a test holds the table to it), for GPUs the total the driver reports.
+Peak FLOP/s are dense bf16 per chip, from the vendors' pages:
+https://docs.cloud.google.com/tpu/docs/tpu7x (v5p 459, v6e 918, TPU7x 2307 TFLOP/s; TPU7x has two
+TensorCores per chip, each a JAX device), https://cloud.google.com/tpu/docs/v5e (197 TFLOP/s),
+NVIDIA's H100 and H200 datasheets (989 TFLOP/s without sparsity).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import re
+from dataclasses import dataclass
+from importlib.resources import files
+
+from olmax.config import ConfigError
+
+GiB = 2**30
+
+
+@dataclass(frozen=True)
+class Accelerator:
+    platform: str  # "tpu" or "gpu"
+    memory_per_device: int  # bytes
+    peak_flops_per_chip: float  # dense bf16
+    devices_per_chip: int = 1
+    target_config: str | None = None  # GPUs: a GpuTargetConfigProto text file in this package
+
+
+ACCELERATORS = {
+    "v5e": Accelerator("tpu", round(15.75 * GiB), 197e12),
+    "v5p": Accelerator("tpu", round(95.74 * GiB), 459e12),
+    "v6e": Accelerator("tpu", round(31.25 * GiB), 918e12),
+    "tpu7x": Accelerator("tpu", round(94.75 * GiB), 2307e12, devices_per_chip=2),
+    "h100": Accelerator("gpu", 81_559 * 2**20, 989e12, target_config="h100_sxm.txtpb"),
+    "h200": Accelerator("gpu", 143_771 * 2**20, 989e12, target_config="h200_sxm.txtpb"),
+}
+GPUS_PER_HOST = 8
+
+
+class TargetError(ConfigError):
+    """A target olmax does not know, or the `aot` extra missing for it."""
+
+
+@dataclass(frozen=True)
+class Target:
+    name: str  # as written: "tpu:v5p:4x4x8"
+    kind: str  # a key of ACCELERATORS
+    topology: str  # TPU: chips per dimension; GPU: slices x hosts x GPUs per host
+    chips: int
+
+    @property
+    def accelerator(self) -> Accelerator:
+        return ACCELERATORS[self.kind]
+
+    @property
+    def platform(self) -> str:
+        return self.accelerator.platform
+
+    @property
+    def devices(self) -> int:
+        return self.chips * self.accelerator.devices_per_chip
+
+
+def parse_target(name: str) -> Target:
+    tpus = sorted(k for k, a in ACCELERATORS.items() if a.platform == "tpu")
+    gpus = sorted(k for k, a in ACCELERATORS.items() if a.platform == "gpu")
+    usage = f"a target is tpu:KIND:AxB[xC] (KIND one of {tpus}) or gpu:KINDxN (KIND one of {gpus})"
+    if match := re.fullmatch(r"tpu:(\w+):(\d+(?:x\d+){1,2})", name):
+        kind, topology = match.groups()
+        if kind not in tpus:
+            raise TargetError(f"unknown TPU {kind!r} in target {name!r}; {usage}")
+        return Target(name, kind, topology, math.prod(int(d) for d in topology.split("x")))
+    if match := re.fullmatch(r"gpu:(\w+?)x(\d+)", name):
+        kind, count = match.group(1), int(match.group(2))
+        if kind not in gpus:
+            raise TargetError(f"unknown GPU {kind!r} in target {name!r}; {usage}")
+        if count > GPUS_PER_HOST and count % GPUS_PER_HOST:
+            raise TargetError(f"target {name!r}: more than {GPUS_PER_HOST} GPUs come in whole hosts of {GPUS_PER_HOST}")
+        hosts, per_host = (1, count) if count <= GPUS_PER_HOST else (count // GPUS_PER_HOST, GPUS_PER_HOST)
+        return Target(name, kind, f"1x{hosts}x{per_host}", count)
+    raise TargetError(f"bad target {name!r}; {usage}")
+
+
+def aot_missing(platform: str) -> str | None:
+    """Why this environment cannot compile for `platform`, or None when it can."""
+    module = {"tpu": "libtpu", "gpu": "jax_cuda12_plugin"}[platform]
+    if importlib.util.find_spec(module) is None:
+        return (f"compiling for {platform.upper()} needs the aot extra ({module} is not installed): "
+                "pip install -e '.[aot]'")
+    return None
+
+
+def compile_only_devices(target: Target) -> list:
+    """The target's devices as JAX sees them without the hardware: enough to lower and compile, not to run.
+
+    Unless told otherwise, JAX runs on the host's CPU here: the CUDA plugin refuses to register where it
+    finds no CUDA unless the platforms were named, and then still compiles for the GPU of a target config.
+    """
+    import jax
+    from jax.experimental import topologies
+
+    if reason := aot_missing(target.platform):
+        raise TargetError(reason)
+    if not jax.config.jax_platforms:
+        jax.config.update("jax_platforms", "cpu")
+    if target.platform == "tpu":
+        topology = topologies.get_topology_desc(topology_name=f"{target.kind}:{target.topology}", platform="tpu")
+    else:
+        config = (files(__package__) / target.accelerator.target_config).read_text()
+        topology = topologies.get_topology_desc(platform="cuda", target_config=config, topology=target.topology)
+    if len(topology.devices) != target.devices:
+        raise TargetError(f"target {target.name}: the compiler gives {len(topology.devices)} devices, "
+                          f"the device table expects {target.devices}")
+    return topology.devices

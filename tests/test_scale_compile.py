@@ -1,0 +1,86 @@
+"""`olmax compile`: the real train step compiled for TPU slices and GPU hosts without the hardware.
+
+Needs the aot extra (libtpu, the CUDA plugin); CI installs it.
+"""
+
+import json
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental import topologies
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from olmax.cli import main
+from olmax.config import load_config
+from olmax.scale.cli import format_compile
+from olmax.scale.compile import compile_train_step
+from olmax.scale.targets import ACCELERATORS, GiB, aot_missing, parse_target
+
+needs_tpu = pytest.mark.skipif(bool(aot_missing("tpu")), reason=str(aot_missing("tpu")))
+needs_gpu = pytest.mark.skipif(bool(aot_missing("gpu")), reason=str(aot_missing("gpu")))
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return load_config("tiny")
+
+
+def _check_report(report, target):
+    assert report["devices"] == target.devices and report["mesh"]["fsdp"] == target.devices
+    assert report["compute_dtype"] == "bfloat16"  # `auto` resolved for the accelerator, not the host's CPU
+    assert 0 < report["parameters"] < report["optimizer_state"] < report["arguments"] <= report["peak"]
+    assert report["peak"] <= report["memory_per_device"] == target.accelerator.memory_per_device
+    assert report["plan"]["exact_window"]["tflop_per_device_step"] > 0
+
+
+@needs_tpu
+def test_tiny_step_compiles_for_a_tpu_slice(capsys):
+    assert main(["compile", "tiny", "--target", "tpu:v5p:2x2x2", "--mfu", "0.5", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["device_kind"] == "TPU v5"
+    _check_report(report, parse_target("tpu:v5p:2x2x2"))
+    table = format_compile(report)
+    assert "tiny for tpu:v5p:2x2x2: 8 x TPU v5, mesh data 1 x stage 1 x fsdp 8 x expert 1 x tensor 1" in table
+    assert re.search(r"peak \(compiler\)\s+\d+\.\d\d\s+\d+\.\d% of the device", table)
+
+
+@needs_gpu
+def test_tiny_step_compiles_for_a_gpu_host(tiny):
+    target = parse_target("gpu:h100x8")
+    report = compile_train_step(tiny, target, mfu=0.5)
+    assert report["device_kind"] == "NVIDIA H100 80GB HBM3"
+    _check_report(report, target)
+
+
+@needs_tpu
+@pytest.mark.parametrize("kind, topology", [("v5e", "2x2"), ("v5p", "2x2x1"), ("v6e", "2x2"), ("tpu7x", "2x2x1")])
+def test_tpu_memory_table_is_what_the_compiler_allows(kind, topology):
+    """Ask each TPU compiler for 256 GiB per device and read the HBM it says it has."""
+    devices = topologies.get_topology_desc(topology_name=f"{kind}:{topology}", platform="tpu").devices
+    mesh = Mesh(np.array(devices), ("x",))
+    rows = NamedSharding(mesh, PartitionSpec("x"))
+    x = jax.ShapeDtypeStruct((len(devices) * 2**16, 2**14), jnp.float32, sharding=rows)  # 4 GiB per device
+    with pytest.raises(jax.errors.JaxRuntimeError, match="exceeds available HBM") as raised:
+        jax.jit(lambda x: [x * i for i in range(64)]).lower(x).compile()
+    available = float(re.search(r"exceeds available HBM \(([\d.]+)G\)", str(raised.value)).group(1))
+    assert ACCELERATORS[kind].memory_per_device / GiB == pytest.approx(available, abs=0.005)
+
+
+@needs_tpu
+@pytest.mark.slow
+def test_7b_on_four_v5e_chips_does_not_fit(capsys):
+    """The 7B recipe's step on a v5e 2x2 (16 GiB per chip): exit 1, a named error, the compiler's figures."""
+    with pytest.raises(SystemExit) as exited:
+        main(["compile", "olmo3_7b", "--target", "tpu:v5e:2x2", "--json"])
+    assert exited.value.code == 1
+    captured = capsys.readouterr()
+    assert "olmax: DoesNotFit: RESOURCE_EXHAUSTED" in captured.err
+    report = json.loads(captured.out)
+    assert report["compiler_memory"] == pytest.approx(ACCELERATORS["v5e"].memory_per_device, abs=0.01 * GiB)
+    assert report["required"] > report["compiler_memory"]
+    # fp32 parameters and two fp32 Adam moments, a quarter of each per chip
+    assert report["parameters"] == pytest.approx(7_298_617_344 * 4 / 4, rel=1e-3)
+    assert report["optimizer_state"] == pytest.approx(2 * report["parameters"], rel=1e-3)

@@ -1,0 +1,80 @@
+"""`olmax plan`: the published OLMo 3 7B stage 1 accounting, and target names."""
+
+import json
+
+import pytest
+
+from olmax.cli import main
+from olmax.config import load_config
+from olmax.scale.plan import plan
+from olmax.scale.targets import TargetError, parse_target
+
+
+@pytest.fixture(scope="module")
+def recipe():
+    return load_config("olmo3_7b")
+
+
+def test_ironwood_figures_match_the_published_accounting(recipe):
+    """195 chip-s per step at 44.5% MFU on Ironwood (3.05 s x 64 chips ~ 0.76 s x 256 chips), 510-513
+    TFLOP/s per device (two per chip), 1565 TFLOP per device-step at 4 x 8192 tokens per device counting
+    every layer as global, about 77k chip-hours over the 1.41M steps of stage 1."""
+    slice64 = plan(recipe, parse_target("tpu:tpu7x:4x4x4"), 0.445)
+    slice256 = plan(recipe, parse_target("tpu:tpu7x:4x8x8"), 0.445)
+    published = slice64["all_global"]
+    assert slice64["devices"] == 128 and slice64["tokens_per_step"] == 512 * 8192
+    assert 510 <= slice64["sustained_tflops_per_device"] <= 513.5
+    assert published["tflop_per_device_step"] == pytest.approx(1565, abs=1)
+    assert published["chip_seconds_per_step"] == pytest.approx(195, abs=0.5)
+    assert published["step_seconds"] == pytest.approx(3.05, abs=0.005)
+    assert slice256["all_global"]["step_seconds"] == pytest.approx(0.76, abs=0.005)
+    assert slice256["all_global"]["chip_seconds_per_step"] == pytest.approx(published["chip_seconds_per_step"])
+    assert slice64["steps"] == 1_413_814
+    assert published["chip_hours"] == pytest.approx(77_000, rel=0.01)
+
+
+def test_exact_window_count_is_cheaper_by_the_attention_it_skips(recipe):
+    """Counted exactly (4096-key windows on 3 of 4 layers), a token costs ~46.56 GFLOP, not 47.77."""
+    report = plan(recipe, parse_target("tpu:tpu7x:4x4x4"), 0.445)
+    exact, full = report["exact_window"], report["all_global"]
+    assert exact["train_flops_per_token"] == pytest.approx(46.56e9, rel=1e-3)
+    assert exact["tflop_per_device_step"] == pytest.approx(1526, abs=1)
+    assert exact["chip_seconds_per_step"] / full["chip_seconds_per_step"] == pytest.approx(46.56 / 47.77, rel=1e-3)
+
+
+def test_plan_command_prints_json(capsys):
+    assert main(["plan", "olmo3_7b", "--target", "tpu:v5p:4x4x8", "--mfu", "0.574", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    # MaxText's v5p run: 263 of 459 TFLOP/s per chip, 4 x 8192 tokens on each of 128 chips.
+    assert report["sustained_tflops_per_device"] == pytest.approx(263, abs=0.5)
+    assert report["all_global"]["step_seconds"] == pytest.approx(1565.3 / 263.5, rel=0.01)
+
+
+@pytest.mark.parametrize("name, kind, topology, chips, devices", [
+    ("tpu:v5p:4x4x8", "v5p", "4x4x8", 128, 128),
+    ("tpu:v5e:2x2", "v5e", "2x2", 4, 4),
+    ("tpu:tpu7x:2x2x1", "tpu7x", "2x2x1", 4, 8),
+    ("gpu:h100x8", "h100", "1x1x8", 8, 8),
+    ("gpu:h200x16", "h200", "1x2x8", 16, 16),
+    ("gpu:h100x4", "h100", "1x1x4", 4, 4),
+])
+def test_targets(name, kind, topology, chips, devices):
+    target = parse_target(name)
+    assert (target.kind, target.topology, target.chips, target.devices) == (kind, topology, chips, devices)
+
+
+@pytest.mark.parametrize("name, says", [
+    ("v5p:4x4x8", "bad target"),
+    ("tpu:v9:2x2", "unknown TPU 'v9'"),
+    ("gpu:a100x8", "unknown GPU 'a100'"),
+    ("gpu:h100x12", "whole hosts of 8"),
+    ("tpu:v5p-128", "bad target"),
+])
+def test_bad_targets_are_named(name, says):
+    with pytest.raises(TargetError, match=says):
+        parse_target(name)
+
+
+def test_bad_mfu_is_a_config_error(capsys):
+    assert main(["plan", "olmo3_7b", "--target", "tpu:v5p:4x4x8", "--mfu", "44.5"]) == 2
+    assert "--mfu 44.5" in capsys.readouterr().err
