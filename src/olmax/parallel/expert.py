@@ -4,8 +4,8 @@ Each device holds a shard of the batch's tokens and E / P of the experts (P = si
 axis; the tokens are sharded over it too). Inside shard_map a device sorts its assignments by the
 device owning their expert, exchanges them with one all_to_all over the expert axis, runs its own
 experts on what it received, and sends the results back the same way. Expert weights are never
-gathered: OLMo-core 3 reports 2.7x tokens/s/GPU for a 47B MoE from keeping them resident instead
-of re-gathering them FSDP-style (https://github.com/allenai/OLMo-core, release notes).
+gathered, unlike FSDP, which would re-gather every expert for every micro-batch; OLMo-core's
+expert-parallel MoE (olmo_core/nn/moe/v2) keeps its experts resident the same way.
 
 all_to_all needs static shapes, so each device reserves room for the worst case (every assignment
 of its tokens to one device: n tokens x min(k, E / P) rows per destination) and sends padding
