@@ -8,8 +8,8 @@
     expert(x) = w2(silu(w1 x) * w3 x)
 
 The experts run dropless by default: assignments are sorted by expert, each expert's rows
-padded to a block multiple, and one loop over the used blocks multiplies each block by its
-expert's weights (`gmm`). Work is the routed rows plus under one block per expert, whatever E;
+padded to a block multiple, and loops over the used blocks multiply each block by its expert's
+weights (`gmm`). Work is the routed rows plus under one block per expert, whatever E;
 a dense expansion (every expert on every token, or XLA:CPU's lowering of `ragged_dot`) grows
 linearly with E. With several devices the same computation runs per device inside
 `olmax.parallel.expert`, experts resident on the `expert` mesh axis and tokens exchanged.
@@ -19,6 +19,7 @@ Routing semantics and losses follow OLMo-core's MoE router (olmo_core/nn/moe/rou
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import NamedTuple
 
@@ -112,6 +113,15 @@ def tokens_per_expert(experts: jax.Array, num_experts: int) -> jax.Array:
     return jnp.zeros(num_experts + 1, jnp.int32).at[experts.reshape(-1)].add(1)[:num_experts]
 
 
+def rank_within(ids: jax.Array, num_ids: int) -> tuple[jax.Array, jax.Array]:
+    """For int ids [R] in [0, num_ids): each element's rank among equal ids in order, and the counts [num_ids]."""
+    order = jnp.argsort(ids, stable=True)
+    counts = jnp.zeros(num_ids, jnp.int32).at[ids].add(1)
+    starts = jnp.cumsum(counts) - counts
+    rank_sorted = jnp.arange(ids.size, dtype=jnp.int32) - starts[ids[order]]
+    return jnp.zeros_like(rank_sorted).at[order].set(rank_sorted), counts
+
+
 # Auxiliary losses (unscaled; the train step multiplies by the coefficients).
 
 def load_balancing_loss(scores: jax.Array, experts: jax.Array, top_k: int, groups: int = 1) -> jax.Array:
@@ -173,18 +183,18 @@ def drop_over_capacity(cfg: MoEConfig, experts: jax.Array, groups: int) -> jax.A
     contiguous shards, an expert keeps its first `capacity` assignments in (token, slot) order."""
     per_group = experts.reshape(groups, -1)
     capacity = expert_capacity(cfg, experts.shape[0] // groups)
-    rank, _ = jax.vmap(expert_parallel.rank_within, in_axes=(0, None))(per_group, cfg.num_experts)
+    rank, _ = jax.vmap(rank_within, in_axes=(0, None))(per_group, cfg.num_experts)
     return jnp.where(rank < capacity, per_group, cfg.num_experts).reshape(experts.shape)
 
 
 # Grouped matmul over blocks.
 
 def auto_block_size(expected_rows: int, groups: int) -> int:
-    """A power of two near half the mean rows per group, in [32, 128]. A group's last, partly filled block
-    wastes half a block on average; each block also copies its expert's weights (XLA:CPU has no views),
-    which below 32 rows costs more than the padding it saves (measured on XLA:CPU, d_model 256)."""
-    target = max(expected_rows // (2 * groups), 1)
-    return min(max(1 << (target.bit_length() - 1), 32), 128)
+    """A power of two near a quarter of the mean rows per group, in [16, 128]: a group's last, partly
+    filled block wastes half a block on average (about an eighth of the work), and smaller blocks make
+    smaller, less efficient matmuls."""
+    target = max(expected_rows // (4 * groups), 1)
+    return min(max(1 << (target.bit_length() - 1), 16), 128)
 
 
 def _vary_like(a, *like):
@@ -198,46 +208,49 @@ def _zeros(shape, dtype, *like):
     return _vary_like(jnp.zeros(shape, dtype), *like)
 
 
-def _block_loop(x, w, block_group, used_blocks, contract_w: int):
-    bs = x.shape[0] // block_group.shape[0]
-    out_dim = w.shape[2 - contract_w]
+def _grouped_loop(x, w, block_starts, block: int, contract_w: int):
+    def group(g, out):
+        wg = jax.lax.dynamic_index_in_dim(w, g, keepdims=False)  # one copy per group, not per block
 
-    def body(b, out):
-        xb = jax.lax.dynamic_slice_in_dim(x, b * bs, bs)
-        wb = jax.lax.dynamic_index_in_dim(w, block_group[b], keepdims=False)
-        yb = jax.lax.dot_general(xb, wb, (((1,), (contract_w,)), ((), ())), preferred_element_type=jnp.float32)
-        return jax.lax.dynamic_update_slice_in_dim(out, yb.astype(out.dtype), b * bs, 0)
+        def one_block(b, out):
+            xb = jax.lax.dynamic_slice_in_dim(x, b * block, block)
+            yb = jax.lax.dot_general(xb, wg, (((1,), (contract_w,)), ((), ())), preferred_element_type=jnp.float32)
+            return jax.lax.dynamic_update_slice_in_dim(out, yb.astype(out.dtype), b * block, 0)
 
-    # A while loop over the used blocks only: the unused tail of the static bound costs nothing.
-    return jax.lax.fori_loop(0, used_blocks, body, _zeros((x.shape[0], out_dim), x.dtype, x, w))
+        return jax.lax.fori_loop(block_starts[g], block_starts[g + 1], one_block, out)
 
-
-@jax.custom_vjp
-def gmm(x: jax.Array, w: jax.Array, block_group: jax.Array, used_blocks: jax.Array) -> jax.Array:
-    """Block-grouped matmul: rows of block b of x [NB * bs, D] times w[block_group[b]] ([G, D, F]), for the
-    first `used_blocks` blocks; the other rows are 0. The gradient runs the same loops (differentiating a
-    while loop is not possible, and a scan's gradient would add a full [G, D, F] buffer per block)."""
-    return _block_loop(x, w, block_group, used_blocks, contract_w=0)
+    return jax.lax.fori_loop(0, w.shape[0], group, _zeros((x.shape[0], w.shape[2 - contract_w]), x.dtype, x, w))
 
 
-def _gmm_fwd(x, w, block_group, used_blocks):
-    return gmm(x, w, block_group, used_blocks), (x, w, block_group, used_blocks)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def gmm(x: jax.Array, w: jax.Array, block_starts: jax.Array, block: int) -> jax.Array:
+    """Grouped matmul over blocks of `block` rows: blocks block_starts[g] to block_starts[g + 1] - 1 of
+    x [NB * block, D] times w[g] ([G, D, F]); rows after the last group's blocks are 0 and cost nothing
+    (while loops over the used blocks only). The gradient runs the same loops: a while loop cannot be
+    differentiated, and a scan's gradient would add a full [G, D, F] buffer per block."""
+    return _grouped_loop(x, w, block_starts, block, contract_w=0)
 
 
-def _gmm_bwd(res, dy):
-    x, w, block_group, used_blocks = res
-    dx = _block_loop(dy, w, block_group, used_blocks, contract_w=1)
-    bs = x.shape[0] // block_group.shape[0]
+def _gmm_fwd(x, w, block_starts, block):
+    return gmm(x, w, block_starts, block), (x, w, block_starts)
 
-    def body(b, dw):
-        xb = jax.lax.dynamic_slice_in_dim(x, b * bs, bs)
-        dyb = jax.lax.dynamic_slice_in_dim(dy, b * bs, bs)
-        g = block_group[b]
-        update = jax.lax.dot_general(xb, dyb, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
-        return jax.lax.dynamic_update_index_in_dim(dw, dw[g] + update, g, 0)
 
-    dw = jax.lax.fori_loop(0, used_blocks, body, _zeros(w.shape, jnp.float32, x, dy))
-    return dx, dw.astype(w.dtype), None, None
+def _gmm_bwd(block, res, dy):
+    x, w, block_starts = res
+    dx = _grouped_loop(dy, w, block_starts, block, contract_w=1)
+
+    def group(g, dw):
+        def one_block(b, acc):
+            xb = jax.lax.dynamic_slice_in_dim(x, b * block, block)
+            dyb = jax.lax.dynamic_slice_in_dim(dy, b * block, block)
+            return acc + jax.lax.dot_general(xb, dyb, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+
+        zeros = _zeros(w.shape[1:], jnp.float32, x, dy)
+        acc = jax.lax.fori_loop(block_starts[g], block_starts[g + 1], one_block, zeros)
+        return jax.lax.dynamic_update_index_in_dim(dw, acc, g, 0)
+
+    dw = jax.lax.fori_loop(0, w.shape[0], group, _zeros(w.shape, jnp.float32, x, dy))
+    return dx, dw.astype(w.dtype), None
 
 
 gmm.defvjp(_gmm_fwd, _gmm_bwd)
@@ -247,20 +260,18 @@ def _swiglu_blocks(x, groups, w1, w3, w2, block):
     M, k = groups.shape
     G, R = w1.shape[0], groups.size
     flat = groups.reshape(-1)
-    rank, counts = expert_parallel.rank_within(flat, G + 1)
-    padded = -(-counts[:G] // block) * block
-    ends = jnp.cumsum(padded)
-    # Static bound: each group wastes under one block.
-    n_blocks = -(-(R + G * (block - 1)) // block)
-    slot = jnp.where(flat < G, (ends - padded)[jnp.minimum(flat, G - 1)] + rank, n_blocks * block)
+    rank, counts = rank_within(flat, G + 1)
+    blocks = -(-counts[:G] // block)
+    block_starts = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(blocks)])
+    # Static bound: at most min(k, G) real rows per row of x, and each group wastes under one block.
+    n_blocks = -(-(M * min(k, G) + G * (block - 1)) // block)
+    slot = jnp.where(flat < G, block_starts[jnp.minimum(flat, G - 1)] * block + rank, n_blocks * block)
     source = jnp.full(n_blocks * block, R, jnp.int32).at[slot].set(jnp.arange(R, dtype=jnp.int32), mode="drop")
     xp = jnp.take(x, source // k, axis=0, mode="fill", fill_value=0)
-    block_group = jnp.minimum(jnp.searchsorted(ends, jnp.arange(n_blocks) * block, side="right"), G - 1)
-    used = ends[-1] // block
     w1, w3, w2 = (_vary_like(w.astype(x.dtype), x) for w in (w1, w3, w2))
-    gate = jax.nn.silu(checkpoint_name(gmm(xp, w1, block_group, used), "mlpwi_0"))
-    up = checkpoint_name(gmm(xp, w3, block_group, used), "mlpwi_1")
-    y = checkpoint_name(gmm(gate * up, w2, block_group, used), "mlpwo")
+    gate = jax.nn.silu(checkpoint_name(gmm(xp, w1, block_starts, block), "mlpwi_0"))
+    up = checkpoint_name(gmm(xp, w3, block_starts, block), "mlpwi_1")
+    y = checkpoint_name(gmm(gate * up, w2, block_starts, block), "mlpwo")
     return jnp.take(y, slot, axis=0, mode="fill", fill_value=0).reshape(M, k, -1)
 
 
@@ -334,16 +345,15 @@ def moe_mlp(
         experts = drop_over_capacity(cfg, experts, ranks)
     aux["dropped_tokens"] = jnp.sum(experts == cfg.num_experts, dtype=jnp.int32)
 
-    def run_experts(x_local, groups, w1, w3, w2, expected_rows):
+    def run_experts(x_local, groups, gates, w1, w3, w2, expected_rows):
         block = cfg.block_size or auto_block_size(expected_rows, w1.shape[0])
-        return grouped_swiglu(x_local, groups, w1, w3, w2, dispatch=cfg.dispatch, block=block)
+        return combine(grouped_swiglu(x_local, groups, w1, w3, w2, dispatch=cfg.dispatch, block=block), gates)
 
     weights = (p["w1"], p["w3"], p["w2"])
     if mesh is None:
-        y = run_experts(tokens, experts, *weights, experts.size)
+        y = run_experts(tokens, experts, r.gates, *weights, experts.size)
     else:
-        y = expert_parallel.routed_experts(run_experts, tokens, experts, weights, mesh, batch_axes)
-    y = combine(y, r.gates)
+        y = expert_parallel.routed_experts(run_experts, tokens, experts, r.gates, weights, mesh, batch_axes)
     if cfg.shared_expert_hidden:
         gate = jax.nn.silu(tokens @ p["shared_w1"].astype(x.dtype))
         y = y + (gate * (tokens @ p["shared_w3"].astype(x.dtype))) @ p["shared_w2"].astype(x.dtype)
