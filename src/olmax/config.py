@@ -487,3 +487,46 @@ def upgrade(tree: dict) -> dict:
 
 def dump(config: RunConfig) -> str:
     return yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)
+
+
+class MoEConfig(Section):
+    """A mixture-of-experts MLP: a router sends each token to top_k of num_experts SwiGLU experts.
+
+    Loss and routing semantics follow OLMo-core's MoE router (olmo_core/nn/moe/router.py, loss.py).
+    `dispatch` and `block_size` only change how the layer runs, never its result.
+    """
+
+    num_experts: int = Field(64, gt=1)
+    top_k: int = Field(8, gt=0)
+    expert_hidden: int = Field(1024, gt=0, description="hidden size of each expert's SwiGLU")
+    shared_expert_hidden: int | None = Field(
+        None, gt=0, description="a SwiGLU every token takes, added to the routed output (n shared experts = n x hidden)"
+    )
+    gating: Literal["softmax", "sigmoid"] = Field("softmax", description="router scores from its float32 logits")
+    normalize_gates: bool = Field(False, description="divide the top-k gate weights by their sum (OLMoE: false)")
+    load_balancing_loss: float = Field(0.01, ge=0, description="coefficient of the per-layer load balancing loss")
+    router_z_loss: float = Field(0.001, ge=0, description="coefficient of mean(logsumexp(router logits)^2)")
+    load_balancing_granularity: Literal["global_batch", "micro_batch"] = Field(
+        "global_batch",
+        description="global_batch: expert counts over the whole micro-batch (all data-parallel ranks; independent "
+        "of the device count); micro_batch: per rank's share, averaged (OLMo-core's default `local_batch`)",
+    )
+    bias_update_rate: float | None = Field(
+        None, gt=0, description="auxiliary-loss-free balancing: per-expert selection bias moved by this each step"
+    )
+    capacity_factor: float | None = Field(
+        None, gt=0, description="None = dropless; else each expert takes at most this x its even share per rank"
+    )
+    routing: Literal["learned", "uniform", "random"] = Field(
+        "learned", description="uniform/random: fixed or random experts for system benchmarks (router still runs)"
+    )
+    dispatch: Literal["blocks", "ragged_dot"] = Field(
+        "blocks", description="blocks: block-padded grouped matmul (portable); ragged_dot: jax.lax.ragged_dot"
+    )
+    block_size: int | None = Field(None, gt=0, description="rows per block of the grouped matmul; None = auto")
+
+    @model_validator(mode="after")
+    def _routing(self):
+        if self.top_k > self.num_experts:
+            raise ValueError(f"top_k {self.top_k} exceeds num_experts {self.num_experts}")
+        return self

@@ -1,0 +1,116 @@
+"""Expert parallelism on 8 fake CPU devices: the same numbers as one device, and experts that stay put."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from olmax.config import MoEConfig
+from olmax.model import moe
+from olmax.parallel import expert
+
+D = 16
+BATCH_AXES = ("data", "fsdp", "expert")
+
+
+def _mesh(data, fsdp, ep):
+    return Mesh(np.array(jax.devices()[: data * fsdp * ep]).reshape(data, fsdp, ep), BATCH_AXES)
+
+
+def _cfg(**overrides):
+    return MoEConfig(**({"num_experts": 8, "top_k": 2, "expert_hidden": 24} | overrides))
+
+
+def _place(mesh, p, x):
+    """Experts on the expert axis only; the router's and the shared expert's d_model dim FSDP-sharded."""
+    specs = {"router": ("fsdp", None), "w1": ("expert",), "w3": ("expert",), "w2": ("expert",),
+             "shared_w1": ("fsdp", None), "shared_w3": ("fsdp", None), "shared_w2": (None, "fsdp")}
+    p = {k: jax.device_put(v, NamedSharding(mesh, PartitionSpec(*specs[k]))) for k, v in p.items()}
+    return p, jax.device_put(x, NamedSharding(mesh, PartitionSpec(BATCH_AXES)))
+
+
+def _run(cfg, p, x, cotangent, key, mesh=None):
+    def objective(p, x):
+        out, aux = moe.moe_mlp(cfg, p, x, key=key, mesh=mesh, batch_axes=BATCH_AXES)
+        return jnp.sum(out * cotangent) + aux["load_balancing_loss"] + aux["router_z_loss"], (out, aux)
+
+    (_, (out, aux)), grads = jax.jit(jax.value_and_grad(objective, argnums=(0, 1), has_aux=True))(p, x)
+    return out, aux, grads
+
+
+def _inputs(cfg, B=8, T=8):
+    kp, kx, kc = jax.random.split(jax.random.key(0), 3)
+    x = jax.random.normal(kx, (B, T, D))
+    return moe.init_params(cfg, D, kp, std=0.3), x, jax.random.normal(kc, x.shape)
+
+
+@pytest.mark.parametrize("shape, overrides", [
+    ((1, 1, 8), {}),
+    ((2, 1, 4), {}),
+    ((1, 2, 4), {"dispatch": "ragged_dot", "gating": "sigmoid", "normalize_gates": True, "shared_expert_hidden": 20}),
+    ((1, 1, 8), {"routing": "random", "top_k": 3}),
+], ids=["ep8", "ep4_dp2", "ep4_fsdp2_ragged_shared", "ep8_random"])
+def test_expert_parallel_equals_one_device(shape, overrides):
+    """Output, every aux value and the gradients of x and all parameters match the one-device layer."""
+    cfg = _cfg(**overrides)
+    p, x, cotangent = _inputs(cfg)
+    key = jax.random.key(3)
+    want = _run(cfg, p, x, cotangent, key)
+    mesh = _mesh(*shape)
+    got = _run(cfg, *_place(mesh, p, x), cotangent, key, mesh)
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5, err_msg=jax.tree_util.keystr(path))
+
+
+def test_compiled_step_exchanges_tokens_and_never_gathers_expert_weights():
+    """In the compiled forward+backward on EP=4 x DP=2 the only collectives are all-to-alls (tokens) and
+    all-reduces (gradients over data-parallel replicas): no all-gather at all, and nothing the size of
+    the full expert weights [E, D, F] moves."""
+    cfg = _cfg()
+    p, x, cotangent = _inputs(cfg)
+    mesh = _mesh(2, 1, 4)
+    p, x = _place(mesh, p, x)
+
+    def objective(p, x):
+        out, aux = moe.moe_mlp(cfg, p, x, mesh=mesh, batch_axes=BATCH_AXES)
+        return jnp.sum(out * cotangent) + aux["load_balancing_loss"]
+
+    hlo = jax.jit(jax.grad(objective, argnums=(0, 1))).lower(p, x).compile().as_text()
+    collective = r"= (.*?) (all-gather|all-to-all|all-reduce|reduce-scatter|collective-permute)(?:-start)?\("
+    ops = [(kind, shapes) for shapes, kind in re.findall(collective, hlo)]
+    kinds = {kind for kind, _ in ops}
+    assert "all-to-all" in kinds and "all-reduce" in kinds
+    assert not kinds & {"all-gather", "reduce-scatter", "collective-permute"}, ops
+    E, F = cfg.num_experts, cfg.expert_hidden
+    assert not any(f"[{E},{D},{F}]" in shapes or f"[{E},{F},{D}]" in shapes for _, shapes in ops), ops
+    # The gradients of the local experts' weights are summed over the 2 data-parallel replicas.
+    assert any(kind == "all-reduce" and f"f32[{E // 4},{D},{F}]" in shapes for kind, shapes in ops), ops
+
+
+def test_capacity_and_micro_batch_losses_are_per_rank():
+    """With a capacity factor and micro_batch granularity, each of the 8 ranks keeps its own capacity and
+    its own balancing loss: the mesh result is the one-device layer run on each rank's shard alone."""
+    cfg = _cfg(capacity_factor=0.25, load_balancing_granularity="micro_batch")
+    p, x, _ = _inputs(cfg, T=64)  # 64 tokens per rank: capacity 8, half the mean load
+    mesh = _mesh(2, 1, 4)
+    out, aux = jax.jit(lambda p, x: moe.moe_mlp(cfg, p, x, mesh=mesh, batch_axes=BATCH_AXES))(*_place(mesh, p, x))
+    layer = jax.jit(lambda x: moe.moe_mlp(cfg, p, x))
+    shards = [layer(s) for s in np.split(np.asarray(x), 8)]
+    np.testing.assert_allclose(out, np.concatenate([o for o, _ in shards]), atol=1e-5, rtol=1e-5)
+    assert int(aux["dropped_tokens"]) == sum(int(a["dropped_tokens"]) for _, a in shards) > 0
+    np.testing.assert_allclose(aux["load_balancing_loss"], np.mean([a["load_balancing_loss"] for _, a in shards]),
+                               rtol=1e-6)
+
+
+def test_expert_parallel_rejects_a_batch_not_sharded_over_experts():
+    cfg = _cfg()
+    p, x, _ = _inputs(cfg)
+    with pytest.raises(ValueError, match="sharded over 'expert'"):
+        moe.moe_mlp(cfg, p, x, mesh=_mesh(2, 1, 4), batch_axes=("data", "fsdp"))
+    with pytest.raises(ValueError, match="do not divide"):
+        moe.moe_mlp(_cfg(num_experts=6), moe.init_params(_cfg(num_experts=6), D, jax.random.key(0)), x,
+                    mesh=_mesh(1, 2, 4), batch_axes=BATCH_AXES)
+    assert expert.batch_shards(_mesh(2, 1, 4), ("data", "fsdp")) == 2
