@@ -1,6 +1,6 @@
 """`olmax compile`: the real train step compiled for TPU slices and GPU hosts without the hardware.
 
-Needs the aot extra (libtpu, the CUDA plugin); CI installs it.
+TPU targets need the aot extra (libtpu; CI installs it), GPU targets the aot-gpu extra (skipped without it).
 """
 
 import json

@@ -28,8 +28,8 @@ def add_commands(subparsers) -> None:
         "compile", help="compile the train step for a TPU slice or GPU host on this machine; does it fit?",
         description="Compiles the step `olmax train` runs (the config's mesh, remat and micro-batch) for the "
         "target's devices without the hardware, and reports per-device memory at the compiler's peak, the "
-        "parameter / optimizer / activation split, FLOPs and time per step at an MFU. Needs the aot extra "
-        "(pip install -e '.[aot]'). Exit 1 (DoesNotFit) when the step needs more memory than a device has.",
+        "parameter / optimizer / activation split, FLOPs and time per step at an MFU. Needs the aot extra (TPU) or "
+        "the aot-gpu extra (GPU). Exit 1 (DoesNotFit) when the step needs more memory than a device has.",
     )
     p.add_argument("config", help="preset name (olmo3_7b, tiny, ...) or a YAML path")
     p.add_argument("overrides", nargs="*", help="section.key=value")

@@ -89,10 +89,10 @@ def parse_target(name: str) -> Target:
 
 def aot_missing(platform: str) -> str | None:
     """Why this environment cannot compile for `platform`, or None when it can."""
-    module = {"tpu": "libtpu", "gpu": "jax_cuda12_plugin"}[platform]
+    module, extra = {"tpu": ("libtpu", "aot"), "gpu": ("jax_cuda12_plugin", "aot-gpu")}[platform]
     if importlib.util.find_spec(module) is None:
-        return (f"compiling for {platform.upper()} needs the aot extra ({module} is not installed): "
-                "pip install -e '.[aot]'")
+        return (f"compiling for {platform.upper()} needs the {extra} extra ({module} is not installed): "
+                f"pip install -e '.[{extra}]'")
     return None
 
 
