@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh
 
+from olmax.checkpoint import Checkpointer, run_meta
 from olmax.config import CheckpointConfig
 from olmax.data import DataError
 from olmax.data.synthetic import write_synthetic_shards
@@ -20,7 +21,6 @@ from olmax.eval.cli import add_commands
 from olmax.eval.models import Model, eval_mesh, load_model, place
 from olmax.model import olmo3
 from olmax.parallel.mesh import AXES
-from olmax.train.checkpoint import Checkpointer, run_meta
 
 WORDS = ("the cat sat on a mat and the dog ran to the red house while small birds sang over green hills, "
          "naïve café owners served crème brûlée").split()

@@ -14,6 +14,7 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 from transformers import Olmo3Config, Olmo3ForCausalLM
 
+from olmax.checkpoint import Checkpointer, check_model_compatible, run_meta
 from olmax.config import CheckpointConfig, load_config
 from olmax.interop import InteropError
 from olmax.interop.cli import add_commands
@@ -22,7 +23,6 @@ from olmax.interop.hf import (
 )
 from olmax.model import olmo3
 from olmax.parallel.mesh import make_mesh, shardings
-from olmax.train.checkpoint import Checkpointer, check_model_compatible, run_meta
 from olmax.train.step import TrainState
 
 

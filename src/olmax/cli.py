@@ -6,10 +6,10 @@ import argparse
 import json
 import sys
 
+from olmax.checkpoint import CheckpointError
 from olmax.config import ConfigError, dump, load_config
 from olmax.data import DataError
 from olmax.interop import InteropError
-from olmax.train.checkpoint import CheckpointError
 
 
 def _config_args(parser: argparse.ArgumentParser) -> None:

@@ -164,7 +164,7 @@ def plot_curves(metrics: list[dict], path: Path) -> None:
 def run_demo(overrides: list[str], fresh: bool) -> Path:
     """Build (or reuse) the data, train the demo preset from scratch, evaluate, write the report."""
     from olmax.parallel.mesh import make_mesh
-    from olmax.train.checkpoint import Checkpointer
+    from olmax.checkpoint import Checkpointer
     from olmax.train.trainer import restore_or_init, train
 
     cfg = load_config("demo", overrides)

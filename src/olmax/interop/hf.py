@@ -29,11 +29,11 @@ import ml_dtypes
 import numpy as np
 import orbax.checkpoint as ocp
 
+from olmax.checkpoint import Checkpointer, run_meta
 from olmax.config import CheckpointConfig, ConfigError, ModelConfig, RunConfig, validate
 from olmax.interop import InteropError, stream
 from olmax.model import olmo3
 from olmax.runtime import GLIBC
-from olmax.train.checkpoint import Checkpointer, run_meta
 
 ARCHITECTURE = "Olmo3ForCausalLM"
 MODEL_TYPE = "olmo3"

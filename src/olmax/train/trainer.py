@@ -18,13 +18,13 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
+from olmax.checkpoint import Checkpointer, CheckpointError, abstract_like, check_model_compatible, run_meta
 from olmax.config import ConfigError, RunConfig
 from olmax.data import build_loader
 from olmax.eval.in_loop import make_in_loop_eval
 from olmax.model import flops
 from olmax.model.olmo3 import compute_dtype
 from olmax.parallel.mesh import data_parallel_size, make_mesh
-from olmax.train.checkpoint import Checkpointer, CheckpointError, abstract_like, check_model_compatible, run_meta
 from olmax.train.metrics import MetricsWriter, console_line, device_peak_flops
 from olmax.train.step import TrainState, batch_shardings, create_state, jit_train_step, state_shardings
 

@@ -1,4 +1,4 @@
-"""Checkpoints with Orbax: directory N holds the state after step N completed.
+"""Checkpoints with Orbax, the one reader and writer (training, evaluation and conversion use it): directory N holds the state after step N completed.
 
 Each checkpoint has the items `params`, `opt_state` (with the skip-step
 history) and `meta` (JSON: step, data loader position and fingerprint, seed,
