@@ -25,6 +25,7 @@ from olmax.eval.in_loop import make_in_loop_eval
 from olmax.model import flops
 from olmax.model.olmo3 import compute_dtype
 from olmax.parallel.mesh import data_parallel_size, make_mesh
+from olmax.runtime import received_signal
 from olmax.train.metrics import MetricsWriter, console_line, device_peak_flops
 from olmax.train.step import TrainState, batch_shardings, create_state, jit_train_step, state_shardings
 
@@ -34,17 +35,20 @@ RESUMABLE_EXIT_CODE = 75  # EX_TEMPFAIL: preempted after a checkpoint; run again
 
 
 class Preempted(Exception):
-    """SIGTERM/SIGINT arrived; the step in flight finished and a checkpoint was written."""
+    """SIGTERM/SIGINT arrived; the step in flight finished and a checkpoint was written (or nothing needed one)."""
 
 
 @contextlib.contextmanager
 def preemption_signals():
-    """An Event set by SIGTERM/SIGINT while inside (signal handlers only exist on the main thread)."""
+    """An Event set by SIGTERM/SIGINT while inside, or already before when they arrived during start-up (signal
+    handlers only exist on the main thread)."""
     stop = threading.Event()
     if threading.current_thread() is not threading.main_thread():
         yield stop
         return
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
+    if received_signal() is not None:
+        stop.set()
     try:
         yield stop
     finally:
@@ -207,6 +211,8 @@ def train(cfg: RunConfig, *, quiet: bool = False) -> list[dict]:
     try:
         with preemption_signals() as stop:
             last = min(cfg.train.steps, cfg.train.stop_after or cfg.train.steps)
+            if start < last and stop_requested(stop):
+                raise Preempted(f"stopped by a signal before step {start + 1}; nothing needed writing")
             for step in range(start + 1, last + 1):
                 batch = place_batch(next(loader), sharding, micro_rows)
                 state, metrics = step_fn(state, batch)
