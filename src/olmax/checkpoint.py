@@ -30,6 +30,7 @@ import json
 import logging
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import jax
@@ -46,6 +47,7 @@ log = logging.getLogger(__name__)
 _FREE_MODEL_FIELDS = {"compute_dtype", "remat_save", "attention_block"}
 M_ARENA_MAX = -8  # glibc's mallopt parameter
 HASH_SEED = 0x9E3779B9
+CHECKSUM = "fmix32-sum-and-position-sum"  # what `checksums` computes; recorded, so that a future one can differ
 
 
 class CheckpointError(ValueError):
@@ -114,8 +116,10 @@ def _meta_digest(meta: dict) -> str:
 
 def _ignore_abandoned_reads() -> None:
     """After a failed read, Orbax closes its event loop while TensorStore's other reads are still in flight;
-    their coroutines and callbacks then fail whenever they are collected, each printing a traceback (up to
-    hundreds of lines, long after the error was reported). Those, and only those, are dropped from then on."""
+    their coroutines, tasks and callbacks then fail whenever they are collected, each printing a traceback (up
+    to hundreds of lines, long after the error was reported): through sys.unraisablehook, as asyncio's
+    "exception was never retrieved" errors and as "coroutine ... was never awaited" warnings (olmax runs no
+    asyncio code of its own). Those are dropped."""
     previous = sys.unraisablehook
     if getattr(previous, "olmax_ignores_abandoned_reads", False):
         return
@@ -129,6 +133,14 @@ def _ignore_abandoned_reads() -> None:
 
     hook.olmax_ignores_abandoned_reads = True
     sys.unraisablehook = hook
+    asyncio_log = logging.getLogger("asyncio")
+    if _never_retrieved not in asyncio_log.filters:
+        asyncio_log.addFilter(_never_retrieved)
+    warnings.filterwarnings("ignore", r"coroutine '.*' was never awaited", RuntimeWarning)
+
+
+def _never_retrieved(record: logging.LogRecord) -> bool:
+    return "exception was never retrieved" not in record.getMessage()
 
 
 def _reason(err: BaseException) -> str:
@@ -235,7 +247,7 @@ class Checkpointer:
 
     def _save(self, step: int, meta: dict, **arrays) -> None:
         sums = {name: checksums(tree) for name, tree in arrays.items()}
-        meta = {**meta, "checksums": {**sums, "meta": _meta_digest(meta)}}
+        meta = {**meta, "checksums": {"kind": CHECKSUM, **sums, "meta": _meta_digest(meta)}}
         items = {name: ocp.args.StandardSave(tree) for name, tree in arrays.items()}
         host = _numpy_one_array_at_a_time() if _on_host(arrays) else contextlib.nullcontext()
         with host:
@@ -271,16 +283,16 @@ class Checkpointer:
         return params, meta
 
     def _restore(self, step: int, **items):
+        _ignore_abandoned_reads()  # before the read: a failed one's leftovers may be collected before it returns
         try:
             return self.manager.restore(step, args=ocp.args.Composite(**items))
         except Exception as err:  # Orbax, TensorStore and JSON errors alike: the files are not what was written
-            _ignore_abandoned_reads()
             raise UnreadableCheckpoint(f"checkpoint {self.where(step)} is unreadable ({_reason(err)})") from err
 
     def _verify(self, step: int, meta: dict, **arrays) -> None:
-        saved = meta.get("checksums")
-        if saved is None:
-            log.warning("checkpoint %s has no checksums (written before olmax recorded them); not verified",
+        saved = meta.get("checksums", {})
+        if saved.get("kind") != CHECKSUM:
+            log.warning("checkpoint %s has no checksums olmax computes (written by an older olmax); not verified",
                         self.where(step))
             return
         for name, tree in arrays.items():
