@@ -83,6 +83,18 @@ def test_an_edited_loader_state_falls_back_to_the_previous_checkpoint(tmp_path, 
     _resume_falls_back_to_5(tmp_path / "run", shards, losses, caplog, "the checksum of its meta differs")
 
 
+def test_a_checkpoint_without_checksums_is_read_with_a_warning(tmp_path, run, shards, caplog):
+    """As written by olmax before it recorded checksums."""
+    run_dir, losses = run
+    shutil.copytree(run_dir, tmp_path / "run")
+    path = tmp_path / "run" / "checkpoints" / "10" / "meta" / "metadata"
+    path.write_text(json.dumps({k: v for k, v in json.loads(path.read_text()).items() if k != "checksums"}))
+    with caplog.at_level(logging.WARNING):
+        resumed = _train(tmp_path / "run", shards, "train.steps=12", "checkpoint.every=5")
+    assert "10 has no checksums olmax computes (written by an older olmax); not verified" in caplog.text
+    assert [h["train/CE loss"] for h in resumed] == losses[5:]
+
+
 def test_checksums_are_the_same_on_any_devices_and_on_the_host(cfg, params):
     on_host = checksums(params)
     assert len(on_host) == len(jax.tree.leaves(params))
@@ -99,8 +111,9 @@ def test_checksums_are_the_same_on_any_devices_and_on_the_host(cfg, params):
 
 
 def test_the_stray_tracebacks_of_failed_reads_are_gone(tmp_path, run):
-    """Orbax's abandoned TensorStore reads printed 'Exception ignored in: <coroutine ...>' and 'Event loop is
-    closed' tracebacks long after a failed read; 30 failed reads in a row printed hundreds of them."""
+    """Orbax's abandoned TensorStore reads printed 'Exception ignored in: <coroutine ...>', 'Event loop is
+    closed', 'exception was never retrieved' tracebacks and 'never awaited' warnings long after a failed read;
+    30 failed reads in a row printed hundreds of them. Now stderr holds what the script prints, nothing else."""
     run_dir, _ = run
     shutil.copytree(run_dir / "checkpoints", tmp_path / "checkpoints")
     for item in ("params", "opt_state"):
@@ -128,9 +141,7 @@ def test_the_stray_tracebacks_of_failed_reads_are_gone(tmp_path, run):
     """)
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stderr.count("unreadable") == 30
-    assert "Traceback" not in done.stderr and "Exception ignored" not in done.stderr, done.stderr[-3000:]
-    assert "WARNING:absl" not in done.stderr, "read-only checkpoints open without Orbax's warnings"
+    assert done.stderr.splitlines() == ["unreadable 5", "unreadable 10"] * 15, done.stderr[-3000:]
 
 
 def test_every_reader_takes_a_run_directory_a_checkpoints_directory_or_a_step(run, caplog):

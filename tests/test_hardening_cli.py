@@ -85,6 +85,7 @@ BAD_INPUTS = {
     "tokenizer a directory": (["tokenize", "{root}/docs.jsonl", "--tokenizer", "{root}", "--out", "{root}/o5"],
                               ["is a directory"]),
     "eval of a file": (["eval", "heldout", "{root}/a-file", "--data", "{shard}"], ["a-file is a file"]),
+    "eval data a directory": (["eval", "heldout", "{root}/run", "--data", "{root}/mix"], ["mix is a directory"]),
 }
 
 
