@@ -244,7 +244,7 @@ class TokenShards:
         if self.dtype.itemsize == 2 and len(high) >= 64 and np.mean(high <= 1) > 0.99 and np.mean(low <= 1) < 0.5:
             raise DataError(
                 f"shard {self.sources[shard].path}: every other token is 0 or 1, as uint32 tokens read as uint16 "
-                f"are; set data.token_dtype=uint32 (the shard has no {SHARDS_RECORD} beside it saying how it was written)"
+                f"are; set data.token_dtype=uint32 (no {SHARDS_RECORD} beside the shard says how it was written)"
             )
 
     def _read_tokens(self, shard: int, start: int, count: int, into: np.ndarray | None = None) -> np.ndarray:

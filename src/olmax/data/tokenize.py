@@ -266,7 +266,8 @@ def tokenize_corpus(
             text_bytes=text_bytes, seconds=time.perf_counter() - started, vocab_size=vocab_size, eos_id=eos_id,
             pad_id=pad_id, token_dtype=dtype,
         )
-        summary = {**asdict(result), "tokenizer": str(Path(tokenizer_path).resolve()), "inputs": [str(f) for f in files]}
+        summary = {**asdict(result), "tokenizer": str(Path(tokenizer_path).resolve()),
+                   "inputs": [str(f) for f in files]}
         (partial / "tokenize.json").write_text(json.dumps(summary, indent=1) + "\n")
     return result
 
