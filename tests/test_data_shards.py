@@ -102,7 +102,7 @@ def test_mix_file_round_trip_and_relative_paths(tmp_path, good):
 def test_mix_line_that_does_not_parse(tmp_path, line):
     mix = tmp_path / "mix.txt"
     mix.write_text(f"# a comment\n\nweb,good.npy\n{line}\n")
-    with pytest.raises(DataError, match=rf"mix\.txt:4: .* must be `label,path`"):
+    with pytest.raises(DataError, match=r"mix\.txt:4: .* must be `label,path`"):
         read_mix_file(mix)
 
 

@@ -120,10 +120,10 @@ def test_bad_text_input(tmp_path, corpus):
         tokenize_corpus([str(bad)], tmp_path / "d", tokenizer_path=tokenizer, eos_token="<|eot|>", progress=False)
 
 
-def test_refuses_a_directory_with_shards(tmp_path, corpus):
+def test_refuses_a_directory_that_is_not_empty(tmp_path, corpus):
     inputs, _, tokenizer = corpus
     tokenize_corpus(inputs[:1], tmp_path, tokenizer_path=tokenizer, workers=0, progress=False)
-    with pytest.raises(DataError, match="already holds shards"):
+    with pytest.raises(DataError, match="is not empty .* new or empty directory"):
         tokenize_corpus(inputs[:1], tmp_path, tokenizer_path=tokenizer, workers=0, progress=False)
 
 

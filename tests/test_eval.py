@@ -6,10 +6,10 @@ import math
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from olmax.checkpoint import Checkpointer, run_meta
 from olmax.config import CheckpointConfig, MeshConfig
 from olmax.data import DataError
 from olmax.data.synthetic import write_synthetic_shards
@@ -20,7 +20,6 @@ from olmax.eval.cli import load_model
 from olmax.eval.models import Model, eval_layout, place
 from olmax.model import transformer
 from olmax.parallel.mesh import Layout, make_layout
-from olmax.train.checkpoint import Checkpointer, run_meta
 
 WORDS = ("the cat sat on a mat and the dog ran to the red house while small birds sang over green hills, "
          "naïve café owners served crème brûlée").split()

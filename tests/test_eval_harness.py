@@ -16,12 +16,12 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 from lm_eval.api.instance import Instance  # noqa: E402
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window  # noqa: E402
 
+from olmax.checkpoint import Checkpointer, run_meta  # noqa: E402
 from olmax.config import CheckpointConfig  # noqa: E402
 from olmax.data.tokenize import train_tokenizer  # noqa: E402
 from olmax.eval import harness  # noqa: E402
 from olmax.eval.models import eval_layout, place  # noqa: E402
 from olmax.model import transformer  # noqa: E402
-from olmax.train.checkpoint import Checkpointer, run_meta  # noqa: E402
 
 WORDS = "the cat sat on a mat and the dog ran to the red house while small birds sang over green hills".split()
 MAX_LENGTH = 32

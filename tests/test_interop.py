@@ -14,6 +14,7 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 from transformers import Olmo3Config, Olmo3ForCausalLM
 
+from olmax.checkpoint import CheckpointError, Checkpointer, check_model_compatible, run_meta
 from olmax.config import CheckpointConfig, load_config
 from olmax.interop import InteropError
 from olmax.interop.cli import add_commands
@@ -22,7 +23,6 @@ from olmax.interop.hf import (
 )
 from olmax.model import families
 from olmax.parallel.mesh import make_layout
-from olmax.train.checkpoint import Checkpointer, check_model_compatible, run_meta
 from olmax.train.step import TrainState
 
 
@@ -288,7 +288,7 @@ def test_cli_converts_both_ways(hf_dir, tmp_path, capsys):
     back = read_tensors(tmp_path / "hf")
     assert back["lm_head.weight"].dtype == ml_dtypes.bfloat16 and back["lm_head.weight"].shape == (300, 64)
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["dtype"] == "bfloat16"
-    with pytest.raises(InteropError, match="holds no olmax checkpoint"):
+    with pytest.raises(CheckpointError, match="holds no olmax checkpoint"):
         olmax_to_hf(tmp_path / "hf", tmp_path / "again")
 
 

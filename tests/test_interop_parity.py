@@ -10,13 +10,13 @@ import numpy as np
 import optax
 import pytest
 
+from olmax.checkpoint import Checkpointer, run_meta
 from olmax.config import CheckpointConfig, load_config
 from olmax.interop import InteropError
 from olmax.interop.cli import add_commands
 from olmax.interop.hf import hf_to_olmax, load_olmax, olmax_to_hf
 from olmax.interop.parity import Agreement, hf_reference, olmax_logits_fn, random_tokens, run_parity
 from olmax.model import families, transformer
-from olmax.train.checkpoint import Checkpointer, run_meta
 from test_interop import make_hf_model
 
 SLIDING, GLOBAL = "sliding_attention", "full_attention"

@@ -1,5 +1,5 @@
-"""Imports run one way: cli -> {train, eval, interop, launch, scale} -> {model, data, checkpoint} -> parallel
--> config. A package that needs a sibling's code means that code belongs lower."""
+"""Imports run one way: cli -> scale -> {train, eval, interop, launch} -> {model, data, checkpoint} -> parallel
+-> config (scale compiles the train step). A package that needs a sibling's code means that code belongs lower."""
 
 import ast
 from pathlib import Path
@@ -10,7 +10,8 @@ LAYERS = [
     {"config", "runtime"},
     {"parallel"},
     {"model", "data", "checkpoint"},
-    {"train", "eval", "interop", "launch", "scale"},
+    {"train", "eval", "interop", "launch"},
+    {"scale"},  # compiles the train step ahead of time
     {"cli", "demo"},  # and every package's cli.py: the commands
 ]
 ROOT = Path(olmax.__file__).parent

@@ -1,7 +1,6 @@
 """Runs that survive: preemption, torn and corrupt checkpoints, elastic resume, warm start, bad resumes."""
 
 import json
-import shutil
 import signal
 import subprocess
 import sys
@@ -11,10 +10,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from olmax.checkpoint import CheckpointError
 from olmax.config import load_config
 from olmax.data import DataError
 from olmax.data.synthetic import write_synthetic_shards
-from olmax.train.checkpoint import CheckpointError
 from olmax.train.trainer import RESUMABLE_EXIT_CODE, train
 
 

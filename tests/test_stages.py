@@ -7,7 +7,7 @@ import pytest
 from olmax.config import load_config
 from olmax.data.synthetic import write_synthetic_shards
 from olmax.model import flops
-from olmax.train.checkpoint import CheckpointError
+from olmax.checkpoint import CheckpointError
 from olmax.train.trainer import train
 
 

@@ -4,12 +4,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 
-from olmax.config import ConfigError, dump, load_config
-from olmax.data import DataError
-from olmax.interop import InteropError
-from olmax.train.checkpoint import CheckpointError
+from olmax.runtime import STOP_SIGNALS, hold_stop_signals, received_signal
+
+EXIT_BAD_INPUT = 2  # `olmax launch` does not retry it
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports it
+# The errors that mean bad input, by module. Only the modules already imported are looked at: an error whose
+# module was never imported cannot have been raised, and importing jax to name one would slow every command.
+BAD_INPUT_ERRORS = {"olmax.config": "ConfigError", "olmax.data.shards": "DataError", "olmax.interop": "InteropError",
+                    "olmax.checkpoint": "CheckpointError", "olmax.eval.models": "EvalError"}
 
 
 def _config_args(parser: argparse.ArgumentParser) -> None:
@@ -18,10 +23,13 @@ def _config_args(parser: argparse.ArgumentParser) -> None:
 
 
 def cmd_config_show(args) -> None:
+    from olmax.config import dump, load_config
+
     print(dump(load_config(args.config, args.overrides)), end="")
 
 
 def cmd_flops(args) -> None:
+    from olmax.config import load_config
     from olmax.model import flops
 
     cfg = load_config(args.config, args.overrides)
@@ -51,21 +59,18 @@ def cmd_flops(args) -> None:
 
 
 def cmd_train(args) -> None:
-    from olmax.launch.distributed import initialize_from_env
+    from olmax.config import load_config
     from olmax.runtime import restart_with_huge_pages
 
     restart_with_huge_pages()
-    initialize_from_env()  # join a multi-process run (OLMAX_* variables) before anything touches a device
-    from olmax.train.trainer import RESUMABLE_EXIT_CODE, Preempted, train
-
-    from olmax.eval.in_loop import make_in_loop_eval
-
     cfg = load_config(args.config, args.overrides)
-    try:
-        train(cfg, make_eval=make_in_loop_eval)
-    except Preempted as stopped:
-        print(f"olmax: {stopped}; run the same command again to resume", file=sys.stderr)
-        sys.exit(RESUMABLE_EXIT_CODE)
+    from olmax.launch.distributed import initialize_from_env
+
+    initialize_from_env()  # join a multi-process run (OLMAX_* variables) before anything touches a device
+    from olmax.eval.in_loop import make_in_loop_eval
+    from olmax.train.trainer import train
+
+    train(cfg, make_eval=make_in_loop_eval)
     print(f"done: checkpoints in {cfg.run_dir / 'checkpoints'}, metrics in {cfg.run_dir / 'metrics.jsonl'} "
           f"and {cfg.run_dir / 'tensorboard'}")
 
@@ -73,6 +78,7 @@ def cmd_train(args) -> None:
 def cmd_resume_check(args) -> None:
     from pathlib import Path
 
+    from olmax.config import load_config
     from olmax.train.resume_check import plot, resume_check
 
     cfg = load_config(args.config, args.overrides)  # validate before starting any process
@@ -104,7 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("train", help="train (resumes from the latest checkpoint of the run)")
     _config_args(p)
-    p.set_defaults(func=cmd_train)
+    p.set_defaults(func=cmd_train, handles_stop_signals=True)
 
     p = sub.add_parser("demo", help="the whole pipeline on the Python standard library, with a report")
     p.add_argument("overrides", nargs="*", help="section.key=value on the demo preset")
@@ -144,13 +150,38 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _raised(err: Exception, module: str, name: str) -> bool:
+    return module in sys.modules and isinstance(err, getattr(sys.modules[module], name))
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    """Run one command. Bad input exits 2 with one line naming it; an interrupt never prints a traceback: train
+    and launch stop cleanly (exit 75) whenever it comes, other commands exit 130."""
+    previous = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
+    hold_stop_signals()
     try:
+        args = build_parser().parse_args(argv)
+        if not getattr(args, "handles_stop_signals", False):
+            if received_signal() is not None:
+                raise KeyboardInterrupt
+            for sig in STOP_SIGNALS:
+                if signal.getsignal(sig) is not signal.SIG_IGN:
+                    signal.signal(sig, signal.default_int_handler)
         args.func(args)
-    except (ConfigError, DataError, CheckpointError, InteropError) as err:
+    except KeyboardInterrupt:
+        print("olmax: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except Exception as err:
+        if _raised(err, "olmax.train.trainer", "Preempted"):
+            print(f"olmax: {err}; run the same command again to resume", file=sys.stderr)
+            return sys.modules["olmax.train.trainer"].RESUMABLE_EXIT_CODE
+        if not any(_raised(err, module, name) for module, name in BAD_INPUT_ERRORS.items()):
+            raise
         print(f"olmax: {type(err).__name__}: {err}", file=sys.stderr)
-        return 2
+        return EXIT_BAD_INPUT
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     return 0
 
 

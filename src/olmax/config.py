@@ -422,8 +422,23 @@ def preset_path(name_or_path: str) -> Path:
     return path
 
 
+def _parsed(text: str, where: str):
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        at = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
+        raise ConfigError(f"{where} is not valid YAML ({at}{getattr(err, 'problem', None) or err})") from None
+
+
 def _read_yaml(path: Path) -> dict:
-    raw = yaml.safe_load(path.read_text()) or {}
+    if path.is_dir():
+        raise ConfigError(f"config file {path} is a directory; pass a YAML file or a preset name")
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as err:
+        raise ConfigError(f"config file {path} cannot be read ({err})") from None
+    raw = _parsed(text, f"config file {path}") or {}
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: the top level must be a mapping of sections")
     base = raw.pop("base", None)
@@ -453,8 +468,18 @@ def load_config(name_or_path: str, overrides: list[str] = ()) -> RunConfig:
             raise ConfigError(f"override {item!r} must look like section.key=value")
         key, text = item.split("=", 1)
         _known_path(key)
-        _set_path(tree, key, yaml.safe_load(text))
+        _set_path(tree, key, _parsed(text, f"override {item!r}: the value"))
     return validate(tree, source=str(name_or_path))
+
+
+def writable_dir(path: Path, field: str) -> Path:
+    """`path`, refused when it, or a directory it would be made in, is an existing file."""
+    for existing in (path, *path.parents):
+        if existing.exists():
+            if not existing.is_dir():
+                raise ConfigError(f"{field} {path}: {existing} is a file, not a directory; set another {field}")
+            break
+    return path
 
 
 def validate(tree: dict, source: str = "config") -> RunConfig:

@@ -178,9 +178,9 @@ def plot_curves(metrics: list[dict], path: Path) -> None:
 
 def run_demo(overrides: list[str], fresh: bool) -> Path:
     """Build (or reuse) the data, train the demo preset from scratch, evaluate, write the report."""
+    from olmax.checkpoint import Checkpointer
     from olmax.eval.in_loop import make_in_loop_eval
     from olmax.parallel.mesh import make_layout
-    from olmax.train.checkpoint import Checkpointer
     from olmax.train.trainer import restore_or_init, train
 
     cfg = load_config("demo", overrides)
@@ -253,7 +253,7 @@ def write_report(out: Path, cfg, data, history, baselines, samples, train_second
         "## Next commands", "",
         "```bash",
         f"olmax train demo train.steps={2 * cfg.train.steps}   # resume from the last checkpoint, train further",
-        f"olmax resume-check tiny data.mix_file=runs/synth/mix.txt --at 20 --steps 40   # exact resume A/B",
+        "olmax resume-check tiny data.mix_file=runs/synth/mix.txt --at 20 --steps 40   # exact resume A/B",
         f"olmax eval heldout {ckpt} --data code={out}/cache/shards/code-heldout/mix.txt",
         f"olmax convert olmax-to-hf {ckpt} runs/demo/hf",
         f"olmax compare {run_dir} runs/OTHER_RUN",

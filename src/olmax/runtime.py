@@ -11,6 +11,12 @@ process starts, so `olmax train` and `olmax demo` start themselves again with it
 Results do not change: only where memory comes from.
 
 Set OLMAX_HUGE_PAGES=0 to leave glibc's defaults.
+
+The CLI also holds SIGINT/SIGTERM from its first line on (`hold_stop_signals`):
+they are recorded, not acted on, until a command is ready to stop cleanly, so
+an interrupt during start-up (imports, config, restore, compilation) neither
+prints a KeyboardInterrupt traceback nor kills the process in the middle of
+XLA's work; across the restart above they stay pending.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from __future__ import annotations
 import ctypes
 import os
 import platform
+import signal
 import sys
 from pathlib import Path
 
@@ -25,6 +32,24 @@ GLIBC = ctypes.CDLL("libc.so.6") if platform.libc_ver()[0] == "glibc" else None
 GLIBC_HUGETLB = GLIBC is not None and tuple(map(int, platform.libc_ver()[1].split("."))) >= (2, 35)
 HUGE_PAGES = "glibc.malloc.hugetlb=1"
 THP_MODE = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
+_held: list[int] | None = None  # the stop signals that came since hold_stop_signals(); None before it
+
+
+def hold_stop_signals() -> None:
+    """Record SIGINT/SIGTERM instead of acting on them, until a command installs its own handlers; those
+    ask `received_signal()` about the ones that came before."""
+    global _held
+    _held = []
+    for sig in STOP_SIGNALS:
+        if signal.getsignal(sig) is not signal.SIG_IGN:  # ignored (nohup, a background job): stays ignored
+            signal.signal(sig, lambda sig, frame: _held.append(sig))
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)  # blocked across restart_with_huge_pages' exec
+
+
+def received_signal() -> int | None:
+    """The first stop signal held, if any."""
+    return _held[0] if _held else None
 
 
 def huge_pages_env(env: dict[str, str]) -> dict[str, str]:
@@ -47,4 +72,10 @@ def restart_with_huge_pages() -> None:
     if env.get("GLIBC_TUNABLES") != os.environ.get("GLIBC_TUNABLES"):
         sys.stdout.flush()
         sys.stderr.flush()
+        if _held is not None:
+            # Blocked, held signals stay pending across the exec until the new process holds them too (else the
+            # new interpreter would die of one before that); those that came already are sent again.
+            signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+            for sig in _held:
+                os.kill(os.getpid(), sig)
         os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)

@@ -13,7 +13,7 @@ def add_commands(subparsers) -> None:
     )
     tokenize.add_argument("inputs", nargs="+", help="text files or directories of them")
     tokenize.add_argument("--tokenizer", required=True, help="local HF tokenizers tokenizer.json")
-    tokenize.add_argument("--out", required=True, help="output directory (must hold no shards yet)")
+    tokenize.add_argument("--out", required=True, help="a new or empty output directory")
     tokenize.add_argument("--eos-token", default="<|endoftext|>", help="token appended after every document")
     tokenize.add_argument("--shard-tokens", type=int, default=1 << 28, help="tokens per shard, at most (whole documents)")
     tokenize.add_argument("--workers", type=int, default=None, help="tokenizer processes (default: all cores; 0: none)")
@@ -26,14 +26,14 @@ def add_commands(subparsers) -> None:
     train = verbs.add_parser("train", help="train a byte-level BPE on local text (EOS <|endoftext|> = 0, pad <|pad|> = 1)")
     train.add_argument("inputs", nargs="+", help="text files or directories of them")
     train.add_argument("--vocab-size", type=int, required=True)
-    train.add_argument("--out", required=True, help="where to write tokenizer.json")
+    train.add_argument("--out", required=True, help="the tokenizer.json to write (a new file)")
     train.add_argument("--quiet", action="store_true")
     train.set_defaults(func=run_tokenizer_train)
 
     synth = subparsers.add_parser(
         "synth-data", help="shards of a small learnable generated language (for the quick start and tests)"
     )
-    synth.add_argument("--out", required=True, help="output directory")
+    synth.add_argument("--out", required=True, help="a new or empty output directory")
     synth.add_argument("--config", default="tiny", help="preset or YAML giving vocab size, EOS id and token dtype")
     synth.add_argument("--tokens", type=int, default=1 << 21)
     synth.add_argument("--shards", type=int, default=4)
@@ -75,7 +75,6 @@ def run_tokenizer_train(args: argparse.Namespace) -> None:
 
 def run_synth_data(args: argparse.Namespace) -> None:
     from olmax.config import load_config
-    from olmax.data.shards import Source, write_mix_file
     from olmax.data.synthetic import write_synthetic_shards
 
     config = load_config(args.config)
@@ -88,6 +87,5 @@ def run_synth_data(args: argparse.Namespace) -> None:
         seed=args.seed,
         token_dtype=config.data.token_dtype,
     )
-    mix_file = Path(args.out) / "mix.txt"
-    write_mix_file(mix_file, [Source("synthetic", p) for p in paths])
-    print(f"wrote {len(paths)} shards, {args.tokens} tokens; read with: data.mix_file={mix_file}")
+    print(f"wrote {len(paths)} shards, {args.tokens} tokens; read with: data.mix_file={Path(args.out) / 'mix.txt'} "
+          f"data.token_dtype={config.data.token_dtype}")

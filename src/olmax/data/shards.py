@@ -10,9 +10,12 @@ copy from the page cache, no per-shard mapping to keep open.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import hashlib
 import json
 import os
+import shutil
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -26,6 +29,8 @@ FINGERPRINT_VERSION = "olmax-fsl-v1"
 # tokenizer fails before the first step rather than at some batch hours later.
 HEAD_CHECK_TOKENS = 4096
 MAX_OPEN_FILES = 256
+# Written beside the shards by `olmax tokenize` and `olmax synth-data`: how they were written.
+SHARDS_RECORD = "shards.json"
 
 
 class DataError(ValueError):
@@ -44,10 +49,16 @@ def read_mix_file(mix_file: str | os.PathLike, base_dir: str | None = None,
     (OLMo-core's mix_base_dir), by default the mix file's directory; `{TOKENIZER}` becomes `tokenizer`, as
     OLMo-core builds its published mixes (e.g. allenai/dolma2-tokenizer)."""
     mix = Path(mix_file)
+    if mix.is_dir():
+        raise DataError(f"mix file {mix} is a directory; set data.mix_file to a file of `label,path` lines in it")
     if not mix.is_file():
         raise DataError(f"mix file {mix} does not exist; set data.mix_file to an existing file of `label,path` lines")
+    try:
+        text = mix.read_text()
+    except (OSError, UnicodeDecodeError) as err:
+        raise DataError(f"mix file {mix} cannot be read as text ({err}); it must hold `label,path` lines") from None
     sources = []
-    for number, raw in enumerate(mix.read_text().splitlines(), start=1):
+    for number, raw in enumerate(text.splitlines(), start=1):
         line = raw.strip()
         if not line or line.startswith("#"):
             continue
@@ -82,11 +93,20 @@ def resolve_sources(paths: list[str], mix_file: str | None, base_dir: str | None
 
 
 def count_tokens(path: str, token_dtype: str) -> int:
-    """Tokens in a shard, checking that it exists, is not empty and holds whole tokens."""
+    """Tokens in a shard, checking that it is a readable file, not empty, of whole tokens of the dtype it was
+    written with (when its directory records it)."""
+    if os.path.isdir(path):
+        raise DataError(f"shard {path} is a directory, not a token shard; list the shard files in it instead")
     try:
         size = os.path.getsize(path)
     except FileNotFoundError:
         raise DataError(f"shard {path} does not exist; fix data.paths / data.mix_file or run `olmax tokenize`") from None
+    if not os.access(path, os.R_OK):
+        raise DataError(f"shard {path} is not readable (file permissions); fix them or remove it from the mix")
+    written = recorded(path).get("token_dtype", token_dtype)
+    if written != token_dtype:
+        raise DataError(f"shard {path} was written as {written} tokens ({Path(path).parent / SHARDS_RECORD} "
+                        f"says), not {token_dtype}; set data.token_dtype={written}")
     itemsize = np.dtype(TOKEN_DTYPES[token_dtype]).itemsize
     if size == 0:
         raise DataError(f"shard {path} is empty; remove it from the mix or re-run `olmax tokenize`")
@@ -143,8 +163,10 @@ class TokenShards:
         self._lock = threading.Lock()
         self._fds: OrderedDict[int, int] = OrderedDict()
         for index in range(len(self.sources)):
-            self._check_ids(self._read_tokens(index, 0, min(HEAD_CHECK_TOKENS, self.sizes[index] // self.dtype.itemsize)),
-                            index, 0)
+            head = self._read_tokens(index, 0, min(HEAD_CHECK_TOKENS, self.sizes[index] // self.dtype.itemsize))
+            self._check_ids(head, index, 0)
+            if not recorded(self.sources[index].path):
+                self._check_plausible(head, index)
 
     def _checked_size(self, path: str) -> int:
         tokens = count_tokens(path, self.token_dtype)
@@ -213,6 +235,16 @@ class TokenShards:
                 f"shard {self.sources[shard].path}: token id {int(tokens[bad[0]])} at token {start + int(bad[0])} "
                 f">= vocab size {self.vocab_size}; the shard was made by another tokenizer or data.token_dtype is wrong "
                 f"(it is {self.token_dtype})"
+            )
+
+    def _check_plausible(self, head: np.ndarray, shard: int) -> None:
+        """Refuse uint32 tokens read as uint16 (each id then reads as itself and a 0, or a 1 above 65535),
+        for shards that do not record their dtype."""
+        high, low = head[1::2], head[0::2]
+        if self.dtype.itemsize == 2 and len(high) >= 64 and np.mean(high <= 1) > 0.99 and np.mean(low <= 1) < 0.5:
+            raise DataError(
+                f"shard {self.sources[shard].path}: every other token is 0 or 1, as uint32 tokens read as uint16 "
+                f"are; set data.token_dtype=uint32 (no {SHARDS_RECORD} beside the shard says how it was written)"
             )
 
     def _read_tokens(self, shard: int, start: int, count: int, into: np.ndarray | None = None) -> np.ndarray:
@@ -303,6 +335,57 @@ def _mixture_changes(old: dict, new: dict) -> list[str]:
     if old_counts != new_counts:
         changes.append(f"instances selected {sum(old_counts)} -> {sum(new_counts)}")
     return changes
+
+
+def recorded(path: str | os.PathLike) -> dict:
+    """What the shards record beside `path` says about it ({} when there is none, or it does not list it)."""
+    record = Path(path).parent / SHARDS_RECORD
+    try:
+        stat = record.stat()
+    except OSError:
+        return {}
+    entry = _read_record(str(record), stat.st_mtime_ns, stat.st_size)
+    return entry if os.path.basename(path) in entry.get("shards", ()) else {}
+
+
+@functools.lru_cache(maxsize=64)
+def _read_record(path: str, mtime_ns: int, size: int) -> dict:
+    try:
+        record = json.loads(Path(path).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise DataError(f"{path} is not a readable shards record ({err}); restore it or delete it") from None
+    if not isinstance(record, dict):
+        raise DataError(f"{path} is not a shards record (a JSON object); restore it or delete it")
+    return record
+
+
+def write_shards_record(directory: str | os.PathLike, shards: list[str], *, token_dtype: str, vocab_size: int,
+                        eos_id: int) -> None:
+    """Record how the shards of `directory` were written, so that reading them otherwise is an error."""
+    record = {"token_dtype": token_dtype, "vocab_size": vocab_size, "eos_id": eos_id,
+              "shards": [os.path.basename(s) for s in shards]}
+    (Path(directory) / SHARDS_RECORD).write_text(json.dumps(record, indent=1) + "\n")
+
+
+@contextlib.contextmanager
+def new_output_dir(out: str | os.PathLike, command: str):
+    """A temporary directory beside `out` to write into, renamed to `out` when the block succeeds and removed
+    when it fails, so that a failed or interrupted command leaves nothing half-written behind. `out` must not
+    exist or be an empty directory."""
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise DataError(f"{out} is a file; {command} writes a new directory: choose another path")
+    if out.is_dir() and any(out.iterdir()):
+        raise DataError(f"{out} is not empty (shards of an earlier run?); {command} writes into a new or empty "
+                        "directory: choose another, or delete this one")
+    partial = out.resolve().parent / f".{out.resolve().name}.partial-{os.getpid()}"
+    partial.mkdir(parents=True)
+    try:
+        yield partial
+        os.replace(partial, out)  # replaces an empty directory
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
 
 
 def write_shard(path: str | os.PathLike, tokens: np.ndarray) -> None:

@@ -16,7 +16,9 @@ from pathlib import Path
 
 import numpy as np
 
-from olmax.data.shards import TOKEN_DTYPES, write_shard
+from olmax.data.shards import (
+    TOKEN_DTYPES, DataError, Source, new_output_dir, write_mix_file, write_shard, write_shards_record,
+)
 
 BRANCHING = 4
 MEAN_DOCUMENT_TOKENS = 128
@@ -26,7 +28,7 @@ MAX_CHAINS = 4096
 def generate_tokens(*, vocab_size: int, eos_id: int, n_tokens: int, seed: int) -> np.ndarray:
     """n_tokens of documents from the chain, the last one ending with EOS, as int64."""
     if vocab_size < 2 or not 0 <= eos_id < vocab_size:
-        raise ValueError(f"need vocab_size >= 2 and 0 <= eos_id < vocab_size, got {vocab_size}, {eos_id}")
+        raise DataError(f"need vocab_size >= 2 and 0 <= eos_id < vocab_size, got {vocab_size}, {eos_id}")
     rng = np.random.Generator(np.random.PCG64(seed))
     words = np.delete(np.arange(vocab_size), eos_id)
     successors = rng.choice(words, size=(vocab_size, BRANCHING))
@@ -57,21 +59,23 @@ def write_synthetic_shards(
     seed: int,
     token_dtype: str = "uint16",
 ) -> list[str]:
-    """Write n_tokens of the generated language as n_shards OLMo shards (split at document ends); their paths."""
+    """Write n_tokens of the generated language as n_shards OLMo shards (split at document ends), with a mix
+    file `mix.txt` and the shards record, into a new or empty directory; the shards' paths."""
     if token_dtype not in TOKEN_DTYPES:
-        raise ValueError(f"token_dtype {token_dtype!r} is not one of {sorted(TOKEN_DTYPES)}")
+        raise DataError(f"token dtype {token_dtype!r} is not one of {sorted(TOKEN_DTYPES)}")
+    if n_shards < 1 or n_tokens < 2 * n_shards:
+        raise DataError(f"{n_tokens} tokens in {n_shards} shards: need at least one shard and two tokens per shard")
     stream = generate_tokens(vocab_size=vocab_size, eos_id=eos_id, n_tokens=n_tokens, seed=seed)
     ends = np.flatnonzero(stream == eos_id) + 1
     # Shard i ends at the first document end at or after i/n_shards of the stream.
     cuts = ends[np.searchsorted(ends, [n_tokens * (i + 1) // n_shards for i in range(n_shards)])]
     bounds = np.concatenate([[0], cuts])
     if np.any(np.diff(bounds) == 0):
-        raise ValueError(f"{n_tokens} tokens are too few for {n_shards} shards of whole documents")
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    paths = []
-    for index, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):
-        path = out / f"part-{index:05d}.npy"
-        write_shard(path, stream[start:end].astype(TOKEN_DTYPES[token_dtype]))
-        paths.append(str(path))
-    return paths
+        raise DataError(f"{n_tokens} tokens are too few for {n_shards} shards of whole documents; ask for more tokens")
+    names = [f"part-{index:05d}.npy" for index in range(n_shards)]
+    with new_output_dir(out_dir, "synth-data") as partial:
+        for name, start, end in zip(names, bounds[:-1], bounds[1:]):
+            write_shard(partial / name, stream[start:end].astype(TOKEN_DTYPES[token_dtype]))
+        write_mix_file(partial / "mix.txt", [Source("synthetic", str(partial / name)) for name in names])
+        write_shards_record(partial, names, token_dtype=token_dtype, vocab_size=vocab_size, eos_id=eos_id)
+    return [str(Path(out_dir) / name) for name in names]

@@ -2,7 +2,8 @@
 
 Input: JSONL (one document per line, its `text` field), .txt (one document per
 file), or directories of them (recursively, in sorted order); each may be
-.gz or .zst compressed. Output, in an empty directory:
+.gz or .zst compressed. Output, in a new or empty directory (written beside it
+and renamed when complete, so a failed run leaves nothing behind):
 
 - `part-NNNNN.npy`: raw headerless uint16 (vocab <= 65536) or uint32 tokens,
   EOS after every document, documents whole, about `shard_tokens` per shard;
@@ -10,6 +11,8 @@ file), or directories of them (recursively, in sorted order); each may be
   d is tokens [offsets[d], offsets[d + 1]), its EOS included) and `text_bytes`
   [documents] (UTF-8 bytes of its text, for bits per byte);
 - `mix.txt`: OLMo-core's `label,path` mix file over the shards;
+- `shards.json`: their token dtype, vocab size and EOS id (reading them as
+  another dtype is an error);
 - `tokenize.json`: what was run and the `data.*` settings that read the result.
 
 Worker processes tokenize chunks of documents; the writer keeps input order, so
@@ -30,7 +33,7 @@ from typing import Iterator
 
 import numpy as np
 
-from olmax.data.shards import DataError, Source, write_mix_file
+from olmax.data.shards import DataError, Source, new_output_dir, write_mix_file, write_shards_record
 
 TEXT_KINDS = {".jsonl": "jsonl", ".json": "jsonl", ".txt": "txt"}
 COMPRESSIONS = ("", ".gz", ".zst")
@@ -130,6 +133,8 @@ def _parse(path: Path, line: str, number: int = 0) -> str:
 def load_tokenizer(path: str | os.PathLike):
     from tokenizers import Tokenizer
 
+    if Path(path).is_dir():
+        raise DataError(f"tokenizer file {path} is a directory; pass the tokenizer.json file (e.g. in it)")
     if not Path(path).is_file():
         raise DataError(f"tokenizer file {path} does not exist; pass a local tokenizer.json or train one with "
                         "`olmax tokenizer train`")
@@ -239,7 +244,7 @@ def tokenize_corpus(
     label: str | None = None,
     progress: bool = True,
 ) -> TokenizeResult:
-    """Tokenize the inputs into shards + sidecars + mix file under out_dir (which must hold no shards yet)."""
+    """Tokenize the inputs into shards + sidecars + mix file in out_dir (new or empty)."""
     started = time.perf_counter()
     files = find_inputs(inputs)
     tokenizer = load_tokenizer(tokenizer_path)
@@ -248,23 +253,41 @@ def tokenize_corpus(
     vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
     dtype = "uint16" if vocab_size <= 1 << 16 else "uint32"
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    if any(out.glob("part-*.npy")):
-        raise DataError(f"{out} already holds shards; tokenize into an empty directory")
     workers = os.cpu_count() if workers is None else workers
+    with new_output_dir(out, "tokenize") as partial:
+        names, documents, tokens, text_bytes = _write_shards(files, partial, str(tokenizer_path), eos_id, dtype,
+                                                             shard_tokens, workers, progress)
+        if not names:
+            raise DataError(f"the inputs {inputs} hold no documents")
+        write_mix_file(partial / "mix.txt", [Source(label or out.resolve().name, str(partial / n)) for n in names])
+        write_shards_record(partial, names, token_dtype=dtype, vocab_size=vocab_size, eos_id=eos_id)
+        result = TokenizeResult(
+            shards=[str(out / n) for n in names], mix_file=str(out / "mix.txt"), documents=documents, tokens=tokens,
+            text_bytes=text_bytes, seconds=time.perf_counter() - started, vocab_size=vocab_size, eos_id=eos_id,
+            pad_id=pad_id, token_dtype=dtype,
+        )
+        summary = {**asdict(result), "tokenizer": str(Path(tokenizer_path).resolve()),
+                   "inputs": [str(f) for f in files]}
+        (partial / "tokenize.json").write_text(json.dumps(summary, indent=1) + "\n")
+    return result
+
+
+def _write_shards(files: list[Path], out: Path, tokenizer_path: str, eos_id: int, dtype: str, shard_tokens: int,
+                  workers: int, progress: bool) -> tuple[list[str], int, int, int]:
+    """(shard file names, documents, tokens, text bytes) of the files tokenized into shards under `out`."""
     writer = ShardWriter(out, shard_tokens)
     chunks = _chunks(files)
     bar = _progress_bar(progress)
     documents = tokens = text_bytes = 0
     if workers == 0:
-        _init_worker(str(tokenizer_path), eos_id, dtype)
+        _init_worker(tokenizer_path, eos_id, dtype)
         results = map(_encode_chunk, chunks)
         pool = None
     else:
         # Rust-side threads in each worker would only fight the other workers for the cores.
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
         pool = multiprocessing.get_context("spawn").Pool(
-            workers, initializer=_init_worker, initargs=(str(tokenizer_path), eos_id, dtype)
+            workers, initializer=_init_worker, initargs=(tokenizer_path, eos_id, dtype)
         )
         results = pool.imap(_encode_chunk, chunks)
     try:
@@ -278,18 +301,7 @@ def tokenize_corpus(
         bar.close()
         if pool is not None:
             pool.terminate()
-    shards = writer.finish()
-    if not shards:
-        raise DataError(f"the inputs {inputs} hold no documents")
-    mix_file = out / "mix.txt"
-    write_mix_file(mix_file, [Source(label or out.resolve().name, s) for s in shards])
-    result = TokenizeResult(
-        shards=shards, mix_file=str(mix_file), documents=documents, tokens=tokens, text_bytes=text_bytes,
-        seconds=time.perf_counter() - started, vocab_size=vocab_size, eos_id=eos_id, pad_id=pad_id, token_dtype=dtype,
-    )
-    summary = {**asdict(result), "tokenizer": str(Path(tokenizer_path).resolve()), "inputs": [str(f) for f in files]}
-    (out / "tokenize.json").write_text(json.dumps(summary, indent=1) + "\n")
-    return result
+    return [Path(p).name for p in writer.finish()], documents, tokens, text_bytes
 
 
 def _progress_bar(enabled: bool):
@@ -304,6 +316,11 @@ def train_tokenizer(
     """Train a byte-level BPE (GPT-2 style pre-tokenization) with EOS id 0 and pad id 1; save tokenizer.json."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+    out = Path(out_path)
+    if out.is_dir():
+        raise DataError(f"{out} is a directory; give the tokenizer file to write, e.g. {out / 'tokenizer.json'}")
+    if out.exists():
+        raise DataError(f"{out} exists; give a new file name, or delete it to train the tokenizer again")
     files = find_inputs(inputs)
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -315,7 +332,8 @@ def train_tokenizer(
         show_progress=progress,
     )
     tokenizer.train_from_iterator((text for path in files for text in read_documents(path)), trainer)
-    out = Path(out_path)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tokenizer.save(str(out))
+    partial = out.with_name(out.name + ".partial")
+    tokenizer.save(str(partial))
+    os.replace(partial, out)
     return str(out)

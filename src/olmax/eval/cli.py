@@ -25,7 +25,7 @@ def _reports_errors(command):
         from olmax.data import DataError
         from olmax.eval.models import EvalError
         from olmax.interop import InteropError
-        from olmax.train.checkpoint import CheckpointError
+        from olmax.checkpoint import CheckpointError
 
         try:
             command(args)

@@ -97,6 +97,8 @@ def open_shard(path: str, *, token_dtype: str, eos_id: int) -> Shard:
     if token_dtype not in TOKEN_DTYPES:
         raise DataError(f"token dtype {token_dtype!r} is not one of {sorted(TOKEN_DTYPES)}")
     dtype = np.dtype(TOKEN_DTYPES[token_dtype])
+    if os.path.isdir(path):
+        raise DataError(f"eval shard {path} is a directory; give its shard files or a mix file (.txt)")
     try:
         size = os.path.getsize(path)
     except FileNotFoundError:

@@ -13,10 +13,7 @@ carry the vocab padded to `vocab_pad_multiple`; HF has the real vocab only.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import json
-import logging
 import math
 import os
 import re
@@ -26,13 +23,11 @@ from pathlib import Path
 import jax
 import ml_dtypes
 import numpy as np
-import orbax.checkpoint as ocp
 
-from olmax.config import CheckpointConfig, ConfigError, ModelConfig, RunConfig, upgrade, validate
+from olmax.checkpoint import Checkpointer, read_params, run_meta
+from olmax.config import CheckpointConfig, ConfigError, ModelConfig, RunConfig, validate
 from olmax.interop import InteropError, stream
 from olmax.model import families
-from olmax.runtime import GLIBC
-from olmax.train.checkpoint import Checkpointer, run_meta
 
 ARCHITECTURE = "Olmo3ForCausalLM"
 MODEL_TYPE = "olmo3"
@@ -42,7 +37,6 @@ INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 FLOAT_DTYPES = {"F32", "BF16", "F16", "F64"}  # safetensors dtype codes the import accepts
 EXPORT_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}
-M_ARENA_MAX = -8  # glibc's mallopt parameter
 
 
 
@@ -75,13 +69,18 @@ def _rope(hf: dict, where: str) -> dict:
     `Olmo3Config` resolves them: `rope_parameters` keyed by layer type; an old-style `rope_scaling` merged
     into the full-attention entry only; a top-level `rope_theta` filling in the full-attention theta only
     (sliding layers default to 500000 whatever it says)."""
+    if hf.get("partial_rotary_factor", 1.0) != 1.0:
+        raise InteropError(f"{where}: partial_rotary_factor {hf['partial_rotary_factor']} is not supported "
+                           "(olmax rotates every dimension of a head)")
     params = hf.get("rope_parameters") or {}
     if ignored := sorted(set(params) - set(LAYER_KINDS)):
         raise InteropError(f"{where}: rope_parameters has keys {ignored} that are not layer types; transformers' "
                            f"Olmo3 reads only {sorted(LAYER_KINDS)} (and would ignore these)")
     entries = {name: dict(params.get(name) or {"rope_type": "default"}) for name in LAYER_KINDS}
-    if hf.get("rope_scaling"):
-        entries["full_attention"].update(hf["rope_scaling"])
+    if scaling := dict(hf.get("rope_scaling") or {}):
+        if "type" in scaling:  # the legacy name of rope_type
+            scaling.setdefault("rope_type", scaling.pop("type"))
+        entries["full_attention"].update(scaling)
     entries["full_attention"].setdefault("rope_theta", hf.get("rope_theta", 500000.0))
     entries["sliding_attention"].setdefault("rope_theta", 500000.0)
     rope = {}
@@ -328,86 +327,19 @@ def hf_to_olmax(src: str | Path, out: str | Path) -> RunConfig:
     meta["converted_from"] = {"format": "hf", "architecture": ARCHITECTURE, "path": str(src.absolute())}
     checkpointer = Checkpointer(out, CheckpointConfig())
     try:
-        with _numpy_one_array_at_a_time():
-            checkpointer.save_params(0, params, meta)
+        checkpointer.save_params(0, params, meta)
     finally:
         checkpointer.close()
     return cfg
 
 
-class _SequentialNumpyHandler(ocp.type_handlers.NumpyHandler):
-    """Orbax's numpy handler, writing and reading arrays one after another instead of all at once:
-    TensorStore holds an encoded copy of every array in flight, which for all of them is a second model."""
-
-    async def serialize(self, values, infos, args=None):
-        self._one_at_a_time = asyncio.Lock()
-        return await super().serialize(values, infos, args)
-
-    async def _open_and_write(self, value, tspec, ts_context):
-        async with self._one_at_a_time:
-            await super()._open_and_write(value, tspec, ts_context)
-            if GLIBC:
-                GLIBC.malloc_trim(0)  # hand TensorStore's freed encode buffers back before the next array
-
-    async def deserialize(self, infos, args=None):
-        args = args or [ocp.RestoreArgs()] * len(infos)
-        arrays = []
-        for info, arg in zip(infos, args):
-            arrays += await super().deserialize([info], [arg])
-            if GLIBC:
-                GLIBC.malloc_trim(0)
-        return arrays
-
-
-@contextlib.contextmanager
-def _numpy_one_array_at_a_time():
-    """For one synchronous save or restore of numpy arrays: one array at a time, and saved in place (Orbax
-    deep-copies them by default, against concurrent mutation; nothing touches them here). With glibc, the
-    threads TensorStore starts share one malloc arena meanwhile: with one each, the buffers they free stay
-    in their arenas and the peak grows with the model (measured: +1.6x of it for 6 GB instead of +0.2x)."""
-    default = ocp.type_handlers.get_type_handler(np.ndarray)
-    if GLIBC:
-        GLIBC.mallopt(M_ARENA_MAX, 1)
-    absl = logging.getLogger("absl")  # Orbax warns on every handler override
-    level = absl.level
-    absl.setLevel(logging.ERROR)
-    ocp.type_handlers.register_type_handler(np.ndarray, _SequentialNumpyHandler(deepcopy_host_arrays=False),
-                                            override=True)
-    try:
-        yield
-    finally:
-        ocp.type_handlers.register_type_handler(np.ndarray, default, override=True)
-        absl.setLevel(level)
-        if GLIBC:
-            GLIBC.mallopt(M_ARENA_MAX, 0)  # glibc's default: up to 8 arenas per core
-
-
 def load_olmax(ckpt: str | Path, step: int | None = None) -> tuple[RunConfig, dict, int]:
-    """(config, params as numpy arrays, step) of an olmax checkpoint directory, training or weights-only."""
-    ckpt = Path(ckpt)
-    if not ckpt.is_dir():
-        raise InteropError(f"olmax checkpoint directory {ckpt} does not exist")
-    checkpointer = Checkpointer(ckpt, CheckpointConfig(), read_only=True)
-    try:
-        step = checkpointer.latest_step() if step is None else step
-        if step is None:
-            raise InteropError(f"{ckpt} holds no olmax checkpoint (no step directory)")
-        meta = checkpointer.read_meta(step)
-        if "config" not in meta:
-            raise InteropError(f"{ckpt}/{step}: meta has no resolved config")
-        try:
-            cfg = validate(upgrade(meta["config"]), source=f"{ckpt}/{step} meta config")
-        except ConfigError as err:
-            raise InteropError(str(err)) from None
-        # numpy targets (np.empty touches no memory) restore straight into host arrays, whatever the
-        # sharding the checkpoint was written with; jax targets would cost a second copy.
-        abstract = jax.tree.map(lambda shape: np.empty(shape, cfg.model.param_dtype), families.param_shapes(cfg.model),
-                                is_leaf=lambda s: isinstance(s, tuple))
-        with _numpy_one_array_at_a_time():
-            params, _ = checkpointer.restore_params(step, abstract)
-    finally:
-        checkpointer.close()
-    return cfg, params, step
+    """(config, params as numpy arrays, step) of an olmax checkpoint (a run directory, its checkpoints/ or one
+    step of it), training or weights-only."""
+    def host_arrays(cfg: RunConfig) -> dict:
+        return jax.tree.map(lambda shape: np.empty(shape, cfg.model.param_dtype), families.param_shapes(cfg.model),
+                            is_leaf=lambda s: isinstance(s, tuple))
+    return read_params(ckpt, host_arrays, step)
 
 
 def _plan_shards(cfg: RunConfig, itemsize: int, max_shard_bytes: int) -> list[list[str]]:

@@ -29,7 +29,7 @@ def add_commands(subparsers) -> None:
                    help="the longest wait between attempts (default 3600)")
     p.add_argument("--max-retries", type=int, default=50, metavar="K",
                    help="give up after K restarts in a row that wrote no new checkpoint (default 50)")
-    p.set_defaults(func=run_launch)
+    p.set_defaults(func=run_launch, handles_stop_signals=True)
 
 
 def run_launch(args: argparse.Namespace) -> None:

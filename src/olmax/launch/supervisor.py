@@ -47,8 +47,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from olmax.config import load_config
+from olmax.config import load_config, writable_dir
 from olmax.launch.distributed import ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID
+from olmax.runtime import received_signal
 
 EXIT_FINISHED = 0
 EXIT_BAD_INPUT = 2
@@ -127,7 +128,7 @@ class Supervisor:
         if nprocs < 1 or max_retries < 0:
             raise ValueError(f"need nprocs >= 1 and max_retries >= 0, got {nprocs} and {max_retries}")
         cfg = load_config(config, list(overrides))  # a bad config fails here, before any child starts
-        self.run_dir = cfg.run_dir
+        self.run_dir = writable_dir(cfg.run_dir, "output_dir")
         self.target_step = cfg.train.steps
         self.argv = [*command, config, *overrides]
         self.nprocs = nprocs
@@ -230,6 +231,8 @@ class Supervisor:
         by a signal, 1 gave up after max_retries failures in a row)."""
         previous = self._install_signal_handlers()
         try:
+            if received_signal() is not None:  # it came while the CLI started up, holding it
+                self._on_signal(received_signal(), None)
             return self._loop()
         finally:
             for sig, handler in previous.items():
@@ -242,6 +245,9 @@ class Supervisor:
     def _loop(self) -> int:
         attempt, failures_in_a_row = self._previous_attempts(), 0  # numbered over every launch of the run
         while True:
+            if self._stop_signal is not None:
+                self.echo("olmax launch: stopped before the next attempt")
+                return EXIT_PREEMPTED
             attempt += 1
             before = latest_checkpoint_step(self.run_dir)
             self.echo(f"olmax launch: attempt {attempt} from checkpoint {before} of {self.target_step}"
@@ -287,9 +293,6 @@ class Supervisor:
                 return result
             if record["sleep"]:
                 self.sleep(record["sleep"])
-            if self._stop_signal is not None:
-                self.echo("olmax launch: stopped before the next attempt")
-                return EXIT_PREEMPTED
 
 
 def launch(config: str, overrides: list[str] = (), **kwargs) -> int:

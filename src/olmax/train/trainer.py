@@ -12,18 +12,20 @@ import logging
 import signal
 import threading
 import time
-from pathlib import Path
 
 import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from olmax.config import ConfigError, ModelConfig, RunConfig, upgrade
+from olmax.checkpoint import (
+    Checkpointer, CheckpointError, UnreadableCheckpoint, abstract_like, check_model_compatible, locate, run_meta,
+)
+from olmax.config import ConfigError, ModelConfig, RunConfig, upgrade, writable_dir
 from olmax.data import build_loader
 from olmax.model import families, flops
 from olmax.model.transformer import compute_dtype
 from olmax.parallel.mesh import Layout, make_layout
-from olmax.train.checkpoint import Checkpointer, CheckpointError, abstract_like, check_model_compatible, run_meta
+from olmax.runtime import received_signal
 from olmax.train.metrics import MetricsWriter, console_line, device_peak_flops
 from olmax.train.step import (
     TrainState, batch_shardings, create_state, jit_train_step, micro_batch_rows, state_shardings,
@@ -35,17 +37,20 @@ RESUMABLE_EXIT_CODE = 75  # EX_TEMPFAIL: preempted after a checkpoint; run again
 
 
 class Preempted(Exception):
-    """SIGTERM/SIGINT arrived; the step in flight finished and a checkpoint was written."""
+    """SIGTERM/SIGINT arrived; the step in flight finished and a checkpoint was written (or nothing needed one)."""
 
 
 @contextlib.contextmanager
 def preemption_signals():
-    """An Event set by SIGTERM/SIGINT while inside (signal handlers only exist on the main thread)."""
+    """An Event set by SIGTERM/SIGINT while inside, or already before when they arrived during start-up (signal
+    handlers only exist on the main thread)."""
     stop = threading.Event()
     if threading.current_thread() is not threading.main_thread():
         yield stop
         return
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
+    if received_signal() is not None:
+        stop.set()
     try:
         yield stop
     finally:
@@ -67,7 +72,7 @@ def _abstract_state(cfg: RunConfig, layout: Layout):
 
 
 def _restore(cfg: RunConfig, layout: Layout, checkpointer: Checkpointer, step: int):
-    where = f"checkpoint {checkpointer.directory / str(step)}"
+    where = f"checkpoint {checkpointer.where(step)}"
     meta = checkpointer.read_meta(step)
     check_model_compatible(meta["config"], cfg.model, where)
     state, meta = checkpointer.restore(step, _abstract_state(cfg, layout))
@@ -77,26 +82,23 @@ def _restore(cfg: RunConfig, layout: Layout, checkpointer: Checkpointer, step: i
 
 
 def restore_or_init(cfg: RunConfig, layout: Layout, checkpointer: Checkpointer):
-    """(state, step, data_state or None): the latest readable checkpoint when resuming, else a fresh state.
+    """(state, step, meta or None): the latest readable checkpoint when resuming, else a fresh state.
 
-    An unreadable checkpoint (a torn or corrupted write) falls back to the one before it
-    with a warning; a checkpoint of a different model is an error, not a fallback.
+    An unreadable checkpoint (a torn or corrupted write, files that do not match their checksums) falls
+    back to the one before it with a warning; a checkpoint of a different model is an error, not a fallback.
     """
     steps = checkpointer.all_steps() if cfg.checkpoint.resume else []
     unreadable = []
     for step in reversed(steps):
         try:
             state, meta = _restore(cfg, layout, checkpointer, step)
-        except CheckpointError:
-            raise
-        except Exception as err:  # Orbax/tensorstore/JSON errors all mean "this one is unreadable"
-            log.warning("checkpoint %s is unreadable (%s: %s); trying the one before it",
-                        checkpointer.directory / str(step), type(err).__name__, str(err).splitlines()[0][:200])
+        except UnreadableCheckpoint as err:
+            log.warning("%s; trying the one before it", err)
             unreadable.append(step)
             continue
         for bad in unreadable:  # the run will write these steps again
             log.warning("set unreadable checkpoint aside as %s", checkpointer.set_aside(bad))
-        return state, step, meta["data"]
+        return state, step, meta
     if steps:
         raise CheckpointError(
             f"no readable checkpoint in {checkpointer.directory} (tried steps {steps}); nothing was overwritten. "
@@ -125,16 +127,16 @@ def warm_start(cfg: RunConfig, layout: Layout, source: str) -> TrainState:
     (the old run's losses say nothing about the new mix) and the data position start fresh.
     The model may change where its parameters do not (RoPE scaling for the long-context stage).
     """
-    path = Path(source)
-    directory, step = (path.parent, int(path.name)) if path.name.isdigit() else (path, None)
-    if not directory.is_dir():
-        raise CheckpointError(f"checkpoint.init_from {source}: no such checkpoint directory")
+    try:
+        directory, step = locate(source)
+    except CheckpointError as err:
+        raise CheckpointError(f"checkpoint.init_from: {err}") from None
     checkpointer = Checkpointer(directory, cfg.checkpoint, read_only=True)
     try:
         step = checkpointer.latest_step() if step is None else step
         if step is None:
             raise CheckpointError(f"checkpoint.init_from {source}: holds no checkpoint")
-        where = f"checkpoint.init_from {directory / str(step)}"
+        where = f"checkpoint.init_from {checkpointer.where(step)}"
         for change in check_same_parameters(checkpointer.read_meta(step)["config"], cfg.model, where):
             log.warning("%s: the model changes, its parameters stay: %s", where, change)
         fresh = create_state(cfg, layout, jax.random.key(cfg.train.seed))
@@ -143,6 +145,9 @@ def warm_start(cfg: RunConfig, layout: Layout, source: str) -> TrainState:
             return TrainState(fresh.step, state.params, fresh.opt_state._replace(inner=state.opt_state.inner))
         params, _ = checkpointer.restore_params(step, _abstract_state(cfg, layout).params)
         return fresh._replace(params=params)
+    except UnreadableCheckpoint as err:
+        raise UnreadableCheckpoint(f"checkpoint.init_from: {err}; set it to another step ({directory}/N) or restore "
+                                   "it from a copy") from err
     finally:
         checkpointer.close()
 
@@ -167,31 +172,47 @@ def train(cfg: RunConfig, *, quiet: bool = False, make_eval=None) -> list[dict]:
     if (cfg.eval.every or cfg.eval.harness_every) and make_eval is None:
         raise ConfigError("the config asks for in-loop evals (eval.every / eval.harness_every) but train() was "
                           "given no make_eval; pass olmax.eval.in_loop.make_in_loop_eval")
+    writable_dir(cfg.run_dir, "output_dir")
     layout = make_layout(cfg.mesh)
     micro_rows = micro_batch_rows(cfg, layout.data_parallel_size)
-    checkpointer = Checkpointer(cfg.run_dir / "checkpoints", cfg.checkpoint)
-    state, start, data_state = restore_or_init(cfg, layout, checkpointer)
+    # Bad data fails first, before the model is built.
     loader = build_loader(cfg.data, global_batch_instances=cfg.train.global_batch_instances,
                           vocab_size=cfg.model.vocab_size, process_index=jax.process_index(),
                           process_count=jax.process_count())
-    if data_state is not None:
-        loader.load_state_dict(data_state)
-    same_batch = data_state is None or data_state["global_batch_instances"] == cfg.train.global_batch_instances
-    if same_batch and loader.step != start:  # a new global batch size rescales the position by tokens instead
-        raise CheckpointError(
-            f"data position {loader.step} batches != model step {start}: the next step must train on the next batch"
-        )
+    checkpointer = Checkpointer(cfg.run_dir / "checkpoints", cfg.checkpoint)
+    try:
+        state, start, restored = restore_or_init(cfg, layout, checkpointer)
+    except BaseException:
+        loader.close()
+        raise
+    tokens_per_step = cfg.train.global_batch_instances * cfg.data.sequence_length
+    tokens_before, data_offset = 0, 0  # tokens trained up to step `start`; loader position - step
+    if restored is not None:
+        data = restored["data"]
+        loader.load_state_dict(data)
+        tokens_before = restored.get("tokens", start * data["global_batch_instances"] * data["sequence_length"])
+        # Constant while the global batch size is; a new size rescales the position by tokens (as OLMo-core).
+        data_offset = loader.step - start
+        if data["global_batch_instances"] == cfg.train.global_batch_instances and \
+                data_offset != restored.get("data_offset", 0):
+            raise CheckpointError(
+                f"checkpoint {checkpointer.where(start)}: data position {loader.step} batches is not step {start} "
+                f"+ the offset {restored.get('data_offset', 0)} written with it, so the next step would not train on "
+                "the next batch; restore the checkpoint from a copy, or move it away to resume from the one before"
+            )
     step_fn = jit_train_step(cfg, layout, micro_rows)
     evaluate = make_eval(cfg, layout) if make_eval else None
     sharding = batch_shardings(layout, cfg.data.sequence_length, micro_rows)
     writer = MetricsWriter(cfg.run_dir, start, enabled=jax.process_index() == 0)
-    tokens_per_step = cfg.train.global_batch_instances * cfg.data.sequence_length
     flops_per_token = flops.count(cfg.model, cfg.data.sequence_length).per_token
     peak = device_peak_flops(np.dtype(compute_dtype(cfg.impl)).name)
     history, pending = [], None
     last_done = time.perf_counter()
 
     paused = 0.0  # seconds of evals and checkpoint writes since the last step was logged: not step time
+
+    def tokens_after(step: int) -> int:
+        return tokens_before + (step - start) * tokens_per_step
 
     def finish(step: int, metrics, eval_metrics: dict) -> None:
         nonlocal last_done, paused
@@ -200,7 +221,7 @@ def train(cfg: RunConfig, *, quiet: bool = False, make_eval=None) -> list[dict]:
         tps = tokens_per_step / (now - last_done - paused) / jax.device_count()
         last_done, paused = now, 0.0
         values.update({
-            "throughput/total tokens": step * tokens_per_step,
+            "throughput/total tokens": tokens_after(step),
             "throughput/device/TPS": tps,
             "throughput/device/MFU": 100.0 * tps * flops_per_token / peak,
         })
@@ -212,6 +233,12 @@ def train(cfg: RunConfig, *, quiet: bool = False, make_eval=None) -> list[dict]:
     try:
         with preemption_signals() as stop:
             last = min(cfg.train.steps, cfg.train.stop_after or cfg.train.steps)
+            if start >= last and not quiet and jax.process_index() == 0:
+                target = "train.steps" if last == cfg.train.steps else "train.stop_after"
+                print(f"nothing to train: the run is at step {start}, at or past {target}={last}; "
+                      "raise train.steps to train further", flush=True)
+            if start < last and stop_requested(stop):
+                raise Preempted(f"stopped by a signal before step {start + 1}; nothing needed writing")
             for step in range(start + 1, last + 1):
                 batch = place_batch(next(loader), sharding, micro_rows)
                 state, metrics = step_fn(state, batch)
@@ -233,7 +260,8 @@ def train(cfg: RunConfig, *, quiet: bool = False, make_eval=None) -> list[dict]:
                         pending = None
                         writer.flush()
                         side_work_start = time.perf_counter()
-                        checkpointer.save(step, state, run_meta(cfg, step, loader.state_dict()))
+                        checkpointer.save(step, state, run_meta(cfg, step, loader.state_dict(), tokens_after(step),
+                                                                data_offset))
                     paused += time.perf_counter() - side_work_start
                 if stopping:
                     raise Preempted(f"stopped by a signal after step {step}; checkpoint {step} written")

@@ -1,0 +1,143 @@
+"""The CLI under bad input and interrupts, as a user meets it: every bad input is one line naming what to fix
+and exit 2 (so `olmax launch` does not retry it), never a Python traceback; SIGINT at any moment of a train
+ends it cleanly with exit 75."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from olmax.config import load_config
+from olmax.data.synthetic import write_synthetic_shards
+from olmax.data.tokenize import train_tokenizer
+from olmax.train.trainer import train
+
+ENV = {**os.environ, "OLMAX_HUGE_PAGES": "0"}
+
+
+def olmax(*argv, cwd=None, timeout=300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "olmax.cli", *map(str, argv)], capture_output=True, text=True,
+                          env=ENV, cwd=cwd, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory):
+    """One tiny mix, a trained run and its checkpoints, and the bad inputs made from them."""
+    root = tmp_path_factory.mktemp("inputs")
+    shards = write_synthetic_shards(root / "mix", vocab_size=512, eos_id=0, n_tokens=100_000, n_shards=2, seed=0)
+    train(load_config("tiny", [f"data.paths={json.dumps(shards)}", f"output_dir={root / 'run'}", "mesh.fsdp=1",
+                               "train.steps=2", "checkpoint.every=2"]), quiet=True)
+    shutil.copytree(root / "run", root / "corrupt")
+    (root / "corrupt" / "checkpoints" / "2" / "meta" / "metadata").write_text("{not json")
+    write_synthetic_shards(root / "wide", vocab_size=512, eos_id=0, n_tokens=50_000, n_shards=1, seed=0,
+                           token_dtype="uint32")
+    (root / "bad.yaml").write_text("base: tiny\nmodel:\n  d_model: [64\n")
+    (root / "a-file").write_text("not a directory")
+    (root / "docs.jsonl").write_text("".join(json.dumps({"text": f"document {i} of a few words"}) + "\n"
+                                             for i in range(50)))
+    train_tokenizer([str(root / "docs.jsonl")], root / "tokenizer.json", vocab_size=280, progress=False)
+    (root / "longrope").mkdir()
+    (root / "longrope" / "config.json").write_text(json.dumps({
+        "architectures": ["Olmo3ForCausalLM"], "model_type": "olmo3", "vocab_size": 512, "hidden_size": 64,
+        "intermediate_size": 96, "num_hidden_layers": 4, "num_attention_heads": 4, "eos_token_id": 0,
+        "sliding_window": 8, "rope_scaling": {"rope_type": "longrope", "factor": 8.0},
+        "rope_parameters": {kind: {"rope_type": "default", "rope_theta": 1e4}
+                            for kind in ("full_attention", "sliding_attention")}}))
+    return root, shards
+
+
+TINY = ("train", "tiny", "mesh.fsdp=1", "train.steps=2")
+# (argv with {root} and {shard} filled in, words the error line must hold)
+BAD_INPUTS = {
+    "yaml syntax, config show": (["config", "show", "{root}/bad.yaml"], ["bad.yaml", "line 4"]),
+    "yaml syntax, train": (["train", "{root}/bad.yaml"], ["bad.yaml", "not valid YAML"]),
+    "yaml syntax, launch": (["launch", "{root}/bad.yaml"], ["bad.yaml", "not valid YAML"]),
+    "override syntax": (["config", "show", "tiny", "model.layer_pattern=[sliding,"], ["model.layer_pattern"]),
+    "directory as a shard": ([*TINY, 'data.paths=["{root}/mix"]', "output_dir={root}/out-dir-shard"],
+                             ["mix is a directory, not a token shard"]),
+    "directory as a shard, launch": (["launch", "tiny", "mesh.fsdp=1", 'data.paths=["{root}/mix"]',
+                                      "output_dir={root}/out-launch", "--retry-backoff", "0"], ["bad input"]),
+    "uint32 shards read as uint16": ([*TINY, 'data.paths=["{root}/wide/part-00000.npy"]', "output_dir={root}/o2"],
+                                     ["written as uint32", "data.token_dtype=uint32"]),
+    "corrupt checkpoint, eval": (["eval", "heldout", "{root}/corrupt", "--data", "{shard}"], ["checkpoints/2"]),
+    "corrupt checkpoint, parity": (["parity", "--olmax", "{root}/corrupt", "--reference", "olmo-core"],
+                                   ["checkpoints/2", "unreadable"]),
+    "corrupt checkpoint, convert": (["convert", "olmax-to-hf", "{root}/corrupt", "{root}/hf"], ["checkpoints/2"]),
+    "corrupt checkpoint, init_from": ([*TINY, 'data.paths=["{shard}"]', "output_dir={root}/o3",
+                                       "checkpoint.init_from={root}/corrupt"], ["checkpoint.init_from", "unreadable"]),
+    "unimplemented rope_type": (["convert", "hf-to-olmax", "{root}/longrope", "{root}/converted"],
+                                ["full_attention", "longrope"]),
+    "synth-data into a directory of shards": (["synth-data", "--out", "{root}/mix"], ["mix is not empty"]),
+    "tokenize into a directory of shards": (["tokenize", "{root}/docs.jsonl", "--tokenizer", "{root}/tokenizer.json",
+                                             "--out", "{root}/mix"], ["mix is not empty"]),
+    "output_dir a file": ([*TINY, 'data.paths=["{shard}"]', "output_dir={root}/a-file"], ["output_dir", "a-file"]),
+    "tokenizer train --out a directory": (["tokenizer", "train", "{root}/docs.jsonl", "--vocab-size", "280", "--out",
+                                           "{root}"], ["is a directory", "tokenizer.json"]),
+    "tokenizer train --out an existing file": (["tokenizer", "train", "{root}/docs.jsonl", "--vocab-size", "280",
+                                                "--out", "{root}/tokenizer.json"], ["tokenizer.json exists"]),
+    "mix file a directory": ([*TINY, "data.mix_file={root}/mix", "output_dir={root}/o4"], ["mix is a directory"]),
+    "tokenizer a directory": (["tokenize", "{root}/docs.jsonl", "--tokenizer", "{root}", "--out", "{root}/o5"],
+                              ["is a directory"]),
+    "eval of a file": (["eval", "heldout", "{root}/a-file", "--data", "{shard}"], ["a-file is a file"]),
+    "eval data a directory": (["eval", "heldout", "{root}/run", "--data", "{root}/mix"], ["mix is a directory"]),
+}
+
+
+@pytest.mark.parametrize("name", BAD_INPUTS)
+def test_bad_input_is_one_line_and_exit_2(inputs, name):
+    root, shards = inputs
+    argv, words = BAD_INPUTS[name]
+    done = olmax(*(a.format(root=root, shard=shards[0]) for a in argv))
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "Traceback" not in done.stderr and "Exception ignored" not in done.stderr, done.stderr[-2000:]
+    error = [line for line in done.stderr.splitlines() if "Error:" in line or "bad input" in line]
+    assert error and all(word in error[-1] for word in words), done.stderr[-2000:]
+    written = [p.name for p in root.iterdir() if p.name.startswith(".") or (p / "checkpoints").exists()]
+    assert sorted(written) == ["corrupt", "run"], "bad input leaves no partial output, no checkpoints directory"
+    assert not (root / "hf").exists() and not (root / "converted").exists()
+
+
+def _started_train(tmp_path, shards, name):
+    run = tmp_path / name
+    proc = subprocess.Popen([sys.executable, "-m", "olmax.cli", "train", "tiny", "mesh.fsdp=1",
+                             f"data.paths={json.dumps(shards)}", f"output_dir={run}", "train.steps=30",
+                             "train.log_every=1", "checkpoint.every=100"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=os.environ)
+    return run, proc
+
+
+def _wait_for(predicate, proc, timeout=300):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert proc.poll() is None and time.monotonic() < deadline, "the run ended or hung before the moment"
+        time.sleep(0.01)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("moment", ["start-up", "compilation", "training"])
+def test_sigint_at_any_moment_stops_cleanly(tmp_path, inputs, moment):
+    """Start-up: imports and config, in the process that restarts itself with huge pages or the one it
+    becomes; compilation: as the loop starts (the first step compiles); training: after step 1 was logged."""
+    _, shards = inputs
+    run, proc = _started_train(tmp_path, shards, moment)
+    if moment == "start-up":
+        time.sleep(0.5)
+    elif moment == "compilation":
+        _wait_for(lambda: (run / "tensorboard").is_dir(), proc)
+    else:
+        _wait_for(lambda: proc.stdout.readline().startswith("step 1/"), proc)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 75, err[-3000:]
+    assert "Traceback" not in err and "Exception ignored" not in err, err[-3000:]
+    assert err.strip().splitlines()[-1].endswith("run the same command again to resume")
+    written = sorted(int(p.name) for p in (run / "checkpoints").iterdir()) if (run / "checkpoints").exists() else []
+    if written:
+        assert f"checkpoint {written[-1]} written" in err
+    else:
+        assert "nothing needed writing" in err
