@@ -47,6 +47,7 @@ def test_tiny_step_compiles_with_splash_for_a_tpu_slice(capsys):
     table = format_compile(report)
     assert "tiny for tpu:v5p:2x2x2: 8 x TPU v5, mesh data 1 x stage 1 x fsdp 8 x expert 1 x tensor 1" in table
     assert "bfloat16 compute, splash attention, loss chunk 1024" in table
+    assert "splash_mha_dkv_no_residuals x4" in table
     assert re.search(r"peak \(compiler\)\s+\d+\.\d\d\s+\d+\.\d% of the device", table)
 
 

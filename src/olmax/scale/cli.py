@@ -105,6 +105,10 @@ def format_compile(r: dict) -> str:
             row("  batch", r["batch"]),
             f"compiler: {r['compiler_error']}",
         ]
+    if "program" in r:
+        program = r["program"]
+        kernels = ", ".join(f"{name} x{n}" for name, n in program["custom_calls"].items())
+        lines += [f"compiled: {program['float8_matmuls']} of {program['matmuls']} matmuls float8; custom calls {kernels}"]
     exact, full = r["plan"]["exact_window"], r["plan"]["all_global"]
     lines += [
         "",
