@@ -5,8 +5,9 @@
 
 `step` times olmax's train step (the function `olmax train` runs) at the CPU benchmark's shape
 (benchmarks/train_throughput.py) or at a slice of the OLMo 3 7B shape (4 layers at d 4096, 4 x 8192
-tokens, the recipe's remat), in bf16. `attention` compares an attention implementation of
-`jax.nn.dot_product_attention` (cuDNN on a GPU) with olmax's blocked XLA attention on 7B-shaped
+tokens, the recipe's remat), in bf16, with the attention `auto` picks (cuDNN on a GPU). `attention`
+compares olmax's cuDNN attention (model/attention/cudnn.py; `--implementation xla` makes the same
+`jax.nn.dot_product_attention` call without cuDNN) with olmax's blocked XLA attention on 7B-shaped
 heads, sliding (4096 keys) and global, forward and gradients, and times both. MFU is against the
 H200's dense bf16 peak, 989 TFLOP/s (NVIDIA's H200 datasheet); FLOPs from olmax.model.flops.
 """
@@ -26,6 +27,7 @@ import numpy as np
 
 from olmax.config import load_config
 from olmax.model import flops
+from olmax.model.attention import cudnn
 from olmax.model.attention.xla import attention as blocked_attention
 from olmax.parallel.mesh import make_layout
 from olmax.train.step import create_state, jit_train_step
@@ -89,14 +91,8 @@ def step_benchmark(shape: str, steps: int, overrides: list[str] = ()) -> dict:
     }
 
 
-def attention_reference(q, k, v, window: int | None, implementation: str | None):
-    """jax.nn.dot_product_attention with olmax's window: key j visible to query i iff i - window < j <= i."""
-    local = None if window is None else (window - 1, 0)
-    return jax.nn.dot_product_attention(q, k, v, is_causal=True, local_window_size=local, implementation=implementation)
-
-
 def attention_benchmark(seq: int, heads: int, kv_heads: int, head_dim: int, window: int | None, block: int,
-                        implementation: str | None, steps: int, dtype=jnp.bfloat16) -> dict:
+                        implementation: str, steps: int, dtype=jnp.bfloat16) -> dict:
     """Forward and gradients of both attentions on the same random q, k, v; their largest differences and times."""
     keys = jax.random.split(jax.random.key(0), 4)
     q = jax.random.normal(keys[0], (1, seq, heads, head_dim), dtype)
@@ -110,7 +106,8 @@ def attention_benchmark(seq: int, heads: int, kv_heads: int, head_dim: int, wind
 
     scale = jnp.asarray(head_dim**-0.5, dtype)  # olmax's block scales q before its attention
     ours = loss_and_grads(lambda q, k, v: blocked_attention(q * scale, k, v, window=window, block=block))
-    theirs = loss_and_grads(lambda q, k, v: attention_reference(q, k, v, window, implementation))
+    theirs = loss_and_grads(lambda q, k, v: cudnn.attention(q * scale, k, v, window=window,
+                                                            implementation=implementation))
     out_a, grads_a = ours(q, k, v)
     out_b, grads_b = theirs(q, k, v)
 
@@ -120,11 +117,11 @@ def attention_benchmark(seq: int, heads: int, kv_heads: int, head_dim: int, wind
     attended = flops.attended_positions(seq, window)
     train_flops = 12 * heads * head_dim * attended * seq  # forward + backward, as olmax.model.flops counts it
     report = {"seq": seq, "heads": heads, "kv_heads": kv_heads, "head_dim": head_dim, "window": window,
-              "implementation": implementation or "auto", "dtype": jnp.dtype(dtype).name,
+              "implementation": implementation, "dtype": jnp.dtype(dtype).name,
               "max_abs_diff_out": max_diff(out_a, out_b),
               "max_abs_diff_grads": [max_diff(a, b) for a, b in zip(grads_a, grads_b)],
               "max_abs_out": float(jnp.max(jnp.abs(out_a.astype(jnp.float32))))}
-    for name, fn in (("xla_blocked", ours), ("reference", theirs)):
+    for name, fn in (("xla_blocked", ours), (implementation, theirs)):
         step_s = statistics.median(timed(lambda: jax.block_until_ready(fn(q, k, v)), 1, steps))
         report[name] = {"median_s": step_s, "tflops": train_flops / step_s / 1e12,
                         "fraction_of_peak": train_flops / step_s / PEAK_FLOPS}
@@ -140,7 +137,7 @@ def main() -> None:
     step.add_argument("overrides", nargs="*")
     attention = sub.add_parser("attention")
     attention.add_argument("--seq", type=int, default=8192)
-    attention.add_argument("--implementation", default="cudnn", help="of jax.nn.dot_product_attention")
+    attention.add_argument("--implementation", default="cudnn", help="cudnn, or xla (the same call without cuDNN)")
     attention.add_argument("--steps", type=int, default=5)
     for p in (step, attention):
         p.add_argument("--out", help="write the JSON here too")

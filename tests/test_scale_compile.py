@@ -23,11 +23,6 @@ needs_tpu = pytest.mark.skipif(bool(aot_missing("tpu")), reason=str(aot_missing(
 needs_gpu = pytest.mark.skipif(bool(aot_missing("gpu")), reason=str(aot_missing("gpu")))
 
 
-@pytest.fixture(scope="module")
-def tiny():
-    return load_config("tiny")
-
-
 def _check_report(report, target):
     assert report["devices"] == target.devices and report["mesh"]["fsdp"] == target.devices
     assert report["compute_dtype"] == "bfloat16"  # `auto` resolved for the accelerator, not the host's CPU
@@ -37,22 +32,39 @@ def _check_report(report, target):
 
 
 @needs_tpu
-def test_tiny_step_compiles_for_a_tpu_slice(capsys):
-    assert main(["compile", "tiny", "--target", "tpu:v5p:2x2x2", "--mfu", "0.5", "--json"]) == 0
+def test_tiny_step_compiles_with_splash_for_a_tpu_slice(capsys):
+    """`auto` attention on TPU devices is Splash: the compiled step runs its forward and both backward kernels
+    in every layer (Splash tiles are 128 tokens at least, hence 256-token sequences)."""
+    args = ["compile", "tiny", "data.sequence_length=256", "--target", "tpu:v5p:2x2x2", "--mfu", "0.5", "--json"]
+    assert main(args) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["device_kind"] == "TPU v5"
     _check_report(report, parse_target("tpu:v5p:2x2x2"))
+    assert report["attention"] == "splash"
+    kernels = report["program"]["custom_calls"]
+    for kernel in ("splash_mha_fwd_residuals", "splash_mha_dkv_no_residuals", "splash_mha_dq_no_residuals"):
+        assert kernels[kernel] == 4  # the tiny model's 4 layers
     table = format_compile(report)
     assert "tiny for tpu:v5p:2x2x2: 8 x TPU v5, mesh data 1 x stage 1 x fsdp 8 x expert 1 x tensor 1" in table
+    assert "bfloat16 compute, splash attention, loss chunk 1024" in table
+    assert "splash_mha_dkv_no_residuals x4" in table
     assert re.search(r"peak \(compiler\)\s+\d+\.\d\d\s+\d+\.\d% of the device", table)
 
 
 @needs_gpu
-def test_tiny_step_compiles_for_a_gpu_host(tiny):
+@pytest.mark.parametrize("fp8", [False, True])
+def test_tiny_step_compiles_with_cudnn_for_a_gpu_host(fp8):
+    """cuDNN's fused attention forward and backward in every layer; with impl.fp8 the 7 projections of each layer
+    are float8 GEMMs forward and in both gradients (3 x 7 x 4), the LM head is not."""
+    cfg = load_config("tiny", ["data.sequence_length=256", f"impl.fp8={str(fp8).lower()}"])
     target = parse_target("gpu:h100x8")
-    report = compile_train_step(tiny, target, mfu=0.5)
+    report = compile_train_step(cfg, target, mfu=0.5)
     assert report["device_kind"] == "NVIDIA H100 80GB HBM3"
     _check_report(report, target)
+    assert report["attention"] == "cudnn" and report["fp8"] == fp8
+    assert report["program"]["custom_calls"] == {"__cudnn$fmhaSoftmax": 4, "__cudnn$fmhaSoftmaxBackward": 4}
+    float8 = report["program"]["float8_matmuls"]
+    assert float8 == (3 * 7 * cfg.model.n_layers if fp8 else 0) and report["program"]["matmuls"] > float8
 
 
 @needs_tpu

@@ -23,9 +23,10 @@ def test_script_parses():
 
 
 @pytest.mark.parametrize("window", [32, None])
-def test_reference_attention_sees_the_keys_olmax_sees(gpu_bench, window):
-    """jax.nn.dot_product_attention given olmax's window (and grouped KV heads) agrees with olmax's attention,
-    forward and backward: what the GPU run compares cuDNN against."""
+def test_cudnn_attention_call_sees_the_keys_olmax_sees(gpu_bench, window):
+    """olmax's cuDNN attention call (model/attention/cudnn.py: q pre-scaled, scale 1, olmax's window as
+    local_window_size, grouped KV heads), made without cuDNN, agrees with the blocked XLA attention forward
+    and backward: the comparison the GPU run makes with cuDNN itself."""
     r = gpu_bench.attention_benchmark(seq=128, heads=4, kv_heads=2, head_dim=16, window=window, block=32,
                                       implementation="xla", steps=1, dtype=jnp.float32)
     assert r["max_abs_diff_out"] < 1e-5

@@ -124,9 +124,29 @@ class ModelConfig(Section):
         return self
 
 
+class SplashConfig(Section):
+    """Tile sizes of the Splash kernels, in tokens (multiples of 128): the forward and both backward kernels."""
+
+    block_q: int = Field(512, gt=0, description="queries per tile")
+    block_kv: int = Field(512, gt=0, description="keys per tile held in VMEM")
+    block_kv_compute: int = Field(512, gt=0, description="keys per inner step (divides block_kv)")
+
+    @model_validator(mode="after")
+    def _tiles(self):
+        for name in ("block_q", "block_kv", "block_kv_compute"):
+            if getattr(self, name) % 128:
+                raise ValueError(f"{name} {getattr(self, name)} must be a multiple of 128 (the TPU's lane width)")
+        if self.block_kv % self.block_kv_compute:
+            raise ValueError(f"block_kv {self.block_kv} must be a multiple of block_kv_compute {self.block_kv_compute}")
+        return self
+
+
 class AttentionImplConfig(Section):
-    implementation: Literal["auto", "xla"] = Field("auto", description="auto: the platform's best; xla: blocked")
+    implementation: Literal["auto", "xla", "splash", "cudnn"] = Field(
+        "auto", description="auto: splash on TPU, cudnn on GPU, xla elsewhere; xla: blocked (any platform)"
+    )
     block: int = Field(512, gt=0, description="query/key block of the blocked XLA attention")
+    splash: SplashConfig = Field(default_factory=SplashConfig)
 
 
 class ImplConfig(Section):
@@ -144,6 +164,10 @@ class ImplConfig(Section):
     )
     loss_chunk: int | None = Field(
         1024, gt=0, description="sequence positions per chunk of LM head + loss (never all logits); null = all"
+    )
+    fp8: bool = Field(
+        False, description="block projections (q, k, v, o, MLP) as float8 matmuls, per-tensor current scaling: "
+        "e4m3 inputs and weights, e5m2 gradients; the embedding, LM head, router and attention stay as they are"
     )
 
     @model_validator(mode="after")

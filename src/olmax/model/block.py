@@ -9,11 +9,13 @@ training, over a KV cache in decoding (its state is the updated cache). `mlp(p, 
 MLP sublayer chosen by `model.mlp`; `aux` (a dict of arrays, {} for dense) is stacked over layers by the
 model and read by the train step (auxiliary losses, load metrics). Matmuls run in the dtype of x;
 norms, RoPE and softmax in float32. Named activations (`qkv_proj`, `out_proj`, `mlpwi_0`, `mlpwi_1`,
-`mlpwo`, `context`) let a remat policy be a list of names.
+`mlpwo`, `context`) let a remat policy be a list of names. `dense` is the projections' matmul (float8
+with impl.fp8: q, k, v, o and the MLP's, never the attention's own products).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Callable
 
@@ -21,7 +23,8 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from olmax.config import ModelConfig
+from olmax.config import ImplConfig, ModelConfig
+from olmax.model import fp8
 from olmax.model import rope as rope_lib
 from olmax.parallel.mesh import Layout, constrain
 
@@ -34,26 +37,31 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     return (y * weight.astype(jnp.float32)).astype(x.dtype)
 
 
-def dense(x: jax.Array, w: jax.Array, name: str) -> jax.Array:
+def dense(x: jax.Array, w: jax.Array, name: str, matmul: Callable = jnp.matmul) -> jax.Array:
     # As one 2-D matmul over all tokens: XLA's CPU backend runs [B, T, D] x [D, F] and its
     # transposes in the backward pass about 1.8x slower than [B*T, D] x [D, F].
-    y = x.reshape(-1, x.shape[-1]) @ w.astype(x.dtype)
+    y = matmul(x.reshape(-1, x.shape[-1]), w.astype(x.dtype))
     return checkpoint_name(y.reshape(*x.shape[:-1], w.shape[-1]), name)
 
 
-def dense_mlp(p: dict, h: jax.Array) -> tuple[jax.Array, dict]:
+def dense_for(impl: ImplConfig) -> Callable:
+    """The block projections' `dense`: float8 matmuls with impl.fp8."""
+    return functools.partial(dense, matmul=fp8.matmul) if impl.fp8 else dense
+
+
+def dense_mlp(p: dict, h: jax.Array, dense: Callable = dense) -> tuple[jax.Array, dict]:
     """SwiGLU: w2(silu(w1 h) * w3 h)."""
     gate = jax.nn.silu(dense(h, p["w1"], "mlpwi_0"))
     up = dense(h, p["w3"], "mlpwi_1")
     return dense(gate * up, p["w2"], "mlpwo"), {}
 
 
-def mlp_sublayer(cfg: ModelConfig) -> Callable:
-    return {"dense": dense_mlp}[cfg.mlp]
+def mlp_sublayer(cfg: ModelConfig, dense: Callable = dense) -> Callable:
+    return {"dense": functools.partial(dense_mlp, dense=dense)}[cfg.mlp]
 
 
 def block(cfg: ModelConfig, p: dict, x: jax.Array, *, rope: tuple, attention: Callable, mlp: Callable,
-          layout: Layout | None = None):
+          layout: Layout | None = None, dense: Callable = dense):
     """x [B, T, D] -> (out [B, T, D], mlp aux, attention state); rope = (cos, sin) at the tokens' positions."""
     B, T, _ = x.shape
     Dh = cfg.head_size

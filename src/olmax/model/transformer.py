@@ -20,13 +20,14 @@ from olmax.config import ImplConfig, ModelConfig
 from olmax.model import attention as attention_lib
 from olmax.model import rope as rope_lib
 from olmax.model.attention import cached
-from olmax.model.block import ACTIVATION, block, mlp_sublayer, rms_norm
-from olmax.parallel.mesh import Layout, constrain
+from olmax.model.block import ACTIVATION, block, dense_for, mlp_sublayer, rms_norm
+from olmax.parallel.mesh import Layout, constrain, platform
 
 
-def compute_dtype(impl: ImplConfig):
+def compute_dtype(impl: ImplConfig, layout: Layout | None = None):
+    """`auto`: bfloat16 where the layout's devices are accelerators (not where JAX runs: see mesh.platform)."""
     if impl.compute_dtype == "auto":
-        return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
+        return jnp.float32 if platform(layout) == "cpu" else jnp.bfloat16
     return jnp.dtype(impl.compute_dtype)
 
 
@@ -56,7 +57,7 @@ def _over_groups(cfg: ModelConfig, impl: ImplConfig, group, x, xs, remat: bool):
 
 
 def _embed(cfg: ModelConfig, impl: ImplConfig, params: dict, tokens: jax.Array, layout: Layout | None):
-    return constrain(layout, params["embed"].astype(compute_dtype(impl))[tokens], ACTIVATION)
+    return constrain(layout, params["embed"].astype(compute_dtype(impl, layout))[tokens], ACTIVATION)
 
 
 def forward(cfg: ModelConfig, impl: ImplConfig, params: dict, tokens: jax.Array,
@@ -66,13 +67,15 @@ def forward(cfg: ModelConfig, impl: ImplConfig, params: dict, tokens: jax.Array,
     positions = np.arange(tokens.shape[1])
     ropes = {kind: rope_lib.tables(cfg.rope[kind], cfg.head_size, positions) for kind in set(cfg.layer_pattern)}
     attentions = [attention_lib.make(impl, cfg.window(i), layout) for i in range(len(cfg.layer_pattern))]
-    mlp = mlp_sublayer(cfg)
+    dense = dense_for(impl)
+    mlp = mlp_sublayer(cfg, dense)
 
     def group(x, group_params):
         auxes = []
         for i, kind in enumerate(cfg.layer_pattern):
             p = jax.tree.map(lambda a: a[i], group_params)
-            x, aux, _ = block(cfg, p, x, rope=ropes[kind], attention=attentions[i], mlp=mlp, layout=layout)
+            x, aux, _ = block(cfg, p, x, rope=ropes[kind], attention=attentions[i], mlp=mlp, layout=layout,
+                              dense=dense)
             auxes.append(aux)
         return x, jax.tree.map(lambda *a: jnp.stack(a), *auxes)
 

@@ -99,3 +99,12 @@ def make_layout(cfg: MeshConfig, devices=None) -> Layout:
 def constrain(layout: Layout | None, x: jax.Array, names: tuple[str, ...]) -> jax.Array:
     """Pin an activation to the layout; a no-op without one (single-device code)."""
     return x if layout is None else layout.constrain(x, names)
+
+
+def platform(layout: Layout | None) -> str:
+    """'cpu', 'gpu' or 'tpu': where the layout's devices are, which need not be where JAX runs (an ahead-of-time
+    compile for a TPU slice runs on a CPU); without a layout, JAX's default backend."""
+    if layout is None:
+        return jax.default_backend()
+    name = layout.mesh.devices.flat[0].platform
+    return "gpu" if name in ("cuda", "rocm") else name

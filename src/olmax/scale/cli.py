@@ -77,7 +77,9 @@ def format_compile(r: dict) -> str:
     lines = [
         f"{r['config']} for {r['target']}: {r['devices']} x {r['device_kind']}, mesh {mesh}",
         f"{r['instances_per_device_micro_step']} x {r['sequence_length']} tokens per device per micro-step, "
-        f"{r['micro_steps']} micro-step(s) per step, {r['compute_dtype']} compute, remat {r['remat']}",
+        f"{r['micro_steps']} micro-step(s) per step, {r['compute_dtype']} compute"
+        f"{' (fp8 projections)' if r['fp8'] else ''}, {r['attention']} attention, loss chunk {r['loss_chunk']}, "
+        f"remat {r['remat']}",
         "",
         f"{'per device':36}{'GiB':>10}",
         row("device memory", device),
@@ -103,6 +105,10 @@ def format_compile(r: dict) -> str:
             row("  batch", r["batch"]),
             f"compiler: {r['compiler_error']}",
         ]
+    if "program" in r:
+        program = r["program"]
+        kernels = ", ".join(f"{name} x{n}" for name, n in program["custom_calls"].items())
+        lines += [f"compiled: {program['float8_matmuls']} of {program['matmuls']} matmuls float8; custom calls {kernels}"]
     exact, full = r["plan"]["exact_window"], r["plan"]["all_global"]
     lines += [
         "",

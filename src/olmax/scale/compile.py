@@ -7,11 +7,13 @@ its peak. The TPU compiler refuses a program whose peak exceeds the chip's HBM (
 figures); the GPU compiler does not check, so the peak is compared with the GPU's memory here.
 
 FLOPs come from olmax's own count, not from XLA's cost analysis, which counts a scanned layer body
-once and does not see into Pallas kernels.
+once and does not see into Pallas kernels. The report also counts what the compiled program runs: its
+attention kernels (Splash, cuDNN) and its matmuls with float8 operands (impl.fp8).
 """
 
 from __future__ import annotations
 
+import collections
 import functools
 import math
 import re
@@ -21,6 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from olmax.config import RunConfig
+from olmax.model import attention, transformer
 from olmax.parallel.mesh import Layout, make_layout
 from olmax.scale.plan import plan
 from olmax.scale.targets import GiB, Target, compile_only_devices
@@ -33,16 +36,6 @@ class DoesNotFit(Exception):
     def __init__(self, message: str, report: dict):
         super().__init__(message)
         self.report = report
-
-
-def for_accelerator(cfg: RunConfig) -> RunConfig:
-    """compute_dtype `auto` means bfloat16 on an accelerator, but it is decided by the backend JAX runs
-    on, the host's CPU here: resolve it for the target."""
-    if cfg.impl.compute_dtype != "auto":
-        return cfg
-    resolved = cfg.model_copy(deep=True)
-    resolved.impl.compute_dtype = "bfloat16"
-    return resolved
 
 
 def device_bytes(tree) -> int:
@@ -77,12 +70,26 @@ def _hbm_figures(message: str) -> dict:
     return {"required": round(float(need) * units[need_unit]), "compiler_memory": round(float(have) * units[have_unit])}
 
 
+def program_ops(text: str) -> dict:
+    """What a program (its HLO text) runs: matmuls (dots; convolutions on TPU), those of them with
+    float8 operands, and the custom calls by kernel (Pallas kernels by name, the rest by target)."""
+    types = dict(re.findall(r"(%?[\w.-]+) = (\w+)\[", text))
+    matmuls = re.findall(r" (?:dot|convolution)\((%?[\w.-]+), (%?[\w.-]+)\)", text)
+    calls = collections.Counter()
+    for name, target in re.findall(r"%([\w.-]+) = .* custom-call\(.*custom_call_target=\"([^\"]+)\"", text):
+        calls[re.sub(r"\.\d+$", "", name) if target == "tpu_custom_call" else target] += 1
+    return {
+        "matmuls": len(matmuls),
+        "float8_matmuls": sum(any(types.get(o, "").startswith("f8") for o in pair) for pair in matmuls),
+        "custom_calls": dict(sorted(calls.items())),
+    }
+
+
 def compile_train_step(cfg: RunConfig, target: Target, mfu: float) -> dict:
     """Compile the step for `target` and report per-device memory, FLOPs and time at `mfu`.
 
     Raises DoesNotFit (with the report) when the step needs more memory per device than the target has.
     """
-    cfg = for_accelerator(cfg)
     layout = make_layout(cfg.mesh, compile_only_devices(target))
     mesh = layout.mesh
     micro_rows = micro_batch_rows(cfg, layout.data_parallel_size)
@@ -97,7 +104,11 @@ def compile_train_step(cfg: RunConfig, target: Target, mfu: float) -> dict:
         "instances_per_device_micro_step": micro_rows // layout.data_parallel_size,
         "micro_steps": cfg.train.global_batch_instances // micro_rows,
         "sequence_length": cfg.data.sequence_length,
-        "compute_dtype": cfg.impl.compute_dtype,
+        # `auto` settings as the model resolves them for the target's devices, not for this host
+        "compute_dtype": jnp.dtype(transformer.compute_dtype(cfg.impl, layout)).name,
+        "attention": attention.implementation(cfg.impl, layout),
+        "fp8": cfg.impl.fp8,
+        "loss_chunk": cfg.impl.loss_chunk,
         "remat": cfg.impl.remat,
         "memory_per_device": target.accelerator.memory_per_device,
         "parameters": params,
@@ -118,6 +129,7 @@ def compile_train_step(cfg: RunConfig, target: Target, mfu: float) -> dict:
         raise DoesNotFit(report["compiler_error"], report) from None
     report["compile_seconds"] = time.perf_counter() - start
     memory = compiled.memory_analysis()
+    report["program"] = program_ops(compiled.as_text())
     report.update({
         # What the compiler's own out-of-memory check compares with the device: the most bytes live at
         # once, arguments included. The TPU compiler's temp_size can exceed it: not a figure to fit by.

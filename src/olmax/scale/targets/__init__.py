@@ -89,10 +89,12 @@ def parse_target(name: str) -> Target:
 
 def aot_missing(platform: str) -> str | None:
     """Why this environment cannot compile for `platform`, or None when it can."""
-    module, extra = {"tpu": ("libtpu", "aot"), "gpu": ("jax_cuda12_plugin", "aot-gpu")}[platform]
-    if importlib.util.find_spec(module) is None:
-        return (f"compiling for {platform.upper()} needs the {extra} extra ({module} is not installed): "
-                f"pip install -e '.[{extra}]'")
+    # cuDNN's library: JAX asks it for its version when it traces cuDNN attention, even for a compile-only GPU
+    modules, extra = {"tpu": (["libtpu"], "aot"), "gpu": (["jax_cuda12_plugin", "nvidia.cudnn"], "aot-gpu")}[platform]
+    for module in modules:
+        if importlib.util.find_spec(module) is None:
+            return (f"compiling for {platform.upper()} needs the {extra} extra ({module} is not installed): "
+                    f"pip install -e '.[{extra}]'")
     return None
 
 
