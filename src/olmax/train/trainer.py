@@ -22,6 +22,7 @@ from olmax.config import ConfigError, ModelConfig, RunConfig, upgrade
 from olmax.data import build_loader
 from olmax.model import families, flops
 from olmax.model.transformer import compute_dtype
+from olmax.parallel import pipeline
 from olmax.parallel.mesh import Layout, make_layout
 from olmax.train.checkpoint import Checkpointer, CheckpointError, abstract_like, check_model_compatible, run_meta
 from olmax.train.metrics import MetricsWriter, console_line, device_peak_flops
@@ -182,6 +183,8 @@ def train(cfg: RunConfig, *, quiet: bool = False, make_eval=None) -> list[dict]:
             f"data position {loader.step} batches != model step {start}: the next step must train on the next batch"
         )
     step_fn = jit_train_step(cfg, layout, micro_rows)
+    if (sched := pipeline.schedule_for(cfg)) and not quiet and jax.process_index() == 0:
+        print(f"pipeline: {sched.describe()}", flush=True)
     evaluate = make_eval(cfg, layout) if make_eval else None
     sharding = batch_shardings(layout, cfg.data.sequence_length, micro_rows)
     writer = MetricsWriter(cfg.run_dir, start, enabled=jax.process_index() == 0)
