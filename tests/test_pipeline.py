@@ -2,11 +2,14 @@
 devices, for GPipe and the circular schedule, with and without data parallelism."""
 
 import json
+import math
+import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.ad_checkpoint import print_saved_residuals
 
 from olmax.cli import main
 from olmax.config import ConfigError, load_config
@@ -109,6 +112,27 @@ def test_pipeline_equals_sequential_layers_and_aux_comes_from_real_microbatches_
     assert aux["rows"].shape == (microbatches, L) and (np.asarray(aux["rows"]) == b).all()
     np.testing.assert_allclose(aux["input sum"], aux_ref["input sum"], atol=1e-4)
     assert int(aux["rows"].sum()) == microbatches * L * b  # what the real work saw, no bubble rows
+
+
+def test_circular_schedule_keeps_the_weights_once_not_per_iteration(capsys):
+    """The chunk a stage runs changes with the iteration; its copies (gathered, cast to the compute dtype)
+    are recomputed in the backward pass, not kept for each of the M R + S - 1 iterations."""
+    sched = pipeline.Schedule(4, 8, 4)
+    L, D = sched.chunks * 2, 32
+    w, x = jnp.ones((L, D, D)), jnp.ones((8, 4, D), jnp.bfloat16)
+
+    def layers(w, x):
+        return jax.lax.scan(lambda x, w: (jnp.tanh(x @ w.astype(x.dtype)), {}), x, w)
+
+    def loss(w, x):
+        y, _ = pipeline.run(layers, pipeline.by_stage(None, w, ("layers", "embed", "mlp"), sched), x,
+                            ("batch", "embed"), sched, None)
+        return y.astype(jnp.float32).sum()
+
+    print_saved_residuals(loss, w, x)
+    printed = capsys.readouterr().out
+    shapes = [[int(n) for n in dims.split(",")] for dims in re.findall(r"^\w+\[([\d,]+)\]", printed, re.M)]
+    assert sum(math.prod(shape) for shape in shapes if shape[-2:] == [D, D]) == L * D * D
 
 
 # --- the model ---------------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.ad_checkpoint import checkpoint_name
 
 from olmax.config import ImplConfig, ModelConfig
 from olmax.model import attention as attention_lib
@@ -32,12 +33,22 @@ def compute_dtype(impl: ImplConfig):
     return jnp.dtype(impl.compute_dtype)
 
 
+GROUP_INPUT = "group_input"  # a layer group's input in the pipeline: kept by every remat policy
+
+
 def _remat(impl: ImplConfig, fn):
     if impl.remat == "none":
         return fn
     if impl.remat == "full":
         return jax.checkpoint(fn, policy=jax.checkpoint_policies.nothing_saveable)
     return jax.checkpoint(fn, policy=jax.checkpoint_policies.save_only_these_names(*impl.remat))
+
+
+def _kept(impl: ImplConfig):
+    """The remat policy as seen from outside a layer group: what it keeps, and the group's input."""
+    if impl.remat == "none":
+        return jax.checkpoint_policies.everything_saveable
+    return jax.checkpoint_policies.save_only_these_names(*([] if impl.remat == "full" else impl.remat), GROUP_INPUT)
 
 
 def _over_groups(cfg: ModelConfig, impl: ImplConfig, group, x, xs, remat: bool, layers: int | None = None):
@@ -69,11 +80,16 @@ def _pipelined(cfg: ModelConfig, impl: ImplConfig, group, x, blocks: dict, sched
     axes = families.param_axes(cfg)["blocks"]
     weights = {name: pipeline.by_stage(layout, w, axes[name], sched) for name, w in blocks.items()}
 
+    remat_group = _remat(impl, group)
+
+    def named_group(x, p):
+        return remat_group(checkpoint_name(x, GROUP_INPUT), p)
+
     def chunk(w, x):
-        return _over_groups(cfg, impl, group, x, w, remat=True, layers=chunk_layers)
+        return _over_groups(cfg, impl, named_group, x, w, remat=False, layers=chunk_layers)
 
     micro = pipeline.split_microbatches(x, sched.microbatches)
-    y, aux = pipeline.run(chunk, weights, micro, ACTIVATION, sched, layout)
+    y, aux = pipeline.run(chunk, weights, micro, ACTIVATION, sched, layout, kept=_kept(impl))
     return pipeline.over_stages(layout, pipeline.merge_microbatches(y), ACTIVATION), aux
 
 

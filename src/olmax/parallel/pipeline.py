@@ -18,8 +18,8 @@ values (losses, load counts) are gathered afterwards from the real (iteration, s
 Parameters stay in the model's own layout, stacked over layers with `layers` on the `stage` mesh axis,
 so checkpoints do not depend on the stage count. GPipe's chunks are then already on their stages; the
 circular schedule's chunk c = r S + s lives on stage c // R in that layout and is moved to stage
-s = c mod S inside the step (one all-to-all of the block parameters per micro-step, and of their
-gradients back).
+s = c mod S inside the step (R collective permutes of one chunk per stage each micro-step, the same for
+their gradients back).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from olmax.config import ConfigError, RunConfig
-from olmax.parallel.mesh import Layout
+from olmax.parallel.mesh import Layout, spec_axes
 
 
 @dataclass(frozen=True)
@@ -81,7 +81,7 @@ def schedule_for(cfg: RunConfig) -> Schedule | None:
         if microbatches < stages:
             raise ConfigError(f"impl.pipeline.microbatches {microbatches} < mesh.stage {stages}: the circular "
                               "schedule needs at least one micro-batch per stage; raise it")
-    if repeats < 1 or groups % (stages * repeats):
+    if groups % (stages * repeats):
         raise ConfigError(
             f"model.n_layers {cfg.model.n_layers} is {groups} layer_pattern periods, not divisible into mesh.stage "
             f"{stages} x {repeats} layer chunks per stage; change mesh.stage or impl.pipeline.repeats")
@@ -109,7 +109,8 @@ def by_stage(layout: Layout | None, w: jax.Array, axes: tuple[str, ...], sched: 
         return w.reshape(shape)  # GPipe: each stage's chunk is already its slice of the layers
     own = layout.spec(axes, w.shape)
     move = functools.partial(_to_circular, stage_axis=_stage_axes(layout)[0], sched=sched)
-    return jax.shard_map(move, mesh=layout.mesh, in_specs=own, out_specs=PartitionSpec(None, *own[:1], None, *own[1:]))(w)
+    out_spec = PartitionSpec(None, own[0], None, *own[1:])
+    return jax.shard_map(move, mesh=layout.mesh, in_specs=own, out_specs=out_spec)(w)
 
 
 def _circular_rounds(stages: int, repeats: int) -> list[list[tuple[int, int, int, int]]]:
@@ -140,12 +141,18 @@ def _to_circular(local: jax.Array, *, stage_axis: str, sched: Schedule) -> jax.A
     return out[:, None]
 
 
+# Copies that move or cast data: cheaper to redo in the backward pass than to keep for every iteration.
+_COPIES = (jax.lax.gather_p, jax.lax.dynamic_slice_p, jax.lax.squeeze_p, jax.lax.reshape_p, jax.lax.transpose_p,
+           jax.lax.convert_element_type_p)
+
+
 def run(stage_fn: Callable, weights, x: jax.Array, names: tuple[str, ...], sched: Schedule,
-        layout: Layout | None):
+        layout: Layout | None, kept=jax.checkpoint_policies.everything_saveable):
     """Run M micro-batches x [M, b, ...] (logical axes `names` after M) through all chunks in order.
 
     stage_fn(chunk_weights, x [b, ...]) -> (y [b, ...], aux) runs one chunk: chunk_weights are leaves of
     `weights` [R, S, C, ...] (see `by_stage`) at one (r, s); aux leaves are [C, ...] (one per layer).
+    `kept` is the remat policy of stage_fn seen from outside (what its backward pass needs kept).
     Returns (y [M, b, ...], aux [M, R S C, ...] in layer order) from real iterations only.
     """
     S, M, R = sched.stages, sched.microbatches, sched.repeats
@@ -157,17 +164,24 @@ def run(stage_fn: Callable, weights, x: jax.Array, names: tuple[str, ...], sched
     def at_stage(a):  # [S] -> broadcastable against [S, b, ...]
         return a.reshape(S, *[1] * (x.ndim - 1))
 
+    # Each stage's chunk of the circular schedule changes with the iteration: left to autodiff, that chunk (and
+    # its compute-dtype copy) would be kept for the backward pass of every iteration, the stage's weights
+    # (M R + S - 1) / R times over. Copies are recomputed instead (a gather, a transpose, a cast); the rest is
+    # kept as the layers' own remat policy says.
+    @functools.partial(jax.checkpoint, policy=lambda prim, *a, **p: prim not in _COPIES and kept(prim, *a, **p))
+    def circular_stages(weights, repeat, inputs):
+        chunk = jax.tree.map(lambda w: vmap(lambda w, r: w[r], in_axes=(1, 0))(w, repeat), weights)
+        return vmap(stage_fn)(chunk, inputs)
+
     def iteration(carry, t):
         state, buffer = carry  # state: each stage's previous output [S, b, ...]; buffer [M, b, ...]
         shifted = jnp.concatenate([state[-1:], state[:-1]])  # stage s receives stage s - 1's output
         first = jax.lax.dynamic_index_in_dim(buffer, t % M, keepdims=True)
         inputs = _constrain(layout, jnp.where(at_stage(stage_ids == 0), first, shifted), act_spec)
         if R == 1:
-            chunk = jax.tree.map(lambda w: w[0], weights)
+            out, aux = vmap(stage_fn)(jax.tree.map(lambda w: w[0], weights), inputs)
         else:
-            repeat = jnp.clip((t - stage_ids) // M, 0, R - 1)
-            chunk = jax.tree.map(lambda w: vmap(lambda w, r: w[r], in_axes=(1, 0))(w, repeat), weights)
-        out, aux = vmap(stage_fn)(chunk, inputs)
+            out, aux = circular_stages(weights, jnp.clip((t - stage_ids) // M, 0, R - 1), inputs)
         out = _constrain(layout, out, act_spec)
         # The last stage's output as a value every stage holds (a sum over the stage axis: one all-reduce).
         last = jnp.sum(jnp.where(at_stage(stage_ids == S - 1), out, jnp.zeros_like(out)), axis=0)
@@ -192,16 +206,10 @@ def over_stages(layout: Layout | None, x: jax.Array, names: tuple[str, ...]) -> 
     if not stage_axes:
         return x
     spec = layout.spec(names, x.shape)
-    rows = (*_axes(spec[0]), *stage_axes)
+    rows = (*spec_axes(spec[0]), *stage_axes)
     if x.shape[0] % math.prod(layout.mesh.shape[a] for a in rows):
         return x
     return _constrain(layout, x, PartitionSpec(rows, *spec[1:]))
-
-
-def _axes(entry) -> tuple[str, ...]:
-    if entry is None:
-        return ()
-    return tuple(entry) if isinstance(entry, tuple) else (entry,)
 
 
 def split_microbatches(x: jax.Array, microbatches: int) -> jax.Array:

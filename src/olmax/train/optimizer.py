@@ -114,7 +114,11 @@ def clip_by_global_norm(max_norm: float) -> optax.GradientTransformationExtraArg
 
     def update(updates, state, params=None, *, grad_norm, **extra):
         within = grad_norm < max_norm
-        return jax.tree.map(lambda t: jax.lax.select(within, t, (t / grad_norm.astype(t.dtype)) * max_norm), updates), state
+
+        def clip(t):
+            return jax.lax.select(within, t, (t / grad_norm.astype(t.dtype)) * max_norm)
+
+        return jax.tree.map(clip, updates), state
 
     return optax.GradientTransformationExtraArgs(optax.init_empty_state, update)
 

@@ -20,17 +20,13 @@ import math
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
-
-def _axes(entry) -> tuple[str, ...]:
-    if entry is None:
-        return ()
-    return tuple(entry) if isinstance(entry, tuple) else (entry,)
+from olmax.parallel.mesh import spec_axes
 
 
 def sharded_spec(mesh, spec: PartitionSpec, shape: tuple[int, ...]) -> PartitionSpec:
     """`spec` plus every mesh axis (of size > 1) it does not use, each on the dimension with the most
     elements per device that it divides; an axis no dimension takes stays replicated."""
-    dims = [list(_axes(spec[i] if i < len(spec) else None)) for i in range(len(shape))]
+    dims = [list(spec_axes(spec[i] if i < len(spec) else None)) for i in range(len(shape))]
     used = {a for d in dims for a in d}
     for axis in mesh.axis_names:
         size = mesh.shape[axis]
