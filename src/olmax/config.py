@@ -149,6 +149,28 @@ class AttentionImplConfig(Section):
     splash: SplashConfig = Field(default_factory=SplashConfig)
 
 
+class PipelineConfig(Section):
+    """How the layer stack runs pipelined over the `mesh.stage` stages (when mesh.stage > 1)."""
+
+    microbatches: int | None = Field(
+        None, gt=0, description="pipeline micro-batches each train micro-step is cut into; None = one per stage"
+    )
+    schedule: Literal["gpipe", "circular"] = Field(
+        "gpipe", description="gpipe: one chunk of consecutive layers per stage; circular: `repeats` chunks per stage, "
+        "the micro-batches going round the stages that many times (a smaller bubble)"
+    )
+    repeats: int | None = Field(
+        None, gt=1, description="circular: layer chunks per stage; None = the most the depth allows (one "
+        "layer_pattern period per chunk)"
+    )
+
+    @model_validator(mode="after")
+    def _repeats(self):
+        if self.schedule == "gpipe" and self.repeats is not None:
+            raise ValueError("pipeline.repeats is a circular-schedule setting; set schedule: circular or unset it")
+        return self
+
+
 class ImplConfig(Section):
     """How the model runs: free to change between runs and on resume (the function stays the same)."""
 
@@ -168,6 +190,11 @@ class ImplConfig(Section):
     fp8: bool = Field(
         False, description="block projections (q, k, v, o, MLP) as float8 matmuls, per-tensor current scaling: "
         "e4m3 inputs and weights, e5m2 gradients; the embedding, LM head, router and attention stay as they are"
+    )
+    pipeline: PipelineConfig = Field(default_factory=PipelineConfig)
+    shard_optimizer: bool = Field(
+        False, description="ZeRO-1: the optimizer state of each parameter is also sharded over the mesh axes the "
+        "parameter is replicated on (mesh.data...); the update runs on shards, the parameters are all-gathered after"
     )
 
     @model_validator(mode="after")
@@ -291,7 +318,7 @@ DEFAULT_RULES = {
     "kv_heads": ["tensor"],
     "mlp": ["tensor"],
     "experts": ["expert"],
-    "layers": [],
+    "layers": ["stage"],
     "length": [],
     "norm": [],
 }
@@ -321,6 +348,13 @@ class MeshConfig(Section):
         for name, axes in self.rules.items():
             if bad := [a for a in axes if a not in MESH_AXES]:
                 raise ValueError(f"mesh.rules.{name}: {bad} are not mesh axes {list(MESH_AXES)}")
+        if self.stage > 1:
+            if self.rules["layers"] != ["stage"]:
+                raise ValueError(f"mesh.stage {self.stage} pipelines the layers over the stages: mesh.rules.layers "
+                                 f"must be [stage] (got {self.rules['layers']})")
+            if others := sorted(name for name, axes in self.rules.items() if "stage" in axes and name != "layers"):
+                raise ValueError(f"mesh.rules {others} use the stage axis; with mesh.stage > 1 it holds the "
+                                 "pipeline stages only (layers)")
         return self
 
 

@@ -15,12 +15,15 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.ad_checkpoint import checkpoint_name
 
 from olmax.config import ImplConfig, ModelConfig
 from olmax.model import attention as attention_lib
+from olmax.model import families
 from olmax.model import rope as rope_lib
 from olmax.model.attention import cached
 from olmax.model.block import ACTIVATION, block, dense_for, mlp_sublayer, rms_norm
+from olmax.parallel import pipeline
 from olmax.parallel.mesh import Layout, constrain, platform
 
 
@@ -31,6 +34,9 @@ def compute_dtype(impl: ImplConfig, layout: Layout | None = None):
     return jnp.dtype(impl.compute_dtype)
 
 
+GROUP_INPUT = "group_input"  # a layer group's input in the pipeline: kept by every remat policy
+
+
 def _remat(impl: ImplConfig, fn):
     if impl.remat == "none":
         return fn
@@ -39,10 +45,17 @@ def _remat(impl: ImplConfig, fn):
     return jax.checkpoint(fn, policy=jax.checkpoint_policies.save_only_these_names(*impl.remat))
 
 
-def _over_groups(cfg: ModelConfig, impl: ImplConfig, group, x, xs, remat: bool):
-    """x through group(x, xs_g) -> (x, ys_g) for every pattern period g: leaves of xs are [n_layers * k, ...]
-    sliced [k, ...] per group; the ys come back as [n_layers * k, ...]."""
-    n = cfg.n_layers // len(cfg.layer_pattern)
+def _kept(impl: ImplConfig):
+    """The remat policy as seen from outside a layer group: what it keeps, and the group's input."""
+    if impl.remat == "none":
+        return jax.checkpoint_policies.everything_saveable
+    return jax.checkpoint_policies.save_only_these_names(*([] if impl.remat == "full" else impl.remat), GROUP_INPUT)
+
+
+def _over_groups(cfg: ModelConfig, impl: ImplConfig, group, x, xs, remat: bool, layers: int | None = None):
+    """x through group(x, xs_g) -> (x, ys_g) for every pattern period g of `layers` (default all) layers:
+    leaves of xs are [layers * k, ...] sliced [k, ...] per group; the ys come back as [layers * k, ...]."""
+    n = (layers or cfg.n_layers) // len(cfg.layer_pattern)
     xs = jax.tree.map(lambda a: a.reshape(n, a.shape[0] // n, *a.shape[1:]), xs)
     group = _remat(impl, group) if remat else group
     if impl.scan_layers:
@@ -60,10 +73,32 @@ def _embed(cfg: ModelConfig, impl: ImplConfig, params: dict, tokens: jax.Array, 
     return constrain(layout, params["embed"].astype(compute_dtype(impl, layout))[tokens], ACTIVATION)
 
 
+def _pipelined(cfg: ModelConfig, impl: ImplConfig, group, x, blocks: dict, sched: pipeline.Schedule,
+               layout: Layout | None):
+    """The layers as a pipeline over the layout's stages (see olmax.parallel.pipeline): x [B, T, D] in
+    sched.microbatches micro-batches; aux per micro-batch [M, n_layers, ...]."""
+    chunk_layers = cfg.n_layers // sched.chunks
+    axes = families.param_axes(cfg)["blocks"]
+    weights = {name: pipeline.by_stage(layout, w, axes[name], sched) for name, w in blocks.items()}
+
+    remat_group = _remat(impl, group)
+
+    def named_group(x, p):
+        return remat_group(checkpoint_name(x, GROUP_INPUT), p)
+
+    def chunk(w, x):
+        return _over_groups(cfg, impl, named_group, x, w, remat=False, layers=chunk_layers)
+
+    micro = pipeline.split_microbatches(x, sched.microbatches)
+    y, aux = pipeline.run(chunk, weights, micro, ACTIVATION, sched, layout, kept=_kept(impl))
+    return pipeline.over_stages(layout, pipeline.merge_microbatches(y), ACTIVATION), aux
+
+
 def forward(cfg: ModelConfig, impl: ImplConfig, params: dict, tokens: jax.Array,
-            layout: Layout | None = None) -> tuple[jax.Array, dict]:
+            layout: Layout | None = None, sched: pipeline.Schedule | None = None) -> tuple[jax.Array, dict]:
     """(final-normed hidden states [B, T, d_model] in the compute dtype, aux of every layer [n_layers, ...])
-    for int tokens [B, T] at positions 0..T-1."""
+    for int tokens [B, T] at positions 0..T-1. With a pipeline schedule the layers run pipelined over the
+    layout's stages and aux is per micro-batch, [microbatches, n_layers, ...]."""
     positions = np.arange(tokens.shape[1])
     ropes = {kind: rope_lib.tables(cfg.rope[kind], cfg.head_size, positions) for kind in set(cfg.layer_pattern)}
     attentions = [attention_lib.make(impl, cfg.window(i), layout) for i in range(len(cfg.layer_pattern))]
@@ -80,7 +115,10 @@ def forward(cfg: ModelConfig, impl: ImplConfig, params: dict, tokens: jax.Array,
         return x, jax.tree.map(lambda *a: jnp.stack(a), *auxes)
 
     x = _embed(cfg, impl, params, tokens, layout)
-    x, aux = _over_groups(cfg, impl, group, x, params["blocks"], remat=True)
+    if sched is None:
+        x, aux = _over_groups(cfg, impl, group, x, params["blocks"], remat=True)
+    else:
+        x, aux = _pipelined(cfg, impl, group, x, params["blocks"], sched, layout)
     return rms_norm(x, params["final_norm"], cfg.norm_eps), aux
 
 

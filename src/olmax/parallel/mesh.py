@@ -96,6 +96,13 @@ def make_layout(cfg: MeshConfig, devices=None) -> Layout:
     return Layout(make_mesh(cfg, devices), {name: tuple(axes) for name, axes in cfg.rules.items()})
 
 
+def spec_axes(entry) -> tuple[str, ...]:
+    """The mesh axes of one PartitionSpec entry (None, an axis, or a tuple of axes)."""
+    if entry is None:
+        return ()
+    return tuple(entry) if isinstance(entry, tuple) else (entry,)
+
+
 def constrain(layout: Layout | None, x: jax.Array, names: tuple[str, ...]) -> jax.Array:
     """Pin an activation to the layout; a no-op without one (single-device code)."""
     return x if layout is None else layout.constrain(x, names)

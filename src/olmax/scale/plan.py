@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from olmax.config import RunConfig
 from olmax.model import flops
+from olmax.parallel import pipeline
 from olmax.scale.targets import Target
 
 COUNTS = {"exact_window": "sliding windows exact", "all_global": "every layer global"}
@@ -32,6 +33,7 @@ def plan(cfg: RunConfig, target: Target, mfu: float) -> dict:
         "tokens_per_step": tokens_per_step,
         "steps": cfg.train.steps,
         "tokens": tokens_per_step * cfg.train.steps,
+        "pipeline": _pipeline(cfg),
     }
     per_token = {"exact_window": count.per_token, "all_global": count.per_token_all_global}
     for key, flops_per_token in per_token.items():
@@ -45,6 +47,14 @@ def plan(cfg: RunConfig, target: Target, mfu: float) -> dict:
             "chip_hours": chip_seconds * cfg.train.steps / 3600,
         }
     return report
+
+
+def _pipeline(cfg: RunConfig) -> dict | None:
+    sched = pipeline.schedule_for(cfg)
+    if sched is None:
+        return None
+    return {"stages": sched.stages, "microbatches": sched.microbatches, "chunks_per_stage": sched.repeats,
+            "iterations": sched.iterations, "bubble_fraction": sched.bubble, "summary": sched.describe()}
 
 
 def format_plan(report: dict) -> str:
@@ -66,4 +76,6 @@ def format_plan(report: dict) -> str:
     ]
     for label, key, fmt in rows:
         lines.append(f"{label:24}{fmt(report['exact_window'][key]):>24}{fmt(report['all_global'][key]):>24}")
+    if report["pipeline"]:
+        lines += ["", f"pipeline: {report['pipeline']['summary']}; the MFU above is of the whole step, bubble included"]
     return "\n".join(lines)

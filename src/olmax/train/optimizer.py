@@ -85,15 +85,15 @@ def skip_step(inner: optax.GradientTransformation, window: int, min_values: int,
         return SkipStepState(inner.init(params), zeros, zeros, jnp.int32(0), jnp.int32(0),
                              jnp.float32(0), jnp.bool_(False))
 
-    def update(updates, state, params=None, *, loss, **extra):
+    def update(updates, state, params=None, *, loss, grad_norm=None, **extra):
         loss = jnp.asarray(loss, jnp.float32)
-        norm = optax.tree.norm(updates).astype(jnp.float32)
+        norm = jnp.asarray(optax.tree.norm(updates) if grad_norm is None else grad_norm, jnp.float32)
         finite = jnp.isfinite(loss) & jnp.isfinite(norm)
         checked = state.filled + 1 >= min_values
         spike = _spike(loss, state.losses, state.filled, sigma) | _spike(norm, state.grad_norms, state.filled, sigma)
         skip = ~finite | (checked & spike) if enabled else jnp.bool_(False)
 
-        new_updates, new_inner = inner.update(updates, state.inner, params)
+        new_updates, new_inner = inner.update(updates, state.inner, params, grad_norm=norm)
         new_updates = jax.tree.map(lambda u: jnp.where(skip, jnp.zeros_like(u), u), new_updates)
         new_inner = jax.tree.map(lambda new, old: jnp.where(skip, old, new), new_inner, state.inner)
 
@@ -108,11 +108,28 @@ def skip_step(inner: optax.GradientTransformation, window: int, min_values: int,
     return optax.GradientTransformationExtraArgs(init, update)
 
 
+def clip_by_global_norm(max_norm: float) -> optax.GradientTransformationExtraArgs:
+    """optax.clip_by_global_norm with the norm given (`grad_norm`), not recomputed from the updates: the
+    updates may be ZeRO-1 shards, whose norm would be summed in another order (train/zero.py)."""
+
+    def update(updates, state, params=None, *, grad_norm, **extra):
+        within = grad_norm < max_norm
+
+        def clip(t):
+            return jax.lax.select(within, t, (t / grad_norm.astype(t.dtype)) * max_norm)
+
+        return jax.tree.map(clip, updates), state
+
+    return optax.GradientTransformationExtraArgs(optax.init_empty_state, update)
+
+
 def build_optimizer(cfg: OptimConfig, params: Any) -> optax.GradientTransformationExtraArgs:
+    """Skip-step around (clip -> AdamW); `update(..., loss=CE loss, grad_norm=None)`: the pre-clip global
+    norm of the gradients, computed from them when not given."""
     moment_dtype = jnp.dtype(cfg.moment_dtype)
 
     def clipped_adamw(learning_rate):
-        clip = optax.clip_by_global_norm(cfg.grad_clip) if cfg.grad_clip else optax.identity()
+        clip = clip_by_global_norm(cfg.grad_clip) if cfg.grad_clip else optax.identity()
         adamw = optax.adamw(learning_rate, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay,
                             mask=decay_mask(params, cfg.no_decay), mu_dtype=moment_dtype)
         return optax.chain(clip, adamw)

@@ -5,22 +5,32 @@ A batch is the global batch cut into micro-batches, `input_ids [A, M, T]` and
 count of the whole global batch, so accumulating A micro-batches gives the
 gradient of one big batch. Auxiliary losses of the model's sublayers (`aux`,
 stacked over layers) enter in one place, `auxiliary`, as means over each
-micro-batch weighted 1/A.
+micro-batch weighted 1/A. With pipeline stages (mesh.stage > 1) each micro-batch
+is cut again into the pipeline's micro-batches, and `auxiliary` sees each of
+those as a micro-batch of its own (weighted 1/(A x pipeline micro-batches)).
+
+The optimizer gets the global gradient norm computed here, from the gradients in
+the parameters' layout; with `impl.shard_optimizer` it then updates ZeRO-1
+shards (train/zero.py).
 """
 
 from __future__ import annotations
 
 import functools
+import operator
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
+from jax.sharding import NamedSharding, PartitionSpec
 
 from olmax.config import ConfigError, RunConfig
 from olmax.model import families, transformer
 from olmax.model.loss import label_mask, loss_sums
+from olmax.parallel import pipeline
 from olmax.parallel.mesh import Layout
+from olmax.train import zero
 from olmax.train.optimizer import adam_count, build_optimizer, lr_at, with_lr
 
 
@@ -40,14 +50,23 @@ def init_state(cfg: RunConfig, key: jax.Array) -> TrainState:
     return TrainState(jnp.int32(0), params, optimizer_for(cfg).init(params))
 
 
+def param_shardings(cfg: RunConfig, layout: Layout) -> dict:
+    return layout.shardings(families.param_axes(cfg.model), families.param_shapes(cfg.model))
+
+
+def update_shardings(cfg: RunConfig, layout: Layout) -> dict:
+    """Where the optimizer's update runs: on the parameters' layout, or on ZeRO-1 shards."""
+    params = param_shardings(cfg, layout)
+    return zero.shardings(params, families.param_shapes(cfg.model)) if cfg.impl.shard_optimizer else params
+
+
 def state_shardings(cfg: RunConfig, layout: Layout) -> TrainState:
     abstract = jax.eval_shape(functools.partial(init_state, cfg), jax.random.key(0))
-    params = layout.shardings(families.param_axes(cfg.model), abstract.params)
     opt_state = optax.tree_map_params(
-        optimizer_for(cfg), lambda _, sharding: sharding, abstract.opt_state, params,
+        optimizer_for(cfg), lambda _, sharding: sharding, abstract.opt_state, update_shardings(cfg, layout),
         transform_non_params=lambda _: layout.replicated,
     )
-    return TrainState(layout.replicated, params, opt_state)
+    return TrainState(layout.replicated, param_shardings(cfg, layout), opt_state)
 
 
 def create_state(cfg: RunConfig, layout: Layout, key: jax.Array) -> TrainState:
@@ -66,12 +85,17 @@ def micro_batch_rows(cfg: RunConfig, dp_size: int) -> int:
             f"x train.micro_batch_per_device {per_device or global_batch // dp_size} = {rows}; "
             "change the global batch or the micro-batch"
         )
+    pipeline.check_rows(pipeline.schedule_for(cfg), rows // dp_size)
     return rows
 
 
 def batch_shardings(layout: Layout, seq_len: int, micro_rows: int) -> dict:
-    return {"input_ids": layout.sharding(("layers", "batch", "length"), (1, micro_rows, seq_len)),
-            "instance_mask": layout.sharding(("layers", "batch"), (1, micro_rows))}
+    """[A, M, ...]: the micro-step axis A whole on every device, the rows M over the batch axes."""
+    def sharding(names, shape):
+        return NamedSharding(layout.mesh, PartitionSpec(None, *layout.spec(names, shape)))
+
+    return {"input_ids": sharding(("batch", "length"), (micro_rows, seq_len)),
+            "instance_mask": sharding(("batch",), (micro_rows,))}
 
 
 def auxiliary(cfg: RunConfig, aux: dict) -> tuple[jax.Array, dict]:
@@ -81,15 +105,36 @@ def auxiliary(cfg: RunConfig, aux: dict) -> tuple[jax.Array, dict]:
     return jnp.float32(0.0), {}
 
 
+def per_microbatch_auxiliary(cfg: RunConfig, aux: dict, microbatches: int) -> tuple[jax.Array, dict]:
+    """`auxiliary` of each pipeline micro-batch (aux leaves [microbatches, n_layers, ...]): their mean loss
+    and their summed metrics, as if each were a micro-batch of the gradient accumulation."""
+    parts = [auxiliary(cfg, jax.tree.map(lambda a: a[m], aux)) for m in range(microbatches)]
+    loss = sum(part[0] for part in parts) / microbatches
+    return loss, jax.tree.map(lambda *values: sum(values), *(part[1] for part in parts))
+
+
+def global_norm(grads: dict, shardings: dict) -> jax.Array:
+    """The global L2 norm, each square summed in its parameter's layout (one all-reduce of the partial sums
+    over the axes the parameter is sharded on): left free, XLA may sum the squares on the optimizer's ZeRO-1
+    shards instead, in another order, and ZeRO-1 must not change a bit (train/zero.py)."""
+    squares = jax.tree.map(lambda g, sharding: jax.lax.with_sharding_constraint(g * g, sharding), grads, shardings)
+    return jnp.sqrt(jax.tree.reduce(operator.add, jax.tree.map(jnp.sum, squares), initializer=0))
+
+
 def make_train_step(cfg: RunConfig, layout: Layout):
     optimizer = optimizer_for(cfg)
     model_cfg, impl, loss_cfg = cfg.model, cfg.impl, cfg.loss
+    sched = pipeline.schedule_for(cfg)
+    params_sh, update_sh = param_shardings(cfg, layout), update_shardings(cfg, layout)
 
     def micro_loss(params, input_ids, instance_mask, n_labels, n_micro):
-        hidden, aux = transformer.forward(model_cfg, impl, params, input_ids, layout)
+        hidden, aux = transformer.forward(model_cfg, impl, params, input_ids, layout, sched)
         mask = label_mask(input_ids, cfg.data.pad_id, loss_cfg.mask_pad)
         ce, z = loss_sums(params, hidden, input_ids, mask, instance_mask, impl.loss_chunk)
-        aux_loss, aux_metrics = auxiliary(cfg, aux)
+        if sched is None:
+            aux_loss, aux_metrics = auxiliary(cfg, aux)
+        else:
+            aux_loss, aux_metrics = per_microbatch_auxiliary(cfg, aux, sched.microbatches)
         return (ce + loss_cfg.z_loss * z) / n_labels + aux_loss / n_micro, (ce, z, aux_metrics)
 
     grad_fn = jax.grad(micro_loss, has_aux=True)
@@ -113,8 +158,13 @@ def make_train_step(cfg: RunConfig, layout: Layout):
 
         lr = lr_at(cfg.schedule, cfg.optim.lr, cfg.train.steps, state.step + 1)
         opt_state = with_lr(state.opt_state, lr)
-        updates, opt_state = optimizer.update(grads, opt_state, state.params, loss=ce_loss)
-        params = optax.apply_updates(state.params, updates)
+        # Reduced over the batch into the parameters' layout first, as without ZeRO-1 (a reduce-scatter straight
+        # onto its shards would sum in another order), then sliced.
+        grads = jax.lax.optimization_barrier(jax.lax.with_sharding_constraint(grads, params_sh))
+        grad_norm = global_norm(grads, params_sh)
+        grads, params = jax.lax.with_sharding_constraint((grads, state.params), (update_sh, update_sh))
+        updates, opt_state = optimizer.update(grads, opt_state, params, loss=ce_loss, grad_norm=grad_norm)
+        params = jax.lax.with_sharding_constraint(optax.apply_updates(params, updates), params_sh)
         metrics = {
             "train/CE loss": ce_loss,
             "train/Z loss": z_loss,

@@ -24,6 +24,7 @@ from olmax.config import ConfigError, ModelConfig, RunConfig, upgrade, writable_
 from olmax.data import build_loader
 from olmax.model import families, flops
 from olmax.model.transformer import compute_dtype
+from olmax.parallel import pipeline
 from olmax.parallel.mesh import Layout, make_layout
 from olmax.runtime import received_signal
 from olmax.train.metrics import MetricsWriter, console_line, device_peak_flops
@@ -201,11 +202,13 @@ def train(cfg: RunConfig, *, quiet: bool = False, make_eval=None) -> list[dict]:
                 "the next batch; restore the checkpoint from a copy, or move it away to resume from the one before"
             )
     step_fn = jit_train_step(cfg, layout, micro_rows)
+    if (sched := pipeline.schedule_for(cfg)) and not quiet and jax.process_index() == 0:
+        print(f"pipeline: {sched.describe()}", flush=True)
     evaluate = make_eval(cfg, layout) if make_eval else None
     sharding = batch_shardings(layout, cfg.data.sequence_length, micro_rows)
     writer = MetricsWriter(cfg.run_dir, start, enabled=jax.process_index() == 0)
     flops_per_token = flops.count(cfg.model, cfg.data.sequence_length).per_token
-    peak = device_peak_flops(np.dtype(compute_dtype(cfg.impl)).name)
+    peak = device_peak_flops(np.dtype(compute_dtype(cfg.impl, layout)).name)
     history, pending = [], None
     last_done = time.perf_counter()
 
