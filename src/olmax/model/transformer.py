@@ -1,4 +1,4 @@
-"""The decoder-only transformer (OLMo 3), as pure functions over a parameter pytree.
+"""The decoder-only transformer (OLMo 3, OLMoE), as pure functions over a parameter pytree.
 
 Layers repeat `layer_pattern` (3 sliding, 1 global in OLMo 3). Block parameters are stacked on a
 leading `layers` axis and the model scans over groups of one pattern period, so the compiled program
@@ -38,10 +38,10 @@ def _remat(impl: ImplConfig, fn):
     return jax.checkpoint(fn, policy=jax.checkpoint_policies.save_only_these_names(*impl.remat))
 
 
-def _over_groups(cfg: ModelConfig, impl: ImplConfig, group, x, xs, remat: bool):
-    """x through group(x, xs_g) -> (x, ys_g) for every pattern period g: leaves of xs are [n_layers * k, ...]
-    sliced [k, ...] per group; the ys come back as [n_layers * k, ...]."""
-    n = cfg.n_layers // len(cfg.layer_pattern)
+def _over_groups(cfg: ModelConfig, impl: ImplConfig, group, x, xs, remat: bool, n_layers: int | None = None):
+    """x through group(x, xs_g) -> (x, ys_g) for every pattern period g of a stack of n_layers (default all):
+    leaves of xs are [n_layers * k, ...] sliced [k, ...] per group; the ys come back as [n_layers * k, ...]."""
+    n = (n_layers or cfg.n_layers) // len(cfg.layer_pattern)
     xs = jax.tree.map(lambda a: a.reshape(n, a.shape[0] // n, *a.shape[1:]), xs)
     group = _remat(impl, group) if remat else group
     if impl.scan_layers:
@@ -59,25 +59,48 @@ def _embed(cfg: ModelConfig, impl: ImplConfig, params: dict, tokens: jax.Array, 
     return constrain(layout, params["embed"].astype(compute_dtype(impl))[tokens], ACTIVATION)
 
 
+def _stacks(cfg: ModelConfig, impl: ImplConfig, layout: Layout | None, key: jax.Array | None):
+    """(params key, layers, MLP sublayer, per-layer routing keys or None) of each stack of layers in depth
+    order: an MoE model's `dense_layers` first (`dense_blocks`), then `blocks`. Routing keys exist for
+    routing="random" only: split from `key` (the train step's, a function of its step; a fixed one when None)."""
+    stacks = []
+    if cfg.dense_layers:
+        stacks.append(("dense_blocks", cfg.dense_layers, mlp_sublayer(cfg, impl, layout, "dense"), None))
+    n = cfg.n_layers - cfg.dense_layers
+    keys = None
+    if cfg.mlp == "moe" and cfg.moe.routing == "random":
+        keys = jax.random.split(jax.random.key(0) if key is None else key, n)
+    return stacks + [("blocks", n, mlp_sublayer(cfg, impl, layout), keys)]
+
+
+def _with_key(mlp, keys, i):
+    return mlp if keys is None else functools.partial(mlp, key=keys[i])
+
+
 def forward(cfg: ModelConfig, impl: ImplConfig, params: dict, tokens: jax.Array,
-            layout: Layout | None = None) -> tuple[jax.Array, dict]:
-    """(final-normed hidden states [B, T, d_model] in the compute dtype, aux of every layer [n_layers, ...])
-    for int tokens [B, T] at positions 0..T-1."""
+            layout: Layout | None = None, key: jax.Array | None = None) -> tuple[jax.Array, dict]:
+    """(final-normed hidden states [B, T, d_model] in the compute dtype, aux of every layer of `blocks`
+    [n_layers, ...]) for int tokens [B, T] at positions 0..T-1; `key` drives MoE routing="random"."""
     positions = np.arange(tokens.shape[1])
     ropes = {kind: rope_lib.tables(cfg.rope[kind], cfg.head_size, positions) for kind in set(cfg.layer_pattern)}
     attentions = [attention_lib.make(impl, cfg.window(i), layout) for i in range(len(cfg.layer_pattern))]
-    mlp = mlp_sublayer(cfg)
 
-    def group(x, group_params):
-        auxes = []
-        for i, kind in enumerate(cfg.layer_pattern):
-            p = jax.tree.map(lambda a: a[i], group_params)
-            x, aux, _ = block(cfg, p, x, rope=ropes[kind], attention=attentions[i], mlp=mlp, layout=layout)
-            auxes.append(aux)
-        return x, jax.tree.map(lambda *a: jnp.stack(a), *auxes)
+    def stack_group(mlp):
+        def group(x, inputs):
+            group_params, keys = inputs
+            auxes = []
+            for i, kind in enumerate(cfg.layer_pattern):
+                p = jax.tree.map(lambda a: a[i], group_params)
+                x, aux, _ = block(cfg, p, x, rope=ropes[kind], attention=attentions[i], mlp=_with_key(mlp, keys, i),
+                                  layout=layout)
+                auxes.append(aux)
+            return x, jax.tree.map(lambda *a: jnp.stack(a), *auxes)
+
+        return group
 
     x = _embed(cfg, impl, params, tokens, layout)
-    x, aux = _over_groups(cfg, impl, group, x, params["blocks"], remat=True)
+    for name, n, mlp, keys in _stacks(cfg, impl, layout, key):
+        x, aux = _over_groups(cfg, impl, stack_group(mlp), x, (params[name], keys), remat=True, n_layers=n)
     return rms_norm(x, params["final_norm"], cfg.norm_eps), aux
 
 
@@ -130,22 +153,32 @@ def forward_cached(cfg: ModelConfig, impl: ImplConfig, params: dict, tokens: jax
     for kind in set(cfg.layer_pattern):
         cos, sin = rope_lib.tables(cfg.rope[kind], cfg.head_size, table_pos)
         ropes[kind] = (jnp.asarray(cos)[query_pos], jnp.asarray(sin)[query_pos])
-    mlp = mlp_sublayer(cfg)
     # layer i of the period is the index_in_kind[i]-th of its kind within the period
     index_in_kind = [cfg.layer_pattern[:i].count(kind) for i, kind in enumerate(cfg.layer_pattern)]
 
-    def group(x, inputs):
-        group_params, caches = inputs
-        new = {kind: [None] * cfg.layer_pattern.count(kind) for kind in caches}
-        for i, kind in enumerate(cfg.layer_pattern):
-            j = index_in_kind[i]
-            layer_cache = jax.tree.map(lambda a: a[j], caches[kind])
-            attend = functools.partial(cached.attention, cache=layer_cache, positions=positions, lengths=lengths,
-                                       window=cfg.window(i))
-            p = jax.tree.map(lambda a: a[i], group_params)
-            x, _, new[kind][j] = block(cfg, p, x, rope=ropes[kind], attention=attend, mlp=mlp)
-        return x, {kind: jax.tree.map(lambda *a: jnp.stack(a), *layer_caches) for kind, layer_caches in new.items()}
+    def stack_group(mlp):
+        def group(x, inputs):
+            group_params, keys, caches = inputs
+            new = {kind: [None] * cfg.layer_pattern.count(kind) for kind in caches}
+            for i, kind in enumerate(cfg.layer_pattern):
+                j = index_in_kind[i]
+                layer_cache = jax.tree.map(lambda a: a[j], caches[kind])
+                attend = functools.partial(cached.attention, cache=layer_cache, positions=positions,
+                                           lengths=lengths, window=cfg.window(i))
+                p = jax.tree.map(lambda a: a[i], group_params)
+                x, _, new[kind][j] = block(cfg, p, x, rope=ropes[kind], attention=attend, mlp=_with_key(mlp, keys, i))
+            return x, {kind: jax.tree.map(lambda *a: jnp.stack(a), *caches) for kind, caches in new.items()}
+
+        return group
 
     x = _embed(cfg, impl, params, tokens, None)
-    x, layers = _over_groups(cfg, impl, group, x, (params["blocks"], cache.layers), remat=False)
+    layers, start = [], 0  # the cache's entries of a kind are in depth order: each stack takes its own
+    for name, n, mlp, keys in _stacks(cfg, impl, None, None):
+        per_group = {kind: cfg.layer_pattern.count(kind) for kind in cache.layers}
+        caches = {kind: jax.tree.map(lambda a: a[start * c: (start + n // len(cfg.layer_pattern)) * c], layer)
+                  for (kind, layer), c in zip(cache.layers.items(), per_group.values())}
+        x, new = _over_groups(cfg, impl, stack_group(mlp), x, (params[name], keys, caches), remat=False, n_layers=n)
+        layers.append(new)
+        start += n // len(cfg.layer_pattern)
+    layers = {kind: jax.tree.map(lambda *a: jnp.concatenate(a), *(new[kind] for new in layers)) for kind in layers[0]}
     return rms_norm(x, params["final_norm"], cfg.norm_eps), Cache(layers)

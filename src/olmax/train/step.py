@@ -4,8 +4,13 @@ A batch is the global batch cut into micro-batches, `input_ids [A, M, T]` and
 `instance_mask [A, M]`. Each micro-batch's summed loss is divided by the label
 count of the whole global batch, so accumulating A micro-batches gives the
 gradient of one big batch. Auxiliary losses of the model's sublayers (`aux`,
-stacked over layers) enter in one place, `auxiliary`, as means over each
-micro-batch weighted 1/A.
+stacked over layers) enter in one place, `auxiliary`, summed over tokens and
+divided by the same label count (OLMo-core's MoE router losses).
+
+A mixture of experts adds its true load over the global batch to the metrics
+(`load_metrics`) and moves its selection bias after the update (even on a
+skipped step, as OLMo-core does); routing="random" draws from a key that is a
+function of the step, so a resumed run routes as the continuous one.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ import jax.numpy as jnp
 import optax
 
 from olmax.config import ConfigError, RunConfig
-from olmax.model import families, transformer
+from olmax.model import families, moe, transformer
 from olmax.model.loss import label_mask, loss_sums
 from olmax.parallel.mesh import Layout
 from olmax.train.optimizer import adam_count, build_optimizer, lr_at, with_lr
@@ -74,23 +79,61 @@ def batch_shardings(layout: Layout, seq_len: int, micro_rows: int) -> dict:
             "instance_mask": layout.sharding(("layers", "batch"), (1, micro_rows))}
 
 
-def auxiliary(cfg: RunConfig, aux: dict) -> tuple[jax.Array, dict]:
-    """The one place auxiliary losses enter the loss: (the weighted sum of a micro-batch's auxiliary losses,
-    each a mean over the micro-batch, and the values to log, summed over micro-batches) from the model's
-    per-layer aux. A dense model has none."""
-    return jnp.float32(0.0), {}
+def auxiliary(cfg: RunConfig, aux: dict, tokens: int, n_labels: jax.Array) -> tuple[jax.Array, dict]:
+    """The one place auxiliary losses enter the loss: (what a micro-batch of `tokens` tokens adds to the loss,
+    already divided by the global batch's label count, and the values summed over micro-batches for the
+    metrics) from the model's per-layer aux. A dense model has none."""
+    if cfg.model.mlp != "moe":
+        return jnp.float32(0.0), {}
+    loss, logged = moe.aux_loss(cfg.model.moe, aux, cfg.model.n_layers, tokens, n_labels)
+    return loss, {f"train/{name}": value for name, value in logged.items()} | {
+        "tokens_per_expert": aux["tokens_per_expert"], "dropped_tokens": aux["dropped_tokens"]}
+
+
+def load_metrics(cfg: RunConfig, logged: dict) -> dict:
+    """The step's metrics from the summed aux values: the true load of the global batch per MoE layer
+    (assignments per expert, a vector metric: a histogram in the event files), and the worst layer's
+    load imbalance (max / mean, OLMo-core's metric and reduction) and busiest expert share."""
+    counts, dropped = logged.pop("tokens_per_expert"), logged.pop("dropped_tokens")
+    load = moe.load_metrics(counts, dropped)
+    metrics = {"train/load imbalance": jnp.max(load["load imbalance"]),
+               "train/busiest expert share": jnp.max(load["busiest expert share"]),
+               "train/dropped rate": jnp.sum(dropped) / jnp.sum(counts)}
+    for i in range(counts.shape[0]):
+        layer = cfg.model.dense_layers + i
+        metrics[f"train/block {layer:02d}/load imbalance"] = load["load imbalance"][i]
+        metrics[f"train/block {layer:02d}/tokens per expert"] = counts[i]
+    return logged | metrics
+
+
+def routing_key(cfg: RunConfig, step: jax.Array, micro: jax.Array) -> jax.Array | None:
+    """The key of routing="random" for micro-batch `micro` of trainer step `step` (1-based): a function of
+    the step, not of anything carried in the state, so a resumed run draws what the continuous one drew."""
+    if cfg.model.mlp != "moe" or cfg.model.moe.routing != "random":
+        return None
+    return jax.random.fold_in(jax.random.fold_in(jax.random.key(cfg.train.seed), step), micro)
+
+
+def with_score_bias(cfg: RunConfig, params: dict, old: dict, counts: jax.Array) -> dict:
+    """params with the MoE selection bias moved from its value in `old` by this step's load (OLMo-core's
+    `bias_gamma` update): the bias is no trainable weight, so neither Adam nor weight decay may move it."""
+    rate = cfg.model.mlp == "moe" and cfg.model.moe.bias_update_rate
+    if not rate:
+        return params
+    bias = moe.update_score_bias(old["blocks"]["score_bias"], counts, rate)
+    return params | {"blocks": params["blocks"] | {"score_bias": bias}}
 
 
 def make_train_step(cfg: RunConfig, layout: Layout):
     optimizer = optimizer_for(cfg)
     model_cfg, impl, loss_cfg = cfg.model, cfg.impl, cfg.loss
 
-    def micro_loss(params, input_ids, instance_mask, n_labels, n_micro):
-        hidden, aux = transformer.forward(model_cfg, impl, params, input_ids, layout)
+    def micro_loss(params, input_ids, instance_mask, n_labels, key):
+        hidden, aux = transformer.forward(model_cfg, impl, params, input_ids, layout, key)
         mask = label_mask(input_ids, cfg.data.pad_id, loss_cfg.mask_pad)
         ce, z = loss_sums(params, hidden, input_ids, mask, instance_mask, impl.loss_chunk)
-        aux_loss, aux_metrics = auxiliary(cfg, aux)
-        return (ce + loss_cfg.z_loss * z) / n_labels + aux_loss / n_micro, (ce, z, aux_metrics)
+        aux_loss, aux_metrics = auxiliary(cfg, aux, input_ids.size, n_labels)
+        return (ce + loss_cfg.z_loss * z) / n_labels + aux_loss, (ce, z, aux_metrics)
 
     grad_fn = jax.grad(micro_loss, has_aux=True)
 
@@ -100,21 +143,25 @@ def make_train_step(cfg: RunConfig, layout: Layout):
         n_labels = jnp.maximum(label_mask(all_rows, cfg.data.pad_id, loss_cfg.mask_pad).sum(), 1).astype(jnp.float32)
         n_micro = input_ids.shape[0]
 
-        def accumulate(carry, micro):
+        def accumulate(carry, inputs):
+            micro, index = inputs
             grads, ce, z = carry
             g, (micro_ce, micro_z, logged) = grad_fn(state.params, micro["input_ids"], micro["instance_mask"],
-                                                     n_labels, n_micro)
+                                                     n_labels, routing_key(cfg, state.step + 1, index))
             return (jax.tree.map(jnp.add, grads, g), ce + micro_ce, z + micro_z), logged
 
         zeros = jax.tree.map(jnp.zeros_like, state.params)
-        (grads, ce, z), logged = jax.lax.scan(accumulate, (zeros, 0.0, 0.0), batch)
+        (grads, ce, z), logged = jax.lax.scan(accumulate, (zeros, 0.0, 0.0), (batch, jnp.arange(n_micro)))
         logged = jax.tree.map(lambda a: a.sum(0), logged)
+        counts = logged.get("tokens_per_expert")  # [MoE layers, experts] over the global batch
+        if counts is not None:
+            logged = load_metrics(cfg, logged)
         ce_loss, z_loss = ce / n_labels, loss_cfg.z_loss * z / n_labels
 
         lr = lr_at(cfg.schedule, cfg.optim.lr, cfg.train.steps, state.step + 1)
         opt_state = with_lr(state.opt_state, lr)
         updates, opt_state = optimizer.update(grads, opt_state, state.params, loss=ce_loss)
-        params = optax.apply_updates(state.params, updates)
+        params = with_score_bias(cfg, optax.apply_updates(state.params, updates), state.params, counts)
         metrics = {
             "train/CE loss": ce_loss,
             "train/Z loss": z_loss,
