@@ -32,6 +32,7 @@ def cmd_flops(args) -> None:
     report = {
         "params": count.params,
         "non_embedding_params": count.non_embedding_params,
+        "active_params": count.active_params,
         "sequence_length": seq,
         "train_flops_per_token": count.per_token,
         "train_flops_per_token_all_global_attention": count.per_token_all_global,
@@ -44,6 +45,7 @@ def cmd_flops(args) -> None:
         return
     print(f"params                    {count.params:,}")
     print(f"non-embedding params      {count.non_embedding_params:,}")
+    print(f"active params / token     {count.active_params:,}  (FLOPs below count these)")
     print(f"train FLOPs / token       {count.per_token / 1e9:,.2f} G  (sliding windows exact, seq {seq})")
     print(f"  all layers global       {count.per_token_all_global / 1e9:,.2f} G")
     print(f"train TFLOP / device-step {report['train_tflop_per_device_step']:,.1f}  ({per_device} x {seq} tokens)")
