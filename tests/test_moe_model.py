@@ -111,8 +111,8 @@ def test_identical_experts_with_renormalized_gates_are_the_dense_model():
         np.testing.assert_allclose(transformer.forward_logits(sparse.model, impl, moe_params, tokens), want,
                                    atol=2e-5, rtol=2e-5, err_msg=dispatch)
     cache = transformer.init_cache(sparse.model, sparse.impl, 2, 40)
-    prefix, _ = transformer.forward_cached(sparse.model, sparse.impl, moe_params, tokens[:, :30], jnp.zeros(2, jnp.int32),
-                                           cache, 40)
+    prefix, _ = transformer.forward_cached(sparse.model, sparse.impl, moe_params, tokens[:, :30],
+                                           jnp.zeros(2, jnp.int32), cache, 40)
     np.testing.assert_allclose(transformer.logits(moe_params, prefix), want[:, :30], atol=2e-5, rtol=2e-5)
     _, aux = transformer.forward(sparse.model, sparse.impl, moe_params, tokens)
     assert aux["tokens_per_expert"].shape == (4, 4)  # the MoE layers only

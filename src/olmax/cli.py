@@ -97,7 +97,7 @@ def cmd_demo(args) -> None:
 
     restart_with_huge_pages()
 
-    run_demo(args.overrides, fresh=args.fresh)
+    run_demo(args.overrides, fresh=args.fresh, moe=args.moe)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -111,6 +111,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("demo", help="the whole pipeline on the Python standard library, with a report")
     p.add_argument("overrides", nargs="*", help="section.key=value on the demo preset")
     p.add_argument("--fresh", action="store_true", help="rebuild the cached corpus, tokenizer and shards")
+    p.add_argument("--moe", action="store_true",
+                   help="train the demo_moe preset (experts in every layer); its report plots each expert's load")
     p.set_defaults(func=cmd_demo)
 
     p = sub.add_parser("resume-check", help="continuous run vs the same run resumed at --at: every delta must be 0")

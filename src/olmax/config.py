@@ -78,7 +78,7 @@ class MoEConfig(Section):
     gating: Literal["softmax", "sigmoid"] = Field("softmax", description="router scores from its float32 logits")
     normalize_gates: bool = Field(False, description="divide the top-k gate weights by their sum (OLMoE: false)")
     load_balancing_loss: float = Field(0.01, ge=0, description="coefficient of the load balancing loss (OLMoE 0.01)")
-    router_z_loss: float = Field(0.001, ge=0, description="coefficient of mean(logsumexp(router logits)^2) (OLMoE 0.001)")
+    router_z_loss: float = Field(0.001, ge=0, description="coefficient of the router z-loss (OLMoE 0.001)")
     load_balancing_granularity: Literal["global_batch", "micro_batch"] = Field(
         "global_batch",
         description="global_batch: expert counts over the whole micro-batch (all data-parallel ranks; independent "
@@ -180,7 +180,7 @@ class ModelConfig(Section):
         if self.mlp == "moe" and self.moe is None:
             raise ValueError("mlp is moe but moe is not set; add model.moe (num_experts, top_k, expert_hidden, ...)")
         if self.mlp == "dense" and (self.moe is not None or self.dense_layers):
-            raise ValueError("model.moe / model.dense_layers are set but mlp is dense; set model.mlp: moe or unset them")
+            raise ValueError("model.moe / model.dense_layers are set but mlp is dense; set mlp: moe or unset them")
         if self.dense_layers >= self.n_layers or self.dense_layers % len(self.layer_pattern):
             raise ValueError(f"dense_layers {self.dense_layers} must be a multiple of the layer_pattern length "
                              f"{len(self.layer_pattern)} below n_layers {self.n_layers}")

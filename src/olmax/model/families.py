@@ -75,9 +75,11 @@ def _block_rows(cfg: ModelConfig, stack: str, first: int, n: int, mlp: str, name
     return rows
 
 
-ATTENTION_NAMES = {"q_proj": ("self_attn.q_proj", "attention.w_q"), "k_proj": ("self_attn.k_proj", "attention.w_k"),
-                   "v_proj": ("self_attn.v_proj", "attention.w_v"), "o_proj": ("self_attn.o_proj", "attention.w_out"),
-                   "q_norm": ("self_attn.q_norm", "attention.q_norm"), "k_norm": ("self_attn.k_norm", "attention.k_norm")}
+ATTENTION_NAMES = {
+    "q_proj": ("self_attn.q_proj", "attention.w_q"), "k_proj": ("self_attn.k_proj", "attention.w_k"),
+    "v_proj": ("self_attn.v_proj", "attention.w_v"), "o_proj": ("self_attn.o_proj", "attention.w_out"),
+    "q_norm": ("self_attn.q_norm", "attention.q_norm"), "k_norm": ("self_attn.k_norm", "attention.k_norm"),
+}
 DENSE_MLP_NAMES = {"w1": ("mlp.gate_proj", "feed_forward.w1"), "w3": ("mlp.up_proj", "feed_forward.w3"),
                    "w2": ("mlp.down_proj", "feed_forward.w2")}
 # One tensor per expert, [out, in], as OLMoE checkpoints on the Hub and transformers' save_pretrained store them.

@@ -167,18 +167,19 @@ def forward_cached(cfg: ModelConfig, impl: ImplConfig, params: dict, tokens: jax
                                            lengths=lengths, window=cfg.window(i))
                 p = jax.tree.map(lambda a: a[i], group_params)
                 x, _, new[kind][j] = block(cfg, p, x, rope=ropes[kind], attention=attend, mlp=_with_key(mlp, keys, i))
-            return x, {kind: jax.tree.map(lambda *a: jnp.stack(a), *caches) for kind, caches in new.items()}
+            return x, {kind: jax.tree.map(lambda *a: jnp.stack(a), *layer_caches) for kind, layer_caches in new.items()}
 
         return group
 
     x = _embed(cfg, impl, params, tokens, None)
-    layers, start = [], 0  # the cache's entries of a kind are in depth order: each stack takes its own
+    period, done, updated = len(cfg.layer_pattern), 0, []
     for name, n, mlp, keys in _stacks(cfg, impl, None, None):
-        per_group = {kind: cfg.layer_pattern.count(kind) for kind in cache.layers}
-        caches = {kind: jax.tree.map(lambda a: a[start * c: (start + n // len(cfg.layer_pattern)) * c], layer)
-                  for (kind, layer), c in zip(cache.layers.items(), per_group.values())}
+        # a kind's cache entries are in depth order: this stack's follow those of the `done` periods before it
+        caches = {kind: jax.tree.map(lambda a, c=cfg.layer_pattern.count(kind): a[done * c: (done + n // period) * c],
+                                     layer) for kind, layer in cache.layers.items()}
         x, new = _over_groups(cfg, impl, stack_group(mlp), x, (params[name], keys, caches), remat=False, n_layers=n)
-        layers.append(new)
-        start += n // len(cfg.layer_pattern)
-    layers = {kind: jax.tree.map(lambda *a: jnp.concatenate(a), *(new[kind] for new in layers)) for kind in layers[0]}
+        updated.append(new)
+        done += n // period
+    layers = {kind: jax.tree.map(lambda *a: jnp.concatenate(a), *(new[kind] for new in updated))
+              for kind in cache.layers}
     return rms_norm(x, params["final_norm"], cfg.norm_eps), Cache(layers)
