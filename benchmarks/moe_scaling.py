@@ -7,7 +7,8 @@ token do not depend on E; the expert parameters do (8, 32, 128 experts: 3.1M, 12
 "random" (keys drawn from the step), so every row sees the same tokens and an even load in expectation
 whatever the router learned. Each row runs in a fresh process; a row is one dispatch (`impl.moe_dispatch`:
 the block-padded grouped matmul or jax.lax.ragged_dot) on one device, or with the experts spread over N
-fake CPU devices (expert parallelism, `mesh.expert=N`, all_to_all).
+fake CPU devices (expert parallelism, `mesh.expert=N`, all_to_all). Rows run as `olmax train` runs: glibc's
+malloc on transparent huge pages (olmax.runtime).
 
     python benchmarks/moe_scaling.py [--experts 8 32 128] [--dispatch blocks ragged_dot] [--devices 1 8]
                                      [--steps 5] [--batch 16] [--seq 256] [--d-model 256] [--expert-hidden 256]
@@ -26,6 +27,8 @@ import statistics
 import subprocess
 import sys
 import time
+
+from olmax.runtime import huge_pages_env
 
 
 def run_row(args, experts: int, dispatch: str, devices: int) -> dict:
@@ -102,7 +105,7 @@ def main() -> None:
                     f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
                     if k in ("steps", "batch", "seq", "layers", "d_model", "expert_hidden", "top_k")]
                 flags = os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={devices}"
-                env = {**os.environ, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu"}
+                env = huge_pages_env({**os.environ, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu"})
                 out = subprocess.run(child, check=True, capture_output=True, text=True, env=env).stdout
                 r = json.loads(next(line[4:] for line in out.splitlines() if line.startswith("ROW ")))
                 step_s = statistics.median(r["times"])

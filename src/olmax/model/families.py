@@ -108,9 +108,9 @@ def _olmo3(cfg: ModelConfig) -> list[Param]:
         blocks = _block_rows(cfg, "blocks", 0, cfg.n_layers, "dense", names)
     else:
         blocks = _block_rows(cfg, "dense_blocks", 0, cfg.dense_layers, "dense", names) if cfg.dense_layers else []
-        blocks += _block_rows(cfg, "blocks", cfg.dense_layers, cfg.n_layers - cfg.dense_layers, "moe",
-                              {k: (None, olmo_core) for k, (_, olmo_core) in names.items()})
-    return _ends(cfg)[:1] + blocks + _ends(cfg)[1:]
+        shared = {k: (None, olmo_core) for k, (_, olmo_core) in names.items() if k not in DENSE_MLP_NAMES}
+        blocks += _block_rows(cfg, "blocks", cfg.dense_layers, cfg.n_layers - cfg.dense_layers, "moe", shared)
+    return _ends(cfg) + blocks
 
 
 def _olmoe(cfg: ModelConfig) -> list[Param]:
@@ -119,7 +119,7 @@ def _olmoe(cfg: ModelConfig) -> list[Param]:
     names = ATTENTION_NAMES | {"attn_norm": ("input_layernorm", "attention_norm"),
                                "mlp_norm": ("post_attention_layernorm", "feed_forward_norm")}
     names = {k: (hf, None) for k, (hf, _) in (names | EXPERT_NAMES).items()}
-    return _ends(cfg)[:1] + _block_rows(cfg, "blocks", 0, cfg.n_layers, "moe", names) + _ends(cfg)[1:]
+    return _ends(cfg) + _block_rows(cfg, "blocks", 0, cfg.n_layers, "moe", names)
 
 
 FAMILIES = {"olmo3": _olmo3, "olmoe": _olmoe}
