@@ -26,3 +26,19 @@ def test_demo_end_to_end_twice_bitwise(tmp_path, monkeypatch):
     run_demo(short, fresh=False)  # reuses the cached data, trains again from scratch
     second = json.loads(Path("runs/demo/report.json").read_text())
     assert second["losses_repeat_previous_run"] is True
+
+
+@pytest.mark.slow
+def test_demo_moe_reports_the_load_of_every_expert(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    short = ["train.steps=30", "eval.every=30", "eval.tokens=4096", "checkpoint.every=30", "model.vocab_size=1024",
+             "schedule.warmup_steps=5"]
+    report = run_demo(short, fresh=False, moe=True)
+    assert report == Path("runs/demo/report_moe.md")
+    result = json.loads(Path("runs/demo/report_moe.json").read_text())
+    counts = result["final"]["train/block 03/tokens per expert"]
+    assert len(counts) == 8 and sum(counts) == 16 * 256 * 2  # the whole global batch, top-2
+    text = report.read_text()
+    assert "## Experts" in text and "train/load balancing loss" in text and "olmax train demo_moe" in text
+    assert Path("runs/demo/expert_load_moe.png").stat().st_size > 10_000
+    assert not Path("runs/demo/report.md").exists()  # the dense demo's report is its own

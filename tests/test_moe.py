@@ -34,8 +34,9 @@ def dense_reference(cfg, p, x):
         r.gates)[:, : cfg.num_experts]
     h = jax.nn.silu(jnp.einsum("nd,edf->enf", tokens, p["w1"])) * jnp.einsum("nd,edf->enf", tokens, p["w3"])
     y = jnp.einsum("ne,end->nd", mix, jnp.einsum("enf,efd->end", h, p["w2"]))
-    if cfg.shared_expert_hidden:
-        y = y + (jax.nn.silu(tokens @ p["shared_w1"]) * (tokens @ p["shared_w3"])) @ p["shared_w2"]
+    if cfg.shared_expert_hidden:  # OLMo-core: (shared + k * routed) / (k + 1)
+        shared = (jax.nn.silu(tokens @ p["shared_w1"]) * (tokens @ p["shared_w3"])) @ p["shared_w2"]
+        y = (shared + cfg.top_k * y) / (cfg.top_k + 1)
     lb_scores = r.scores / jnp.sum(r.scores, -1, keepdims=True) if cfg.gating == "sigmoid" else r.scores
     losses = {"load_balancing_loss": moe.load_balancing_loss(lb_scores, r.experts, cfg.top_k),
               "router_z_loss": moe.router_z_loss(r.logits)}
@@ -128,28 +129,29 @@ def test_micro_batch_granularity_is_olmo_core_local_batch_per_rank():
 
 # Dispatch against the dense reference.
 
-@pytest.mark.parametrize("overrides", [
-    {},
-    {"block_size": 1},
-    {"block_size": 128},  # one block holds every row of the batch
-    {"gating": "sigmoid", "normalize_gates": True, "shared_expert_hidden": 20, "top_k": 3},
-    {"capacity_factor": 0.5},
-    {"dispatch": "ragged_dot"},
-    {"dispatch": "ragged_dot", "capacity_factor": 0.5, "gating": "sigmoid", "shared_expert_hidden": 20},
+@pytest.mark.parametrize("overrides, dispatch", [
+    ({}, {}),
+    ({}, {"block_size": 1}),
+    ({}, {"block_size": 128}),  # one block holds every row of the batch
+    ({"gating": "sigmoid", "normalize_gates": True, "shared_expert_hidden": 20, "top_k": 3}, {}),
+    ({"capacity_factor": 0.5}, {}),
+    ({}, {"dispatch": "ragged_dot"}),
+    ({"capacity_factor": 0.5, "gating": "sigmoid", "shared_expert_hidden": 20}, {"dispatch": "ragged_dot"}),
 ])
-def test_dispatch_matches_dense_reference(overrides):
+def test_dispatch_matches_dense_reference(overrides, dispatch):
     """Output and the gradients of x and of every parameter equal the every-expert-on-every-token
     computation within float32 rounding."""
     cfg = _cfg(**overrides)
     p, x = _inputs(cfg)
     cotangent = jax.random.normal(jax.random.key(7), x.shape)
-    out, aux = _layer(cfg)(p, x)
+    out, aux = _layer(cfg, **dispatch)(p, x)
     want_out, want_aux = dense_reference(cfg, p, x)
     np.testing.assert_allclose(out, want_out, atol=1e-5, rtol=1e-5)
     for name in want_aux:
         np.testing.assert_allclose(aux[name], want_aux[name], rtol=1e-6)
     assert (int(aux["dropped_tokens"]) > 0) == (cfg.capacity_factor is not None)
-    grads = jax.jit(jax.grad(_objective(lambda p, x: moe.moe_mlp(cfg, p, x), cotangent), argnums=(0, 1)))(p, x)
+    grads = jax.jit(jax.grad(_objective(lambda p, x: moe.moe_mlp(cfg, p, x, **dispatch), cotangent),
+                             argnums=(0, 1)))(p, x)
     want = jax.jit(jax.grad(_objective(lambda p, x: dense_reference(cfg, p, x), cotangent), argnums=(0, 1)))(p, x)
     assert_trees_close(grads, want)
 
@@ -162,12 +164,12 @@ def assert_trees_close(got, want, tol=1e-5):
 @pytest.mark.parametrize("dispatch", ["blocks", "ragged_dot"])
 def test_dispatch_with_every_token_on_one_expert(dispatch):
     """The worst case the static bounds must hold: all tokens pick the same experts, the rest get none."""
-    cfg = _cfg(dispatch=dispatch, block_size=4)
+    cfg = _cfg()
     p, x = _inputs(cfg)
     p["router"] = p["router"].at[:, :2].set(0.0)
     x = x.at[..., 0].set(jnp.abs(x[..., 0]) + 1.0)
     p["router"] = p["router"].at[0, :2].set(50.0)
-    out, aux = _layer(cfg)(p, x)
+    out, aux = _layer(cfg, dispatch=dispatch, block_size=4)(p, x)
     assert aux["tokens_per_expert"].tolist() == [x.shape[0] * x.shape[1]] * 2 + [0] * 6
     np.testing.assert_allclose(out, dense_reference(cfg, p, x)[0], atol=1e-5, rtol=1e-5)
 
@@ -283,16 +285,43 @@ def test_update_score_bias_lowers_busy_experts_and_raises_idle_ones():
     np.testing.assert_allclose(moe.update_score_bias(bias, counts, 0.01), [[-0.01, 0.01, 0.01, 0.01], [0, 0, 0, 0]])
 
 
-def test_param_tables_agree_and_aux_loss_sums_layers():
+def test_param_tables_agree():
     cfg = _cfg(shared_expert_hidden=12, bias_update_rate=1e-3)
     shapes, axes = moe.param_shapes(cfg, D), moe.param_axes(cfg)
     assert shapes.keys() == axes.keys() == moe.init_params(cfg, D, jax.random.key(0)).keys()
     assert all(len(shapes[k]) == len(axes[k]) for k in shapes)
-    stacked = {"load_balancing_loss": jnp.array([1.0, 1.5]), "router_z_loss": jnp.array([2.0, 4.0])}
-    total, parts = moe.aux_loss(cfg, stacked)
-    np.testing.assert_allclose(parts["load balancing loss"], 0.01 * 2.5)
-    np.testing.assert_allclose(parts["router Z loss"], 0.001 * 6.0)
-    np.testing.assert_allclose(total, 0.025 + 0.006)
+
+
+def test_aux_loss_is_olmo_cores_per_layer_weighted_and_divided_by_the_label_count():
+    """The loss a micro-batch adds and its logged parts equal OLMo-core's: an MoE of its own built for a
+    model of n_layers (its weights scaled by 1 / n_layers), each layer's router run with the batch's label
+    count B x (T - 1) as loss_div_factor (what its train module passes), aux losses and metrics summed."""
+    from olmo_core.nn.moe import MoEConfig as OlmoCoreMoE
+    from olmo_core.nn.moe import MoERouterConfig
+
+    cfg = _cfg(top_k=3, load_balancing_loss=0.01, router_z_loss=0.001)
+    n_layers, B, T = 3, 4, 16
+    layers = [_inputs(cfg, B, T, seed) for seed in range(n_layers)]
+    stacked = jax.tree.map(lambda *a: jnp.stack(a), *[_layer(cfg)(p, x)[1] for p, x in layers])
+    total, parts = moe.aux_loss(cfg, stacked, n_layers, B * T, jnp.float32(B * (T - 1)))
+
+    want_total, want_lb, want_z = 0.0, 0.0, 0.0
+    for p, x in layers:
+        block = OlmoCoreMoE(num_experts=cfg.num_experts, hidden_size=cfg.expert_hidden,
+                            router=MoERouterConfig(top_k=cfg.top_k), lb_loss_weight=cfg.load_balancing_loss,
+                            z_loss_weight=cfg.router_z_loss).build(D, n_layers=n_layers)
+        router = block.router.train()
+        with torch.no_grad():
+            router.weight.copy_(torch.from_numpy(np.array(p["router"]).T.reshape(-1)))
+        *_, aux = router(torch.from_numpy(np.array(x)).requires_grad_(), loss_div_factor=B * (T - 1))
+        metrics = router.compute_metrics()
+        want_total += aux.item()
+        want_lb += metrics["load balancing loss"][0].item()
+        want_z += metrics["router Z loss"][0].item()
+    np.testing.assert_allclose(total, want_total, rtol=1e-5)
+    np.testing.assert_allclose(parts["load balancing loss"], want_lb, rtol=1e-5)
+    np.testing.assert_allclose(parts["router Z loss"], want_z, rtol=1e-5)
+    assert not np.isclose(want_lb, cfg.load_balancing_loss * float(stacked["load_balancing_loss"].mean()), rtol=1e-3)
 
 
 def test_config_rejects_top_k_above_num_experts():

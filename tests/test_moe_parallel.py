@@ -32,9 +32,9 @@ def _place(mesh, p, x):
     return p, jax.device_put(x, NamedSharding(mesh, PartitionSpec(BATCH_AXES)))
 
 
-def _run(cfg, p, x, cotangent, key, mesh=None):
+def _run(cfg, p, x, cotangent, key, mesh=None, dispatch="blocks"):
     def objective(p, x):
-        out, aux = moe.moe_mlp(cfg, p, x, key=key, mesh=mesh, batch_axes=BATCH_AXES)
+        out, aux = moe.moe_mlp(cfg, p, x, key=key, mesh=mesh, batch_axes=BATCH_AXES, dispatch=dispatch)
         return jnp.sum(out * cotangent) + aux["load_balancing_loss"] + aux["router_z_loss"], (out, aux)
 
     (_, (out, aux)), grads = jax.jit(jax.value_and_grad(objective, argnums=(0, 1), has_aux=True))(p, x)
@@ -47,20 +47,20 @@ def _inputs(cfg, B=8, T=8):
     return moe.init_params(cfg, D, kp, std=0.3), x, jax.random.normal(kc, x.shape)
 
 
-@pytest.mark.parametrize("shape, overrides", [
-    ((1, 1, 8), {}),
-    ((2, 1, 4), {}),
-    ((1, 2, 4), {"dispatch": "ragged_dot", "gating": "sigmoid", "normalize_gates": True, "shared_expert_hidden": 20}),
-    ((1, 1, 8), {"routing": "random", "top_k": 3}),
+@pytest.mark.parametrize("shape, overrides, dispatch", [
+    ((1, 1, 8), {}, "blocks"),
+    ((2, 1, 4), {}, "blocks"),
+    ((1, 2, 4), {"gating": "sigmoid", "normalize_gates": True, "shared_expert_hidden": 20}, "ragged_dot"),
+    ((1, 1, 8), {"routing": "random", "top_k": 3}, "blocks"),
 ], ids=["ep8", "ep4_dp2", "ep4_fsdp2_ragged_shared", "ep8_random"])
-def test_expert_parallel_equals_one_device(shape, overrides):
+def test_expert_parallel_equals_one_device(shape, overrides, dispatch):
     """Output, every aux value and the gradients of x and all parameters match the one-device layer."""
     cfg = _cfg(**overrides)
     p, x, cotangent = _inputs(cfg)
     key = jax.random.key(3)
-    want = _run(cfg, p, x, cotangent, key)
+    want = _run(cfg, p, x, cotangent, key, dispatch=dispatch)
     mesh = _mesh(*shape)
-    got = _run(cfg, *_place(mesh, p, x), cotangent, key, mesh)
+    got = _run(cfg, *_place(mesh, p, x), cotangent, key, mesh, dispatch)
     for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want), strict=True):
         np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5, err_msg=jax.tree_util.keystr(path))
 

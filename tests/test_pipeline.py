@@ -166,6 +166,50 @@ def test_pipelined_model_loss_and_gradients_equal_the_unpipelined_model(override
         np.testing.assert_allclose(a, b, atol=1e-5, err_msg=jax.tree_util.keystr(path))
 
 
+@pytest.mark.parametrize("overrides", [
+    "mesh.stage=2 mesh.expert=4 mesh.fsdp=1",
+    "mesh.stage=2 mesh.fsdp=4 impl.pipeline.schedule=circular impl.pipeline.microbatches=4",
+    "mesh.stage=2 mesh.expert=2 mesh.fsdp=2 model.moe.routing=random",
+])
+def test_pipelined_moe_equals_the_unpipelined_model_per_microbatch(overrides):
+    """A mixture of experts (expert parallel too) through the stages: each pipeline micro-batch (rows m, m + M,
+    ...: see pipeline.split_microbatches) gets the hidden states and aux (router losses, tokens per expert) it
+    gets unpipelined on its own, and the gradients are their sum. (Learned routing is row by row, so that is
+    also the whole batch's; random routing draws per micro-batch.)"""
+    cfg = load_config("tiny_moe", [*MODEL, *overrides.split()])
+    sched, layout = pipeline.schedule_for(cfg), make_layout(cfg.mesh)
+    M = sched.microbatches
+    params = families.init_params(cfg.model, jax.random.key(0))
+    tokens = jax.random.randint(jax.random.key(1), (16, cfg.data.sequence_length), 2, cfg.model.vocab_size)
+    n_labels = label_mask(tokens, cfg.data.pad_id, False).sum()
+
+    def loss(params, tokens, layout, sched):
+        hidden, aux = transformer.forward(cfg.model, cfg.impl, params, tokens, layout, None, sched)
+        mask = label_mask(tokens, cfg.data.pad_id, False)
+        ce, _ = loss_sums(params, hidden, tokens, mask, jnp.ones(tokens.shape[:1], bool), cfg.impl.loss_chunk)
+        return ce / n_labels, (hidden, aux)
+
+    grad = jax.value_and_grad(loss, has_aux=True)
+    sharded = jax.device_put(params, layout.shardings(families.param_axes(cfg.model), params))
+    (_, (hidden, aux)), grads = jax.jit(lambda p: grad(p, tokens, layout, sched))(sharded)
+    assert aux["tokens_per_expert"].shape == (M, cfg.model.n_layers, cfg.model.moe.num_experts)
+    ref_grads = jax.tree.map(jnp.zeros_like, params)
+    for m in range(M):
+        (_, (own_hidden, own)), own_grads = jax.jit(lambda p, t: grad(p, t, None, None))(params, tokens[m::M])
+        ref_grads = jax.tree.map(jnp.add, ref_grads, own_grads)
+        np.testing.assert_allclose(hidden[m::M], own_hidden, atol=1e-5)
+        np.testing.assert_array_equal(aux["tokens_per_expert"][m], own["tokens_per_expert"])
+        for name in ("load_balancing_loss", "router_z_loss"):
+            np.testing.assert_allclose(aux[name][m], own[name], rtol=1e-5, err_msg=name)
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(ref_grads)):
+        np.testing.assert_allclose(a, b, atol=1e-5, err_msg=jax.tree_util.keystr(path))
+
+
+def test_pipeline_refuses_dense_layers_before_the_experts():
+    with pytest.raises(ConfigError, match="use dense_layers 0 with mesh.stage > 1"):
+        pipeline.schedule_for(load_config("tiny_moe", [*MODEL, "model.dense_layers=2", "mesh.stage=2"]))
+
+
 # --- training ----------------------------------------------------------------------------------------
 
 

@@ -40,6 +40,7 @@ def cmd_flops(args) -> None:
     report = {
         "params": count.params,
         "non_embedding_params": count.non_embedding_params,
+        "active_params": count.active_params,
         "sequence_length": seq,
         "train_flops_per_token": count.per_token,
         "train_flops_per_token_all_global_attention": count.per_token_all_global,
@@ -52,6 +53,7 @@ def cmd_flops(args) -> None:
         return
     print(f"params                    {count.params:,}")
     print(f"non-embedding params      {count.non_embedding_params:,}")
+    print(f"active params / token     {count.active_params:,}  (FLOPs below count these)")
     print(f"train FLOPs / token       {count.per_token / 1e9:,.2f} G  (sliding windows exact, seq {seq})")
     print(f"  all layers global       {count.per_token_all_global / 1e9:,.2f} G")
     print(f"train TFLOP / device-step {report['train_tflop_per_device_step']:,.1f}  ({per_device} x {seq} tokens)")
@@ -101,7 +103,7 @@ def cmd_demo(args) -> None:
 
     restart_with_huge_pages()
 
-    run_demo(args.overrides, fresh=args.fresh)
+    run_demo(args.overrides, fresh=args.fresh, moe=args.moe)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -115,6 +117,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("demo", help="the whole pipeline on the Python standard library, with a report")
     p.add_argument("overrides", nargs="*", help="section.key=value on the demo preset")
     p.add_argument("--fresh", action="store_true", help="rebuild the cached corpus, tokenizer and shards")
+    p.add_argument("--moe", action="store_true",
+                   help="train the demo_moe preset (experts in every layer); its report plots each expert's load")
     p.set_defaults(func=cmd_demo)
 
     p = sub.add_parser("resume-check", help="continuous run vs the same run resumed at --at: every delta must be 0")

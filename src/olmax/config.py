@@ -9,6 +9,8 @@ anything is compiled or written.
 from __future__ import annotations
 
 import math
+import types
+import typing
 from pathlib import Path
 from typing import Literal
 
@@ -59,10 +61,53 @@ MOVED_KEYS = {
 }
 
 
+class MoEConfig(Section):
+    """A mixture-of-experts MLP: a router sends each token to top_k of num_experts SwiGLU experts.
+
+    Routing and losses follow OLMo-core's MoE (olmo_core/nn/moe/router.py, loss.py, moe.py): each MoE
+    layer's losses are weighted by coefficient / model.n_layers and, like the CE loss, divided by the
+    label count of the batch. How the layer is computed is `impl.moe_dispatch` / `impl.moe_block`.
+    """
+
+    num_experts: int = Field(64, gt=1)
+    top_k: int = Field(8, gt=0)
+    expert_hidden: int = Field(1024, gt=0, description="hidden size of each expert's SwiGLU")
+    shared_expert_hidden: int | None = Field(
+        None, gt=0, description="a SwiGLU every token takes, added to the routed output (n shared experts = n x hidden)"
+    )
+    gating: Literal["softmax", "sigmoid"] = Field("softmax", description="router scores from its float32 logits")
+    normalize_gates: bool = Field(False, description="divide the top-k gate weights by their sum (OLMoE: false)")
+    load_balancing_loss: float = Field(0.01, ge=0, description="coefficient of the load balancing loss (OLMoE 0.01)")
+    router_z_loss: float = Field(0.001, ge=0, description="coefficient of the router z-loss (OLMoE 0.001)")
+    load_balancing_granularity: Literal["global_batch", "micro_batch"] = Field(
+        "global_batch",
+        description="global_batch: expert counts over the whole micro-batch (all data-parallel ranks; independent "
+        "of the device count); micro_batch: per rank's share, averaged (OLMo-core's default `local_batch`)",
+    )
+    bias_update_rate: float | None = Field(
+        None, gt=0, description="auxiliary-loss-free balancing: per-expert selection bias moved by this each step"
+    )
+    capacity_factor: float | None = Field(
+        None, gt=0, description="None = dropless; else each expert takes at most this x its even share per rank"
+    )
+    routing: Literal["learned", "uniform", "random"] = Field(
+        "learned", description="uniform/random: fixed or random experts for system benchmarks (router still runs)"
+    )
+
+    @model_validator(mode="after")
+    def _routing(self):
+        if self.top_k > self.num_experts:
+            raise ValueError(f"top_k {self.top_k} exceeds num_experts {self.num_experts}")
+        return self
+
+
 class ModelConfig(Section):
     """The architecture: every field changes the function the parameters compute (checked on resume)."""
 
-    family: Literal["olmo3"] = Field("olmo3", description="block structure and parameter names (HF Olmo3)")
+    family: Literal["olmo3", "olmoe"] = Field(
+        "olmo3", description="block structure and parameter names: olmo3 (HF Olmo3: reordered norm), olmoe (HF "
+        "OlmoeForCausalLM: pre-norm, MoE, every layer global)"
+    )
     vocab_size: int = Field(100278, gt=0, description="tokenizer vocabulary size")
     vocab_pad_multiple: int = Field(128, gt=0, description="embedding rows are padded to a multiple of this")
     d_model: int = Field(4096, gt=0)
@@ -70,8 +115,10 @@ class ModelConfig(Section):
     n_heads: int = Field(32, gt=0)
     n_kv_heads: int | None = Field(None, gt=0, description="None = n_heads (no GQA)")
     head_dim: int | None = Field(None, gt=0, description="None = d_model // n_heads")
-    mlp: Literal["dense"] = Field("dense", description="the MLP sublayer: dense SwiGLU")
-    mlp_hidden: int = Field(11008, gt=0)
+    mlp: Literal["dense", "moe"] = Field("dense", description="the MLP sublayer: dense SwiGLU or mixture of experts")
+    mlp_hidden: int = Field(11008, gt=0, description="hidden size of the dense MLP (and of dense_layers)")
+    moe: MoEConfig | None = Field(None, description="the mixture of experts (with mlp: moe)")
+    dense_layers: int = Field(0, ge=0, description="with mlp: moe, the first layers keep a dense MLP")
     norm_eps: float = Field(1e-6, gt=0)
     rope: dict[LayerKind, RopeConfig] = Field(
         default_factory=lambda: {"sliding": RopeConfig(), "global": RopeConfig()},
@@ -100,6 +147,11 @@ class ModelConfig(Section):
     def layer_kind(self, layer: int) -> str:
         return self.layer_pattern[layer % len(self.layer_pattern)]
 
+    @property
+    def norm_placement(self) -> str:
+        """reordered: h = x + norm(attn(x)) (OLMo 2/3); pre: h = x + attn(norm(x)) (OLMoE)."""
+        return "pre" if self.family == "olmoe" else "reordered"
+
     def is_global(self, layer: int) -> bool:
         return self.layer_kind(layer) == "global"
 
@@ -121,6 +173,23 @@ class ModelConfig(Section):
             raise ValueError(f"head_dim {self.head_size} must be even for rotate-half RoPE")
         if missing := sorted(set(self.layer_pattern) - set(self.rope)):
             raise ValueError(f"rope has no entry for layer kinds {missing}; add model.rope.<kind>")
+        return self
+
+    @model_validator(mode="after")
+    def _mlp(self):
+        if self.mlp == "moe" and self.moe is None:
+            raise ValueError("mlp is moe but moe is not set; add model.moe (num_experts, top_k, expert_hidden, ...)")
+        if self.mlp == "dense" and (self.moe is not None or self.dense_layers):
+            raise ValueError("model.moe / model.dense_layers are set but mlp is dense; set mlp: moe or unset them")
+        if self.dense_layers >= self.n_layers or self.dense_layers % len(self.layer_pattern):
+            raise ValueError(f"dense_layers {self.dense_layers} must be a multiple of the layer_pattern length "
+                             f"{len(self.layer_pattern)} below n_layers {self.n_layers}")
+        if self.family == "olmoe":
+            if self.mlp != "moe" or self.dense_layers or "sliding" in self.layer_pattern:
+                raise ValueError("family olmoe (HF OlmoeForCausalLM) has MoE MLPs in every layer and global attention "
+                                 "only: set mlp: moe, dense_layers: 0, layer_pattern: [global]")
+            if self.head_dim not in (None, self.d_model // self.n_heads):
+                raise ValueError("family olmoe: head_dim must be d_model / n_heads (OLMoE's q_norm is d_model wide)")
         return self
 
 
@@ -188,14 +257,20 @@ class ImplConfig(Section):
         1024, gt=0, description="sequence positions per chunk of LM head + loss (never all logits); null = all"
     )
     fp8: bool = Field(
-        False, description="block projections (q, k, v, o, MLP) as float8 matmuls, per-tensor current scaling: "
-        "e4m3 inputs and weights, e5m2 gradients; the embedding, LM head, router and attention stay as they are"
+        False, description="block projections (q, k, v, o, dense MLP) as float8 matmuls, per-tensor current scaling: "
+        "e4m3 inputs and weights, e5m2 gradients; the embedding, LM head, router, MoE experts and attention stay as "
+        "they are"
     )
     pipeline: PipelineConfig = Field(default_factory=PipelineConfig)
     shard_optimizer: bool = Field(
         False, description="ZeRO-1: the optimizer state of each parameter is also sharded over the mesh axes the "
         "parameter is replicated on (mesh.data...); the update runs on shards, the parameters are all-gathered after"
     )
+    moe_dispatch: Literal["blocks", "ragged_dot"] = Field(
+        "blocks", description="MoE experts: blocks = block-padded grouped matmul (portable); ragged_dot = "
+        "jax.lax.ragged_dot (a platform kernel where there is one; XLA:CPU expands it densely)"
+    )
+    moe_block: int | None = Field(None, gt=0, description="rows per block of the grouped matmul; None = auto")
 
     @model_validator(mode="after")
     def _names(self):
@@ -318,6 +393,9 @@ DEFAULT_RULES = {
     "kv_heads": ["tensor"],
     "mlp": ["tensor"],
     "experts": ["expert"],
+    "expert_embed": [],  # expert weights are sharded over experts only: resident, never gathered
+    "expert_mlp": [],
+    "router": [],
     "layers": ["stage"],
     "length": [],
     "norm": [],
@@ -461,6 +539,8 @@ def _known_path(dotted: str) -> None:
             where = ".".join(dotted.split(".")[:i]) or "the top level"
             raise ConfigError(f"unknown config key {dotted!r}: {where} has {sorted(fields)}")
         annotation = fields[key].annotation
+        if isinstance(annotation, types.UnionType):  # an optional section (model.moe)
+            annotation = next(a for a in typing.get_args(annotation) if a is not type(None))
         if isinstance(annotation, type) and issubclass(annotation, BaseModel):
             section = annotation
         else:
@@ -570,46 +650,3 @@ def upgrade(tree: dict) -> dict:
 
 def dump(config: RunConfig) -> str:
     return yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)
-
-
-class MoEConfig(Section):
-    """A mixture-of-experts MLP: a router sends each token to top_k of num_experts SwiGLU experts.
-
-    Loss and routing semantics follow OLMo-core's MoE router (olmo_core/nn/moe/router.py, loss.py).
-    `dispatch` and `block_size` only change how the layer runs, never its result.
-    """
-
-    num_experts: int = Field(64, gt=1)
-    top_k: int = Field(8, gt=0)
-    expert_hidden: int = Field(1024, gt=0, description="hidden size of each expert's SwiGLU")
-    shared_expert_hidden: int | None = Field(
-        None, gt=0, description="a SwiGLU every token takes, added to the routed output (n shared experts = n x hidden)"
-    )
-    gating: Literal["softmax", "sigmoid"] = Field("softmax", description="router scores from its float32 logits")
-    normalize_gates: bool = Field(False, description="divide the top-k gate weights by their sum (OLMoE: false)")
-    load_balancing_loss: float = Field(0.01, ge=0, description="coefficient of the per-layer load balancing loss")
-    router_z_loss: float = Field(0.001, ge=0, description="coefficient of mean(logsumexp(router logits)^2)")
-    load_balancing_granularity: Literal["global_batch", "micro_batch"] = Field(
-        "global_batch",
-        description="global_batch: expert counts over the whole micro-batch (all data-parallel ranks; independent "
-        "of the device count); micro_batch: per rank's share, averaged (OLMo-core's default `local_batch`)",
-    )
-    bias_update_rate: float | None = Field(
-        None, gt=0, description="auxiliary-loss-free balancing: per-expert selection bias moved by this each step"
-    )
-    capacity_factor: float | None = Field(
-        None, gt=0, description="None = dropless; else each expert takes at most this x its even share per rank"
-    )
-    routing: Literal["learned", "uniform", "random"] = Field(
-        "learned", description="uniform/random: fixed or random experts for system benchmarks (router still runs)"
-    )
-    dispatch: Literal["blocks", "ragged_dot"] = Field(
-        "blocks", description="blocks: block-padded grouped matmul (portable); ragged_dot: jax.lax.ragged_dot"
-    )
-    block_size: int | None = Field(None, gt=0, description="rows per block of the grouped matmul; None = auto")
-
-    @model_validator(mode="after")
-    def _routing(self):
-        if self.top_k > self.num_experts:
-            raise ValueError(f"top_k {self.top_k} exceeds num_experts {self.num_experts}")
-        return self

@@ -8,6 +8,10 @@
 4. runs/demo/report.md with loss curves, held-out CE per domain next to the
    unigram baseline of the same text, greedy samples, and the next commands.
 
+`olmax demo --moe` trains the `demo_moe` preset instead (the same model with a
+mixture of experts in every layer) on the same data, and writes report_moe.md,
+which adds the load of every expert over training (expert_load_moe.png).
+
 Corpus, tokenizer and shards are cached under runs/demo/cache (`--fresh` rebuilds);
 the training run always starts over, and the report says whether its losses are
 bitwise equal to the previous run's when that run had the same config.
@@ -176,18 +180,45 @@ def plot_curves(metrics: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
-def run_demo(overrides: list[str], fresh: bool) -> Path:
-    """Build (or reuse) the data, train the demo preset from scratch, evaluate, write the report."""
+def plot_expert_load(cfg, metrics: list[dict], path: Path) -> None:
+    """Each MoE layer's share of the assignments per expert, step by step (the true load of each global
+    batch, not the balancing loss), against the even share 1 / num_experts."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    layers = range(cfg.model.dense_layers, cfg.model.n_layers)
+    fig, axes = plt.subplots(1, len(layers), figsize=(3.2 * len(layers), 3.2), sharey=True, squeeze=False)
+    steps = [m["step"] for m in metrics]
+    for ax, layer in zip(axes[0], layers):
+        counts = np.array([m[f"train/block {layer:02d}/tokens per expert"] for m in metrics], np.float64)
+        shares = counts / counts.sum(1, keepdims=True)
+        for expert in range(shares.shape[1]):
+            ax.plot(steps, shares[:, expert], lw=0.8, label=f"expert {expert}")
+        ax.axhline(1 / shares.shape[1], color="black", ls="--", lw=0.8)
+        ax.set(title=f"layer {layer}", xlabel="step")
+    axes[0][0].set_ylabel("share of assignments")
+    axes[0][-1].legend(fontsize=6, loc="upper right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def run_demo(overrides: list[str], fresh: bool, moe: bool = False) -> Path:
+    """Build (or reuse) the data, train the demo preset (`demo_moe` with `moe`) from scratch, evaluate, write
+    the report."""
     from olmax.checkpoint import Checkpointer
     from olmax.eval.in_loop import make_in_loop_eval
     from olmax.parallel.mesh import make_layout
     from olmax.train.trainer import restore_or_init, train
 
-    cfg = load_config("demo", overrides)
+    cfg = load_config("demo_moe" if moe else "demo", overrides)
+    suffix = "_moe" if moe else ""
     out = cfg.run_dir.parent
     data = prepare_data(out / "cache", cfg.model.vocab_size, fresh)
     shards = data["shards"]
-    previous = out / "report.json"
+    previous = out / f"report{suffix}.json"
     previous_losses = None
     if previous.exists() and json.loads(previous.read_text()).get("config") == cfg.model_dump(mode="json"):
         previous_losses = json.loads(previous.read_text())["losses"]
@@ -206,13 +237,38 @@ def run_demo(overrides: list[str], fresh: bool) -> Path:
                              ["def __init__(self", "import os\n", "class ", "Return the"], new_tokens=48)
     baselines = {d: unigram_baseline(shards[f"{d}-train"]["paths"], shards[f"{d}-heldout"]["paths"],
                                      cfg.model.vocab_size, cfg.data.token_dtype) for d in DOMAINS}
-    plot_curves(history, out / "loss_curves.png")
-    report = write_report(out, cfg, data, history, baselines, samples, train_seconds, same_as_previous)
+    plot_curves(history, out / f"loss_curves{suffix}.png")
+    if moe:
+        plot_expert_load(cfg, history, out / "expert_load_moe.png")
+    report = write_report(out, cfg, data, history, baselines, samples, train_seconds, same_as_previous, suffix)
     print(f"demo: report in {report}")
     return report
 
 
-def write_report(out: Path, cfg, data, history, baselines, samples, train_seconds, same_as_previous) -> Path:
+def moe_section(cfg, history) -> list[str]:
+    """The report's mixture-of-experts part: the router losses and the true load at the end, and its plot."""
+    m, final = cfg.model, history[-1]
+    rows = []
+    for layer in range(m.dense_layers, m.n_layers):
+        counts = final[f"train/block {layer:02d}/tokens per expert"]
+        rows.append(f"| {layer} | {final[f'train/block {layer:02d}/load imbalance']:.3f} | "
+                    f"{max(counts) / sum(counts):.3f} | {' '.join(str(int(c)) for c in counts)} |")
+    return [
+        "## Experts", "",
+        f"Every layer's MLP is {m.moe.num_experts} SwiGLU experts of hidden {m.moe.expert_hidden}, top-{m.moe.top_k} "
+        f"{m.moe.gating} router; load balancing loss {m.moe.load_balancing_loss} and router z-loss "
+        f"{m.moe.router_z_loss} (OLMo-core's definitions). At the last step: `train/load balancing loss` "
+        f"{final['train/load balancing loss']:.5f}, `train/router Z loss` {final['train/router Z loss']:.5f}. "
+        "The true load of the last global batch per layer (load imbalance = busiest expert / mean):", "",
+        "| layer | load imbalance | busiest expert's share | assignments per expert |",
+        "| ---: | ---: | ---: | --- |", *rows, "",
+        "Share of each expert's assignments, every step (dashed: the even share):", "",
+        "![expert load](expert_load_moe.png)", "",
+    ]
+
+
+def write_report(out: Path, cfg, data, history, baselines, samples, train_seconds, same_as_previous,
+                 suffix: str = "") -> Path:
     final = history[-1]
     tokens = final["throughput/total tokens"]
     rows = []
@@ -228,10 +284,12 @@ def write_report(out: Path, cfg, data, history, baselines, samples, train_second
               False: "DIFFERENT from the previous run's (same config and seed): a determinism bug"}[same_as_previous]
     run_dir = cfg.run_dir
     ckpt = run_dir / "checkpoints"
+    experts = (f", {cfg.model.moe.num_experts} experts top-{cfg.model.moe.top_k} in every layer"
+               if cfg.model.mlp == "moe" else "")
     lines = [
         "# olmax demo report", "",
         f"A {cfg.model.n_layers}-layer OLMo 3 (d_model {cfg.model.d_model}, {cfg.model.n_heads} heads, "
-        f"pattern {cfg.model.layer_pattern}, window {cfg.model.sliding_window}, vocab {cfg.model.vocab_size}) "
+        f"pattern {cfg.model.layer_pattern}, window {cfg.model.sliding_window}, vocab {cfg.model.vocab_size}{experts}) "
         f"trained for {cfg.train.steps} steps of {cfg.train.global_batch_instances} x {cfg.data.sequence_length} "
         f"tokens ({tokens:,} tokens) in {train_seconds:.0f} s on this machine's CPU, "
         f"recipe: AdamW lr {cfg.optim.lr} with {cfg.schedule.warmup_steps} warmup steps, {cfg.schedule.kind} to "
@@ -244,7 +302,8 @@ def write_report(out: Path, cfg, data, history, baselines, samples, train_second
         "The unigram baseline is the cross-entropy of the held-out tokens under the train split's token "
         "frequencies (add-one smoothed), with the same tokenizer.", "",
         f"Final train CE {final['train/CE loss']:.4f}. Losses: {repeat}.", "",
-        "![loss curves](loss_curves.png)", "",
+        f"![loss curves](loss_curves{suffix}.png)", "",
+        *(moe_section(cfg, history) if cfg.model.mlp == "moe" else []),
         "## Greedy samples", "",
         *[f"```\n{s}\n```\n" for s in samples],
         "## Where things are", "",
@@ -252,16 +311,16 @@ def write_report(out: Path, cfg, data, history, baselines, samples, train_second
         f"`{run_dir / 'tensorboard'}`", f"- tokenizer and shards: `{out / 'cache'}`", "",
         "## Next commands", "",
         "```bash",
-        f"olmax train demo train.steps={2 * cfg.train.steps}   # resume from the last checkpoint, train further",
+        f"olmax train {cfg.name} train.steps={2 * cfg.train.steps}   # resume from the last checkpoint, train further",
         "olmax resume-check tiny data.mix_file=runs/synth/mix.txt --at 20 --steps 40   # exact resume A/B",
         f"olmax eval heldout {ckpt} --data code={out}/cache/shards/code-heldout/mix.txt",
         f"olmax convert olmax-to-hf {ckpt} runs/demo/hf",
         f"olmax compare {run_dir} runs/OTHER_RUN",
         "```", "",
     ]
-    report = out / "report.md"
+    report = out / f"report{suffix}.md"
     report.write_text("\n".join(lines))
-    (out / "report.json").write_text(json.dumps({"final": final, "unigram_baseline": baselines,
+    (out / f"report{suffix}.json").write_text(json.dumps({"final": final, "unigram_baseline": baselines,
                                                  "config": cfg.model_dump(mode="json"),
                                                  "losses": [h["train/CE loss"] for h in history],
                                                  "losses_repeat_previous_run": same_as_previous,

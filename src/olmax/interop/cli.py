@@ -10,16 +10,20 @@ def cmd_hf_to_olmax(args) -> None:
 
     cfg = hf_to_olmax(args.src, args.out)
     m = cfg.model
-    print(f"wrote {args.out}/0: olmax weights-only checkpoint of {args.src} ({m.n_layers} layers, d_model "
-          f"{m.d_model}, {m.n_heads}/{m.kv_heads} heads, vocab {m.vocab_size} padded to {m.padded_vocab}, "
-          f"layer pattern {m.layer_pattern}, window {m.sliding_window})")
+    mlp = f"MLP {m.mlp_hidden}" if m.mlp == "dense" else f"{m.moe.num_experts} experts of {m.moe.expert_hidden}, " \
+        f"top-{m.moe.top_k}"
+    print(f"wrote {args.out}/0: olmax weights-only checkpoint of {args.src} (family {m.family}, {m.n_layers} layers, "
+          f"d_model {m.d_model}, {m.n_heads}/{m.kv_heads} heads, {mlp}, vocab {m.vocab_size} padded to "
+          f"{m.padded_vocab}, layer pattern {m.layer_pattern}, window {m.sliding_window})")
 
 
 def cmd_olmax_to_hf(args) -> None:
     from olmax.interop.hf import olmax_to_hf
 
     cfg, step = olmax_to_hf(args.ckpt, args.out, dtype=args.dtype, max_shard_bytes=int(args.max_shard_gb * 2**30))
-    print(f"wrote {args.out}: Olmo3ForCausalLM ({args.dtype}) from {args.ckpt} step {step}, "
+    from olmax.interop.hf import ARCHITECTURES
+
+    print(f"wrote {args.out}: {ARCHITECTURES[cfg.model.family]} ({args.dtype}) from {args.ckpt} step {step}, "
           f"vocab trimmed to {cfg.model.vocab_size}")
 
 
@@ -40,12 +44,14 @@ def add_commands(subparsers) -> None:
     convert = subparsers.add_parser("convert", help="convert checkpoints between HF transformers and olmax")
     verbs = convert.add_subparsers(dest="convert_command", required=True)
 
-    p = verbs.add_parser("hf-to-olmax", help="HF Olmo3ForCausalLM directory -> weights-only olmax checkpoint")
+    p = verbs.add_parser("hf-to-olmax",
+                         help="HF Olmo3ForCausalLM / OlmoeForCausalLM directory -> weights-only olmax checkpoint")
     p.add_argument("src", help="directory with config.json and model.safetensors (or shards + index)")
     p.add_argument("out", help="new checkpoint directory; the weights land in OUT/0 (usable as init_from)")
     p.set_defaults(func=cmd_hf_to_olmax)
 
-    p = verbs.add_parser("olmax-to-hf", help="olmax checkpoint (latest step) -> HF Olmo3ForCausalLM directory")
+    p = verbs.add_parser("olmax-to-hf",
+                         help="olmax checkpoint (latest step) -> HF Olmo3ForCausalLM / OlmoeForCausalLM directory")
     p.add_argument("ckpt", help="olmax checkpoint directory (training or weights-only); its latest step is used")
     p.add_argument("out", help="new directory for config.json and safetensors")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="tensor dtype written")
@@ -54,7 +60,7 @@ def add_commands(subparsers) -> None:
 
     p = subparsers.add_parser("parity", help="logit parity of an olmax checkpoint against HF / OLMo-core")
     p.add_argument("--olmax", required=True, help="olmax checkpoint directory (latest step)")
-    p.add_argument("--hf", help="HF Olmo3ForCausalLM directory, run in float32")
+    p.add_argument("--hf", help="HF Olmo3ForCausalLM / OlmoeForCausalLM directory, run in float32")
     p.add_argument("--reference", choices=("olmo-core",), help="also compare with OLMo-core's OLMo 3 model")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="olmax compute dtype")
     p.add_argument("--seq-len", type=int, help="tokens per instance (default: twice the sliding window)")

@@ -1,4 +1,6 @@
-"""HF transformers `Olmo3ForCausalLM` <-> olmax: configs, tensor names, streaming conversion.
+"""HF transformers `Olmo3ForCausalLM` / `OlmoeForCausalLM` <-> olmax: configs, tensor names, streaming
+conversion. The HF `model_type` is the olmax model family (olmo3, olmoe); tensor names and layouts come
+from the family's parameter table (OLMoE's experts: one tensor per expert, as on the Hub).
 
 Needs neither torch nor transformers: config.json is read as JSON and tensors
 as safetensors (never pickle, never remote code). Both directions stream a slab
@@ -29,8 +31,7 @@ from olmax.config import CheckpointConfig, ConfigError, ModelConfig, RunConfig, 
 from olmax.interop import InteropError, stream
 from olmax.model import families
 
-ARCHITECTURE = "Olmo3ForCausalLM"
-MODEL_TYPE = "olmo3"
+ARCHITECTURES = {"olmo3": "Olmo3ForCausalLM", "olmoe": "OlmoeForCausalLM"}  # model_type (= family) -> class
 LAYER_KINDS = {"sliding_attention": "sliding", "full_attention": "global"}
 HF_LAYER_TYPES = {kind: name for name, kind in LAYER_KINDS.items()}
 INDEX_FILE = "model.safetensors.index.json"
@@ -52,11 +53,11 @@ def read_hf_config(src: Path) -> dict:
     except json.JSONDecodeError as err:
         raise InteropError(f"{path} is not valid JSON: {err}") from None
     architectures = config.get("architectures") or []
-    if config.get("model_type") != MODEL_TYPE or architectures not in ([], [ARCHITECTURE]):
-        raise InteropError(
-            f"{path}: unsupported architecture (model_type {config.get('model_type')!r}, "
-            f"architectures {architectures}); olmax converts {ARCHITECTURE} (model_type {MODEL_TYPE!r}) only"
-        )
+    model_type = config.get("model_type")
+    if model_type not in ARCHITECTURES or architectures not in ([], [ARCHITECTURES[model_type]]):
+        known = ", ".join(f"{cls} (model_type {t!r})" for t, cls in ARCHITECTURES.items())
+        raise InteropError(f"{path}: unsupported architecture (model_type {model_type!r}, architectures "
+                           f"{architectures}); olmax converts {known}")
     return config
 
 
@@ -140,41 +141,60 @@ def _token_id(hf: dict, field: str, vocab_size: int, where: str) -> int | None:
     return value
 
 
+def _olmoe_model(hf: dict, where: str) -> dict:
+    """olmax model fields of an HF OLMoE config beyond the shared ones: MoE in every layer, global attention,
+    one unscaled RoPE (`OlmoeConfig`'s defaults where config.json omits a field)."""
+    if hf.get("clip_qkv") is not None:
+        raise InteropError(f"{where}: clip_qkv {hf['clip_qkv']} is not implemented (olmax does not clip q, k, v)")
+    rope = dict(hf.get("rope_parameters") or {}) | (hf.get("rope_scaling") or {})
+    if rope.get("rope_type", rope.get("type", "default")) != "default":
+        raise InteropError(f"{where}: RoPE scaling {rope} is not implemented for OLMoE (olmax reads default RoPE)")
+    theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
+    return {
+        "family": "olmoe", "mlp": "moe", "layer_pattern": ["global"], "rope": {"global": {"theta": float(theta)}},
+        "moe": {"num_experts": hf.get("num_experts", 64), "top_k": hf.get("num_experts_per_tok", 8),
+                "expert_hidden": hf["intermediate_size"], "normalize_gates": hf.get("norm_topk_prob", False),
+                "load_balancing_loss": hf.get("router_aux_loss_coef", 0.01)},
+    }
+
+
+def _olmo3_model(hf: dict, where: str) -> dict:
+    pattern = _layer_pattern(hf, hf["num_hidden_layers"], where)
+    window = hf.get("sliding_window")
+    if "sliding" in pattern and not window:
+        raise InteropError(f"{where}: layer_types has sliding layers but sliding_window is {window!r}")
+    return {"mlp_hidden": hf["intermediate_size"], "rope": _rope(hf, where), "layer_pattern": pattern} | (
+        {"sliding_window": window} if window else {})
+
+
 def run_config_from_hf(hf: dict, name: str, where: str = "config.json") -> RunConfig:
-    """The olmax run config of an HF Olmo3 config: the model derived from it, the rest the 7B recipe."""
+    """The olmax run config of an HF Olmo3 / OLMoE config: the model derived from it, the rest the 7B recipe."""
     unsupported = {
         "attention_bias": (hf.get("attention_bias", False), False),
         "hidden_act": (hf.get("hidden_act", "silu"), "silu"),
         "tie_word_embeddings": (hf.get("tie_word_embeddings", False), False),
     }
     if bad := {k: got for k, (got, want) in unsupported.items() if got != want}:
-        raise InteropError(f"{where}: unsupported settings {bad} (OLMo 3: no biases, SiLU MLP, untied LM head)")
+        raise InteropError(f"{where}: unsupported settings {bad} (OLMo 3 and OLMoE: no biases, SiLU MLP, "
+                           "untied LM head)")
     missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                            "num_attention_heads") if k not in hf]
     if missing:
         raise InteropError(f"{where}: missing fields {missing}")
-    n_layers, n_heads, d_model = hf["num_hidden_layers"], hf["num_attention_heads"], hf["hidden_size"]
+    n_heads, d_model = hf["num_attention_heads"], hf["hidden_size"]
     head_dim = hf.get("head_dim")
-    pattern = _layer_pattern(hf, n_layers, where)
-    window = hf.get("sliding_window")
-    if "sliding" in pattern and not window:
-        raise InteropError(f"{where}: layer_types has sliding layers but sliding_window is {window!r}")
     model = {
         "vocab_size": hf["vocab_size"],
         "d_model": d_model,
-        "n_layers": n_layers,
+        "n_layers": hf["num_hidden_layers"],
         "n_heads": n_heads,
         "n_kv_heads": None if hf.get("num_key_value_heads") in (None, n_heads) else hf["num_key_value_heads"],
         "head_dim": None if head_dim in (None, d_model // n_heads) else head_dim,
-        "mlp_hidden": hf["intermediate_size"],
         "norm_eps": hf.get("rms_norm_eps", 1e-5),
-        "rope": _rope(hf, where),
-        "layer_pattern": pattern,
         "init_std": hf.get("initializer_range", 0.02),
         "param_dtype": "float32",
     }
-    if window:
-        model["sliding_window"] = window
+    model |= (_olmoe_model if hf.get("model_type") == "olmoe" else _olmo3_model)(hf, where)
     eos = _token_id(hf, "eos_token_id", hf["vocab_size"], where)
     pad = _token_id(hf, "pad_token_id", hf["vocab_size"], where)
     if eos is None:
@@ -187,18 +207,59 @@ def run_config_from_hf(hf: dict, name: str, where: str = "config.json") -> RunCo
         raise InteropError(str(err)) from None
 
 
-def hf_config_from_run(cfg: RunConfig, dtype: str = "float32") -> dict:
-    """config.json for `Olmo3ForCausalLM`: RoPE as `rope_parameters` per layer type (transformers 5), and as
-    `rope_theta` too when both kinds share an unscaled theta (transformers 4 reads that)."""
+def check_exportable(m: ModelConfig) -> None:
+    """Refuse a model its family's transformers class cannot express (it would load, and compute another function)."""
+    if m.family == "olmo3" and m.mlp != "dense":
+        raise InteropError("model.mlp moe with family olmo3 has no transformers class (Olmo3ForCausalLM is dense); "
+                           "HF interop of a mixture of experts is OlmoeForCausalLM, model.family olmoe")
+    if m.family == "olmoe":
+        e = m.moe
+        bad = {"moe.gating": e.gating != "softmax", "moe.shared_expert_hidden": e.shared_expert_hidden is not None,
+               "moe.bias_update_rate": e.bias_update_rate is not None, "moe.capacity_factor": e.capacity_factor
+               is not None, "moe.routing": e.routing != "learned", "rope": m.rope["global"].type != "default"}
+        if fields := [k for k, b in bad.items() if b]:
+            raise InteropError(f"OlmoeForCausalLM has a softmax router, dropless learned top-k routing, no shared "
+                               f"expert or selection bias, and unscaled RoPE; this model sets model.{fields}")
+
+
+def _hf_olmoe(cfg: RunConfig) -> dict:
+    m = cfg.model
+    theta = m.rope["global"].theta
+    return {"intermediate_size": m.moe.expert_hidden, "rope_theta": theta,
+            "rope_parameters": {"rope_type": "default", "rope_theta": theta}, "clip_qkv": None,
+            "num_experts": m.moe.num_experts, "num_experts_per_tok": m.moe.top_k,
+            "norm_topk_prob": m.moe.normalize_gates, "router_aux_loss_coef": m.moe.load_balancing_loss,
+            "output_router_logits": False}
+
+
+def _hf_olmo3(cfg: RunConfig) -> dict:
+    """RoPE as `rope_parameters` per layer type (transformers 5), and as `rope_theta` too when both kinds share
+    an unscaled theta (transformers 4 reads that)."""
     m = cfg.model
     unscaled = {r.theta for r in m.rope.values() if r.type == "default"}
     single_theta = len(unscaled) == 1 and all(r.type == "default" for r in m.rope.values())
     config = {
-        "architectures": [ARCHITECTURE],
-        "model_type": MODEL_TYPE,
+        "intermediate_size": m.mlp_hidden,
+        "rope_parameters": {name: _hf_rope(m.rope.get(kind, m.rope["global"])) for name, kind in LAYER_KINDS.items()},
+        "sliding_window": m.sliding_window,
+        "layer_types": [HF_LAYER_TYPES["global" if m.is_global(i) else "sliding"] for i in range(m.n_layers)],
+    }
+    if single_theta:
+        config["rope_theta"] = unscaled.pop()
+    if m.head_dim is not None:
+        config["head_dim"] = m.head_dim
+    return config
+
+
+def hf_config_from_run(cfg: RunConfig, dtype: str = "float32") -> dict:
+    """config.json for the family's transformers class (Olmo3ForCausalLM, OlmoeForCausalLM)."""
+    m = cfg.model
+    check_exportable(m)
+    return {
+        "architectures": [ARCHITECTURES[m.family]],
+        "model_type": m.family,
         "vocab_size": m.vocab_size,
         "hidden_size": m.d_model,
-        "intermediate_size": m.mlp_hidden,
         "num_hidden_layers": m.n_layers,
         "num_attention_heads": m.n_heads,
         "num_key_value_heads": m.kv_heads,
@@ -206,9 +267,6 @@ def hf_config_from_run(cfg: RunConfig, dtype: str = "float32") -> dict:
         "max_position_embeddings": cfg.data.sequence_length,
         "initializer_range": m.init_std,
         "rms_norm_eps": m.norm_eps,
-        "rope_parameters": {name: _hf_rope(m.rope.get(kind, m.rope["global"])) for name, kind in LAYER_KINDS.items()},
-        "sliding_window": m.sliding_window,
-        "layer_types": [HF_LAYER_TYPES["global" if m.is_global(i) else "sliding"] for i in range(m.n_layers)],
         "attention_bias": False,
         "attention_dropout": 0.0,
         "tie_word_embeddings": False,
@@ -217,12 +275,7 @@ def hf_config_from_run(cfg: RunConfig, dtype: str = "float32") -> dict:
         "pad_token_id": cfg.data.pad_id,
         "use_cache": True,
         "dtype": dtype,
-    }
-    if single_theta:
-        config["rope_theta"] = unscaled.pop()
-    if m.head_dim is not None:
-        config["head_dim"] = m.head_dim
-    return config
+    } | (_hf_olmoe if m.family == "olmoe" else _hf_olmo3)(cfg)
 
 
 # --- tensors ---------------------------------------------------------------------------------------
@@ -280,15 +333,16 @@ def _listing(title: str, items: list[str], limit: int = 24) -> list[str]:
 
 def check_hf_tensors(found: dict, src: Path, m: ModelConfig) -> None:
     """Every tensor the config implies, nothing else, each with the implied shape and a float dtype."""
-    specs = {name: p.foreign_shape(m) for name, (p, _) in families.foreign_tensors(m).items()}
+    specs = {name: p.foreign_shape(m, index) for name, (p, index) in families.foreign_tensors(m).items()}
     missing = [n for n in specs if n not in found]
     extra = [n for n in found if n not in specs]
     mismatched = [f"{n} is {list(found[n][0])}, config implies {list(shape)}"
                   for n, shape in specs.items() if n in found and found[n][0] != shape]
     not_float = [f"{n} ({found[n][1]})" for n in specs if n in found and found[n][1] not in FLOAT_DTYPES]
     if missing or extra or mismatched or not_float:
-        lines = [f"{src}: the tensors do not match config.json ({ARCHITECTURE}: {m.n_layers} layers, hidden "
-                 f"{m.d_model}, {m.n_heads} heads / {m.kv_heads} KV heads of {m.head_size}, MLP {m.mlp_hidden}, "
+        mlp = f"MLP {m.mlp_hidden}" if m.mlp == "dense" else f"{m.moe.num_experts} experts of {m.moe.expert_hidden}"
+        lines = [f"{src}: the tensors do not match config.json ({ARCHITECTURES[m.family]}: {m.n_layers} layers, "
+                 f"hidden {m.d_model}, {m.n_heads} heads / {m.kv_heads} KV heads of {m.head_size}, {mlp}, "
                  f"vocab {m.vocab_size})"]
         lines += _listing("missing tensors", missing)
         lines += _listing("unexpected tensors", extra)
@@ -317,14 +371,15 @@ def load_hf_params(src: Path, cfg: RunConfig) -> dict:
 
 
 def hf_to_olmax(src: str | Path, out: str | Path) -> RunConfig:
-    """Convert an HF Olmo3 directory into a weights-only olmax checkpoint at OUT (step 0: OUT/0/)."""
+    """Convert an HF Olmo3 / OLMoE directory into a weights-only olmax checkpoint at OUT (step 0: OUT/0/)."""
     src, out = Path(src), Path(out)
     if out.exists() and any(out.iterdir()):
         raise InteropError(f"{out} exists and is not empty; choose a new output directory")
     cfg = run_config_from_hf(read_hf_config(src), name=src.absolute().name, where=str(src / "config.json"))
     params = load_hf_params(src, cfg)
     meta = run_meta(cfg, 0, {})
-    meta["converted_from"] = {"format": "hf", "architecture": ARCHITECTURE, "path": str(src.absolute())}
+    meta["converted_from"] = {"format": "hf", "architecture": ARCHITECTURES[cfg.model.family],
+                              "path": str(src.absolute())}
     checkpointer = Checkpointer(out, CheckpointConfig())
     try:
         checkpointer.save_params(0, params, meta)
@@ -344,8 +399,8 @@ def load_olmax(ckpt: str | Path, step: int | None = None) -> tuple[RunConfig, di
 
 def _plan_shards(cfg: RunConfig, itemsize: int, max_shard_bytes: int) -> list[list[str]]:
     shards, size = [[]], 0
-    for name, (p, _) in families.foreign_tensors(cfg.model).items():
-        nbytes = math.prod(p.foreign_shape(cfg.model)) * itemsize
+    for name, (p, index) in families.foreign_tensors(cfg.model).items():
+        nbytes = math.prod(p.foreign_shape(cfg.model, index)) * itemsize
         if shards[-1] and size + nbytes > max_shard_bytes:
             shards.append([])
             size = 0
@@ -356,8 +411,10 @@ def _plan_shards(cfg: RunConfig, itemsize: int, max_shard_bytes: int) -> list[li
 
 def write_hf(cfg: RunConfig, params: dict, out: str | Path, dtype: str = "float32",
              max_shard_bytes: int = 5 * 2**30) -> Path:
-    """safetensors (one file, or shards + index) and config.json for `Olmo3ForCausalLM.from_pretrained`."""
+    """safetensors (one file, or shards + index) and config.json for the family's transformers class
+    (`Olmo3ForCausalLM` / `OlmoeForCausalLM`.from_pretrained)."""
     out = Path(out)
+    check_exportable(cfg.model)
     if out.exists() and any(out.iterdir()):
         raise InteropError(f"{out} exists and is not empty; choose a new output directory")
     if dtype not in EXPORT_DTYPES:
@@ -387,7 +444,7 @@ def _write_hf_files(cfg: RunConfig, params: dict, out: Path, dtype: str, np_dtyp
         stream.write_file(out / file, views, np_dtype, metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(shard, file))
     if len(shards) > 1:
-        total = sum(math.prod(p.foreign_shape(m)) for p, _ in tensors.values()) * np_dtype.itemsize
+        total = sum(math.prod(p.foreign_shape(m, index)) for p, index in tensors.values()) * np_dtype.itemsize
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (out / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
     (out / "config.json").write_text(json.dumps(hf_config_from_run(cfg, dtype), indent=2) + "\n")
@@ -395,7 +452,7 @@ def _write_hf_files(cfg: RunConfig, params: dict, out: Path, dtype: str, np_dtyp
 
 def olmax_to_hf(ckpt: str | Path, out: str | Path, dtype: str = "float32",
                 max_shard_bytes: int = 5 * 2**30) -> tuple[RunConfig, int]:
-    """Export the latest step of an olmax checkpoint as an HF Olmo3 directory; (config, step)."""
+    """Export the latest step of an olmax checkpoint as an HF Olmo3 / OLMoE directory; (config, step)."""
     out = Path(out)
     if out.exists() and any(out.iterdir()):
         raise InteropError(f"{out} exists and is not empty; choose a new output directory")

@@ -1,13 +1,16 @@
 """One transformer block for training, evaluation and decoding; what differs is passed in.
 
-    h   = x + norm(attn(x))          reordered norm (OLMo 2/3): no input norms
+    h   = x + norm(attn(x))          reordered norm (OLMo 2/3, model.family olmo3): no input norms
     out = h + norm(mlp(h))
+    h   = x + attn(norm(x))          pre-norm (OLMoE, model.family olmoe)
+    out = h + mlp(norm(h))
     attn: q = rope(norm(x Wq)), k = rope(norm(x Wk)), v = x Wv   (QK-norm over the whole projection)
 
 `attention(q, k, v) -> (context, state)` is the layer's attention: blocked over the sequence in
 training, over a KV cache in decoding (its state is the updated cache). `mlp(p, h) -> (out, aux)` is the
-MLP sublayer chosen by `model.mlp`; `aux` (a dict of arrays, {} for dense) is stacked over layers by the
-model and read by the train step (auxiliary losses, load metrics). Matmuls run in the dtype of x;
+MLP sublayer chosen by `model.mlp` (dense SwiGLU, or the mixture of experts of model/moe.py); `aux` (a
+dict of arrays, {} for dense) is stacked over layers by the model and read by the train step (auxiliary
+losses, load metrics). Matmuls run in the dtype of x;
 norms, RoPE and softmax in float32. Named activations (`qkv_proj`, `out_proj`, `mlpwi_0`, `mlpwi_1`,
 `mlpwo`, `context`) let a remat policy be a list of names. `dense` is the projections' matmul (float8
 with impl.fp8: q, k, v, o and the MLP's, never the attention's own products).
@@ -24,7 +27,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from olmax.config import ImplConfig, ModelConfig
-from olmax.model import fp8
+from olmax.model import fp8, moe
 from olmax.model import rope as rope_lib
 from olmax.parallel.mesh import Layout, constrain
 
@@ -56,8 +59,20 @@ def dense_mlp(p: dict, h: jax.Array, dense: Callable = dense) -> tuple[jax.Array
     return dense(gate * up, p["w2"], "mlpwo"), {}
 
 
-def mlp_sublayer(cfg: ModelConfig, dense: Callable = dense) -> Callable:
-    return {"dense": functools.partial(dense_mlp, dense=dense)}[cfg.mlp]
+def mlp_sublayer(cfg: ModelConfig, impl: ImplConfig, layout: Layout | None = None, kind: str | None = None,
+                 dense: Callable = dense):
+    """The MLP sublayer of `kind` (default model.mlp): `mlp(p, h) -> (out, aux)`; the MoE one also takes
+    `key=` (for routing="random"). With a layout, the experts run expert-parallel on its mesh. `dense` is the
+    dense MLP's matmul (the experts' grouped matmuls stay in the compute dtype)."""
+    if (kind or cfg.mlp) == "dense":
+        return functools.partial(dense_mlp, dense=dense)
+
+    def moe_mlp(p: dict, h: jax.Array, key: jax.Array | None = None) -> tuple[jax.Array, dict]:
+        return moe.moe_mlp(cfg.moe, p, h, key=key, mesh=layout.mesh if layout else None,
+                           batch_axes=layout.batch_axes if layout else (), dispatch=impl.moe_dispatch,
+                           block_size=impl.moe_block)
+
+    return moe_mlp
 
 
 def block(cfg: ModelConfig, p: dict, x: jax.Array, *, rope: tuple, attention: Callable, mlp: Callable,
@@ -65,15 +80,18 @@ def block(cfg: ModelConfig, p: dict, x: jax.Array, *, rope: tuple, attention: Ca
     """x [B, T, D] -> (out [B, T, D], mlp aux, attention state); rope = (cos, sin) at the tokens' positions."""
     B, T, _ = x.shape
     Dh = cfg.head_size
-    q = rms_norm(dense(x, p["q_proj"], "qkv_proj"), p["q_norm"], cfg.norm_eps)
-    k = rms_norm(dense(x, p["k_proj"], "qkv_proj"), p["k_norm"], cfg.norm_eps)
-    v = dense(x, p["v_proj"], "qkv_proj").reshape(B, T, cfg.kv_heads, Dh)
+    pre = cfg.norm_placement == "pre"
+    a = rms_norm(x, p["attn_norm"], cfg.norm_eps) if pre else x
+    q = rms_norm(dense(a, p["q_proj"], "qkv_proj"), p["q_norm"], cfg.norm_eps)
+    k = rms_norm(dense(a, p["k_proj"], "qkv_proj"), p["k_norm"], cfg.norm_eps)
+    v = dense(a, p["v_proj"], "qkv_proj").reshape(B, T, cfg.kv_heads, Dh)
     q = rope_lib.apply(q.reshape(B, T, cfg.n_heads, Dh), *rope)
     k = rope_lib.apply(k.reshape(B, T, cfg.kv_heads, Dh), *rope)
     q = q * jnp.asarray(1 / math.sqrt(Dh), q.dtype)  # on q in the compute dtype, for every implementation
     context, state = attention(q, k, v)
     context = checkpoint_name(context, "context")
     attn_out = dense(context.reshape(B, T, cfg.n_heads * Dh), p["o_proj"], "out_proj")
-    h = constrain(layout, x + rms_norm(attn_out, p["attn_norm"], cfg.norm_eps), ACTIVATION)
-    mlp_out, aux = mlp(p, h)
-    return constrain(layout, h + rms_norm(mlp_out, p["mlp_norm"], cfg.norm_eps), ACTIVATION), aux, state
+    h = constrain(layout, x + (attn_out if pre else rms_norm(attn_out, p["attn_norm"], cfg.norm_eps)), ACTIVATION)
+    mlp_out, aux = mlp(p, rms_norm(h, p["mlp_norm"], cfg.norm_eps) if pre else h)
+    out = h + (mlp_out if pre else rms_norm(mlp_out, p["mlp_norm"], cfg.norm_eps))
+    return constrain(layout, out, ACTIVATION), aux, state

@@ -4,7 +4,8 @@
     scores = softmax(logits) | sigmoid(logits)
     chosen = top_k(scores + score_bias)       the bias moves selection only (auxiliary-loss-free balancing)
     gates  = scores[chosen]                   divided by their sum if normalize_gates
-    out    = sum_k gates_k * expert_{chosen_k}(x)  (+ shared_expert(x))
+    out    = sum_k gates_k * expert_{chosen_k}(x)
+           = (shared(x) + k * out) / (k + 1)  with a shared expert (OLMo-core's weighting)
     expert(x) = w2(silu(w1 x) * w3 x)
 
 The experts run dropless by default: assignments are sorted by expert, each expert's rows
@@ -201,7 +202,9 @@ def _vary_like(a, *like):
     # Inside shard_map, `a` made to vary over the mesh axes that `like` varies over (a no-op outside):
     # a loop carry must keep its type, and a custom_vjp's gradient must match its input's. The add's
     # transpose sums the gradient over those axes (over data-parallel replicas, for expert weights).
-    return a + sum(jnp.zeros_like(b, a.dtype, shape=()) for b in like)
+    # zeros_like of one element of each: with `shape=` it would be a fresh constant, losing the vmapped
+    # pipeline stage's variation.
+    return a + sum(jnp.zeros_like(b.reshape(-1)[0], a.dtype) for b in like)
 
 
 def _zeros(shape, dtype, *like):
@@ -219,7 +222,7 @@ def _grouped_loop(x, w, block_starts, block: int, contract_w: int):
 
         return jax.lax.fori_loop(block_starts[g], block_starts[g + 1], one_block, out)
 
-    return jax.lax.fori_loop(0, w.shape[0], group, _zeros((x.shape[0], w.shape[2 - contract_w]), x.dtype, x, w))
+    return jax.lax.fori_loop(0, w.shape[0], group, _zeros((x.shape[0], w.shape[2 - contract_w]), x.dtype, x, w, block_starts))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
@@ -245,11 +248,11 @@ def _gmm_bwd(block, res, dy):
             dyb = jax.lax.dynamic_slice_in_dim(dy, b * block, block)
             return acc + jax.lax.dot_general(xb, dyb, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
 
-        zeros = _zeros(w.shape[1:], jnp.float32, x, dy)
+        zeros = _zeros(w.shape[1:], jnp.float32, x, dy, block_starts)
         acc = jax.lax.fori_loop(block_starts[g], block_starts[g + 1], one_block, zeros)
         return jax.lax.dynamic_update_index_in_dim(dw, acc, g, 0)
 
-    dw = jax.lax.fori_loop(0, w.shape[0], group, _zeros(w.shape, jnp.float32, x, dy))
+    dw = jax.lax.fori_loop(0, w.shape[0], group, _zeros(w.shape, jnp.float32, x, dy, block_starts))
     return dx, dw.astype(w.dtype), None
 
 
@@ -313,8 +316,11 @@ def moe_mlp(
     key: jax.Array | None = None,
     mesh: Mesh | None = None,
     batch_axes: tuple[str, ...] = (),
+    dispatch: str = "blocks",
+    block_size: int | None = None,
 ) -> tuple[jax.Array, dict]:
     """One MoE layer on hidden states x [B, T, D] -> (out [B, T, D], aux); `key` drives routing="random".
+    `dispatch` ("blocks" or "ragged_dot") and `block_size` (None = auto) choose how the experts run.
 
     aux (one layer's values; the model stacks them over layers):
       load_balancing_loss  f32 []   unscaled, see `load_balancing_loss`
@@ -346,8 +352,8 @@ def moe_mlp(
     aux["dropped_tokens"] = jnp.sum(experts == cfg.num_experts, dtype=jnp.int32)
 
     def run_experts(x_local, groups, gates, w1, w3, w2, expected_rows):
-        block = cfg.block_size or auto_block_size(expected_rows, w1.shape[0])
-        return combine(grouped_swiglu(x_local, groups, w1, w3, w2, dispatch=cfg.dispatch, block=block), gates)
+        block = block_size or auto_block_size(expected_rows, w1.shape[0])
+        return combine(grouped_swiglu(x_local, groups, w1, w3, w2, dispatch=dispatch, block=block), gates)
 
     weights = (p["w1"], p["w3"], p["w2"])
     if mesh is None:
@@ -356,13 +362,22 @@ def moe_mlp(
         y = expert_parallel.routed_experts(run_experts, tokens, experts, r.gates, weights, mesh, batch_axes)
     if cfg.shared_expert_hidden:
         gate = jax.nn.silu(tokens @ p["shared_w1"].astype(x.dtype))
-        y = y + (gate * (tokens @ p["shared_w3"].astype(x.dtype))) @ p["shared_w2"].astype(x.dtype)
+        shared = (gate * (tokens @ p["shared_w3"].astype(x.dtype))) @ p["shared_w2"].astype(x.dtype)
+        y = (shared + cfg.top_k * y) / (cfg.top_k + 1)
     return y.reshape(B, T, D), aux
 
 
-def aux_loss(cfg: MoEConfig, aux: dict) -> tuple[jax.Array, dict]:
-    """The scalar added to the training loss from aux stacked over layers, and its logged parts
-    (OLMo-core's names; each is the sum over layers of coefficient x loss, as OLMo-core sums its routers)."""
-    lb = cfg.load_balancing_loss * jnp.sum(aux["load_balancing_loss"])
-    z = cfg.router_z_loss * jnp.sum(aux["router_z_loss"])
+def aux_loss(cfg: MoEConfig, aux: dict, n_layers: int, tokens: int, n_labels: jax.Array) -> tuple[jax.Array, dict]:
+    """The router losses one micro-batch adds to the training loss, and their logged parts, from its aux
+    stacked over the MoE layers (each value a mean over the micro-batch's `tokens` tokens).
+
+    OLMo-core's semantics (olmo_core/nn/moe/moe.py, loss.py, and its train module): each layer's loss is
+    weighted by coefficient / n_layers (`scale_loss_by_num_layers`, n_layers counting every layer of the
+    model), and is a sum over tokens divided by the label count of the whole batch (`loss_div_factor`,
+    B x (T - 1) without masking), as the CE loss is, not by the token count. Summed over the micro-batches
+    of a step this is the batch's loss, logged as `load balancing loss` and `router Z loss`.
+    """
+    scale = tokens / (n_layers * n_labels)
+    lb = cfg.load_balancing_loss * scale * jnp.sum(aux["load_balancing_loss"])
+    z = cfg.router_z_loss * scale * jnp.sum(aux["router_z_loss"])
     return lb + z, {"load balancing loss": lb, "router Z loss": z}

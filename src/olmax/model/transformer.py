@@ -1,4 +1,4 @@
-"""The decoder-only transformer (OLMo 3), as pure functions over a parameter pytree.
+"""The decoder-only transformer (OLMo 3, OLMoE), as pure functions over a parameter pytree.
 
 Layers repeat `layer_pattern` (3 sliding, 1 global in OLMo 3). Block parameters are stacked on a
 leading `layers` axis and the model scans over groups of one pattern period, so the compiled program
@@ -22,6 +22,7 @@ from olmax.model import attention as attention_lib
 from olmax.model import families
 from olmax.model import rope as rope_lib
 from olmax.model.attention import cached
+from olmax.model import block as block_lib
 from olmax.model.block import ACTIVATION, block, dense_for, mlp_sublayer, rms_norm
 from olmax.parallel import pipeline
 from olmax.parallel.mesh import Layout, constrain, platform
@@ -52,10 +53,10 @@ def _kept(impl: ImplConfig):
     return jax.checkpoint_policies.save_only_these_names(*([] if impl.remat == "full" else impl.remat), GROUP_INPUT)
 
 
-def _over_groups(cfg: ModelConfig, impl: ImplConfig, group, x, xs, remat: bool, layers: int | None = None):
-    """x through group(x, xs_g) -> (x, ys_g) for every pattern period g of `layers` (default all) layers:
-    leaves of xs are [layers * k, ...] sliced [k, ...] per group; the ys come back as [layers * k, ...]."""
-    n = (layers or cfg.n_layers) // len(cfg.layer_pattern)
+def _over_groups(cfg: ModelConfig, impl: ImplConfig, group, x, xs, remat: bool, n_layers: int | None = None):
+    """x through group(x, xs_g) -> (x, ys_g) for every pattern period g of a stack of n_layers (default all):
+    leaves of xs are [n_layers * k, ...] sliced [k, ...] per group; the ys come back as [n_layers * k, ...]."""
+    n = (n_layers or cfg.n_layers) // len(cfg.layer_pattern)
     xs = jax.tree.map(lambda a: a.reshape(n, a.shape[0] // n, *a.shape[1:]), xs)
     group = _remat(impl, group) if remat else group
     if impl.scan_layers:
@@ -73,52 +74,82 @@ def _embed(cfg: ModelConfig, impl: ImplConfig, params: dict, tokens: jax.Array, 
     return constrain(layout, params["embed"].astype(compute_dtype(impl, layout))[tokens], ACTIVATION)
 
 
-def _pipelined(cfg: ModelConfig, impl: ImplConfig, group, x, blocks: dict, sched: pipeline.Schedule,
-               layout: Layout | None):
+def _pipelined(cfg: ModelConfig, impl: ImplConfig, group, x, blocks: dict, keys: jax.Array | None,
+               sched: pipeline.Schedule, layout: Layout | None):
     """The layers as a pipeline over the layout's stages (see olmax.parallel.pipeline): x [B, T, D] in
-    sched.microbatches micro-batches; aux per micro-batch [M, n_layers, ...]."""
+    sched.microbatches micro-batches; aux per micro-batch [M, n_layers, ...]. Per-layer routing keys travel
+    with the layers' weights (as their raw bits: a stage's chunk of them, replicated within the stage)."""
     chunk_layers = cfg.n_layers // sched.chunks
     axes = families.param_axes(cfg)["blocks"]
     weights = {name: pipeline.by_stage(layout, w, axes[name], sched) for name, w in blocks.items()}
+    if keys is not None:
+        weights = (weights, pipeline.by_stage(layout, jax.random.key_data(keys), ("layers", "norm"), sched))
 
     remat_group = _remat(impl, group)
 
-    def named_group(x, p):
-        return remat_group(checkpoint_name(x, GROUP_INPUT), p)
+    def named_group(x, inputs):
+        return remat_group(checkpoint_name(x, GROUP_INPUT), inputs)
 
     def chunk(w, x):
-        return _over_groups(cfg, impl, named_group, x, w, remat=False, layers=chunk_layers)
+        w, key_bits = w if keys is not None else (w, None)
+        chunk_keys = None if key_bits is None else jax.random.wrap_key_data(key_bits)
+        return _over_groups(cfg, impl, named_group, x, (w, chunk_keys), remat=False, n_layers=chunk_layers)
 
     micro = pipeline.split_microbatches(x, sched.microbatches)
     y, aux = pipeline.run(chunk, weights, micro, ACTIVATION, sched, layout, kept=_kept(impl))
     return pipeline.over_stages(layout, pipeline.merge_microbatches(y), ACTIVATION), aux
 
 
+def _stacks(cfg: ModelConfig, impl: ImplConfig, layout: Layout | None, key: jax.Array | None,
+            dense=block_lib.dense):
+    """(params key, layers, MLP sublayer, per-layer routing keys or None) of each stack of layers in depth
+    order: an MoE model's `dense_layers` first (`dense_blocks`), then `blocks`. Routing keys exist for
+    routing="random" only: split from `key` (the train step's, a function of its step; a fixed one when None)."""
+    stacks = []
+    if cfg.dense_layers:
+        stacks.append(("dense_blocks", cfg.dense_layers, mlp_sublayer(cfg, impl, layout, "dense", dense), None))
+    n = cfg.n_layers - cfg.dense_layers
+    keys = None
+    if cfg.mlp == "moe" and cfg.moe.routing == "random":
+        keys = jax.random.split(jax.random.key(0) if key is None else key, n)
+    return stacks + [("blocks", n, mlp_sublayer(cfg, impl, layout, dense=dense), keys)]
+
+
+def _with_key(mlp, keys, i):
+    return mlp if keys is None else functools.partial(mlp, key=keys[i])
+
+
 def forward(cfg: ModelConfig, impl: ImplConfig, params: dict, tokens: jax.Array,
-            layout: Layout | None = None, sched: pipeline.Schedule | None = None) -> tuple[jax.Array, dict]:
-    """(final-normed hidden states [B, T, d_model] in the compute dtype, aux of every layer [n_layers, ...])
-    for int tokens [B, T] at positions 0..T-1. With a pipeline schedule the layers run pipelined over the
-    layout's stages and aux is per micro-batch, [microbatches, n_layers, ...]."""
+            layout: Layout | None = None, key: jax.Array | None = None,
+            sched: pipeline.Schedule | None = None) -> tuple[jax.Array, dict]:
+    """(final-normed hidden states [B, T, d_model] in the compute dtype, aux of every layer of `blocks`
+    [n_layers, ...]) for int tokens [B, T] at positions 0..T-1; `key` drives MoE routing="random". With a
+    pipeline schedule the layers run pipelined over the layout's stages and aux is per micro-batch,
+    [microbatches, n_layers, ...]."""
     positions = np.arange(tokens.shape[1])
     ropes = {kind: rope_lib.tables(cfg.rope[kind], cfg.head_size, positions) for kind in set(cfg.layer_pattern)}
     attentions = [attention_lib.make(impl, cfg.window(i), layout) for i in range(len(cfg.layer_pattern))]
     dense = dense_for(impl)
-    mlp = mlp_sublayer(cfg, dense)
 
-    def group(x, group_params):
-        auxes = []
-        for i, kind in enumerate(cfg.layer_pattern):
-            p = jax.tree.map(lambda a: a[i], group_params)
-            x, aux, _ = block(cfg, p, x, rope=ropes[kind], attention=attentions[i], mlp=mlp, layout=layout,
-                              dense=dense)
-            auxes.append(aux)
-        return x, jax.tree.map(lambda *a: jnp.stack(a), *auxes)
+    def stack_group(mlp):
+        def group(x, inputs):
+            group_params, keys = inputs
+            auxes = []
+            for i, kind in enumerate(cfg.layer_pattern):
+                p = jax.tree.map(lambda a: a[i], group_params)
+                x, aux, _ = block(cfg, p, x, rope=ropes[kind], attention=attentions[i], mlp=_with_key(mlp, keys, i),
+                                  layout=layout, dense=dense)
+                auxes.append(aux)
+            return x, jax.tree.map(lambda *a: jnp.stack(a), *auxes)
+
+        return group
 
     x = _embed(cfg, impl, params, tokens, layout)
-    if sched is None:
-        x, aux = _over_groups(cfg, impl, group, x, params["blocks"], remat=True)
-    else:
-        x, aux = _pipelined(cfg, impl, group, x, params["blocks"], sched, layout)
+    for name, n, mlp, keys in _stacks(cfg, impl, layout, key, dense):
+        if sched is None:
+            x, aux = _over_groups(cfg, impl, stack_group(mlp), x, (params[name], keys), remat=True, n_layers=n)
+        else:  # one stack (pipeline.schedule_for refuses dense_layers)
+            x, aux = _pipelined(cfg, impl, stack_group(mlp), x, params[name], keys, sched, layout)
     return rms_norm(x, params["final_norm"], cfg.norm_eps), aux
 
 
@@ -171,22 +202,33 @@ def forward_cached(cfg: ModelConfig, impl: ImplConfig, params: dict, tokens: jax
     for kind in set(cfg.layer_pattern):
         cos, sin = rope_lib.tables(cfg.rope[kind], cfg.head_size, table_pos)
         ropes[kind] = (jnp.asarray(cos)[query_pos], jnp.asarray(sin)[query_pos])
-    mlp = mlp_sublayer(cfg)
     # layer i of the period is the index_in_kind[i]-th of its kind within the period
     index_in_kind = [cfg.layer_pattern[:i].count(kind) for i, kind in enumerate(cfg.layer_pattern)]
 
-    def group(x, inputs):
-        group_params, caches = inputs
-        new = {kind: [None] * cfg.layer_pattern.count(kind) for kind in caches}
-        for i, kind in enumerate(cfg.layer_pattern):
-            j = index_in_kind[i]
-            layer_cache = jax.tree.map(lambda a: a[j], caches[kind])
-            attend = functools.partial(cached.attention, cache=layer_cache, positions=positions, lengths=lengths,
-                                       window=cfg.window(i))
-            p = jax.tree.map(lambda a: a[i], group_params)
-            x, _, new[kind][j] = block(cfg, p, x, rope=ropes[kind], attention=attend, mlp=mlp)
-        return x, {kind: jax.tree.map(lambda *a: jnp.stack(a), *layer_caches) for kind, layer_caches in new.items()}
+    def stack_group(mlp):
+        def group(x, inputs):
+            group_params, keys, caches = inputs
+            new = {kind: [None] * cfg.layer_pattern.count(kind) for kind in caches}
+            for i, kind in enumerate(cfg.layer_pattern):
+                j = index_in_kind[i]
+                layer_cache = jax.tree.map(lambda a: a[j], caches[kind])
+                attend = functools.partial(cached.attention, cache=layer_cache, positions=positions,
+                                           lengths=lengths, window=cfg.window(i))
+                p = jax.tree.map(lambda a: a[i], group_params)
+                x, _, new[kind][j] = block(cfg, p, x, rope=ropes[kind], attention=attend, mlp=_with_key(mlp, keys, i))
+            return x, {kind: jax.tree.map(lambda *a: jnp.stack(a), *layer_caches) for kind, layer_caches in new.items()}
+
+        return group
 
     x = _embed(cfg, impl, params, tokens, None)
-    x, layers = _over_groups(cfg, impl, group, x, (params["blocks"], cache.layers), remat=False)
+    period, done, updated = len(cfg.layer_pattern), 0, []
+    for name, n, mlp, keys in _stacks(cfg, impl, None, None):
+        # a kind's cache entries are in depth order: this stack's follow those of the `done` periods before it
+        caches = {kind: jax.tree.map(lambda a, c=cfg.layer_pattern.count(kind): a[done * c: (done + n // period) * c],
+                                     layer) for kind, layer in cache.layers.items()}
+        x, new = _over_groups(cfg, impl, stack_group(mlp), x, (params[name], keys, caches), remat=False, n_layers=n)
+        updated.append(new)
+        done += n // period
+    layers = {kind: jax.tree.map(lambda *a: jnp.concatenate(a), *(new[kind] for new in updated))
+              for kind in cache.layers}
     return rms_norm(x, params["final_norm"], cfg.norm_eps), Cache(layers)

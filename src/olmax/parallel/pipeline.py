@@ -68,6 +68,9 @@ def schedule_for(cfg: RunConfig) -> Schedule | None:
     stages, p = cfg.mesh.stage, cfg.impl.pipeline
     if stages == 1:
         return None
+    if cfg.model.dense_layers:
+        raise ConfigError(f"model.dense_layers {cfg.model.dense_layers}: a pipeline runs one stack of like layers "
+                          "over its stages; use dense_layers 0 with mesh.stage > 1")
     microbatches = p.microbatches or stages
     groups = cfg.model.n_layers // len(cfg.model.layer_pattern)
     if p.schedule == "gpipe":

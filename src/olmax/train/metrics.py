@@ -117,8 +117,10 @@ def console_line(step: int, total: int, m: dict[str, float]) -> str:
     skipped = " skipped" if m.get("optim/step skipped") else ""
     evals = "".join(f"  {k.removeprefix('eval/lm/').removesuffix('/CE loss')} {v:.4f}"
                     for k, v in m.items() if k.startswith("eval/lm/") and k.endswith("/CE loss"))
+    experts = (f"  LB {m['train/load balancing loss']:.4f}  load imbalance {m['train/load imbalance']:.2f}"
+               if "train/load imbalance" in m else "")
     return (
-        f"step {step}/{total}  CE {m['train/CE loss']:.4f}  Z {m['train/Z loss']:.2e}  "
+        f"step {step}/{total}  CE {m['train/CE loss']:.4f}  Z {m['train/Z loss']:.2e}{experts}  "
         f"gnorm {m['optim/total grad norm']:.3f}  lr {m['optim/LR (group 0)']:.3e}  "
         f"TPS/dev {m.get('throughput/device/TPS', 0):,.0f}  MFU {m.get('throughput/device/MFU', 0):.1f}%{skipped}"
         + (f"  | held-out CE{evals}" if evals else "")

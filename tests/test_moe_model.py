@@ -1,0 +1,219 @@
+"""A mixture of experts as a model option: parameter counts against OLMo-core, the model against its dense
+equivalent, the train step's losses and load metrics on 8 fake devices, the selection bias, exact and
+elastic resume."""
+
+import json
+import re
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from olmax.cli import main
+from olmax.config import ConfigError, load_config
+from olmax.data.synthetic import write_synthetic_shards
+from olmax.eval.curves import read_events
+from olmax.model import families, flops, moe, transformer
+from olmax.parallel.mesh import make_layout
+from olmax.train.step import create_state, jit_train_step, make_train_step
+from olmax.train.trainer import train
+from test_metrics import _histograms
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+    return write_synthetic_shards(tmp_path_factory.mktemp("shards"), vocab_size=512, eos_id=0, n_tokens=200_000,
+                                  n_shards=2, seed=0, token_dtype="uint16")
+
+
+def _cfg(tmp_path, shards, name, *overrides):
+    return load_config("tiny_moe", [f"data.paths={json.dumps(shards)}", f"output_dir={tmp_path}/{name}",
+                                    "mesh.fsdp=1", *overrides])
+
+
+def _train(tmp_path, shards, name, *overrides):
+    return train(_cfg(tmp_path, shards, name, *overrides), quiet=True)
+
+
+def _column(history, name):
+    return [h[name] for h in history]
+
+
+# Sizes.
+
+def test_parameter_counts_equal_olmo_cores_and_flops_count_active_parameters(capsys):
+    """olmoe_1b_7b counts what ai2-olmo-core's TransformerConfig.olmoe_1B_7B(vocab_size=50304) counts, total,
+    active and non-embedding; the OLMo-3-shaped 47B preset what its llama_like_moe counts for the same shape.
+    Training FLOPs come from the active parameters."""
+    from olmo_core.nn.transformer import TransformerConfig
+
+    olmoe = TransformerConfig.olmoe_1B_7B(vocab_size=50304)
+    cfg = load_config("olmoe_1b_7b")
+    count = flops.count(cfg.model, 4096)
+    assert (count.params, count.active_params, count.non_embedding_params) == (
+        olmoe.num_params, olmoe.num_active_params, olmoe.num_non_embedding_params) == (
+        6_919_161_856, 1_282_017_280, 6_816_139_264)
+    attention = 12 * 16 * 128 * 16 * flops.attended_positions(4096, None)
+    assert count.per_token == 6 * (count.active_params - flops.embedding_params(cfg.model)) + attention
+
+    big = load_config("olmo3_moe_47b").model
+    for experts, total, active in ((128, 46_859_140_608, 3_171_270_144), (8, 4_566_793_728, 3_157_507_584)):
+        m = big.model_copy(update={"moe": big.moe.model_copy(update={"num_experts": experts})})
+        reference = TransformerConfig.llama_like_moe(
+            d_model=3584, vocab_size=m.padded_vocab, n_layers=32, n_heads=28, n_kv_heads=7, num_experts=experts,
+            top_k=4, expert_hidden_size=1024, reordered_norm=True)
+        assert (families.param_count(m), families.active_param_count(m)) == (
+            reference.num_params, reference.num_active_params) == (total, active)
+
+    assert main(["flops", "olmoe_1b_7b", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert (report["params"], report["active_params"]) == (6_919_161_856, 1_282_017_280)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["model.mlp=moe", "model.moe=null"], "mlp is moe but moe is not set"),
+    (["model.moe.top_k=2"], "but mlp is dense"),
+    (["model.mlp=moe", "model.moe.top_k=2", "model.dense_layers=2"], "multiple of the layer_pattern length 4"),
+    (["model.mlp=moe", "model.moe.top_k=2", "model.family=olmoe"], "family olmoe"),
+    (["model.moe.experts=2"], "unknown config key 'model.moe.experts'"),
+    (["model.moe_dispatch=blocks"], "unknown config key"),
+])
+def test_bad_moe_configs_are_named(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config("tiny", overrides)
+
+
+# The model.
+
+def test_identical_experts_with_renormalized_gates_are_the_dense_model():
+    """Every expert a copy of a dense MLP and the top-k gates renormalized: the MoE computes the dense model
+    exactly, whatever the router picks. Checked with dense first layers (their own stack) in the forward
+    pass and in KV-cached decoding, for both dispatches."""
+    dense = load_config("tiny", ["model.n_layers=8", "model.mlp_hidden=96"])
+    params = families.init_params(dense.model, jax.random.key(0))
+    sparse = load_config("tiny", ["model.n_layers=8", "model.mlp_hidden=96", "model.mlp=moe", "model.dense_layers=4",
+                                  "model.moe.num_experts=4", "model.moe.top_k=2", "model.moe.expert_hidden=96",
+                                  "model.moe.normalize_gates=true"])
+    moe_params = families.init_params(sparse.model, jax.random.key(1))
+    blocks = params["blocks"]
+    moe_params["dense_blocks"] = jax.tree.map(lambda a: a[:4], blocks)
+    moe_params["blocks"] |= {k: blocks[k][4:] for k in blocks if k not in ("w1", "w2", "w3")}
+    moe_params["blocks"] |= {k: jnp.repeat(blocks[k][4:, None], 4, axis=1) for k in ("w1", "w2", "w3")}
+    for k in ("embed", "final_norm", "lm_head"):
+        moe_params[k] = params[k]
+    assert jax.tree.map(jnp.shape, moe_params) == families.param_shapes(sparse.model)
+    tokens = jax.random.randint(jax.random.key(2), (2, 40), 0, dense.model.vocab_size)
+    want = transformer.forward_logits(dense.model, dense.impl, params, tokens)
+    for dispatch in ("blocks", "ragged_dot"):
+        impl = sparse.impl.model_copy(update={"moe_dispatch": dispatch})
+        np.testing.assert_allclose(transformer.forward_logits(sparse.model, impl, moe_params, tokens), want,
+                                   atol=2e-5, rtol=2e-5, err_msg=dispatch)
+    cache = transformer.init_cache(sparse.model, sparse.impl, 2, 40)
+    prefix, _ = transformer.forward_cached(sparse.model, sparse.impl, moe_params, tokens[:, :30],
+                                           jnp.zeros(2, jnp.int32), cache, 40)
+    np.testing.assert_allclose(transformer.logits(moe_params, prefix), want[:, :30], atol=2e-5, rtol=2e-5)
+    _, aux = transformer.forward(sparse.model, sparse.impl, moe_params, tokens)
+    assert aux["tokens_per_expert"].shape == (4, 4)  # the MoE layers only
+    assert int(aux["tokens_per_expert"].sum()) == 4 * 2 * 40 * 2
+
+
+# The train step.
+
+def test_losses_and_true_load_agree_across_expert_parallel_meshes(tmp_path, shards):
+    """Two micro-batches of 8 instances a step, on 1 device, on EP = 8 and on EP = 4 x FSDP = 2: the same
+    losses up to float reassociation, and per layer the assignments of the whole global batch (16 x 64
+    tokens x top-2) in the metrics and, as histograms, in the event files."""
+    runs = {}
+    for name, mesh in (("one", ["train.micro_batch_per_device=8"]),
+                       ("ep8", ["mesh.expert=8", "train.micro_batch_per_device=1"]),
+                       ("ep4_fsdp2", ["mesh.expert=4", "mesh.fsdp=2", "train.micro_batch_per_device=1"])):
+        runs[name] = _train(tmp_path, shards, name, "train.steps=4", "checkpoint.every=4", *mesh)
+    for name in ("train/CE loss", "train/load balancing loss", "train/router Z loss", "optim/total grad norm"):
+        for mesh in ("ep8", "ep4_fsdp2"):
+            np.testing.assert_allclose(_column(runs[mesh], name), _column(runs["one"], name), rtol=2e-5,
+                                       err_msg=f"{mesh} {name}")
+    first = runs["ep8"][0]
+    for layer in range(4):
+        counts = first[f"train/block {layer:02d}/tokens per expert"]
+        assert len(counts) == 8 and sum(counts) == 16 * 64 * 2
+        assert first[f"train/block {layer:02d}/load imbalance"] == pytest.approx(max(counts) / np.mean(counts))
+    assert first["train/load imbalance"] == max(first[f"train/block {i:02d}/load imbalance"] for i in range(4))
+    assert first["train/dropped rate"] == 0.0
+    events = Path(tmp_path, "ep8", "tensorboard")
+    histogram = _histograms(events)[("train/block 03/tokens per expert", 1)]
+    assert (histogram.num, histogram.sum) == (8, 16 * 64 * 2)
+    assert read_events(events)["train/block 03/tokens per expert/7"][1] == first["train/block 03/tokens per expert"][7]
+
+
+def test_compiled_train_step_keeps_expert_weights_resident(tmp_path, shards):
+    """The whole train step (forward, backward, clip, AdamW) on EP = 4 x FSDP = 2: the dense parameters are
+    all-gathered (FSDP), the expert weights ([layers, 8, 64, 96] and [.., 96, 64]) never, in no slice; they
+    would be if a rule sharded them over fsdp too (the check's control)."""
+
+    def gathered(*rules):
+        cfg = _cfg(tmp_path, shards, "hlo", "mesh.expert=4", "mesh.fsdp=2", *rules)
+        layout = make_layout(cfg.mesh)
+        state = jax.eval_shape(lambda: create_state(cfg, layout, jax.random.key(0)))
+        batch = {"input_ids": jax.ShapeDtypeStruct((1, 16, 64), jnp.int32),
+                 "instance_mask": jax.ShapeDtypeStruct((1, 16), jnp.bool_)}
+        hlo = jit_train_step(cfg, layout, 16).lower(state, batch).compile().as_text()
+        assert "all-to-all" in hlo
+        shapes = re.findall(r"= (\S+) all-gather(?:-start)?\(", hlo)
+        return shapes, [s for s in shapes if re.search(r",64,96\]|,96,64\]", s)]
+
+    shapes, experts = gathered()
+    assert shapes and not experts, shapes
+    assert gathered("mesh.rules.expert_embed=[fsdp]")[1]
+
+
+def test_score_bias_moves_on_every_step_and_only_by_the_load(shards, tmp_path):
+    """With auxiliary-loss-free balancing, after a step the bias is its old value + rate x sign(mean - count)
+    of the step's global load, exactly: Adam and weight decay (0.5 here) never touch it. A skipped step
+    (a NaN loss) changes no weight, but the bias still moves (OLMo-core updates it in post_batch)."""
+    cfg = _cfg(tmp_path, shards, "bias", "model.moe.bias_update_rate=0.01", "optim.weight_decay=0.5")
+    layout = make_layout(cfg.mesh)
+    step = jax.jit(make_train_step(cfg, layout))
+    state = create_state(cfg, layout, jax.random.key(0))
+    state = state._replace(params=state.params | {"blocks": state.params["blocks"] | {
+        "score_bias": jnp.linspace(-0.05, 0.05, 32).reshape(4, 8)}})
+    tokens = jax.random.randint(jax.random.key(1), (1, 16, 64), 0, 512)
+    batch = {"input_ids": tokens, "instance_mask": jnp.ones((1, 16), bool)}
+    for poisoned in (False, True):
+        before = state.params
+        if poisoned:
+            before = before | {"lm_head": before["lm_head"].at[0, 0].set(jnp.nan)}
+            state = state._replace(params=before)
+        state, metrics = step(state, batch)
+        counts = jnp.stack([jnp.asarray(metrics[f"train/block {i:02d}/tokens per expert"]) for i in range(4)])
+        np.testing.assert_array_equal(state.params["blocks"]["score_bias"],
+                                      moe.update_score_bias(before["blocks"]["score_bias"], counts, 0.01))
+        assert bool(metrics["optim/step skipped"]) == poisoned
+        if poisoned:
+            np.testing.assert_array_equal(state.params["blocks"]["w1"], before["blocks"]["w1"])
+
+
+def test_resume_is_exact_with_random_routing_and_the_selection_bias(tmp_path, shards):
+    """Routing drawn from a key that is a function of the step, and a bias updated every step: 6 steps in
+    one run and 3 + 3 with a resume give bitwise the same losses and the same load, step for step."""
+    common = ["train.steps=6", "checkpoint.every=3", "model.moe.routing=random", "model.moe.bias_update_rate=0.01"]
+    continuous = _train(tmp_path, shards, "a", *common)
+    resumed = _train(tmp_path, shards, "b", *common, "train.stop_after=3") + _train(tmp_path, shards, "b", *common)
+    for name in ("train/CE loss", "train/load balancing loss", "train/block 02/tokens per expert"):
+        assert _column(resumed, name) == _column(continuous, name), name
+    loads = _column(continuous, "train/block 02/tokens per expert")
+    assert loads[0] != loads[1], "each step draws its own routing"
+
+
+@pytest.mark.slow
+def test_elastic_resume_from_4_to_2_expert_parallel_devices(tmp_path, shards):
+    """EP = 4 (x FSDP 2) for 3 steps, then EP = 2 (x FSDP 4) from that checkpoint: the losses of the
+    continuous EP = 4 run within float tolerance (global_batch balancing does not depend on the devices)."""
+    common = ["train.steps=6", "checkpoint.every=3"]
+    reference = _train(tmp_path, shards, "ep4", *common, "mesh.expert=4", "mesh.fsdp=2")
+    elastic = _train(tmp_path, shards, "elastic", *common, "mesh.expert=4", "mesh.fsdp=2", "train.stop_after=3")
+    elastic += _train(tmp_path, shards, "elastic", *common, "mesh.expert=2", "mesh.fsdp=4")
+    assert [h["step"] for h in elastic] == list(range(1, 7))
+    for name in ("train/CE loss", "train/load balancing loss", "optim/total grad norm"):
+        np.testing.assert_allclose(_column(elastic, name), _column(reference, name), rtol=1e-5, err_msg=name)
