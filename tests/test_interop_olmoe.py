@@ -13,7 +13,7 @@ from olmax.interop import InteropError
 from olmax.interop.cli import add_commands
 from olmax.interop.hf import hf_config_from_run, hf_to_olmax, load_olmax, olmax_to_hf, run_config_from_hf, write_hf
 from olmax.interop.parity import run_parity
-from olmax.train.checkpoint import Checkpointer, check_model_compatible, run_meta
+from olmax.checkpoint import Checkpointer, check_model_compatible, run_meta
 from test_interop import read_tensors
 
 
