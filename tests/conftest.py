@@ -3,9 +3,11 @@ import os
 # Multi-device code is tested on 8 fake CPU devices; this must happen before jax is imported.
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# One persistent compilation cache for the session and the `olmax` processes it starts: most tests train the
-# same tiny model, and a cached executable is the same executable (results stay bitwise the same).
-os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(os.path.dirname(__file__), "..", ".pytest_cache", "jax"))
+# One persistent compilation cache for the session and the `olmax` processes it starts, kept between runs and
+# clones (the user's cache directory): most tests train the same tiny model, and a cached executable is the
+# same executable (results stay bitwise the same; JAX keys entries by program, version and flags).
+CACHE_HOME = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(CACHE_HOME, "olmax", "jax-tests"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 

@@ -1,7 +1,7 @@
 """Properties of the data order for any process count and resume point, and the double-sharding regression.
 
 The shards hold a running counter, so an instance's first token names it. The
-reference order below is spelled out from the BRIEF (and test_data_order.py
+reference order below is spelled out from OLMo-core's semantics (and test_data_order.py
 shows it is OLMo-core's).
 """
 

@@ -26,6 +26,17 @@ from olmax.parallel.mesh import make_layout
 from olmax.train.step import TrainState
 
 
+def randomize_norms(model, scale: float):
+    """Norm gains drawn from [0.5, 1.5] (an initialized model has ones, which would hide a misplaced norm),
+    then every weight times `scale` (larger: a more peaked model)."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+            p.mul_(scale)
+    return model
+
+
 def make_hf_model(directory, *, layer_types=("sliding_attention",) * 3 + ("full_attention",), vocab=300,
                   hidden=64, heads=4, kv_heads=2, head_dim=None, mlp=96, window=8, theta=10000.0, seed=0,
                   dtype=torch.float32, max_shard_size=None, full_rope=None, max_position=2048, scale=1.0):
@@ -43,13 +54,7 @@ def make_hf_model(directory, *, layer_types=("sliding_attention",) * 3 + ("full_
         sliding_window=window, rms_norm_eps=1e-6, initializer_range=0.1, eos_token_id=0, pad_token_id=1,
         rope_parameters=rope, max_position_embeddings=max_position, **extra,
     )
-    model = Olmo3ForCausalLM(config)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.uniform_(0.5, 1.5)
-            p.mul_(scale)
-    model = model.to(dtype)
+    model = randomize_norms(Olmo3ForCausalLM(config), scale).to(dtype)
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(directory, **kwargs)
     return directory

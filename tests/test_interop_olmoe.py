@@ -14,7 +14,7 @@ from olmax.interop.cli import add_commands
 from olmax.interop.hf import hf_config_from_run, hf_to_olmax, load_olmax, olmax_to_hf, run_config_from_hf, write_hf
 from olmax.interop.parity import run_parity
 from olmax.checkpoint import Checkpointer, check_model_compatible, run_meta
-from test_interop import read_tensors
+from test_interop import randomize_norms, read_tensors
 
 
 def make_olmoe_model(directory, *, vocab=300, hidden=64, heads=4, kv_heads=2, expert_hidden=32, experts=8, top_k=2,
@@ -28,13 +28,7 @@ def make_olmoe_model(directory, *, vocab=300, hidden=64, heads=4, kv_heads=2, ex
         norm_topk_prob=normalize, rms_norm_eps=1e-6, initializer_range=0.1, eos_token_id=0, pad_token_id=1,
         rope_parameters={"rope_type": "default", "rope_theta": theta},
     )
-    model = OlmoeForCausalLM(config)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.uniform_(0.5, 1.5)
-            p.mul_(scale)
-    model.save_pretrained(directory)
+    randomize_norms(OlmoeForCausalLM(config), scale).save_pretrained(directory)
     return directory
 
 

@@ -32,9 +32,10 @@ def _place(mesh, p, x):
     return p, jax.device_put(x, NamedSharding(mesh, PartitionSpec(BATCH_AXES)))
 
 
-def _run(cfg, p, x, cotangent, key, mesh=None, dispatch="blocks"):
+def _run(cfg, p, x, cotangent, key, mesh=None, dispatch="blocks", ep_capacity=None):
     def objective(p, x):
-        out, aux = moe.moe_mlp(cfg, p, x, key=key, mesh=mesh, batch_axes=BATCH_AXES, dispatch=dispatch)
+        out, aux = moe.moe_mlp(cfg, p, x, key=key, mesh=mesh, batch_axes=BATCH_AXES, dispatch=dispatch,
+                               ep_capacity=ep_capacity)
         return jnp.sum(out * cotangent) + aux["load_balancing_loss"] + aux["router_z_loss"], (out, aux)
 
     (_, (out, aux)), grads = jax.jit(jax.value_and_grad(objective, argnums=(0, 1), has_aux=True))(p, x)
@@ -47,20 +48,21 @@ def _inputs(cfg, B=8, T=8):
     return moe.init_params(cfg, D, kp, std=0.3), x, jax.random.normal(kc, x.shape)
 
 
-@pytest.mark.parametrize("shape, overrides, dispatch", [
-    ((1, 1, 8), {}, "blocks"),
-    ((2, 1, 4), {}, "blocks"),
-    ((1, 2, 4), {"gating": "sigmoid", "normalize_gates": True, "shared_expert_hidden": 20}, "ragged_dot"),
-    ((1, 1, 8), {"routing": "random", "top_k": 3}, "blocks"),
-], ids=["ep8", "ep4_dp2", "ep4_fsdp2_ragged_shared", "ep8_random"])
-def test_expert_parallel_equals_one_device(shape, overrides, dispatch):
+@pytest.mark.parametrize("shape, overrides, dispatch, ep_capacity", [
+    ((1, 1, 8), {}, "blocks", None),
+    ((2, 1, 4), {}, "blocks", None),
+    ((1, 2, 4), {"gating": "sigmoid", "normalize_gates": True, "shared_expert_hidden": 20}, "ragged_dot", None),
+    ((1, 1, 8), {"routing": "random", "top_k": 3}, "blocks", None),
+    ((2, 1, 4), {}, "blocks", 4.0),  # capacity per peer = every assignment: nothing dropped
+], ids=["ep8", "ep4_dp2", "ep4_fsdp2_ragged_shared", "ep8_random", "ep4_dp2_capacity"])
+def test_expert_parallel_equals_one_device(shape, overrides, dispatch, ep_capacity):
     """Output, every aux value and the gradients of x and all parameters match the one-device layer."""
     cfg = _cfg(**overrides)
     p, x, cotangent = _inputs(cfg)
     key = jax.random.key(3)
     want = _run(cfg, p, x, cotangent, key, dispatch=dispatch)
     mesh = _mesh(*shape)
-    got = _run(cfg, *_place(mesh, p, x), cotangent, key, mesh, dispatch)
+    got = _run(cfg, *_place(mesh, p, x), cotangent, key, mesh, dispatch, ep_capacity)
     for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want), strict=True):
         np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5, err_msg=jax.tree_util.keystr(path))
 
@@ -114,3 +116,44 @@ def test_expert_parallel_rejects_a_batch_not_sharded_over_experts():
         moe.moe_mlp(_cfg(num_experts=6), moe.init_params(_cfg(num_experts=6), D, jax.random.key(0)), x,
                     mesh=_mesh(1, 2, 4), batch_axes=BATCH_AXES)
     assert expert.batch_shards(_mesh(2, 1, 4), ("data", "fsdp")) == 2
+
+
+def test_capacity_dispatch_sends_routed_rows_only_and_drops_beyond_capacity():
+    """With a capacity per peer, each rank keeps its first `capacity` assignments for each device of the
+    expert axis (in token, slot order) and the rest are dropped; the kept ones get the same output and
+    gradients as the dropless exchange of the same assignments."""
+    mesh, E, k, capacity = _mesh(2, 1, 4), 8, 2, 3
+    kx, ke, kg, kw = jax.random.split(jax.random.key(0), 4)
+    x = jax.random.normal(kx, (64, D))  # 8 tokens per rank: 4 assignments per peer on average
+    experts = jax.random.randint(ke, (64, k), 0, E).at[5, 1].set(E)  # one already dropped
+    gates = jax.random.uniform(kg, (64, k))
+    w = jax.random.normal(kw, (E, D, D)) / 4
+
+    kept = expert.drop_over_peer_capacity(experts, E, 4, 8, capacity)
+    want = np.asarray(experts).reshape(8, -1).copy()
+    for rank in want:
+        seen = {}
+        for i, e in enumerate(rank):
+            device = min(e // 2, 4)
+            seen[device] = seen.get(device, 0) + 1
+            if device < 4 and seen[device] > capacity:
+                rank[i] = E
+    np.testing.assert_array_equal(kept, want.reshape(64, k))
+    assert (np.asarray(kept) == E).sum() > 1
+
+    def run(x, groups, gates, w, expected_rows):
+        on = groups < w.shape[0]
+        y = jnp.einsum("md,mkde->mke", x, jnp.take(w, jnp.where(on, groups, 0), axis=0)) * on[..., None]
+        return jnp.einsum("mke,mk->me", y, gates)
+
+    def objective(x, w, capacity):
+        out = expert.routed_experts(run, x, kept, gates, (w,), mesh, BATCH_AXES, capacity)
+        return jnp.sum(out * jnp.arange(D)), out
+
+    placed = (jax.device_put(x, NamedSharding(mesh, PartitionSpec(BATCH_AXES))),
+              jax.device_put(w, NamedSharding(mesh, PartitionSpec("expert"))))
+    results = [jax.jit(jax.value_and_grad(lambda x, w: objective(x, w, c), argnums=(0, 1), has_aux=True))(*placed)
+               for c in (capacity, None)]
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(results[0]), jax.tree.leaves(results[1])):
+        np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5, err_msg=jax.tree_util.keystr(path))
+    assert expert.peer_capacity(8, 2, 4, 1.25) == 5

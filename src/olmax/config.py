@@ -271,6 +271,11 @@ class ImplConfig(Section):
         "jax.lax.ragged_dot (a platform kernel where there is one; XLA:CPU expands it densely)"
     )
     moe_block: int | None = Field(None, gt=0, description="rows per block of the grouped matmul; None = auto")
+    moe_ep_capacity: float | None = Field(
+        None, gt=0, description="expert parallelism: None = dropless (every token to every device of its expert "
+        "group); a factor = send each peer only its routed rows, up to factor x the mean share (k x tokens / EP), "
+        "dropping (and counting, train/dropped rate) the rest: buffers independent of the EP size"
+    )
 
     @model_validator(mode="after")
     def _names(self):

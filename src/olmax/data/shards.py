@@ -183,7 +183,7 @@ class TokenShards:
         return int(self.offsets[-1])
 
     def facts(self) -> dict:
-        """What defines the dataset (as BRIEF): vocab, special ids, dtype, sequence length, file names and sizes.
+        """What defines the dataset: vocab, special ids, dtype, sequence length, file names and sizes.
 
         A mixture adds its definition and the instances taken from each shard.
         """

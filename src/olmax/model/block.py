@@ -70,7 +70,7 @@ def mlp_sublayer(cfg: ModelConfig, impl: ImplConfig, layout: Layout | None = Non
     def moe_mlp(p: dict, h: jax.Array, key: jax.Array | None = None) -> tuple[jax.Array, dict]:
         return moe.moe_mlp(cfg.moe, p, h, key=key, mesh=layout.mesh if layout else None,
                            batch_axes=layout.batch_axes if layout else (), dispatch=impl.moe_dispatch,
-                           block_size=impl.moe_block)
+                           block_size=impl.moe_block, ep_capacity=impl.moe_ep_capacity)
 
     return moe_mlp
 

@@ -31,6 +31,7 @@ from jax.sharding import Mesh
 
 from olmax.config import MoEConfig
 from olmax.parallel import expert as expert_parallel
+from olmax.parallel.expert import rank_within
 
 # OLMo-core adds this to sigmoid scores so that their sum, which the balancing loss divides by, is never 0.
 SIGMOID_EPS = 1e-7
@@ -112,15 +113,6 @@ def route(cfg: MoEConfig, p: dict, x: jax.Array, key: jax.Array | None = None, t
 def tokens_per_expert(experts: jax.Array, num_experts: int) -> jax.Array:
     """Assignments per expert [E] (int32); ids equal to num_experts (dropped) are not counted."""
     return jnp.zeros(num_experts + 1, jnp.int32).at[experts.reshape(-1)].add(1)[:num_experts]
-
-
-def rank_within(ids: jax.Array, num_ids: int) -> tuple[jax.Array, jax.Array]:
-    """For int ids [R] in [0, num_ids): each element's rank among equal ids in order, and the counts [num_ids]."""
-    order = jnp.argsort(ids, stable=True)
-    counts = jnp.zeros(num_ids, jnp.int32).at[ids].add(1)
-    starts = jnp.cumsum(counts) - counts
-    rank_sorted = jnp.arange(ids.size, dtype=jnp.int32) - starts[ids[order]]
-    return jnp.zeros_like(rank_sorted).at[order].set(rank_sorted), counts
 
 
 # Auxiliary losses (unscaled; the train step multiplies by the coefficients).
@@ -318,9 +310,12 @@ def moe_mlp(
     batch_axes: tuple[str, ...] = (),
     dispatch: str = "blocks",
     block_size: int | None = None,
+    ep_capacity: float | None = None,
 ) -> tuple[jax.Array, dict]:
     """One MoE layer on hidden states x [B, T, D] -> (out [B, T, D], aux); `key` drives routing="random".
-    `dispatch` ("blocks" or "ragged_dot") and `block_size` (None = auto) choose how the experts run.
+    `dispatch` ("blocks" or "ragged_dot") and `block_size` (None = auto) choose how the experts run;
+    `ep_capacity` (None: dropless) bounds what a device sends each peer of its expert group (see
+    olmax.parallel.expert), dropping, and counting, assignments beyond it.
 
     aux (one layer's values; the model stacks them over layers):
       load_balancing_loss  f32 []   unscaled, see `load_balancing_loss`
@@ -349,6 +344,11 @@ def moe_mlp(
     experts = r.experts
     if cfg.capacity_factor is not None:
         experts = drop_over_capacity(cfg, experts, ranks)
+    ep = mesh.shape.get(expert_parallel.EXPERT_AXIS, 1) if mesh is not None else 1
+    capacity = None
+    if ep > 1 and ep_capacity is not None:
+        capacity = expert_parallel.peer_capacity(tokens.shape[0] // ranks, cfg.top_k, ep, ep_capacity)
+        experts = expert_parallel.drop_over_peer_capacity(experts, cfg.num_experts, ep, ranks, capacity)
     aux["dropped_tokens"] = jnp.sum(experts == cfg.num_experts, dtype=jnp.int32)
 
     def run_experts(x_local, groups, gates, w1, w3, w2, expected_rows):
@@ -359,7 +359,8 @@ def moe_mlp(
     if mesh is None:
         y = run_experts(tokens, experts, r.gates, *weights, experts.size)
     else:
-        y = expert_parallel.routed_experts(run_experts, tokens, experts, r.gates, weights, mesh, batch_axes)
+        y = expert_parallel.routed_experts(run_experts, tokens, experts, r.gates, weights, mesh, batch_axes,
+                                           capacity)
     if cfg.shared_expert_hidden:
         gate = jax.nn.silu(tokens @ p["shared_w1"].astype(x.dtype))
         shared = (gate * (tokens @ p["shared_w3"].astype(x.dtype))) @ p["shared_w2"].astype(x.dtype)

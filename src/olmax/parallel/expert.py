@@ -9,9 +9,13 @@ weights are never gathered, unlike FSDP, which would re-gather every expert for 
 OLMo-core's expert-parallel MoE (olmo_core/nn/moe/v2) keeps its experts resident the same way.
 
 all_to_all needs static shapes, and without dropping a device may receive every token of its
-group, so every token travels to every device of the group once (not once per assignment):
-the traffic of an all-gather of the group's tokens. `ragged_all_to_all` would send only the
-routed rows, but it does not compile on XLA:CPU.
+group, so by default (dropless) every token travels to every device of the group once (not once per
+assignment): the traffic, and the receive buffer, of an all-gather of the group's tokens, P times a
+device's tokens. `ragged_all_to_all` would send only the routed rows, but it does not compile on
+XLA:CPU. With a capacity per peer (`impl.moe_ep_capacity`), each device sends each peer only the
+assignments routed there, up to `capacity` rows (assignments beyond it are dropped before the
+exchange, by `drop_over_peer_capacity`, and counted): buffers of P x capacity rows, about
+factor x k x a device's tokens, whatever P.
 """
 
 from __future__ import annotations
@@ -42,6 +46,30 @@ def per_shard(fn: Callable, mesh: Mesh, batch_axes: tuple[str, ...], *arrays: ja
     return jax.shard_map(fn, mesh=mesh, in_specs=(rows,) * len(arrays), out_specs=rows, check_vma=False)(*arrays)
 
 
+def rank_within(ids: jax.Array, num_ids: int) -> tuple[jax.Array, jax.Array]:
+    """For int ids [R] in [0, num_ids): each element's rank among equal ids in order, and the counts [num_ids]."""
+    order = jnp.argsort(ids, stable=True)
+    counts = jnp.zeros(num_ids, jnp.int32).at[ids].add(1)
+    starts = jnp.cumsum(counts) - counts
+    rank_sorted = jnp.arange(ids.size, dtype=jnp.int32) - starts[ids[order]]
+    return jnp.zeros_like(rank_sorted).at[order].set(rank_sorted), counts
+
+
+def peer_capacity(local_tokens: int, top_k: int, ep: int, factor: float) -> int:
+    """Rows a device sends each peer of its expert group: factor x its mean share of the assignments."""
+    return max(1, math.ceil(factor * local_tokens * top_k / ep))
+
+
+def drop_over_peer_capacity(experts: jax.Array, n_experts: int, ep: int, ranks: int, capacity: int) -> jax.Array:
+    """experts [N, k] with the assignments beyond `capacity` per (batch shard, destination device) set to
+    n_experts (dropped): each of the `ranks` contiguous shards keeps, for each device of the expert axis,
+    its first `capacity` assignments there in (token, slot) order."""
+    per_rank = experts.reshape(ranks, -1)
+    device = jnp.minimum(per_rank // (n_experts // ep), ep)  # dropped ids (n_experts) -> ep: none
+    rank, _ = jax.vmap(rank_within, in_axes=(0, None))(device, ep + 1)
+    return jnp.where(rank < capacity, per_rank, n_experts).reshape(experts.shape)
+
+
 def routed_experts(
     run_experts: Callable,
     tokens: jax.Array,
@@ -50,12 +78,15 @@ def routed_experts(
     weights: tuple[jax.Array, ...],
     mesh: Mesh,
     batch_axes: tuple[str, ...],
+    capacity: int | None = None,
 ) -> jax.Array:
     """The routed output [N, D] of tokens [N, D] for expert ids [N, k] (E = dropped) and gates [N, k].
 
     `weights` have a leading expert dimension [E, ...], sharded over the expert axis.
     `run_experts(x [M, D], groups [M, k] ids in [0, G] (G = none), gates [M, k], *local_weights,
     expected_rows)` computes sum_k gates * expert_k(x) [M, D] on one device's G local experts.
+    `capacity` (rows per peer; see `drop_over_peer_capacity`, which must have been applied with it): send
+    only the routed rows; None: every token to every device of the group (dropless).
     """
     n_experts = weights[0].shape[0]
     ep = mesh.shape.get(EXPERT_AXIS, 1)
@@ -77,6 +108,8 @@ def routed_experts(
         # Every token goes once to every device of the expert group, with the ids (local to that
         # device) of its experts there, or `per_device` (none). A static buffer that could hold fewer
         # rows per device would drop tokens whenever routing concentrates on one device.
+        if capacity is not None:
+            return capacity_exchange(x, experts, gates, local_weights, per_device)
         device = jnp.arange(ep)[:, None, None]
         groups = jnp.where(experts // per_device == device, experts % per_device, per_device)
 
@@ -89,6 +122,30 @@ def routed_experts(
         y = run_experts(received, received_groups, received_gates, *local_weights, n * k)
         # Each device returns its experts' share of every token's output; the shares add up.
         return jnp.sum(exchange(y.reshape(ep, n, -1)), axis=0)
+
+    def capacity_exchange(x, experts, gates, local_weights, per_device):
+        n, k = experts.shape
+        flat = experts.reshape(-1)
+        device = jnp.minimum(flat // per_device, ep)  # ep: dropped
+        rank, _ = rank_within(device, ep + 1)
+        # Slot of each assignment in the send buffer [ep, capacity]; past the end when dropped.
+        slot = jnp.where(device < ep, device * capacity + rank, ep * capacity)
+        assignment = jnp.arange(n * k, dtype=jnp.int32)
+        source = jnp.full(ep * capacity, n * k, jnp.int32).at[slot].set(assignment, mode="drop")
+        local_ids = jnp.where(source < n * k, jnp.take(flat, source, mode="fill", fill_value=0) % per_device,
+                              per_device)  # per_device: an empty slot, no expert
+        send = jnp.take(x, source // k, axis=0, mode="fill", fill_value=0)
+
+        def exchange(a):
+            return jax.lax.all_to_all(a.reshape(ep, capacity, *a.shape[1:]), EXPERT_AXIS, 0, 0, tiled=True)
+
+        received = exchange(send).reshape(ep * capacity, -1)
+        received_ids = exchange(local_ids).reshape(ep * capacity, 1)
+        ones = jnp.ones((ep * capacity, 1), jnp.float32)
+        y = run_experts(received, received_ids, ones, *local_weights, ep * capacity)
+        back = exchange(y).reshape(ep * capacity, -1)  # row slot: the output of this device's assignment
+        out = jnp.take(back, slot, axis=0, mode="fill", fill_value=0).reshape(n, k, -1)
+        return jnp.einsum("nkd,nk->nd", out.astype(jnp.float32), gates).astype(x.dtype)
 
     return jax.shard_map(
         local,
