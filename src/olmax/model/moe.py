@@ -194,9 +194,7 @@ def _vary_like(a, *like):
     # Inside shard_map, `a` made to vary over the mesh axes that `like` varies over (a no-op outside):
     # a loop carry must keep its type, and a custom_vjp's gradient must match its input's. The add's
     # transpose sums the gradient over those axes (over data-parallel replicas, for expert weights).
-    # zeros_like of one element of each: with `shape=` it would be a fresh constant, losing the vmapped
-    # pipeline stage's variation.
-    return a + sum(jnp.zeros_like(b.reshape(-1)[0], a.dtype) for b in like)
+    return a + sum(jnp.zeros_like(b, a.dtype, shape=()) for b in like)
 
 
 def _zeros(shape, dtype, *like):
@@ -214,7 +212,7 @@ def _grouped_loop(x, w, block_starts, block: int, contract_w: int):
 
         return jax.lax.fori_loop(block_starts[g], block_starts[g + 1], one_block, out)
 
-    return jax.lax.fori_loop(0, w.shape[0], group, _zeros((x.shape[0], w.shape[2 - contract_w]), x.dtype, x, w, block_starts))
+    return jax.lax.fori_loop(0, w.shape[0], group, _zeros((x.shape[0], w.shape[2 - contract_w]), x.dtype, x, w))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
@@ -240,11 +238,11 @@ def _gmm_bwd(block, res, dy):
             dyb = jax.lax.dynamic_slice_in_dim(dy, b * block, block)
             return acc + jax.lax.dot_general(xb, dyb, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
 
-        zeros = _zeros(w.shape[1:], jnp.float32, x, dy, block_starts)
+        zeros = _zeros(w.shape[1:], jnp.float32, x, dy)
         acc = jax.lax.fori_loop(block_starts[g], block_starts[g + 1], one_block, zeros)
         return jax.lax.dynamic_update_index_in_dim(dw, acc, g, 0)
 
-    dw = jax.lax.fori_loop(0, w.shape[0], group, _zeros(w.shape, jnp.float32, x, dy, block_starts))
+    dw = jax.lax.fori_loop(0, w.shape[0], group, _zeros(w.shape, jnp.float32, x, dy))
     return dx, dw.astype(w.dtype), None
 
 
