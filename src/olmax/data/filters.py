@@ -6,7 +6,7 @@ period p at least `max_count` times, counting `times = span // p` and only
 stretches of three or more repeats. A stretch of span `run + p` is exactly a
 maximal run of `run` positions i with x[i] == x[i + p]; so an instance is
 masked iff, for some p, x[i] == x[i + p] holds on `p * (max(max_count, 3) - 1)`
-consecutive positions. (tests/test_data_filters.py checks this against
+consecutive positions. (tests/data/test_data_filters.py checks this against
 OLMo-core's own function.)
 """
 

@@ -154,6 +154,6 @@ def routed_experts(
         out_specs=rows,
         # Under the pipeline's vmap over stages (spmd_axis_name), JAX 0.10's scan batching gives a loop carry
         # the stage's variation in its output but not its input and refuses the loop; unchecked, the values
-        # and gradients equal the unpipelined model's (tests/test_pipeline.py).
+        # and gradients equal the unpipelined model's (tests/parallel/test_pipeline.py).
         check_vma=False,
     )(tokens, experts, gates, *weights)

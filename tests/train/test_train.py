@@ -53,7 +53,7 @@ def test_loss_decreases_on_the_generated_language(tmp_path, shards):
 def test_losses_agree_across_meshes(tmp_path, shards):
     runs = {}
     for mesh in ("mesh.fsdp=1", "mesh.fsdp=2", "mesh.fsdp=4", "mesh.fsdp=8", "mesh.data=2 mesh.fsdp=2 mesh.tensor=2",
-                 "mesh.fsdp=4 mesh.expert=2"):  # stages: tests/test_pipeline.py
+                 "mesh.fsdp=4 mesh.expert=2"):  # stages: tests/parallel/test_pipeline.py
         name = mesh.replace(" ", "_").replace("=", "").replace(".", "").replace("[", "").replace("]", "")
         runs[mesh] = _losses(train(_cfg(tmp_path, shards, name, "train.steps=6", "checkpoint.every=6",
                                         *mesh.split()), quiet=True))
