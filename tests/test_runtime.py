@@ -1,14 +1,19 @@
-"""A training process restarts itself once with glibc's malloc on huge pages, with its arguments intact."""
+"""A training process restarts itself once with glibc's malloc on huge pages, with its arguments intact; on a
+machine without TPUs, commands leave libtpu alone (the `aot` extra installs it)."""
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
-from olmax.runtime import HUGE_PAGES, huge_pages_env
+from olmax.data.synthetic import write_synthetic_shards
+from olmax.runtime import GOOGLE_PCI_VENDOR, HUGE_PAGES, huge_pages_env, libtpu_lock_holder
 
 PROBE = (
     "import os, sys\n"
@@ -43,3 +48,30 @@ def test_other_tunables_are_kept_and_a_set_one_is_not_overridden():
 
 def test_opt_out_leaves_the_process_alone():
     assert probe(OLMAX_HUGE_PAGES="0") == ["started", "None ['train', 'a b', 'x=1']"]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="needs the aot extra (libtpu)")
+@pytest.mark.skipif(any(v.read_text().strip() == GOOGLE_PCI_VENDOR for v in Path("/sys/bus/pci/devices").glob(
+    "*/vendor")), reason="a Google PCI device (maybe a TPU) is attached")
+def test_without_tpus_train_leaves_libtpu_alone_and_compile_runs_beside_it(tmp_path):
+    """JAX left to choose its platforms (no JAX_PLATFORMS): `olmax train` neither loads libtpu (no probing lines,
+    no lockfile) nor stops a TPU compile running at the same time."""
+    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"} | {"OLMAX_HUGE_PAGES": "0"}
+    shards = write_synthetic_shards(tmp_path / "mix", vocab_size=512, eos_id=0, n_tokens=50_000, n_shards=1, seed=0)
+    olmax = [sys.executable, "-m", "olmax.cli"]
+    train = subprocess.Popen([*olmax, "train", "tiny", "mesh.fsdp=1", f"data.paths={json.dumps(shards)}",
+                              f"output_dir={tmp_path / 'run'}", "train.steps=100000", "train.log_every=1",
+                              "checkpoint.every=10000"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             env=env)
+    try:
+        assert train.stdout.readline().startswith("step 1/"), train.stderr.read()[-3000:]
+        maps = Path(f"/proc/{train.pid}/maps").read_text()
+        assert "libtpu" not in maps and libtpu_lock_holder() != train.pid
+        compiled = subprocess.run([*olmax, "compile", "tiny", "--target", "tpu:v5p:2x2x2"], capture_output=True,
+                                  text=True, env=env, timeout=600)
+        assert compiled.returncode == 0, compiled.stderr[-3000:]
+        assert train.poll() is None, "the run was still training during the compile"
+    finally:
+        train.terminate()
+        _, err = train.communicate(timeout=300)
+    assert "TPU" not in err and "libtpu" not in err, err[-3000:]

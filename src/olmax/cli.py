@@ -7,7 +7,8 @@ import json
 import signal
 import sys
 
-from olmax.runtime import STOP_SIGNALS, hold_stop_signals, received_signal
+from olmax.runtime import (LIBTPU_LOCKFILE, STOP_SIGNALS, hold_stop_signals, libtpu_lock_holder, received_signal,
+                           skip_absent_tpus)
 
 EXIT_BAD_INPUT = 2  # `olmax launch` does not retry it
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports it
@@ -163,6 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     and launch stop cleanly (exit 75) whenever it comes, other commands exit 130."""
     previous = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
     hold_stop_signals()
+    skip_absent_tpus()
     try:
         args = build_parser().parse_args(argv)
         if not getattr(args, "handles_stop_signals", False):
@@ -179,6 +181,10 @@ def main(argv: list[str] | None = None) -> int:
         if _raised(err, "olmax.train.trainer", "Preempted"):
             print(f"olmax: {err}; run the same command again to resume", file=sys.stderr)
             return sys.modules["olmax.train.trainer"].RESUMABLE_EXIT_CODE
+        if "libtpu multi-process lockfile" in str(err) and (holder := libtpu_lock_holder()):
+            print(f"olmax: process {holder} is using this machine's TPU chips (it holds {LIBTPU_LOCKFILE}); run "
+                  "this again when it has ended", file=sys.stderr)
+            return 1
         if not any(_raised(err, module, name) for module, name in BAD_INPUT_ERRORS.items()):
             raise
         print(f"olmax: {type(err).__name__}: {err}", file=sys.stderr)

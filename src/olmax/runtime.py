@@ -17,11 +17,17 @@ they are recorded, not acted on, until a command is ready to stop cleanly, so
 an interrupt during start-up (imports, config, restore, compilation) neither
 prints a KeyboardInterrupt traceback nor kills the process in the middle of
 XLA's work; across the restart above they stay pending.
+
+Before any of that, `skip_absent_tpus` keeps JAX off its TPU backend on a machine
+with no TPU attached: with the `aot` extra installed, JAX would otherwise load
+libtpu in every process that touches a device, which prints its probing for TPUs
+and takes libtpu's one-process lockfile for the life of the process.
 """
 
 from __future__ import annotations
 
 import ctypes
+import importlib.util
 import os
 import platform
 import signal
@@ -33,7 +39,38 @@ GLIBC_HUGETLB = GLIBC is not None and tuple(map(int, platform.libc_ver()[1].spli
 HUGE_PAGES = "glibc.malloc.hugetlb=1"
 THP_MODE = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
+GOOGLE_PCI_VENDOR = "0x1ae0"  # TPU chips show up as Google's PCI devices (as JAX's hardware_utils finds them)
+NVIDIA_DEVICES = ("/dev/nvidia0", "/dev/nvidiactl", "/dev/dxg")  # JAX's test for a visible NVIDIA GPU
+LIBTPU_LOCKFILE = Path("/tmp/libtpu_lockfile")  # libtpu's lock on the machine's TPU chips
 _held: list[int] | None = None  # the stop signals that came since hold_stop_signals(); None before it
+
+
+def skip_absent_tpus() -> None:
+    """Name JAX's platforms (JAX_PLATFORMS, inherited by the processes this one starts) when no TPU can be
+    attached: CUDA where an NVIDIA GPU and JAX's CUDA plugin are, and the CPU. JAX, left to choose, tries
+    every backend it knows, TPU first. A JAX_PLATFORMS already set is kept, and so is JAX's own choice on a
+    machine with any Google PCI device (a TPU, or only its network card: then the probing stays).
+    Compiling for a TPU target loads libtpu without its backend (`scale.targets.compile_only_devices`)."""
+    if "JAX_PLATFORMS" in os.environ:
+        return
+    vendors = Path("/sys/bus/pci/devices").glob("*/vendor")
+    if any(vendor.read_text().strip() == GOOGLE_PCI_VENDOR for vendor in vendors):
+        return
+    cuda = any(map(os.path.exists, NVIDIA_DEVICES)) and importlib.util.find_spec("jax_cuda12_plugin") is not None
+    os.environ["JAX_PLATFORMS"] = "cuda,cpu" if cuda else "cpu"
+
+
+def libtpu_lock_holder() -> int | None:
+    """The process holding libtpu's lockfile, if one does (libtpu's own error then says to delete the file)."""
+    try:
+        stat = LIBTPU_LOCKFILE.stat()
+    except FileNotFoundError:
+        return None
+    file = f"{os.major(stat.st_dev):02x}:{os.minor(stat.st_dev):02x}:{stat.st_ino}"
+    for fields in map(str.split, Path("/proc/locks").read_text().splitlines()):
+        if fields[1] != "->" and fields[5] == file:  # "->": a process waiting for the lock
+            return int(fields[4])
+    return None
 
 
 def hold_stop_signals() -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import os
 import re
 from dataclasses import dataclass
 from importlib.resources import files
@@ -111,6 +112,9 @@ def compile_only_devices(target: Target) -> list:
         raise TargetError(reason)
     if not jax.config.jax_platforms:
         jax.config.update("jax_platforms", "cpu")
+    # libtpu takes a lockfile so that one process owns the TPU chips; compiling owns none (and never waits for,
+    # or breaks, a training process's lock)
+    os.environ["ALLOW_MULTIPLE_LIBTPU_LOAD"] = "1"
     if target.platform == "tpu":
         topology = topologies.get_topology_desc(topology_name=f"{target.kind}:{target.topology}", platform="tpu")
     else:
