@@ -141,3 +141,24 @@ def test_sigint_at_any_moment_stops_cleanly(tmp_path, inputs, moment):
         assert f"checkpoint {written[-1]} written" in err
     else:
         assert "nothing needed writing" in err
+
+
+def test_overrides_are_taken_anywhere_on_the_command_line(capsys):
+    """After the command's options as before them (one parser rule for every command), in order; a word that is
+    no override nor option is still refused."""
+    from olmax.cli import main
+
+    def report(*argv):
+        assert main(list(argv)) == 0
+        return json.loads(capsys.readouterr().out)
+
+    before = report("flops", "tiny", "model.n_layers=8", "--json", "model.d_model=128")
+    assert before == report("flops", "tiny", "--json", "model.n_layers=8", "model.d_model=128")
+    assert before != report("flops", "tiny", "--json")
+    plan = report("plan", "tiny", "--target", "tpu:v5p:2x2x2", "--mfu", "0.5", "model.n_layers=8", "--json")
+    assert plan == report("plan", "tiny", "model.n_layers=8", "--target", "tpu:v5p:2x2x2", "--mfu", "0.5", "--json")
+    assert main(["config", "show", "tiny", "model.n_layers=8", "model.n_layers=12"]) == 0
+    assert "n_layers: 12" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exited:
+        main(["flops", "tiny", "--json", "model.n_layers=8", "stray"])
+    assert exited.value.code == 2 and "unrecognized arguments: model.n_layers=8 stray" in capsys.readouterr().err

@@ -155,6 +155,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    """The command line, where `key=value` overrides may also come after the command's options."""
+    parser = build_parser()
+    args, rest = parser.parse_known_args(argv)
+    if rest and hasattr(args, "overrides") and all("=" in a and not a.startswith("-") for a in rest):
+        args.overrides = [*args.overrides, *rest]
+    elif rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    return args
+
+
 def _raised(err: Exception, module: str, name: str) -> bool:
     return module in sys.modules and isinstance(err, getattr(sys.modules[module], name))
 
@@ -166,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     hold_stop_signals()
     skip_absent_tpus()
     try:
-        args = build_parser().parse_args(argv)
+        args = parse(argv)
         if not getattr(args, "handles_stop_signals", False):
             if received_signal() is not None:
                 raise KeyboardInterrupt

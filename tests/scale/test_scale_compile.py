@@ -59,7 +59,7 @@ def test_tiny_as_it_is_compiles_for_a_tpu_slice_with_xla_attention(capsys):
     report = json.loads(capsys.readouterr().out)
     assert report["attention"] == "xla" and not any("splash" in k for k in report["program"]["custom_calls"])
     assert "bfloat16 compute, xla attention" in format_compile(report)
-    assert main(["compile", "tiny", "impl.attention.implementation=splash", "--target", "tpu:v5p:2x2x2"]) == 2
+    assert main(["compile", "tiny", "--target", "tpu:v5p:2x2x2", "impl.attention.implementation=splash"]) == 2
     assert "set impl.attention.implementation=xla" in capsys.readouterr().err
 
 
