@@ -75,3 +75,26 @@ def test_without_tpus_train_leaves_libtpu_alone_and_compile_runs_beside_it(tmp_p
         train.terminate()
         _, err = train.communicate(timeout=300)
     assert "TPU" not in err and "libtpu" not in err, err[-3000:]
+
+
+HELD = (
+    "import os, signal, threading, time\n"
+    "from olmax.runtime import hold_stop_signals, release_stop_signals, restart_with_huge_pages\n"
+    "hold_stop_signals()\n"
+    "if 'glibc.malloc.hugetlb' not in os.environ.get('GLIBC_TUNABLES', ''):\n"
+    "    threading.Thread(target=time.sleep, args=(60,), daemon=True).start()  # as numpy's, started while held\n"
+    "    os.kill(os.getpid(), signal.SIGINT)\n"
+    "    print('pending', signal.SIGINT in signal.sigpending(), flush=True)\n"
+    "    restart_with_huge_pages()\n"
+    "signal.signal(signal.SIGINT, lambda *_: print('handled', flush=True))\n"
+    "release_stop_signals()\n"
+    "print('done', flush=True)\n"
+)
+
+
+def test_a_stop_signal_at_start_up_waits_for_its_handler_whatever_thread_and_across_the_restart():
+    """No thread started after the hold can take the signal (and lose it in the huge-pages exec): it stays
+    pending, in this process or the one it becomes, until the handler is installed and released."""
+    base = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", "OLMAX_HUGE_PAGES")}
+    out = subprocess.run([sys.executable, "-c", HELD], env=base, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.splitlines() == ["pending True", "handled", "done"], out

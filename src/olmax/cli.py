@@ -7,8 +7,8 @@ import json
 import signal
 import sys
 
-from olmax.runtime import (LIBTPU_LOCKFILE, STOP_SIGNALS, hold_stop_signals, libtpu_lock_holder, received_signal,
-                           skip_absent_tpus)
+from olmax.runtime import (LIBTPU_LOCKFILE, STOP_SIGNALS, drop_held_signals, hold_stop_signals, libtpu_lock_holder,
+                           release_stop_signals, skip_absent_tpus)
 
 EXIT_BAD_INPUT = 2  # `olmax launch` does not retry it
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports it
@@ -174,16 +174,16 @@ def main(argv: list[str] | None = None) -> int:
     """Run one command. Bad input exits 2 with one line naming it; an interrupt never prints a traceback: train
     and launch stop cleanly (exit 75) whenever it comes, other commands exit 130."""
     previous = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
+    previous_mask = signal.pthread_sigmask(signal.SIG_BLOCK, [])
     hold_stop_signals()
     skip_absent_tpus()
     try:
         args = parse(argv)
         if not getattr(args, "handles_stop_signals", False):
-            if received_signal() is not None:
-                raise KeyboardInterrupt
             for sig in STOP_SIGNALS:
                 if signal.getsignal(sig) is not signal.SIG_IGN:
                     signal.signal(sig, signal.default_int_handler)
+            release_stop_signals()  # one that came during start-up raises KeyboardInterrupt here
         args.func(args)
     except KeyboardInterrupt:
         print("olmax: interrupted", file=sys.stderr)
@@ -201,6 +201,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"olmax: {type(err).__name__}: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
     finally:
+        drop_held_signals()
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous_mask)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     return 0

@@ -13,10 +13,13 @@ Results do not change: only where memory comes from.
 Set OLMAX_HUGE_PAGES=0 to leave glibc's defaults.
 
 The CLI also holds SIGINT/SIGTERM from its first line on (`hold_stop_signals`):
-they are recorded, not acted on, until a command is ready to stop cleanly, so
-an interrupt during start-up (imports, config, restore, compilation) neither
-prints a KeyboardInterrupt traceback nor kills the process in the middle of
-XLA's work; across the restart above they stay pending.
+they wait, blocked and pending, until a command is ready to stop cleanly
+(`release_stop_signals`), so an interrupt during start-up (imports, config,
+restore, compilation) neither prints a KeyboardInterrupt traceback nor kills the
+process in the middle of XLA's work, and none is lost: blocked before any other
+thread exists, they are blocked in every thread started later (numpy's, XLA's),
+so no thread can take one and drop it, and pending signals survive the restart
+above.
 
 Before any of that, `skip_absent_tpus` keeps JAX off its TPU backend on a machine
 with no TPU attached: with the `aot` extra installed, JAX would otherwise load
@@ -42,7 +45,6 @@ STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
 GOOGLE_PCI_VENDOR = "0x1ae0"  # TPU chips show up as Google's PCI devices (as JAX's hardware_utils finds them)
 NVIDIA_DEVICES = ("/dev/nvidia0", "/dev/nvidiactl", "/dev/dxg")  # JAX's test for a visible NVIDIA GPU
 LIBTPU_LOCKFILE = Path("/tmp/libtpu_lockfile")  # libtpu's lock on the machine's TPU chips
-_held: list[int] | None = None  # the stop signals that came since hold_stop_signals(); None before it
 
 
 def skip_absent_tpus() -> None:
@@ -74,19 +76,19 @@ def libtpu_lock_holder() -> int | None:
 
 
 def hold_stop_signals() -> None:
-    """Record SIGINT/SIGTERM instead of acting on them, until a command installs its own handlers; those
-    ask `received_signal()` about the ones that came before."""
-    global _held
-    _held = []
-    for sig in STOP_SIGNALS:
-        if signal.getsignal(sig) is not signal.SIG_IGN:  # ignored (nohup, a background job): stays ignored
-            signal.signal(sig, lambda sig, frame: _held.append(sig))
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)  # blocked across restart_with_huge_pages' exec
+    """Block SIGINT/SIGTERM in this thread and in the threads it starts from now on; call it first thing."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
 
 
-def received_signal() -> int | None:
-    """The first stop signal held, if any."""
-    return _held[0] if _held else None
+def release_stop_signals() -> None:
+    """Unblock SIGINT/SIGTERM in this thread: those that came while held run the handlers installed now."""
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+
+
+def drop_held_signals() -> None:
+    """Forget the stop signals that came while held: a command that has ended can no longer act on them."""
+    while signal.sigtimedwait(STOP_SIGNALS, 0) is not None:
+        pass
 
 
 def huge_pages_env(env: dict[str, str]) -> dict[str, str]:
@@ -109,10 +111,4 @@ def restart_with_huge_pages() -> None:
     if env.get("GLIBC_TUNABLES") != os.environ.get("GLIBC_TUNABLES"):
         sys.stdout.flush()
         sys.stderr.flush()
-        if _held is not None:
-            # Blocked, held signals stay pending across the exec until the new process holds them too (else the
-            # new interpreter would die of one before that); those that came already are sent again.
-            signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
-            for sig in _held:
-                os.kill(os.getpid(), sig)
         os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)

@@ -49,7 +49,7 @@ from pathlib import Path
 
 from olmax.config import load_config, writable_dir
 from olmax.launch.distributed import ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID
-from olmax.runtime import received_signal
+from olmax.runtime import release_stop_signals
 
 EXIT_FINISHED = 0
 EXIT_BAD_INPUT = 2
@@ -231,8 +231,7 @@ class Supervisor:
         by a signal, 1 gave up after max_retries failures in a row)."""
         previous = self._install_signal_handlers()
         try:
-            if received_signal() is not None:  # it came while the CLI started up, holding it
-                self._on_signal(received_signal(), None)
+            release_stop_signals()  # one that came while the CLI started up, holding it, stops the run now
             return self._loop()
         finally:
             for sig, handler in previous.items():

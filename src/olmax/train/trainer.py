@@ -26,7 +26,7 @@ from olmax.model import families, flops
 from olmax.model.transformer import compute_dtype
 from olmax.parallel import pipeline
 from olmax.parallel.mesh import Layout, make_layout
-from olmax.runtime import received_signal
+from olmax.runtime import release_stop_signals
 from olmax.train.metrics import MetricsWriter, console_line, device_peak_flops
 from olmax.train.step import (
     TrainState, batch_shardings, create_state, jit_train_step, micro_batch_rows, state_shardings,
@@ -50,8 +50,7 @@ def preemption_signals():
         yield stop
         return
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
-    if received_signal() is not None:
-        stop.set()
+    release_stop_signals()
     try:
         yield stop
     finally:
