@@ -168,3 +168,56 @@ def test_overrides_are_taken_anywhere_on_the_command_line(capsys):
     with pytest.raises(SystemExit) as exited:
         main(["flops", "tiny", "--json", "model.n_layers=8", "stray"])
     assert exited.value.code == 2 and "unrecognized arguments: model.n_layers=8 stray" in capsys.readouterr().err
+
+
+@pytest.fixture
+def read_only_dir(tmp_path):
+    """A directory this process cannot write into: mode 555, and immutable where the tests run as root."""
+    directory = tmp_path / "read-only"
+    directory.mkdir()
+    directory.chmod(0o555)
+    immutable = os.geteuid() == 0 and subprocess.run(["chattr", "+i", directory], capture_output=True).returncode == 0
+    if os.access(directory, os.W_OK):
+        pytest.skip("no way to make a read-only directory here")
+    yield directory
+    if immutable:
+        subprocess.run(["chattr", "-i", directory], check=True)
+    directory.chmod(0o755)
+
+
+def _exit_code(argv) -> int:
+    from olmax.cli import main
+
+    try:
+        return main(argv)
+    except SystemExit as exited:
+        return exited.code
+
+
+# (argv with {ro} filled in, words the error line must hold)
+REFUSED_UP_FRONT = {
+    "synth-data into a read-only directory": (["synth-data", "--out", "{ro}/data"], ["{ro} is not writable"]),
+    "hf-to-olmax into a read-only directory": (["convert", "hf-to-olmax", "{ro}/missing-hf", "{ro}/ckpt"],
+                                                ["{ro} is not writable"]),
+    "olmax-to-hf into a read-only directory": (["convert", "olmax-to-hf", "{ro}/missing-ckpt", "{ro}/hf"],
+                                                ["{ro} is not writable"]),
+    "eval --out in a read-only directory": (["eval", "heldout", "{ro}/missing-ckpt", "--data", "{ro}/missing.npy",
+                                             "--out", "{ro}/eval.json"], ["--out", "{ro} is not writable"]),
+    "compare --out in a read-only directory": (["compare", "{ro}/a.tsv", "{ro}/b.tsv", "--out", "{ro}/compare"],
+                                               ["--out", "{ro} is not writable"]),
+    "compile for a 0x2 TPU slice": (["compile", "tiny", "--target", "tpu:v5e:0x2"], ["whole hosts of 2x2 chips"]),
+    "compile for a 3x3 TPU slice": (["compile", "tiny", "--target", "tpu:v5e:3x3"], ["whole hosts of 2x2 chips"]),
+    "compile for a 1x1 TPU slice": (["compile", "tiny", "--target", "tpu:v5e:1x1"], ["whole hosts of 2x2 chips"]),
+    "plan for no GPUs": (["plan", "tiny", "--target", "gpu:h100x0", "--mfu", "0.4"], ["has no GPUs"]),
+    "resume-check resuming after the end": (["resume-check", "tiny", "--at", "5", "--steps", "4"],
+                                            ["--at 5 must be between 0 and --steps 4"]),
+}
+
+
+@pytest.mark.parametrize("name", REFUSED_UP_FRONT)
+def test_bad_input_known_up_front_is_refused_before_any_work(read_only_dir, capsys, name):
+    argv, words = REFUSED_UP_FRONT[name]
+    assert _exit_code([a.format(ro=read_only_dir) for a in argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and all(w.format(ro=read_only_dir) in err for w in words), err
+    assert not list(read_only_dir.iterdir()) and not list(read_only_dir.parent.glob(".*partial*"))

@@ -9,6 +9,7 @@ anything is compiled or written.
 from __future__ import annotations
 
 import math
+import os
 import types
 import typing
 from pathlib import Path
@@ -616,11 +617,13 @@ def load_config(name_or_path: str, overrides: list[str] = ()) -> RunConfig:
 
 
 def writable_dir(path: Path, field: str) -> Path:
-    """`path`, refused when it, or a directory it would be made in, is an existing file."""
+    """`path`, refused when it, or a directory it would be made in, is an existing file or not writable."""
     for existing in (path, *path.parents):
         if existing.exists():
             if not existing.is_dir():
                 raise ConfigError(f"{field} {path}: {existing} is a file, not a directory; set another {field}")
+            if not os.access(existing, os.W_OK):
+                raise ConfigError(f"{field} {path}: {existing} is not writable; set another {field}")
             break
     return path
 

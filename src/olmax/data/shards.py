@@ -23,6 +23,8 @@ from pathlib import Path
 
 import numpy as np
 
+from olmax.config import writable_dir
+
 TOKEN_DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
 FINGERPRINT_VERSION = "olmax-fsl-v1"
 # Tokens read from the head of every shard at startup, so a wrong token_dtype or
@@ -379,6 +381,7 @@ def new_output_dir(out: str | os.PathLike, command: str):
         raise DataError(f"{out} is not empty (shards of an earlier run?); {command} writes into a new or empty "
                         "directory: choose another, or delete this one")
     partial = out.resolve().parent / f".{out.resolve().name}.partial-{os.getpid()}"
+    writable_dir(partial.parent, "--out")
     partial.mkdir(parents=True)
     try:
         yield partial

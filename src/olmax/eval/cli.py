@@ -35,6 +35,14 @@ def _reports_errors(command):
     return run
 
 
+def _writable(out: str | None) -> None:
+    """Refuse an --out that cannot be written before the work whose results it would hold."""
+    from olmax.config import writable_dir
+
+    if out:
+        writable_dir(Path(out).absolute().parent, "--out")
+
+
 def _print_json(report: dict, out: str | None) -> None:
     text = json.dumps(report, indent=2)
     if out:
@@ -84,6 +92,7 @@ def load_model(path: str | Path):
 
 @_reports_errors
 def cmd_heldout(args) -> None:
+    _writable(args.out)
     import jax
 
     from olmax.eval.heldout import evaluate
@@ -100,6 +109,7 @@ def cmd_heldout(args) -> None:
 
 @_reports_errors
 def cmd_kl(args) -> None:
+    _writable(args.out)
     from olmax.eval import kl
     from olmax.eval.models import eval_layout
 
@@ -146,6 +156,7 @@ def _harness_results(path: str, args) -> dict:
 
 @_reports_errors
 def cmd_harness(args) -> None:
+    _writable(args.out)
     from olmax.eval.harness import deltas
 
     a = _harness_results(args.model, args)
@@ -158,6 +169,7 @@ def cmd_harness(args) -> None:
 
 @_reports_errors
 def cmd_compare(args) -> None:
+    _writable(args.out)
     from olmax.eval import curves
 
     a = curves.read_curve(args.a, args.metric)

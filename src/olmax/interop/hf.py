@@ -27,7 +27,7 @@ import ml_dtypes
 import numpy as np
 
 from olmax.checkpoint import Checkpointer, read_params, run_meta
-from olmax.config import CheckpointConfig, ConfigError, ModelConfig, RunConfig, validate
+from olmax.config import CheckpointConfig, ConfigError, ModelConfig, RunConfig, validate, writable_dir
 from olmax.interop import InteropError, stream
 from olmax.model import families
 
@@ -375,6 +375,7 @@ def hf_to_olmax(src: str | Path, out: str | Path) -> RunConfig:
     src, out = Path(src), Path(out)
     if out.exists() and any(out.iterdir()):
         raise InteropError(f"{out} exists and is not empty; choose a new output directory")
+    writable_dir(out, "output directory")
     cfg = run_config_from_hf(read_hf_config(src), name=src.absolute().name, where=str(src / "config.json"))
     params = load_hf_params(src, cfg)
     meta = run_meta(cfg, 0, {})
@@ -456,6 +457,7 @@ def olmax_to_hf(ckpt: str | Path, out: str | Path, dtype: str = "float32",
     out = Path(out)
     if out.exists() and any(out.iterdir()):
         raise InteropError(f"{out} exists and is not empty; choose a new output directory")
+    writable_dir(out, "output directory")
     cfg, params, step = load_olmax(ckpt)
     write_hf(cfg, params, out, dtype, max_shard_bytes)
     return cfg, step
