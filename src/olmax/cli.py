@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import signal
 import sys
 
@@ -12,6 +13,8 @@ from olmax.runtime import (LIBTPU_LOCKFILE, STOP_SIGNALS, drop_held_signals, hol
 
 EXIT_BAD_INPUT = 2  # `olmax launch` does not retry it
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports it
+# A URL as an argument, an option's value or an override's value (data.mix_file=gs://...); local paths only so far
+REMOTE_URL = re.compile(r"(?:^|=)((?:gs|s3|r2|weka|https?)://\S*)")
 # The errors that mean bad input, by module. Only the modules already imported are looked at: an error whose
 # module was never imported cannot have been raised, and importing jax to name one would slow every command.
 BAD_INPUT_ERRORS = {"olmax.config": "ConfigError", "olmax.data.shards": "DataError", "olmax.interop": "InteropError",
@@ -55,7 +58,9 @@ def cmd_flops(args) -> None:
     print(f"params                    {count.params:,}")
     print(f"non-embedding params      {count.non_embedding_params:,}")
     print(f"active params / token     {count.active_params:,}  (FLOPs below count these)")
-    print(f"train FLOPs / token       {count.per_token / 1e9:,.2f} G  (sliding windows exact, seq {seq})")
+    sliding = any(not cfg.model.is_global(i) for i in range(cfg.model.n_layers))
+    attention = "sliding windows exact" if sliding else "every layer global"
+    print(f"train FLOPs / token       {count.per_token / 1e9:,.2f} G  ({attention}, seq {seq})")
     print(f"  all layers global       {count.per_token_all_global / 1e9:,.2f} G")
     print(f"train TFLOP / device-step {report['train_tflop_per_device_step']:,.1f}  ({per_device} x {seq} tokens)")
     print(f"  all layers global       {report['train_tflop_per_device_step_all_global_attention']:,.1f}")
@@ -157,6 +162,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
     """The command line, where `key=value` overrides may also come after the command's options."""
+    argv = sys.argv[1:] if argv is None else argv
+    if url := next((m.group(1) for a in argv if (m := REMOTE_URL.search(a))), None):
+        print(f"olmax: {url}: remote storage is not supported yet; copy it to a local path", file=sys.stderr)
+        sys.exit(EXIT_BAD_INPUT)
     parser = build_parser()
     args, rest = parser.parse_known_args(argv)
     if rest and hasattr(args, "overrides") and all("=" in a and not a.startswith("-") for a in rest):
