@@ -169,13 +169,16 @@ def cmd_harness(args) -> None:
 
 @_reports_errors
 def cmd_compare(args) -> None:
-    _writable(args.out)
     from olmax.eval import curves
 
+    first = Path(args.a)
+    out = Path(args.out or (first if first.is_dir() else first.parent) / "compare")
+    _writable(str(out))
     a = curves.read_curve(args.a, args.metric)
     b = curves.read_curve(args.b, args.metric_b or args.metric)
-    result = curves.compare(a, b, window=args.window, smooth=args.smooth, ranges=curves.parse_ranges(args.ranges))
-    out = Path(args.out)
+    window = args.window or curves.default_window(a, b)
+    smooth = window * (curves.SMOOTH // curves.WINDOW) if args.smooth is None else args.smooth
+    result = curves.compare(a, b, window=window, smooth=smooth, ranges=curves.parse_ranges(args.ranges))
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".tsv").write_text(curves.window_table(result))
     curves.plot(a, b, result, args.metric, out.with_suffix(".png"))
@@ -231,8 +234,9 @@ def add_commands(subparsers) -> None:
     p.add_argument("b", help="the same kinds; deltas are B - A")
     p.add_argument("--metric", default="train/CE loss")
     p.add_argument("--metric-b", help="metric name in B (default: --metric)")
-    p.add_argument("--window", type=int, default=2000, help="steps per window of means")
-    p.add_argument("--smooth", type=int, default=18000, help="steps the smoothed delta averages over")
+    p.add_argument("--window", type=int, help="steps per window of means (default 2000, less on runs shorter "
+                   "than 20 windows)")
+    p.add_argument("--smooth", type=int, help="steps the smoothed delta averages over (default 9 windows: 18000)")
     p.add_argument("--ranges", help="summaries per step range too: lo:hi,lo:hi (hi may be empty)")
-    p.add_argument("--out", default="compare", help="writes OUT.tsv, OUT.png and OUT.json (default: ./compare)")
+    p.add_argument("--out", help="writes OUT.tsv, OUT.png and OUT.json (default: compare.* in A, or beside A's file)")
     p.set_defaults(func=cmd_compare)
