@@ -199,8 +199,10 @@ def plot_expert_load(cfg, metrics: list[dict], path: Path) -> None:
         ax.axhline(1 / shares.shape[1], color="black", ls="--", lw=0.8)
         ax.set(title=f"layer {layer}", xlabel="step")
     axes[0][0].set_ylabel("share of assignments")
-    axes[0][-1].legend(fontsize=6, loc="upper right")
-    fig.tight_layout()
+    # one legend for every panel, under them, in the panels' own font size
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 8), frameon=False)
+    fig.tight_layout(rect=(0, 0.06 * -(-len(labels) // 8), 1, 1))
     fig.savefig(path, dpi=100)
     plt.close(fig)
 
