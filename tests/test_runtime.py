@@ -64,6 +64,7 @@ def test_without_tpus_train_leaves_libtpu_alone_and_compile_runs_beside_it(tmp_p
                               "checkpoint.every=10000"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                              env=env)
     try:
+        assert train.stdout.readline() == "compiling the train step...\n", train.stderr.read()[-3000:]
         assert train.stdout.readline().startswith("step 1/"), train.stderr.read()[-3000:]
         maps = Path(f"/proc/{train.pid}/maps").read_text()
         assert "libtpu" not in maps and libtpu_lock_holder() != train.pid
@@ -98,3 +99,18 @@ def test_a_stop_signal_at_start_up_waits_for_its_handler_whatever_thread_and_acr
     base = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", "OLMAX_HUGE_PAGES")}
     out = subprocess.run([sys.executable, "-c", HELD], env=base, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.splitlines() == ["pending True", "handled", "done"], out
+
+
+def test_the_libtpu_lock_holder_is_found(tmp_path, monkeypatch):
+    """libtpu locks its lockfile with a POSIX lock; the holder's PID names it in the one-line error that replaces
+    libtpu's advice to delete the file."""
+    import fcntl
+
+    from olmax import runtime
+
+    monkeypatch.setattr(runtime, "LIBTPU_LOCKFILE", tmp_path / "libtpu_lockfile")
+    assert runtime.libtpu_lock_holder() is None
+    with open(tmp_path / "libtpu_lockfile", "w") as lockfile:
+        assert runtime.libtpu_lock_holder() is None
+        fcntl.lockf(lockfile, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        assert runtime.libtpu_lock_holder() == os.getpid()

@@ -241,6 +241,8 @@ def train(cfg: RunConfig, *, quiet: bool = False, make_eval=None) -> list[dict]:
                       "raise train.steps to train further", flush=True)
             if start < last and stop_requested(stop):
                 raise Preempted(f"stopped by a signal before step {start + 1}; nothing needed writing")
+            if start < last and not quiet and jax.process_index() == 0:
+                print("compiling the train step...", flush=True)  # the first step compiles: tens of seconds
             for step in range(start + 1, last + 1):
                 batch = place_batch(next(loader), sharding, micro_rows)
                 state, metrics = step_fn(state, batch)
