@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from olmax.data.synthetic import write_synthetic_shards
-from olmax.runtime import GOOGLE_PCI_VENDOR, HUGE_PAGES, huge_pages_env, libtpu_lock_holder
+from olmax.runtime import GOOGLE_PCI_VENDOR, HUGE_PAGES, NVIDIA_DEVICES, huge_pages_env, libtpu_lock_holder
 
 PROBE = (
     "import os, sys\n"
@@ -52,7 +52,7 @@ def test_opt_out_leaves_the_process_alone():
 
 @pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="needs the aot extra (libtpu)")
 @pytest.mark.skipif(any(v.read_text().strip() == GOOGLE_PCI_VENDOR for v in Path("/sys/bus/pci/devices").glob(
-    "*/vendor")), reason="a Google PCI device (maybe a TPU) is attached")
+    "*/vendor")) or any(map(os.path.exists, NVIDIA_DEVICES)), reason="a TPU or GPU may be attached")
 def test_without_tpus_train_leaves_libtpu_alone_and_compile_runs_beside_it(tmp_path):
     """JAX left to choose its platforms (no JAX_PLATFORMS): `olmax train` neither loads libtpu (no probing lines,
     no lockfile) nor stops a TPU compile running at the same time."""

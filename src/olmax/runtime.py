@@ -30,7 +30,6 @@ and takes libtpu's one-process lockfile for the life of the process.
 from __future__ import annotations
 
 import ctypes
-import importlib.util
 import os
 import platform
 import signal
@@ -48,18 +47,16 @@ LIBTPU_LOCKFILE = Path("/tmp/libtpu_lockfile")  # libtpu's lock on the machine's
 
 
 def skip_absent_tpus() -> None:
-    """Name JAX's platforms (JAX_PLATFORMS, inherited by the processes this one starts) when no TPU can be
-    attached: CUDA where an NVIDIA GPU and JAX's CUDA plugin are, and the CPU. JAX, left to choose, tries
-    every backend it knows, TPU first. A JAX_PLATFORMS already set is kept, and so is JAX's own choice on a
-    machine with any Google PCI device (a TPU, or only its network card: then the probing stays).
-    Compiling for a TPU target loads libtpu without its backend (`scale.targets.compile_only_devices`)."""
-    if "JAX_PLATFORMS" in os.environ:
+    """Run JAX on the CPU (JAX_PLATFORMS=cpu, inherited by the processes this one starts) on a machine with
+    neither a TPU nor an NVIDIA GPU attached: JAX, left to choose, tries every backend it knows, TPU first.
+    A JAX_PLATFORMS already set is kept, and so is JAX's own choice where a GPU is, or any Google PCI device
+    (a TPU, or only Google's network card: then the probing stays). Compiling for a TPU target loads libtpu
+    without its backend (`scale.targets.compile_only_devices`)."""
+    if "JAX_PLATFORMS" in os.environ or any(map(os.path.exists, NVIDIA_DEVICES)):
         return
     vendors = Path("/sys/bus/pci/devices").glob("*/vendor")
-    if any(vendor.read_text().strip() == GOOGLE_PCI_VENDOR for vendor in vendors):
-        return
-    cuda = any(map(os.path.exists, NVIDIA_DEVICES)) and importlib.util.find_spec("jax_cuda12_plugin") is not None
-    os.environ["JAX_PLATFORMS"] = "cuda,cpu" if cuda else "cpu"
+    if not any(vendor.read_text().strip() == GOOGLE_PCI_VENDOR for vendor in vendors):
+        os.environ["JAX_PLATFORMS"] = "cpu"
 
 
 def libtpu_lock_holder() -> int | None:
