@@ -22,7 +22,7 @@ so no thread can take one and drop it, and pending signals survive the restart
 above.
 
 Before any of that, `skip_absent_tpus` keeps JAX off its TPU backend on a machine
-with no TPU attached: with the `aot` extra installed, JAX would otherwise load
+with no accelerator attached: with the `aot` extra installed, JAX would otherwise load
 libtpu in every process that touches a device, which prints its probing for TPUs
 and takes libtpu's one-process lockfile for the life of the process.
 """
