@@ -92,9 +92,11 @@ def resolve_sources(paths: list[str], mix_file: str | None, base_dir: str | None
     return [Source(Path(p).stem, p) for p in paths]
 
 
-def count_tokens(path: str, token_dtype: str) -> int:
+def count_tokens(path: str, token_dtype: str, setting: str = "data.token_dtype") -> int:
     """Tokens in a shard, checking that it is a readable file, not empty, of whole tokens of the dtype it was
-    written with (when its directory records it)."""
+    written with: the one check every reader of shards (training, evals) applies. The dtype is the one its
+    directory's shards record names; without a record, the shard's head must not look like uint32 tokens read
+    as uint16. `setting` is what the user sets to choose the dtype, named in the errors."""
     if os.path.isdir(path):
         raise DataError(f"shard {path} is a directory, not a token shard; list the shard files in it instead")
     try:
@@ -103,19 +105,35 @@ def count_tokens(path: str, token_dtype: str) -> int:
         raise DataError(f"shard {path} does not exist; fix data.paths / data.mix_file or run `olmax tokenize`") from None
     if not os.access(path, os.R_OK):
         raise DataError(f"shard {path} is not readable (file permissions); fix them or remove it from the mix")
-    written = recorded(path).get("token_dtype", token_dtype)
+    if token_dtype not in TOKEN_DTYPES:
+        raise DataError(f"{setting} {token_dtype!r} is not one of {sorted(TOKEN_DTYPES)}")
+    record = recorded(path)
+    written = record.get("token_dtype", token_dtype)
     if written != token_dtype:
         raise DataError(f"shard {path} was written as {written} tokens ({Path(path).parent / SHARDS_RECORD} "
-                        f"says), not {token_dtype}; set data.token_dtype={written}")
+                        f"says), not {token_dtype}; set {setting}={written}")
     itemsize = np.dtype(TOKEN_DTYPES[token_dtype]).itemsize
     if size == 0:
         raise DataError(f"shard {path} is empty; remove it from the mix or re-run `olmax tokenize`")
     if size % itemsize:
         raise DataError(
             f"shard {path}: {size} bytes is not a multiple of the {itemsize}-byte {token_dtype} token; "
-            "the file is truncated or written with another data.token_dtype"
+            f"the file is truncated or written with another {setting}"
         )
+    if not record:
+        _check_plausible(path, np.fromfile(path, dtype=TOKEN_DTYPES[token_dtype], count=HEAD_CHECK_TOKENS), setting)
     return size // itemsize
+
+
+def _check_plausible(path: str, head: np.ndarray, setting: str) -> None:
+    """Refuse uint32 tokens read as uint16 (each id then reads as itself and a 0, or a 1 above 65535),
+    for shards that do not record their dtype."""
+    high, low = head[1::2], head[0::2]
+    if head.dtype.itemsize == 2 and len(high) >= 64 and np.mean(high <= 1) > 0.99 and np.mean(low <= 1) < 0.5:
+        raise DataError(
+            f"shard {path}: every other token is 0 or 1, as uint32 tokens read as uint16 are; set "
+            f"{setting}=uint32 (no {SHARDS_RECORD} beside the shard says how it was written)"
+        )
 
 
 class TokenShards:
@@ -165,8 +183,6 @@ class TokenShards:
         for index in range(len(self.sources)):
             head = self._read_tokens(index, 0, min(HEAD_CHECK_TOKENS, self.sizes[index] // self.dtype.itemsize))
             self._check_ids(head, index, 0)
-            if not recorded(self.sources[index].path):
-                self._check_plausible(head, index)
 
     def _checked_size(self, path: str) -> int:
         tokens = count_tokens(path, self.token_dtype)
@@ -235,16 +251,6 @@ class TokenShards:
                 f"shard {self.sources[shard].path}: token id {int(tokens[bad[0]])} at token {start + int(bad[0])} "
                 f">= vocab size {self.vocab_size}; the shard was made by another tokenizer or data.token_dtype is wrong "
                 f"(it is {self.token_dtype})"
-            )
-
-    def _check_plausible(self, head: np.ndarray, shard: int) -> None:
-        """Refuse uint32 tokens read as uint16 (each id then reads as itself and a 0, or a 1 above 65535),
-        for shards that do not record their dtype."""
-        high, low = head[1::2], head[0::2]
-        if self.dtype.itemsize == 2 and len(high) >= 64 and np.mean(high <= 1) > 0.99 and np.mean(low <= 1) < 0.5:
-            raise DataError(
-                f"shard {self.sources[shard].path}: every other token is 0 or 1, as uint32 tokens read as uint16 "
-                f"are; set data.token_dtype=uint32 (no {SHARDS_RECORD} beside the shard says how it was written)"
             )
 
     def _read_tokens(self, shard: int, start: int, count: int, into: np.ndarray | None = None) -> np.ndarray:

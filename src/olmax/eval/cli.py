@@ -48,7 +48,8 @@ def _selection(args, model):
 
     data = model.cfg.data
     token_dtype = args.token_dtype or data.token_dtype
-    sets = [s for argument in args.data for s in sets_from_argument(argument, token_dtype=token_dtype, eos_id=data.eos_id)]
+    sets = [s for argument in args.data
+            for s in sets_from_argument(argument, token_dtype=token_dtype, eos_id=data.eos_id)]
     labels = [s.label for s in sets]
     if len(set(labels)) != len(labels):
         from olmax.eval.models import EvalError
