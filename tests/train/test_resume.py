@@ -1,6 +1,7 @@
 """Runs that survive: preemption, torn and corrupt checkpoints, elastic resume, warm start, bad resumes."""
 
 import json
+import shutil
 import signal
 import subprocess
 import sys
@@ -144,3 +145,20 @@ def test_warm_start_keeps_params_and_moments_resets_step_schedule_and_data(tmp_p
     fresh_moments = _train(tmp_path, shards, "stage2b", *stage2, "checkpoint.init_optimizer=false")
     assert fresh_moments[0]["optim/adam step"] == 1
     assert fresh_moments[0]["train/CE loss"] == warm[0]["train/CE loss"]
+
+
+def test_resume_on_shards_rewritten_with_other_tokens_of_the_same_size_is_refused(tmp_path, base_run, synth_mix,
+                                                                                    capsys):
+    from olmax.cli import main
+
+    shutil.copytree(synth_mix.parent, tmp_path / "data")
+    shutil.copytree(base_run, tmp_path / "run")
+    for shard in sorted((tmp_path / "data").glob("part-*.npy")):
+        tokens = np.fromfile(shard, dtype=np.uint16)
+        np.roll(tokens, 1).tofile(shard)  # the same tokens, one position later: same size, same dtype
+    code = main(["train", "tiny", "mesh.fsdp=1", "train.steps=8", f"data.mix_file={tmp_path}/data/mix.txt",
+                 f"output_dir={tmp_path}/run"])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert "shard 0: part-00000.npy has other contents" in err and "allow_fingerprint_change" in err
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["4", "6"]  # keep_last 2

@@ -28,6 +28,9 @@ FINGERPRINT_VERSION = "olmax-fsl-v1"
 # Tokens read from the head of every shard at startup, so a wrong token_dtype or
 # tokenizer fails before the first step rather than at some batch hours later.
 HEAD_CHECK_TOKENS = 4096
+# Bytes hashed at each end of every shard for the facts' content check: a shard rewritten with other tokens of
+# the same size is caught on resume, for two small reads per shard.
+CONTENT_HASH_BYTES = 1 << 16
 MAX_OPEN_FILES = 256
 # Written beside the shards by `olmax tokenize` and `olmax synth-data`: how they were written.
 SHARDS_RECORD = "shards.json"
@@ -180,9 +183,11 @@ class TokenShards:
             raise DataError(f"{self.num_instances} instances exceed OLMo-core's uint32 instance ids; split the mix")
         self._lock = threading.Lock()
         self._fds: OrderedDict[int, int] = OrderedDict()
+        self.contents = []
         for index in range(len(self.sources)):
             head = self._read_tokens(index, 0, min(HEAD_CHECK_TOKENS, self.sizes[index] // self.dtype.itemsize))
             self._check_ids(head, index, 0)
+            self.contents.append(self._content_hash(index))
 
     def _checked_size(self, path: str) -> int:
         tokens = count_tokens(path, self.token_dtype)
@@ -212,6 +217,9 @@ class TokenShards:
             "sequence_length": self.sequence_length,
             # Names, not full paths, as OLMo-core: the same mix moved to another disk is the same data.
             "files": [[os.path.basename(s.path), size] for s, size in zip(self.sources, self.sizes)],
+            # Compared on resume beside the fingerprint, which stays a hash of names and sizes (as OLMo-core's),
+            # so that checkpoints written before these hashes existed still resume.
+            "contents": self.contents,
         }
         if self.mixture is not None:
             facts.update(mixture=self.mixture, instances=self.instances)
@@ -252,6 +260,14 @@ class TokenShards:
                 f">= vocab size {self.vocab_size}; the shard was made by another tokenizer or data.token_dtype is wrong "
                 f"(it is {self.token_dtype})"
             )
+
+    def _content_hash(self, shard: int) -> str:
+        """sha256 of the shard's first and last CONTENT_HASH_BYTES (the whole shard when smaller)."""
+        tokens = self.sizes[shard] // self.dtype.itemsize
+        block = CONTENT_HASH_BYTES // self.dtype.itemsize
+        head = self._read_tokens(shard, 0, min(block, tokens))
+        tail = self._read_tokens(shard, max(tokens - block, 0), min(block, tokens))
+        return hashlib.sha256(head.tobytes() + tail.tobytes()).hexdigest()
 
     def _read_tokens(self, shard: int, start: int, count: int, into: np.ndarray | None = None) -> np.ndarray:
         buffer = np.empty(count, dtype=self.dtype) if into is None else into
@@ -318,6 +334,11 @@ def describe_change(old: dict, new: dict) -> list[str]:
     for index, (was, now) in enumerate(zip(old_files, new_files)):
         if was != now:
             changes.append(f"shard {index}: {was[0]} ({was[1]} bytes) -> {now[0]} ({now[1]} bytes)")
+    if "contents" in old and len(old_files) == len(new_files):  # checkpoints before content hashes lack them
+        changes += [f"shard {index}: {now[0]} has other contents (same name and size)"
+                    for index, (was, now, old_hash, new_hash) in enumerate(zip(old_files, new_files, old["contents"],
+                                                                               new["contents"]))
+                    if was == now and old_hash != new_hash]
     return changes + _mixture_changes(old, new)
 
 
