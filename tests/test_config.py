@@ -102,3 +102,17 @@ def test_upgrade_moves_old_checkpoint_configs():
     assert cfg.model.rope["sliding"].theta == cfg.model.rope["global"].theta == 1e4
     assert (cfg.impl.remat, cfg.impl.attention.block, cfg.impl.compute_dtype, cfg.impl.scan_layers) == (
         "full", 16, "float32", False)
+
+
+@pytest.mark.parametrize("text, key, lines", [
+    ("base: tiny\nmodel:\n  n_layers: 8\ntrain:\n  steps: 3\nmodel:\n  d_model: 128\n", "model", (2, 6)),
+    ("base: tiny\nmodel:\n  n_layers: 8\n  d_model: 32\n  n_layers: 2\n", "n_layers", (3, 5)),
+])
+def test_a_key_given_twice_is_refused_naming_both_lines(tmp_path, capsys, text, key, lines):
+    from olmax.cli import main
+
+    (tmp_path / "twice.yaml").write_text(text)
+    assert main(["train", str(tmp_path / "twice.yaml"), f"output_dir={tmp_path}/run"]) == 2
+    err = capsys.readouterr().err
+    assert f"key {key!r} is given twice, on lines {lines[0]} and {lines[1]}" in err and "twice.yaml" in err
+    assert not (tmp_path / "run").exists()

@@ -565,9 +565,27 @@ def preset_path(name_or_path: str) -> Path:
     return path
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """YAML that refuses a key given twice in one mapping (PyYAML would keep the last silently)."""
+
+    def construct_mapping(self, node, deep=False):
+        lines = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<:` merge keys may be overridden by design
+                continue
+            key = self.construct_object(key_node, deep=True)
+            line = key_node.start_mark.line + 1
+            if isinstance(key, typing.Hashable) and key in lines:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key {key!r} is given twice, on lines {lines[key]} and {line}; keep one",
+                    key_node.start_mark)
+            lines[key] = line
+        return super().construct_mapping(node, deep)
+
+
 def _parsed(text: str, where: str):
     try:
-        return yaml.safe_load(text)
+        return yaml.load(text, Loader=_UniqueKeyLoader)
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         at = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
