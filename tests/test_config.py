@@ -116,3 +116,14 @@ def test_a_key_given_twice_is_refused_naming_both_lines(tmp_path, capsys, text, 
     err = capsys.readouterr().err
     assert f"key {key!r} is given twice, on lines {lines[0]} and {lines[1]}" in err and "twice.yaml" in err
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("value", ["inf", "-inf", ".inf", "nan"])
+def test_every_float_must_be_finite(tmp_path, capsys, value):
+    from olmax.cli import main
+
+    assert main(["train", "tiny", f"optim.lr={value}", f"output_dir={tmp_path}/run"]) == 2
+    assert "optim.lr: Input should be a finite number" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
+    with pytest.raises(ConfigError, match="schedule.final_lr_fraction: Input should be a finite number"):
+        load_config("tiny", [f"schedule.final_lr_fraction={value}"])

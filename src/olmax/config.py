@@ -27,7 +27,8 @@ class ConfigError(ValueError):
 
 
 class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # Every float must be finite (`optim.lr=inf` would make every parameter NaN at the first step).
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
 class RopeConfig(Section):

@@ -14,6 +14,7 @@ import threading
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 
@@ -35,10 +36,32 @@ from olmax.train.step import (
 log = logging.getLogger(__name__)
 
 RESUMABLE_EXIT_CODE = 75  # EX_TEMPFAIL: preempted after a checkpoint; run again to resume
+DIVERGED_EXIT_CODE = 3  # the parameters are not finite: a resume would repeat the same steps bitwise, so no retry
 
 
 class Preempted(Exception):
     """SIGTERM/SIGINT arrived; the step in flight finished and a checkpoint was written (or nothing needed one)."""
+
+
+class Diverged(Exception):
+    """The parameters became NaN or infinite; no checkpoint of them was written."""
+
+
+@jax.jit
+def _all_finite(params) -> jax.Array:
+    return jnp.all(jnp.stack([jnp.isfinite(x).all() for x in jax.tree.leaves(params)]))
+
+
+def check_finite(params, when: str, checkpointer: Checkpointer) -> None:
+    """Raise Diverged unless every parameter is finite: one reduction over the params, run before each
+    checkpoint is written and after a step whose loss is not finite (`when` says which)."""
+    if not bool(_all_finite(params)):
+        latest = checkpointer.latest_step()
+        raise Diverged(
+            f"the run diverged: the parameters are NaN or infinite ({when}); no checkpoint of them was written "
+            f"({f'the latest is {latest}' if latest else 'there is none'}). Lower optim.lr or raise "
+            "schedule.warmup_steps, then run again"
+        )
 
 
 @contextlib.contextmanager
@@ -230,6 +253,8 @@ def train(cfg: RunConfig, *, quiet: bool = False, make_eval=None) -> list[dict]:
         })
         writer.write(step, values)
         history.append({"step": step, **values})
+        if not np.isfinite(values["train/CE loss"]):  # a skipped spike, or parameters gone for good
+            check_finite(state.params, f"train/CE loss {values['train/CE loss']} at step {step}", checkpointer)
         if not quiet and jax.process_index() == 0 and (step % cfg.train.log_every == 0 or step == cfg.train.steps):
             print(console_line(step, cfg.train.steps, values), flush=True)
 
@@ -263,6 +288,7 @@ def train(cfg: RunConfig, *, quiet: bool = False, make_eval=None) -> list[dict]:
                         pending = None
                         writer.flush()
                         side_work_start = time.perf_counter()
+                        check_finite(state.params, f"checked before writing checkpoint {step}", checkpointer)
                         checkpointer.save(step, state, run_meta(cfg, step, loader.state_dict(), tokens_after(step),
                                                                 data_offset))
                     paused += time.perf_counter() - side_work_start
