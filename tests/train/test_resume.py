@@ -162,3 +162,27 @@ def test_resume_on_shards_rewritten_with_other_tokens_of_the_same_size_is_refuse
     assert code == 2, err
     assert "shard 0: part-00000.npy has other contents" in err and "allow_fingerprint_change" in err
     assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["4", "6"]  # keep_last 2
+
+
+def test_a_second_train_on_a_run_directory_in_use_exits_2_naming_the_holder(tmp_path, synth_mix, capsys):
+    import socket
+
+    from olmax.cli import main
+
+    run = tmp_path / "run"
+    first = subprocess.Popen([sys.executable, "-m", "olmax.cli", "train", "tiny", "mesh.fsdp=1", "train.steps=100000",
+                              "checkpoint.every=100000", f"data.mix_file={synth_mix}", f"output_dir={run}"],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_for(lambda: (run / "metrics.jsonl").exists() or first.poll() is not None)
+        assert first.poll() is None, first.stderr.read()
+        code = main(["train", "tiny", "mesh.fsdp=1", "train.steps=2", f"data.mix_file={synth_mix}",
+                     f"output_dir={run}"])
+        err = capsys.readouterr().err
+        assert code == 2 and f"is in use by another run (host {socket.gethostname()}, PID {first.pid}" in err, err
+    finally:
+        first.send_signal(signal.SIGTERM)
+        assert first.wait(timeout=240) == RESUMABLE_EXIT_CODE
+    # The lock went with the process: the next train resumes.
+    assert main(["train", "tiny", "mesh.fsdp=1", "train.stop_after=1", "train.steps=100000",
+                 "checkpoint.every=100000", f"data.mix_file={synth_mix}", f"output_dir={run}"]) == 0

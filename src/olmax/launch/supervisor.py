@@ -48,6 +48,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from olmax import run_lock
 from olmax.config import load_config, writable_dir
 from olmax.launch.distributed import ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID
 from olmax.runtime import received_signal
@@ -235,9 +236,11 @@ class Supervisor:
         75 stopped by a signal, 1 gave up after max_retries failures in a row)."""
         previous = self._install_signal_handlers()
         try:
-            if received_signal() is not None:  # it came while the CLI started up, holding it
-                self._on_signal(received_signal(), None)
-            return self._loop()
+            with run_lock.hold(self.run_dir) as holder:  # for the whole run: its trainers check they run for it
+                self.env[run_lock.ENV_RUN_LOCK] = holder
+                if received_signal() is not None:  # it came while the CLI started up, holding it
+                    self._on_signal(received_signal(), None)
+                return self._loop()
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)

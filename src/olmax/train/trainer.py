@@ -21,6 +21,7 @@ from jax.experimental import multihost_utils
 from olmax.checkpoint import (
     Checkpointer, CheckpointError, UnreadableCheckpoint, abstract_like, check_model_compatible, locate, run_meta,
 )
+from olmax import run_lock
 from olmax.config import ConfigError, ModelConfig, RunConfig, upgrade, writable_dir
 from olmax.data import build_loader
 from olmax.model import families, flops
@@ -197,6 +198,12 @@ def train(cfg: RunConfig, *, quiet: bool = False, make_eval=None) -> list[dict]:
         raise ConfigError("the config asks for in-loop evals (eval.every / eval.harness_every) but train() was "
                           "given no make_eval; pass olmax.eval.in_loop.make_in_loop_eval")
     writable_dir(cfg.run_dir, "output_dir")
+    # One process of a multi-process run holds the run directory for all (they share it).
+    with run_lock.hold(cfg.run_dir) if jax.process_index() == 0 else contextlib.nullcontext():
+        return _train(cfg, quiet, make_eval)
+
+
+def _train(cfg: RunConfig, quiet: bool, make_eval) -> list[dict]:
     layout = make_layout(cfg.mesh)
     micro_rows = micro_batch_rows(cfg, layout.data_parallel_size)
     # Bad data fails first, before the model is built.

@@ -1,0 +1,73 @@
+"""One run per run directory: an advisory lock on OUTPUT_DIR/run.lock.
+
+The holder keeps the file locked (`fcntl.flock`) while it runs; the kernel
+releases the lock when the process ends, however it ends, so a crash leaves
+nothing to clean up. The file records the holder's host and PID, which a
+second run names when it is refused.
+
+A process the holder starts for the same run (`olmax launch`'s trainers, the
+processes of a multi-process run it starts) finds the holder's identity in
+OLMAX_RUN_LOCK and checks it against the file, which must still be locked by
+that holder, instead of taking the lock itself. This module is the one place
+that knows how a run directory is claimed: a lease object in a bucket can
+take its place.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import socket
+from pathlib import Path
+
+LOCK_FILE = "run.lock"
+ENV_RUN_LOCK = "OLMAX_RUN_LOCK"
+
+
+class RunDirInUse(Exception):
+    """Another process holds the run directory, or it cannot be locked; the message names the holder or the fix."""
+
+
+def identity() -> str:
+    return json.dumps({"host": socket.gethostname(), "pid": os.getpid()})
+
+
+def _describe(record: str) -> str:
+    try:
+        holder = json.loads(record)
+        return f"host {holder['host']}, PID {holder['pid']}"
+    except (ValueError, KeyError, TypeError):
+        return "a process that has not written its host and PID yet"
+
+
+@contextlib.contextmanager
+def hold(run_dir: str | os.PathLike, environ=None):
+    """Hold the run directory's lock inside the block (creating the directory); the identity to pass to the
+    processes started for this run as OLMAX_RUN_LOCK. Raises RunDirInUse when another process holds it."""
+    environ = os.environ if environ is None else environ
+    run_dir = Path(run_dir)
+    path = run_dir / LOCK_FILE
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as err:
+        raise RunDirInUse(f"output_dir {run_dir} cannot be written ({err.strerror}); make it writable or set "
+                          "another output_dir") from None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            record = os.pread(fd, 4096, 0).decode(errors="replace")
+            if environ.get(ENV_RUN_LOCK) == record:  # our launcher holds it for us
+                yield record
+                return
+            raise RunDirInUse(f"output_dir {run_dir} is in use by another run ({_describe(record)}, per {path}); "
+                              "wait for it to end or stop it, or set another output_dir") from None
+        mine = identity()
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, mine.encode(), 0)
+        yield mine
+    finally:
+        os.close(fd)  # releases the lock
