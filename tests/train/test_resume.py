@@ -186,3 +186,18 @@ def test_a_second_train_on_a_run_directory_in_use_exits_2_naming_the_holder(tmp_
     # The lock went with the process: the next train resumes.
     assert main(["train", "tiny", "mesh.fsdp=1", "train.stop_after=1", "train.steps=100000",
                  "checkpoint.every=100000", f"data.mix_file={synth_mix}", f"output_dir={run}"]) == 0
+
+
+def test_a_resume_says_where_it_resumes_and_how_the_lr_schedule_changed(tmp_path, base_run, synth_mix, capsys):
+    from olmax.cli import main
+
+    shutil.copytree(base_run, tmp_path / "run")
+    common = ["train", "tiny", "mesh.fsdp=1", f"data.mix_file={synth_mix}", f"output_dir={tmp_path}/run"]
+    assert main([*common, "train.steps=6"]) == 0
+    out = capsys.readouterr().out
+    assert f"resuming from step 6 (checkpoint {tmp_path}/run/checkpoints/6)" in out and "LR schedule" not in out
+    # tiny: lr 1e-2, 10 warmup steps, cosine over train.steps; step 7 is past the new warmup, on a longer cosine.
+    assert main([*common, "train.steps=8", "schedule.warmup_steps=2"]) == 0
+    out = capsys.readouterr().out
+    assert ("the LR schedule changed since the checkpoint (schedule.warmup_steps 10 -> 2, horizon 6 -> 8 steps): "
+            "the LR of step 7 is 1.6029e-03, 7.0000e-03 under the checkpoint's schedule") in out

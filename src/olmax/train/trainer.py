@@ -22,13 +22,14 @@ from olmax.checkpoint import (
     Checkpointer, CheckpointError, UnreadableCheckpoint, abstract_like, check_model_compatible, locate, run_meta,
 )
 from olmax import run_lock
-from olmax.config import ConfigError, ModelConfig, RunConfig, upgrade, writable_dir
+from olmax.config import ConfigError, ModelConfig, RunConfig, ScheduleConfig, upgrade, writable_dir
 from olmax.data import build_loader
 from olmax.model import families, flops
 from olmax.model.transformer import compute_dtype
 from olmax.parallel import pipeline
 from olmax.parallel.mesh import Layout, make_layout
 from olmax.runtime import received_signal
+from olmax.train.optimizer import lr_at
 from olmax.train.metrics import MetricsWriter, console_line, device_peak_flops
 from olmax.train.step import (
     TrainState, batch_shardings, create_state, jit_train_step, micro_batch_rows, state_shardings,
@@ -177,6 +178,27 @@ def warm_start(cfg: RunConfig, layout: Layout, source: str) -> TrainState:
         checkpointer.close()
 
 
+def schedule_change(saved: dict, cfg: RunConfig, step: int) -> str | None:
+    """What changed in the LR schedule since the checkpoint's config, with the LR of the next step under both
+    (a longer train.steps stretches the decay's horizon: the LR jumps); None when nothing did."""
+    before = ScheduleConfig.model_validate(saved["schedule"])
+    peak_before, steps_before = saved["optim"]["lr"], saved["train"]["steps"]
+    horizon_before = before.horizon_steps or steps_before
+    horizon = cfg.schedule.horizon_steps or cfg.train.steps
+    changes = [f"schedule.{k} {v!r} -> {getattr(cfg.schedule, k)!r}" for k, v in before if k != "horizon_steps"
+               and v != getattr(cfg.schedule, k)]
+    if peak_before != cfg.optim.lr:
+        changes.append(f"optim.lr {peak_before!r} -> {cfg.optim.lr!r}")
+    if horizon_before != horizon:
+        changes.append(f"horizon {horizon_before} -> {horizon} steps")
+    if not changes:
+        return None
+    lr_before = float(lr_at(before, peak_before, steps_before, step + 1))
+    lr_now = float(lr_at(cfg.schedule, cfg.optim.lr, cfg.train.steps, step + 1))
+    return (f"the LR schedule changed since the checkpoint ({', '.join(changes)}): the LR of step {step + 1} is "
+            f"{lr_now:.4e}, {lr_before:.4e} under the checkpoint's schedule")
+
+
 def place_batch(batch: dict, sharding: dict, micro_rows: int) -> dict:
     """Local rows [G / P, T] -> global arrays [A, M, T] sharded over the batch axes."""
     process_count = jax.process_count()
@@ -231,6 +253,10 @@ def _train(cfg: RunConfig, quiet: bool, make_eval) -> list[dict]:
                 f"+ the offset {restored.get('data_offset', 0)} written with it, so the next step would not train on "
                 "the next batch; restore the checkpoint from a copy, or move it away to resume from the one before"
             )
+    if restored is not None and not quiet and jax.process_index() == 0:
+        print(f"resuming from step {start} (checkpoint {checkpointer.where(start)})", flush=True)
+        if change := schedule_change(restored["config"], cfg, start):
+            print(change, flush=True)
     step_fn = jit_train_step(cfg, layout, micro_rows)
     if (sched := pipeline.schedule_for(cfg)) and not quiet and jax.process_index() == 0:
         print(f"pipeline: {sched.describe()}", flush=True)
