@@ -201,3 +201,17 @@ def test_a_resume_says_where_it_resumes_and_how_the_lr_schedule_changed(tmp_path
     out = capsys.readouterr().out
     assert ("the LR schedule changed since the checkpoint (schedule.warmup_steps 10 -> 2, horizon 6 -> 8 steps): "
             "the LR of step 7 is 1.6029e-03, 7.0000e-03 under the checkpoint's schedule") in out
+
+
+def test_a_torn_last_line_of_metrics_jsonl_is_dropped_with_a_warning_and_the_run_resumes(tmp_path, base_run,
+                                                                                        synth_mix, caplog):
+    from olmax.cli import main
+
+    shutil.copytree(base_run, tmp_path / "run")
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    with metrics.open("a") as f:
+        f.write('{"step": 7, "train/CE loss": 6.0')  # a crash in the middle of step 7's line
+    assert main(["train", "tiny", "mesh.fsdp=1", "train.steps=8", f"data.mix_file={synth_mix}",
+                 f"output_dir={tmp_path}/run"]) == 0
+    assert f"{metrics}:7 is not a whole metrics record" in caplog.text
+    assert [json.loads(line)["step"] for line in metrics.read_text().splitlines()] == list(range(1, 9))
