@@ -15,7 +15,7 @@ EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports it
 # module was never imported cannot have been raised, and importing jax to name one would slow every command.
 BAD_INPUT_ERRORS = {"olmax.config": "ConfigError", "olmax.data.shards": "DataError", "olmax.interop": "InteropError",
                     "olmax.checkpoint": "CheckpointError", "olmax.eval.models": "EvalError",
-                    "olmax.run_lock": "RunDirInUse"}
+                    "olmax.run_lock": "RunDirError"}
 
 
 def _config_args(parser: argparse.ArgumentParser) -> None:

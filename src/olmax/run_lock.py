@@ -16,6 +16,7 @@ take its place.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import json
 import os
@@ -26,8 +27,8 @@ LOCK_FILE = "run.lock"
 ENV_RUN_LOCK = "OLMAX_RUN_LOCK"
 
 
-class RunDirInUse(Exception):
-    """Another process holds the run directory, or it cannot be locked; the message names the holder or the fix."""
+class RunDirError(Exception):
+    """Another process holds the run directory, or it cannot be written; the message names the holder or the fix."""
 
 
 def identity() -> str:
@@ -45,15 +46,18 @@ def _describe(record: str) -> str:
 @contextlib.contextmanager
 def hold(run_dir: str | os.PathLike, environ=None):
     """Hold the run directory's lock inside the block (creating the directory); the identity to pass to the
-    processes started for this run as OLMAX_RUN_LOCK. Raises RunDirInUse when another process holds it."""
+    processes started for this run as OLMAX_RUN_LOCK. Raises RunDirError when another process holds it or the
+    directory cannot be written (read-only, permissions)."""
     environ = os.environ if environ is None else environ
     run_dir = Path(run_dir)
     path = run_dir / LOCK_FILE
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
+        if not os.access(run_dir, os.W_OK):
+            raise PermissionError(errno.EACCES, "permission denied")
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     except OSError as err:
-        raise RunDirInUse(f"output_dir {run_dir} cannot be written ({err.strerror}); make it writable or set "
+        raise RunDirError(f"output_dir {run_dir} cannot be written ({err.strerror}); make it writable or set "
                           "another output_dir") from None
     try:
         try:
@@ -63,7 +67,7 @@ def hold(run_dir: str | os.PathLike, environ=None):
             if environ.get(ENV_RUN_LOCK) == record:  # our launcher holds it for us
                 yield record
                 return
-            raise RunDirInUse(f"output_dir {run_dir} is in use by another run ({_describe(record)}, per {path}); "
+            raise RunDirError(f"output_dir {run_dir} is in use by another run ({_describe(record)}, per {path}); "
                               "wait for it to end or stop it, or set another output_dir") from None
         mine = identity()
         os.ftruncate(fd, 0)

@@ -81,13 +81,13 @@ def test_a_training_child_killed_mid_run_is_restarted_and_finishes(tmp_path, sha
 
 
 def test_the_launcher_holds_the_run_directory_and_its_trainer_runs_under_it(tmp_path, synth_mix):
-    from olmax.run_lock import RunDirInUse, hold
+    from olmax.run_lock import RunDirError, hold
 
     run = tmp_path / "run"
     refused = []
 
     def try_to_take_it(procs):
-        with pytest.raises(RunDirInUse, match=f"PID {os.getpid()}\\b") as err:
+        with pytest.raises(RunDirError, match=f"PID {os.getpid()}\\b") as err:
             with hold(run):
                 pass
         refused.append(str(err.value))

@@ -1,4 +1,6 @@
 import json
+import os
+import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -96,3 +98,34 @@ def test_a_run_whose_parameters_become_infinite_stops_without_writing_them(tmp_p
     code = main(["train", "tiny", "mesh.fsdp=1", "train.steps=6", "checkpoint.every=6", "optim.lr=1e39",
                  "schedule.warmup_steps=0", f"data.mix_file={synth_mix}", f"output_dir={tmp_path}/run2"])
     assert code == DIVERGED_EXIT_CODE and "(train/CE loss nan at step 2)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name, make", [("checkpoints", Path.touch), ("tensorboard", Path.touch),
+                                        ("metrics.jsonl", Path.mkdir)])
+def test_an_output_path_taken_by_the_wrong_kind_is_refused_before_training(tmp_path, synth_mix, capsys, name, make):
+    from olmax.cli import main
+
+    (tmp_path / "run").mkdir()
+    make(tmp_path / "run" / name)
+    assert main(["train", "tiny", "mesh.fsdp=1", "train.steps=2", f"data.mix_file={synth_mix}",
+                 f"output_dir={tmp_path}/run"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and f"{tmp_path}/run/{name} is a " in err and "set another output_dir" in err
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == [name]
+
+
+def test_a_read_only_output_dir_is_refused_before_training(tmp_path, synth_mix, capsys):
+    from olmax.cli import main
+
+    mount = tmp_path / "ro"
+    mount.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(mount)]).returncode:
+        pytest.skip("mounting a read-only tmpfs needs root")
+    try:
+        for run in (mount, mount / "run"):  # the directory itself, and one to be made in it
+            assert main(["train", "tiny", "mesh.fsdp=1", "train.steps=2", f"data.mix_file={synth_mix}",
+                         f"output_dir={run}"]) == 2
+            err = capsys.readouterr().err
+            assert len(err.splitlines()) == 1 and f"output_dir {run} cannot be written" in err, err
+    finally:
+        subprocess.run(["umount", str(mount)], check=True)

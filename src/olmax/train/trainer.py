@@ -219,10 +219,20 @@ def train(cfg: RunConfig, *, quiet: bool = False, make_eval=None) -> list[dict]:
     if (cfg.eval.every or cfg.eval.harness_every) and make_eval is None:
         raise ConfigError("the config asks for in-loop evals (eval.every / eval.harness_every) but train() was "
                           "given no make_eval; pass olmax.eval.in_loop.make_in_loop_eval")
-    writable_dir(cfg.run_dir, "output_dir")
+    check_outputs(cfg.run_dir)
     # One process of a multi-process run holds the run directory for all (they share it).
     with run_lock.hold(cfg.run_dir) if jax.process_index() == 0 else contextlib.nullcontext():
         return _train(cfg, quiet, make_eval)
+
+
+def check_outputs(run_dir) -> None:
+    """Refuse, before anything is written, a run directory whose outputs cannot be written where they go."""
+    writable_dir(run_dir, "output_dir")
+    for name, directory in (("checkpoints", True), ("tensorboard", True), ("metrics.jsonl", False)):
+        path = run_dir / name
+        if path.exists() and path.is_dir() != directory:
+            raise ConfigError(f"{path} is a {'file' if directory else 'directory'}; the run writes a "
+                              f"{'directory' if directory else 'file'} there: move it away or set another output_dir")
 
 
 def _train(cfg: RunConfig, quiet: bool, make_eval) -> list[dict]:
