@@ -183,6 +183,9 @@ def main(argv: list[str] | None = None) -> int:
         if _raised(err, "olmax.train.trainer", "Diverged"):
             print(f"olmax: {err}", file=sys.stderr)
             return sys.modules["olmax.train.trainer"].DIVERGED_EXIT_CODE
+        if _raised(err, "olmax.checkpoint", "DiskFull"):
+            print(f"olmax: {err}", file=sys.stderr)
+            return err.exit_code
         if not any(_raised(err, module, name) for module, name in BAD_INPUT_ERRORS.items()):
             raise
         print(f"olmax: {type(err).__name__}: {err}", file=sys.stderr)

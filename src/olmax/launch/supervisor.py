@@ -7,6 +7,7 @@ happens next (`olmax train`'s exit code contract):
     0           finished: the step target is reached; stop.
     2           bad input (config, data, checkpoint): retrying cannot help; stop.
     3           diverged (the parameters became NaN/inf): a retry would repeat it bitwise; stop.
+    74          disk full writing a checkpoint: a retry cannot help until space is freed; stop.
     75          preempted after writing a checkpoint: restart at once, not a failure.
     other/signal  crashed: restart after a backoff.
 
@@ -56,8 +57,10 @@ from olmax.runtime import received_signal
 EXIT_FINISHED = 0
 EXIT_BAD_INPUT = 2
 EXIT_DIVERGED = 3
+EXIT_DISK_FULL = 74  # EX_IOERR
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL
 EXIT_GAVE_UP = 1
+NOT_RETRIED = (EXIT_BAD_INPUT, EXIT_DIVERGED, EXIT_DISK_FULL)
 
 TRAIN_COMMAND = (sys.executable, "-m", "olmax.cli", "train")
 # How long the other processes of a group may take to exit on their own once one has exited cleanly
@@ -92,7 +95,7 @@ def exit_reason(returncode: int) -> str:
         except ValueError:
             return f"killed by signal {-returncode}"
     return {EXIT_FINISHED: "finished", EXIT_BAD_INPUT: "bad input", EXIT_DIVERGED: "diverged",
-            EXIT_PREEMPTED: "preempted"}.get(
+            EXIT_DISK_FULL: "disk full", EXIT_PREEMPTED: "preempted"}.get(
         returncode, f"crashed (exit {returncode})"
     )
 
@@ -182,8 +185,7 @@ class Supervisor:
             if None not in codes:
                 break
             if exit_order and deadline is None:
-                if any(codes[i] not in (EXIT_FINISHED, EXIT_BAD_INPUT, EXIT_DIVERGED, EXIT_PREEMPTED)
-                       for i in exit_order):
+                if any(codes[i] not in (EXIT_FINISHED, *NOT_RETRIED, EXIT_PREEMPTED) for i in exit_order):
                     deadline = time.monotonic()  # a crash: the others are stuck waiting for it in a collective
                 else:
                     deadline = time.monotonic() + self.stop_grace
@@ -233,7 +235,7 @@ class Supervisor:
 
     def run(self) -> int:
         """Attempts until done; the exit code for `olmax launch` (0 finished, 2 bad input, 3 diverged,
-        75 stopped by a signal, 1 gave up after max_retries failures in a row)."""
+        74 disk full, 75 stopped by a signal, 1 gave up after max_retries failures in a row)."""
         previous = self._install_signal_handlers()
         try:
             with run_lock.hold(self.run_dir) as holder:  # for the whole run: its trainers check they run for it
@@ -275,7 +277,7 @@ class Supervisor:
                 failures_in_a_row = 0
             if all(c == EXIT_FINISHED for c in codes):
                 result, record["action"] = EXIT_FINISHED, "done"
-            elif code in (EXIT_BAD_INPUT, EXIT_DIVERGED):
+            elif code in NOT_RETRIED:
                 result, record["action"] = code, f"stop: {exit_reason(code)} is not retried (see the error above)"
             elif after >= self.target_step:
                 result, record["action"] = EXIT_FINISHED, f"done: the final checkpoint {after} was written"

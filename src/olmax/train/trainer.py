@@ -243,6 +243,9 @@ def _train(cfg: RunConfig, quiet: bool, make_eval) -> list[dict]:
                           vocab_size=cfg.model.vocab_size, process_index=jax.process_index(),
                           process_count=jax.process_count())
     checkpointer = Checkpointer(cfg.run_dir / "checkpoints", cfg.checkpoint)
+    if jax.process_index() == 0:  # it holds the run directory
+        for partial in checkpointer.remove_partial_writes():
+            log.warning("removed %s: a checkpoint write that did not finish", partial)
     try:
         state, start, restored = restore_or_init(cfg, layout, checkpointer)
     except BaseException:
