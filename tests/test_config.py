@@ -127,3 +127,25 @@ def test_every_float_must_be_finite(tmp_path, capsys, value):
     assert not (tmp_path / "run").exists()
     with pytest.raises(ConfigError, match="schedule.final_lr_fraction: Input should be a finite number"):
         load_config("tiny", [f"schedule.final_lr_fraction={value}"])
+
+
+@pytest.mark.parametrize("config, overrides, message", [
+    ("tiny_moe", ["model.moe.num_experts=6", "mesh.expert=4"],
+     "model.moe.num_experts 6 do not divide over mesh.expert 4"),
+    ("tiny", ["train.steps=3000000000"], "train.steps: Input should be less than or equal to 2147483647"),
+    ("tiny", ["output_dir={run}/{{foo}}"], "output_dir '{run}/{{foo}}': only {{name}} (the run's name) may stand"),
+    ("{tmp}/a.yaml", [], "config files name each other as base in a cycle ({tmp}/a.yaml -> {tmp}/b.yaml -> "
+                         "{tmp}/a.yaml)"),
+])
+def test_configs_that_cannot_run_are_refused_before_anything_is_written(tmp_path, capsys, config, overrides, message):
+    from olmax.cli import main
+
+    (tmp_path / "a.yaml").write_text(f"base: {tmp_path}/b.yaml\n")
+    (tmp_path / "b.yaml").write_text(f"base: {tmp_path}/a.yaml\n")
+    fill = {"tmp": tmp_path, "run": tmp_path / "run"}
+    argv = ["train", config.format(**fill), *[o.format(**fill) for o in overrides]]
+    if not any(o.startswith("output_dir") for o in overrides):
+        argv.append(f"output_dir={tmp_path}/run")
+    assert main(argv) == 2
+    assert message.format(**fill) in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
