@@ -253,3 +253,13 @@ def test_heldout_reads_shards_with_the_dtype_training_checks(base_run, synth_mix
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert "written as uint32 tokens" in err and "set --token-dtype=uint32" in err
+
+
+@pytest.mark.parametrize("tokens", ["0", "-5"])
+def test_a_token_budget_below_one_is_refused(base_run, synth_mix, capsys, tokens):
+    from olmax.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["eval", "heldout", str(base_run), "--data", str(synth_mix), "--tokens", tokens])
+    assert exit_info.value.code == 2
+    assert f"--tokens {tokens}: give a positive number of tokens per set" in capsys.readouterr().err

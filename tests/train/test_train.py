@@ -74,10 +74,12 @@ def test_gradient_accumulation_equals_one_big_batch(tmp_path, shards):
 
 
 def test_indivisible_global_batch_is_refused_before_anything_is_written(tmp_path, shards):
-    with pytest.raises(ConfigError, match="train.global_batch_instances 16 must be divisible"):
-        train(_cfg(tmp_path, shards, "bad", "train.micro_batch_per_device=3"), quiet=True)
-    with pytest.raises(ConfigError, match="divisible"):
-        train(_cfg(tmp_path, shards, "bad", "mesh.fsdp=-1", "train.global_batch_instances=12"), quiet=True)
+    with pytest.raises(ConfigError, match=r"train.global_batch_instances 16 must be divisible by data-parallel size 8 "
+                                          r"x train.micro_batch_per_device 3 = 24;"):
+        train(_cfg(tmp_path, shards, "bad", "mesh.fsdp=8", "train.micro_batch_per_device=3"), quiet=True)
+    with pytest.raises(ConfigError, match=r"train.global_batch_instances 12 must be divisible by the data-parallel "
+                                          r"size 8 \(mesh data x fsdp x expert\); change the global batch or the mesh"):
+        train(_cfg(tmp_path, shards, "bad", "mesh.fsdp=8", "train.global_batch_instances=12"), quiet=True)
     assert not Path(tmp_path, "bad").exists()
 
 
