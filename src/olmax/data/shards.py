@@ -405,7 +405,12 @@ def new_output_dir(out: str | os.PathLike, command: str):
     if out.is_dir() and any(out.iterdir()):
         raise DataError(f"{out} is not empty (shards of an earlier run?); {command} writes into a new or empty "
                         "directory: choose another, or delete this one")
-    partial = out.resolve().parent / f".{out.resolve().name}.partial-{os.getpid()}"
+    parent, name = out.resolve().parent, out.resolve().name
+    for stale in parent.glob(f".{name}.partial-*"):  # left by a process killed outright (kill -9, power loss)
+        pid = stale.name.rpartition("-")[2]
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(stale, ignore_errors=True)
+    partial = parent / f".{name}.partial-{os.getpid()}"
     partial.mkdir(parents=True)
     try:
         yield partial
@@ -413,6 +418,16 @@ def new_output_dir(out: str | os.PathLike, command: str):
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
         raise
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def write_shard(path: str | os.PathLike, tokens: np.ndarray) -> None:
