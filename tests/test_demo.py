@@ -42,7 +42,9 @@ def test_demo_end_to_end_twice_bitwise(tmp_path, monkeypatch, capsys):
     # same documents, 2026-12-01). The full demo's margins are in its report.
     assert first["final"]["eval/lm/code/CE loss"] < first["unigram_baseline"]["code"] - 0.5
     text = report.read_text()
-    assert "## Greedy samples" in text and "olmax convert olmax-to-hf" in text
+    assert "## Greedy samples" in text and "run `olmax demo` again" in text
+    assert "olmax synth-data --out runs/synth   #" in text
+    assert "olmax convert olmax-to-hf runs/demo/run/checkpoints runs/demo/hf --tokenizer runs/demo/cache/" in text
     assert Path("runs/demo/loss_curves.png").stat().st_size > 10_000
     for domain in ("code", "prose"):
         _check_the_baseline_scores_the_documents_the_model_is_scored_on(first, domain, text, capsys)
@@ -64,5 +66,6 @@ def test_demo_moe_reports_the_load_of_every_expert(tmp_path, monkeypatch):
     assert len(counts) == 8 and sum(counts) == 16 * 256 * 2  # the whole global batch, top-2
     text = report.read_text()
     assert "## Experts" in text and "train/load balancing loss" in text and "olmax train demo_moe" in text
+    assert "run `olmax demo --moe` again" in text and "runs/demo/hf_moe --tokenizer" in text
     assert Path("runs/demo/expert_load_moe.png").stat().st_size > 10_000
     assert not Path("runs/demo/report.md").exists()  # the dense demo's report is its own

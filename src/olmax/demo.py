@@ -288,7 +288,8 @@ def write_report(out: Path, cfg, data, history, baselines, scored, samples, trai
         rows.append(f"| {d} | {scored[d]['documents']:,} | {scored[d]['tokens']:,} | {ce:.4f} | {np.exp(ce):.1f} | "
                     f"{'' if bpb is None else f'{bpb:.3f}'} | {baselines[d]:.4f} | {baselines[d] - ce:+.4f} |")
     shard_rows = [f"| {k} | {v['documents']:,} | {v['tokens']:,} | {v['bytes']:,} |" for k, v in data["shards"].items()]
-    repeat = {None: "no earlier run with this config in this directory; run `olmax demo` again to check that "
+    demo = "olmax demo --moe" if suffix else "olmax demo"
+    repeat = {None: f"no earlier run with this config in this directory; run `{demo}` again to check that "
                     "the losses repeat",
               True: "bitwise identical to the previous run's, step for step",
               False: "DIFFERENT from the previous run's (same config and seed): a determinism bug"}[same_as_previous]
@@ -323,9 +324,10 @@ def write_report(out: Path, cfg, data, history, baselines, scored, samples, trai
         "## Next commands", "",
         "```bash",
         f"olmax train {cfg.name} train.steps={2 * cfg.train.steps}   # resume from the last checkpoint, train further",
+        "olmax synth-data --out runs/synth   # generated tokens for the next command",
         "olmax resume-check tiny data.mix_file=runs/synth/mix.txt --at 20 --steps 40   # exact resume A/B",
         f"olmax eval heldout {ckpt} --data code={out}/cache/shards/code-heldout/mix.txt",
-        f"olmax convert olmax-to-hf {ckpt} runs/demo/hf",
+        f"olmax convert olmax-to-hf {ckpt} {out}/hf{suffix} --tokenizer {data['tokenizer']}",
         f"olmax compare {run_dir} runs/OTHER_RUN",
         "```", "",
     ]
