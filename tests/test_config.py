@@ -134,8 +134,8 @@ def test_every_float_must_be_finite(tmp_path, capsys, value):
      "model.moe.num_experts 6 do not divide over mesh.expert 4"),
     ("tiny", ["train.steps=3000000000"], "train.steps: Input should be less than or equal to 2147483647"),
     ("tiny", ["output_dir={run}/{{foo}}"], "output_dir '{run}/{{foo}}': only {{name}} (the run's name) may stand"),
-    ("{tmp}/a.yaml", [], "config files name each other as base in a cycle ({tmp}/a.yaml -> {tmp}/b.yaml -> "
-                         "{tmp}/a.yaml)"),
+    ("{tmp}/a.yaml", [], ("config files name each other as base in a cycle ({tmp}/a.yaml -> {tmp}/b.yaml -> "
+                          "{tmp}/a.yaml)")),
 ])
 def test_configs_that_cannot_run_are_refused_before_anything_is_written(tmp_path, capsys, config, overrides, message):
     from olmax.cli import main

@@ -87,9 +87,8 @@ def test_the_launcher_holds_the_run_directory_and_its_trainer_runs_under_it(tmp_
     refused = []
 
     def try_to_take_it(procs):
-        with pytest.raises(RunDirError, match=f"PID {os.getpid()}\\b") as err:
-            with hold(run):
-                pass
+        with pytest.raises(RunDirError, match=f"PID {os.getpid()}\\b") as err, hold(run):
+            pass
         refused.append(str(err.value))
 
     supervisor = Supervisor("tiny", [f"data.mix_file={synth_mix}", f"output_dir={run}", "train.steps=2",

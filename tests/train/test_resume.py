@@ -223,7 +223,8 @@ def small_disk(tmp_path):
     """A 4 MB tmpfs: room for the tiny model's first checkpoint (1.3 MB) and the run's logs, not its second."""
     disk = tmp_path / "disk"
     disk.mkdir()
-    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(disk)]).returncode:
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(disk)],
+                                                  check=False).returncode:
         pytest.skip("a small disk to fill needs root, to mount a tmpfs")
     yield disk
     subprocess.run(["umount", str(disk)], check=True)
@@ -236,14 +237,14 @@ def test_disk_full_writing_a_checkpoint_is_one_line_and_a_code_launch_does_not_r
     run = small_disk / "run"
     command = [sys.executable, "-m", "olmax.cli", "train", "tiny", "mesh.fsdp=1", "checkpoint.every=2",
                f"data.mix_file={synth_mix}", f"output_dir={run}"]
-    proc = subprocess.run([*command, "train.steps=8"], capture_output=True, text=True, timeout=600)
+    proc = subprocess.run([*command, "train.steps=8"], capture_output=True, text=True, timeout=600, check=False)
     assert proc.stderr == f"olmax: disk full writing checkpoint 4 in {run}/checkpoints: free space and run again\n"
     assert proc.returncode == DiskFull.exit_code == EXIT_DISK_FULL and EXIT_DISK_FULL in NOT_RETRIED
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["2"]  # the partial write is gone
     # A crash mid-write leaves Orbax's temporary directory: the next start removes it, with a warning.
     subprocess.run(["mount", "-o", "remount,size=64m", str(small_disk)], check=True)
     (run / "checkpoints" / "6.orbax-checkpoint-tmp-1234" / "params").mkdir(parents=True)
-    proc = subprocess.run([*command, "train.steps=4"], capture_output=True, text=True, timeout=600)
+    proc = subprocess.run([*command, "train.steps=4"], capture_output=True, text=True, timeout=600, check=False)
     assert proc.returncode == 0, proc.stderr
     assert f"removed {run}/checkpoints/6.orbax-checkpoint-tmp-1234: a checkpoint write that did not finish" in proc.stderr
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["2", "4"]

@@ -45,7 +45,6 @@ def _print_json(report: dict, out: str | None) -> None:
 
 def _selection(args, model):
     from olmax.eval.documents import select, sets_from_argument
-
     from olmax.eval.models import EvalError
 
     if args.tokens is not None and args.tokens < 1:

@@ -41,7 +41,7 @@ class InLoopEval:
 
     def __init__(self, cfg: RunConfig, layout: Layout):
         self.cfg, self.layout = cfg, layout
-        e, data = cfg.eval, cfg.data
+        e = cfg.eval
         self.selection = None
         if e.every is not None:
             self.selection = eval_selection(cfg)
