@@ -193,7 +193,8 @@ class _SequentialNumpyHandler(ocp.type_handlers.NumpyHandler):
 
 @contextlib.contextmanager
 def _quiet_absl(level: int = logging.ERROR):
-    """Orbax logs absl WARNINGs about settings it was asked for (read-only options, handler overrides)."""
+    """Orbax logs absl WARNINGs about settings it was asked for (read-only options, handler overrides): inside,
+    only `level` and above pass."""
     absl = logging.getLogger("absl")
     previous = absl.level
     absl.setLevel(level)

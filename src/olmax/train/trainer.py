@@ -181,8 +181,11 @@ def warm_start(cfg: RunConfig, layout: Layout, source: str) -> TrainState:
 def schedule_change(saved: dict, cfg: RunConfig, step: int) -> str | None:
     """What changed in the LR schedule since the checkpoint's config, with the LR of the next step under both
     (a longer train.steps stretches the decay's horizon: the LR jumps); None when nothing did."""
-    before = ScheduleConfig.model_validate(saved["schedule"])
-    peak_before, steps_before = saved["optim"]["lr"], saved["train"]["steps"]
+    try:
+        before = ScheduleConfig.model_validate(saved["schedule"])
+        peak_before, steps_before = saved["optim"]["lr"], saved["train"]["steps"]
+    except (KeyError, ValueError):  # a config of an older olmax, schedule keys since changed: nothing to compare
+        return None
     horizon_before = before.horizon_steps or steps_before
     horizon = cfg.schedule.horizon_steps or cfg.train.steps
     changes = [f"schedule.{k} {v!r} -> {getattr(cfg.schedule, k)!r}" for k, v in before if k != "horizon_steps"
