@@ -7,7 +7,7 @@ from pathlib import Path
 import olmax
 
 LAYERS = [
-    {"config", "runtime"},
+    {"config", "runtime", "run_lock"},
     {"parallel"},
     {"model", "data", "checkpoint"},
     {"train", "eval", "interop", "launch"},

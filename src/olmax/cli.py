@@ -18,7 +18,8 @@ REMOTE_URL = re.compile(r"(?:^|=)((?:gs|s3|r2|weka|https?)://\S*)")
 # The errors that mean bad input, by module. Only the modules already imported are looked at: an error whose
 # module was never imported cannot have been raised, and importing jax to name one would slow every command.
 BAD_INPUT_ERRORS = {"olmax.config": "ConfigError", "olmax.data.shards": "DataError", "olmax.interop": "InteropError",
-                    "olmax.checkpoint": "CheckpointError", "olmax.eval.models": "EvalError"}
+                    "olmax.checkpoint": "CheckpointError", "olmax.eval.models": "EvalError",
+                    "olmax.run_lock": "RunDirError"}
 
 
 def _config_args(parser: argparse.ArgumentParser) -> None:
@@ -205,6 +206,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"olmax: process {holder} is using this machine's TPU chips (it holds {LIBTPU_LOCKFILE}); run "
                   "this again when it has ended", file=sys.stderr)
             return 1
+        if _raised(err, "olmax.train.trainer", "Diverged"):
+            print(f"olmax: {err}", file=sys.stderr)
+            return sys.modules["olmax.train.trainer"].DIVERGED_EXIT_CODE
+        if _raised(err, "olmax.checkpoint", "DiskFull"):
+            print(f"olmax: {err}", file=sys.stderr)
+            return err.exit_code
         if not any(_raised(err, module, name) for module, name in BAD_INPUT_ERRORS.items()):
             raise
         print(f"olmax: {type(err).__name__}: {err}", file=sys.stderr)

@@ -53,14 +53,16 @@ def _print_json(report: dict, out: str | None) -> None:
 
 def _selection(args, model):
     from olmax.eval.documents import select, sets_from_argument
+    from olmax.eval.models import EvalError
 
+    if args.tokens is not None and args.tokens < 1:
+        raise EvalError(f"--tokens {args.tokens}: give a positive number of tokens per set, or leave it out for all")
     data = model.cfg.data
     token_dtype = args.token_dtype or data.token_dtype
-    sets = [s for argument in args.data for s in sets_from_argument(argument, token_dtype=token_dtype, eos_id=data.eos_id)]
+    sets = [s for argument in args.data
+            for s in sets_from_argument(argument, token_dtype=token_dtype, eos_id=data.eos_id)]
     labels = [s.label for s in sets]
     if len(set(labels)) != len(labels):
-        from olmax.eval.models import EvalError
-
         raise EvalError(f"eval set labels {labels} repeat; name the sets with --data LABEL=PATH")
     return select(sets, sequence_length=args.seq_len or data.sequence_length, tokens=args.tokens, seed=args.seed)
 

@@ -28,6 +28,7 @@ import jax
 import numpy as np
 
 from olmax.config import RopeConfig, RunConfig
+from olmax.data.shards import count_tokens
 from olmax.interop import InteropError
 from olmax.interop.hf import ARCHITECTURES, _rope, load_olmax, read_hf_config, run_config_from_hf
 from olmax.model import families, transformer
@@ -282,6 +283,7 @@ def random_tokens(vocab_size: int, batches: int, batch_size: int, seq_len: int, 
 def shard_tokens(path: Path, dtype: str, vocab_size: int, batches: int, batch_size: int, seq_len: int) -> np.ndarray:
     """The first batches x batch_size instances of seq_len tokens of a raw token shard."""
     need = batches * batch_size * seq_len
+    count_tokens(str(path), dtype)  # the dtype check every reader of shards applies
     tokens = np.fromfile(path, dtype=dtype, count=need)
     if len(tokens) < need:
         raise InteropError(f"{path} has {len(tokens)} tokens; {batches} x {batch_size} x {seq_len} need {need}")

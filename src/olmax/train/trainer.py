@@ -14,19 +14,22 @@ import threading
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 
 from olmax.checkpoint import (
     Checkpointer, CheckpointError, UnreadableCheckpoint, abstract_like, check_model_compatible, locate, run_meta,
 )
-from olmax.config import ConfigError, ModelConfig, RunConfig, upgrade, writable_dir
+from olmax import run_lock
+from olmax.config import ConfigError, ModelConfig, RunConfig, ScheduleConfig, upgrade, writable_dir
 from olmax.data import build_loader
 from olmax.model import families, flops
 from olmax.model.transformer import compute_dtype
 from olmax.parallel import pipeline
 from olmax.parallel.mesh import Layout, make_layout
 from olmax.runtime import release_stop_signals
+from olmax.train.optimizer import lr_at
 from olmax.train.metrics import MetricsWriter, console_line, device_peak_flops
 from olmax.train.step import (
     TrainState, batch_shardings, create_state, jit_train_step, micro_batch_rows, state_shardings,
@@ -35,10 +38,32 @@ from olmax.train.step import (
 log = logging.getLogger(__name__)
 
 RESUMABLE_EXIT_CODE = 75  # EX_TEMPFAIL: preempted after a checkpoint; run again to resume
+DIVERGED_EXIT_CODE = 3  # the parameters are not finite: a resume would repeat the same steps bitwise, so no retry
 
 
 class Preempted(Exception):
     """SIGTERM/SIGINT arrived; the step in flight finished and a checkpoint was written (or nothing needed one)."""
+
+
+class Diverged(Exception):
+    """The parameters became NaN or infinite; no checkpoint of them was written."""
+
+
+@jax.jit
+def _all_finite(params) -> jax.Array:
+    return jnp.all(jnp.stack([jnp.isfinite(x).all() for x in jax.tree.leaves(params)]))
+
+
+def check_finite(params, when: str, checkpointer: Checkpointer) -> None:
+    """Raise Diverged unless every parameter is finite: one reduction over the params, run before each
+    checkpoint is written and after a step whose loss is not finite (`when` says which)."""
+    if not bool(_all_finite(params)):
+        latest = checkpointer.latest_step()
+        raise Diverged(
+            f"the run diverged: the parameters are NaN or infinite ({when}); no checkpoint of them was written "
+            f"({f'the latest is {latest}' if latest else 'there is none'}). Lower optim.lr or raise "
+            "schedule.warmup_steps, then run again"
+        )
 
 
 @contextlib.contextmanager
@@ -152,6 +177,30 @@ def warm_start(cfg: RunConfig, layout: Layout, source: str) -> TrainState:
         checkpointer.close()
 
 
+def schedule_change(saved: dict, cfg: RunConfig, step: int) -> str | None:
+    """What changed in the LR schedule since the checkpoint's config, with the LR of the next step under both
+    (a longer train.steps stretches the decay's horizon: the LR jumps); None when nothing did."""
+    try:
+        before = ScheduleConfig.model_validate(saved["schedule"])
+        peak_before, steps_before = saved["optim"]["lr"], saved["train"]["steps"]
+    except (KeyError, ValueError):  # a config of an older olmax, schedule keys since changed: nothing to compare
+        return None
+    horizon_before = before.horizon_steps or steps_before
+    horizon = cfg.schedule.horizon_steps or cfg.train.steps
+    changes = [f"schedule.{k} {v!r} -> {getattr(cfg.schedule, k)!r}" for k, v in before if k != "horizon_steps"
+               and v != getattr(cfg.schedule, k)]
+    if peak_before != cfg.optim.lr:
+        changes.append(f"optim.lr {peak_before!r} -> {cfg.optim.lr!r}")
+    if horizon_before != horizon:
+        changes.append(f"horizon {horizon_before} -> {horizon} steps")
+    if not changes:
+        return None
+    lr_before = float(lr_at(before, peak_before, steps_before, step + 1))
+    lr_now = float(lr_at(cfg.schedule, cfg.optim.lr, cfg.train.steps, step + 1))
+    return (f"the LR schedule changed since the checkpoint ({', '.join(changes)}): the LR of step {step + 1} is "
+            f"{lr_now:.4e}, {lr_before:.4e} under the checkpoint's schedule")
+
+
 def place_batch(batch: dict, sharding: dict, micro_rows: int) -> dict:
     """Local rows [G / P, T] -> global arrays [A, M, T] sharded over the batch axes."""
     process_count = jax.process_count()
@@ -172,7 +221,23 @@ def train(cfg: RunConfig, *, quiet: bool = False, make_eval=None) -> list[dict]:
     if (cfg.eval.every or cfg.eval.harness_every) and make_eval is None:
         raise ConfigError("the config asks for in-loop evals (eval.every / eval.harness_every) but train() was "
                           "given no make_eval; pass olmax.eval.in_loop.make_in_loop_eval")
-    writable_dir(cfg.run_dir, "output_dir")
+    check_outputs(cfg.run_dir)
+    # One process of a multi-process run holds the run directory for all (they share it).
+    with run_lock.hold(cfg.run_dir) if jax.process_index() == 0 else contextlib.nullcontext():
+        return _train(cfg, quiet, make_eval)
+
+
+def check_outputs(run_dir) -> None:
+    """Refuse, before anything is written, a run directory whose outputs cannot be written where they go."""
+    writable_dir(run_dir, "output_dir")
+    for name, directory in (("checkpoints", True), ("tensorboard", True), ("metrics.jsonl", False)):
+        path = run_dir / name
+        if path.exists() and path.is_dir() != directory:
+            raise ConfigError(f"{path} is a {'file' if directory else 'directory'}; the run writes a "
+                              f"{'directory' if directory else 'file'} there: move it away or set another output_dir")
+
+
+def _train(cfg: RunConfig, quiet: bool, make_eval) -> list[dict]:
     layout = make_layout(cfg.mesh)
     micro_rows = micro_batch_rows(cfg, layout.data_parallel_size)
     # Bad data fails first, before the model is built.
@@ -180,6 +245,9 @@ def train(cfg: RunConfig, *, quiet: bool = False, make_eval=None) -> list[dict]:
                           vocab_size=cfg.model.vocab_size, process_index=jax.process_index(),
                           process_count=jax.process_count())
     checkpointer = Checkpointer(cfg.run_dir / "checkpoints", cfg.checkpoint)
+    if jax.process_index() == 0:  # it holds the run directory
+        for partial in checkpointer.remove_partial_writes():
+            log.warning("removed %s: a checkpoint write that did not finish", partial)
     try:
         state, start, restored = restore_or_init(cfg, layout, checkpointer)
     except BaseException:
@@ -200,6 +268,10 @@ def train(cfg: RunConfig, *, quiet: bool = False, make_eval=None) -> list[dict]:
                 f"+ the offset {restored.get('data_offset', 0)} written with it, so the next step would not train on "
                 "the next batch; restore the checkpoint from a copy, or move it away to resume from the one before"
             )
+    if restored is not None and not quiet and jax.process_index() == 0:
+        print(f"resuming from step {start} (checkpoint {checkpointer.where(start)})", flush=True)
+        if change := schedule_change(restored["config"], cfg, start):
+            print(change, flush=True)
     step_fn = jit_train_step(cfg, layout, micro_rows)
     if (sched := pipeline.schedule_for(cfg)) and not quiet and jax.process_index() == 0:
         print(f"pipeline: {sched.describe()}", flush=True)
@@ -229,6 +301,8 @@ def train(cfg: RunConfig, *, quiet: bool = False, make_eval=None) -> list[dict]:
         })
         writer.write(step, values)
         history.append({"step": step, **values})
+        if not np.isfinite(values["train/CE loss"]):  # a skipped spike, or parameters gone for good
+            check_finite(state.params, f"train/CE loss {values['train/CE loss']} at step {step}", checkpointer)
         if not quiet and jax.process_index() == 0 and (step % cfg.train.log_every == 0 or step == cfg.train.steps):
             print(console_line(step, cfg.train.steps, values), flush=True)
 
@@ -264,6 +338,7 @@ def train(cfg: RunConfig, *, quiet: bool = False, make_eval=None) -> list[dict]:
                         pending = None
                         writer.flush()
                         side_work_start = time.perf_counter()
+                        check_finite(state.params, f"checked before writing checkpoint {step}", checkpointer)
                         checkpointer.save(step, state, run_meta(cfg, step, loader.state_dict(), tokens_after(step),
                                                                 data_offset))
                     paused += time.perf_counter() - side_work_start
