@@ -226,3 +226,14 @@ def test_bfloat16_parity_of_a_trained_model(tmp_path):
     assert report["passed"]
     exact = run_parity(tmp_path / "run", hf_dir=tmp_path / "hf", dtype="float32", tokens=tokens)
     assert exact["passed"], exact["comparisons"]
+
+
+def test_parity_reads_token_shards_with_the_dtype_check_training_applies(synth_mix32):
+    from olmax.data import DataError
+    from olmax.interop.parity import shard_tokens
+
+    shard = synth_mix32.parent / "part-00000.npy"
+    tokens = shard_tokens(shard, "uint32", 512, 1, 2, 64)
+    np.testing.assert_array_equal(tokens, np.fromfile(shard, np.uint32)[:128].reshape(1, 2, 64))
+    with pytest.raises(DataError, match="written as uint32 tokens"):
+        shard_tokens(shard, "uint16", 512, 1, 2, 64)

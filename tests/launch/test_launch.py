@@ -84,8 +84,8 @@ def test_progress_resets_the_backoff_and_a_signal_death_is_a_crash(tmp_path):
     assert records[-1]["action"] == "done"
 
 
-@pytest.mark.parametrize("code, reason", [(2, "bad input"), (3, "diverged")])
-def test_bad_input_and_divergence_are_not_retried(tmp_path, code, reason):
+@pytest.mark.parametrize("code, reason", [(2, "bad input"), (3, "diverged"), (74, "disk full")])
+def test_bad_input_divergence_and_a_full_disk_are_not_retried(tmp_path, code, reason):
     exit_code, sleeps, records = _supervise(tmp_path, [{"exit": code}])
     assert (exit_code, sleeps, len(records)) == (code, [], 1)
     assert records[0]["reason"] == reason
