@@ -1,5 +1,5 @@
 """Imports run one way: cli -> scale -> {train, eval, interop, launch} -> {model, data, checkpoint} -> parallel
--> config (scale compiles the train step). A package that needs a sibling's code means that code belongs lower."""
+-> config -> errors (scale compiles the train step). A package that needs a sibling's code means that code belongs lower."""
 
 import ast
 from pathlib import Path
@@ -7,6 +7,7 @@ from pathlib import Path
 import olmax
 
 LAYERS = [
+    {"errors"},  # the bad-input error classes, free of imports
     {"config", "runtime"},
     {"parallel"},
     {"model", "data", "checkpoint"},

@@ -38,6 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
+from olmax.errors import BadInput
 from olmax.config import CheckpointConfig, ConfigError, ModelConfig, RunConfig, upgrade, validate
 from olmax.runtime import GLIBC
 
@@ -48,7 +49,7 @@ HASH_SEED = 0x9E3779B9
 CHECKSUM = "fmix32-sum-and-position-sum"  # what `checksums` computes; recorded, so that a future one can differ
 
 
-class CheckpointError(ValueError):
+class CheckpointError(BadInput):
     """A checkpoint that cannot be used for this run; the message says why and what to do."""
 
 

@@ -7,14 +7,11 @@ import json
 import signal
 import sys
 
+from olmax.errors import BadInput
 from olmax.runtime import STOP_SIGNALS, hold_stop_signals, received_signal
 
 EXIT_BAD_INPUT = 2  # `olmax launch` does not retry it
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports it
-# The errors that mean bad input, by module. Only the modules already imported are looked at: an error whose
-# module was never imported cannot have been raised, and importing jax to name one would slow every command.
-BAD_INPUT_ERRORS = {"olmax.config": "ConfigError", "olmax.data.shards": "DataError", "olmax.interop": "InteropError",
-                    "olmax.checkpoint": "CheckpointError", "olmax.eval.models": "EvalError"}
 
 
 def _config_args(parser: argparse.ArgumentParser) -> None:
@@ -179,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
         if _raised(err, "olmax.train.trainer", "Preempted"):
             print(f"olmax: {err}; run the same command again to resume", file=sys.stderr)
             return sys.modules["olmax.train.trainer"].RESUMABLE_EXIT_CODE
-        if not any(_raised(err, module, name) for module, name in BAD_INPUT_ERRORS.items()):
+        if not isinstance(err, BadInput):
             raise
         print(f"olmax: {type(err).__name__}: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
