@@ -354,12 +354,6 @@ def read_params(path: str | Path, params_like, step: int | None = None) -> tuple
     return cfg, params, step
 
 
-def abstract_like(shardings_tree, shapes_tree):
-    return jax.tree.map(
-        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes_tree, shardings_tree
-    )
-
-
 def check_model_compatible(saved: dict, current: ModelConfig, where: str) -> None:
     """A resume must not change the model (the architecture: every field of `model`; `impl` may change);
     name every field that differs. `saved` is the checkpoint's config."""

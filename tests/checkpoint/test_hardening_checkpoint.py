@@ -18,7 +18,7 @@ from olmax.checkpoint import CheckpointError, Checkpointer, UnreadableCheckpoint
 from olmax.config import CheckpointConfig, load_config
 from olmax.data.synthetic import write_synthetic_shards
 from olmax.interop import InteropError
-from olmax.interop.hf import load_olmax
+from olmax.model.weights import load_olmax
 from olmax.model import families
 from olmax.parallel.mesh import make_layout
 from olmax.train.trainer import train
@@ -126,10 +126,10 @@ def test_the_stray_tracebacks_of_failed_reads_are_gone(tmp_path, run):
         from olmax.checkpoint import Checkpointer, UnreadableCheckpoint
         from olmax.config import load_config
         from olmax.parallel.mesh import make_layout
-        from olmax.train.trainer import _abstract_state
+        from olmax.train.step import abstract_state
         cfg = load_config("tiny", ["mesh.fsdp=1"])
         checkpointer = Checkpointer({str(tmp_path / "checkpoints")!r}, cfg.checkpoint, read_only=True)
-        abstract = _abstract_state(cfg, make_layout(cfg.mesh))
+        abstract = abstract_state(cfg, make_layout(cfg.mesh))
         for attempt in range(15):
             for step in checkpointer.all_steps():
                 try:

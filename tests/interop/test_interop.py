@@ -18,7 +18,8 @@ from olmax.checkpoint import CheckpointError, Checkpointer, check_model_compatib
 from olmax.config import CheckpointConfig, load_config
 from olmax.interop import InteropError
 from olmax.interop.cli import add_commands
-from olmax.interop.hf import hf_to_olmax, load_olmax, olmax_to_hf, read_hf_config
+from olmax.interop.hf import hf_to_olmax, olmax_to_hf, read_hf_config
+from olmax.model.weights import load_olmax
 from olmax.model import families
 from olmax.parallel.mesh import make_layout
 from olmax.train.step import TrainState

@@ -11,7 +11,8 @@ from transformers import OlmoeConfig, OlmoeForCausalLM
 from olmax.config import CheckpointConfig, load_config
 from olmax.interop import InteropError
 from olmax.interop.cli import add_commands
-from olmax.interop.hf import hf_to_olmax, load_olmax, olmax_to_hf, write_hf
+from olmax.interop.hf import hf_to_olmax, olmax_to_hf, write_hf
+from olmax.model.weights import load_olmax
 from olmax.interop.parity import run_parity
 from olmax.checkpoint import Checkpointer, check_model_compatible, run_meta
 from olmax.model import families

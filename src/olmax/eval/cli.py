@@ -61,7 +61,8 @@ def load_model(path: str | Path):
     """An HF Olmo3 directory (config.json + safetensors), an olmax checkpoint directory (its latest
     step), one step of it (`.../checkpoints/STEP`), or a run directory (its `checkpoints/`)."""
     from olmax.eval.models import EvalError, Model
-    from olmax.interop.hf import load_hf_params, load_olmax, read_hf_config
+    from olmax.interop.hf import load_hf_params, read_hf_config
+    from olmax.model.weights import load_olmax
     from olmax.model import families
 
     path = Path(path)

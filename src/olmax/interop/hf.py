@@ -26,10 +26,11 @@ import jax
 import ml_dtypes
 import numpy as np
 
-from olmax.checkpoint import Checkpointer, read_params, run_meta
+from olmax.checkpoint import Checkpointer, run_meta
 from olmax.config import CheckpointConfig, ModelConfig, RunConfig
 from olmax.interop import InteropError, stream
 from olmax.model import families
+from olmax.model.weights import load_olmax
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -165,15 +166,6 @@ def hf_to_olmax(src: str | Path, out: str | Path) -> RunConfig:
     finally:
         checkpointer.close()
     return cfg
-
-
-def load_olmax(ckpt: str | Path, step: int | None = None) -> tuple[RunConfig, dict, int]:
-    """(config, params as numpy arrays, step) of an olmax checkpoint (a run directory, its checkpoints/ or one
-    step of it), training or weights-only."""
-    def host_arrays(cfg: RunConfig) -> dict:
-        return jax.tree.map(lambda shape: np.empty(shape, cfg.model.param_dtype), families.param_shapes(cfg.model),
-                            is_leaf=lambda s: isinstance(s, tuple))
-    return read_params(ckpt, host_arrays, step)
 
 
 def _plan_shards(cfg: RunConfig, itemsize: int, max_shard_bytes: int) -> list[list[str]]:

@@ -27,8 +27,9 @@ import numpy as np
 
 from olmax.config import RunConfig
 from olmax.interop import InteropError
-from olmax.interop.hf import load_olmax, read_hf_config
+from olmax.interop.hf import read_hf_config
 from olmax.model import families, transformer
+from olmax.model.weights import load_olmax
 
 TOP_K = 10
 CHUNK_TOKENS = 1024  # positions compared at a time: float64 copies of [chunk, vocab] stay small

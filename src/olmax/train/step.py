@@ -72,6 +72,14 @@ def state_shardings(cfg: RunConfig, layout: Layout) -> TrainState:
     return TrainState(layout.replicated, param_shardings(cfg, layout), opt_state)
 
 
+def abstract_state(cfg: RunConfig, layout: Layout) -> TrainState:
+    """The train state as shapes placed on the layout (ShapeDtypeStructs, nothing allocated): what a restore
+    fills and what an ahead-of-time compile takes."""
+    shapes = jax.eval_shape(functools.partial(init_state, cfg), jax.random.key(0))
+    return jax.tree.map(lambda x, sharding: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
+                        shapes, state_shardings(cfg, layout))
+
+
 def create_state(cfg: RunConfig, layout: Layout, key: jax.Array) -> TrainState:
     """The initial state, created already sharded (no full copy on one device)."""
     return jax.jit(functools.partial(init_state, cfg), out_shardings=state_shardings(cfg, layout))(key)
