@@ -10,6 +10,8 @@ CACHE_HOME = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(CACHE_HOME, "olmax", "jax-tests"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+# `olmax train` run in-process (olmax.cli.main) must not restart the test process with glibc's huge pages.
+os.environ["OLMAX_HUGE_PAGES"] = "0"
 
 
 import pytest  # noqa: E402
@@ -31,6 +33,41 @@ def params(cfg):
     from olmax.model import families
 
     return jax.device_get(families.init_params(cfg.model, jax.random.key(0)))
+
+
+def synth_data(root, token_dtype: str):
+    from olmax.data.synthetic import write_synthetic_shards
+
+    write_synthetic_shards(root, vocab_size=512, eos_id=0, n_tokens=100_000, n_shards=2, seed=0,
+                           token_dtype=token_dtype)
+    return root / "mix.txt"
+
+
+@pytest.fixture(scope="session")
+def synth_mix(tmp_path_factory):
+    """The mix file of two shards of the generated language in tiny's uint16, as `olmax synth-data` writes
+    them (with their shards record). Shared: copy before changing."""
+    return synth_data(tmp_path_factory.mktemp("synth") / "data", "uint16")
+
+
+@pytest.fixture(scope="session")
+def synth_mix32(tmp_path_factory):
+    """The same tokens as synth_mix, written as uint32."""
+    return synth_data(tmp_path_factory.mktemp("synth32") / "data32", "uint32")
+
+
+TRAIN_BASE = ("train", "tiny", "mesh.fsdp=1", "train.steps=6", "checkpoint.every=2")
+
+
+@pytest.fixture(scope="session")
+def base_run(tmp_path_factory, synth_mix):
+    """`olmax train tiny` for 6 steps with a checkpoint every 2, on synth_mix, run in-process: its run
+    directory. Shared: copy before changing."""
+    from olmax.cli import main
+
+    run = tmp_path_factory.mktemp("base") / "run"
+    assert main([*TRAIN_BASE, f"data.mix_file={synth_mix}", f"output_dir={run}"]) == 0
+    return run
 
 
 def moe_layer_params(cfg, d_model: int, key, std: float = 0.02) -> dict:

@@ -107,3 +107,50 @@ def test_upgrade_moves_old_checkpoint_configs():
     assert cfg.model.rope["sliding"].theta == cfg.model.rope["global"].theta == 1e4
     assert (cfg.impl.remat, cfg.impl.attention.block, cfg.impl.compute_dtype, cfg.impl.scan_layers) == (
         "full", 16, "float32", False)
+
+
+@pytest.mark.parametrize("text, key, lines", [
+    ("base: tiny\nmodel:\n  n_layers: 8\ntrain:\n  steps: 3\nmodel:\n  d_model: 128\n", "model", (2, 6)),
+    ("base: tiny\nmodel:\n  n_layers: 8\n  d_model: 32\n  n_layers: 2\n", "n_layers", (3, 5)),
+])
+def test_a_key_given_twice_is_refused_naming_both_lines(tmp_path, capsys, text, key, lines):
+    from olmax.cli import main
+
+    (tmp_path / "twice.yaml").write_text(text)
+    assert main(["train", str(tmp_path / "twice.yaml"), f"output_dir={tmp_path}/run"]) == 2
+    err = capsys.readouterr().err
+    assert f"key {key!r} is given twice, on lines {lines[0]} and {lines[1]}" in err and "twice.yaml" in err
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("value", ["inf", "-inf", ".inf", "nan"])
+def test_every_float_must_be_finite(tmp_path, capsys, value):
+    from olmax.cli import main
+
+    assert main(["train", "tiny", f"optim.lr={value}", f"output_dir={tmp_path}/run"]) == 2
+    assert "optim.lr: Input should be a finite number" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
+    with pytest.raises(ConfigError, match="schedule.final_lr_fraction: Input should be a finite number"):
+        load_config("tiny", [f"schedule.final_lr_fraction={value}"])
+
+
+@pytest.mark.parametrize("config, overrides, message", [
+    ("tiny_moe", ["model.moe.num_experts=6", "mesh.expert=4"],
+     "model.moe.num_experts 6 do not divide over mesh.expert 4"),
+    ("tiny", ["train.steps=3000000000"], "train.steps: Input should be less than or equal to 2147483647"),
+    ("tiny", ["output_dir={run}/{{foo}}"], "output_dir '{run}/{{foo}}': only {{name}} (the run's name) may stand"),
+    ("{tmp}/a.yaml", [], ("config files name each other as base in a cycle ({tmp}/a.yaml -> {tmp}/b.yaml -> "
+                          "{tmp}/a.yaml)")),
+])
+def test_configs_that_cannot_run_are_refused_before_anything_is_written(tmp_path, capsys, config, overrides, message):
+    from olmax.cli import main
+
+    (tmp_path / "a.yaml").write_text(f"base: {tmp_path}/b.yaml\n")
+    (tmp_path / "b.yaml").write_text(f"base: {tmp_path}/a.yaml\n")
+    fill = {"tmp": tmp_path, "run": tmp_path / "run"}
+    argv = ["train", config.format(**fill), *[o.format(**fill) for o in overrides]]
+    if not any(o.startswith("output_dir") for o in overrides):
+        argv.append(f"output_dir={tmp_path}/run")
+    assert main(argv) == 2
+    assert message.format(**fill) in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()

@@ -14,9 +14,11 @@ def test_every_bad_input_error_derives_from_bad_input():
     from olmax.data.shards import DataError
     from olmax.eval.models import EvalError
     from olmax.interop import InteropError
+    from olmax.run_lock import RunDirError
     from olmax.scale.targets import TargetError
 
-    for error in (ConfigError, DataError, CheckpointError, UnreadableCheckpoint, EvalError, InteropError, TargetError):
+    for error in (ConfigError, DataError, CheckpointError, UnreadableCheckpoint, EvalError, InteropError, TargetError,
+                  RunDirError):
         assert issubclass(error, BadInput), error
 
 

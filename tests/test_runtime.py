@@ -1,14 +1,19 @@
-"""A training process restarts itself once with glibc's malloc on huge pages, with its arguments intact."""
+"""A training process restarts itself once with glibc's malloc on huge pages, with its arguments intact; on a
+machine without TPUs, commands leave libtpu alone (the `aot` extra installs it)."""
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
-from olmax.runtime import HUGE_PAGES, huge_pages_env
+from olmax.data.synthetic import write_synthetic_shards
+from olmax.runtime import GOOGLE_PCI_VENDOR, HUGE_PAGES, NVIDIA_DEVICES, huge_pages_env, libtpu_lock_holder
 
 PROBE = (
     "import os, sys\n"
@@ -43,3 +48,69 @@ def test_other_tunables_are_kept_and_a_set_one_is_not_overridden():
 
 def test_opt_out_leaves_the_process_alone():
     assert probe(OLMAX_HUGE_PAGES="0") == ["started", "None ['train', 'a b', 'x=1']"]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="needs the aot extra (libtpu)")
+@pytest.mark.skipif(any(v.read_text().strip() == GOOGLE_PCI_VENDOR for v in Path("/sys/bus/pci/devices").glob(
+    "*/vendor")) or any(map(os.path.exists, NVIDIA_DEVICES)), reason="a TPU or GPU may be attached")
+def test_without_tpus_train_leaves_libtpu_alone_and_compile_runs_beside_it(tmp_path):
+    """JAX left to choose its platforms (no JAX_PLATFORMS): `olmax train` neither loads libtpu (no probing lines,
+    no lockfile) nor stops a TPU compile running at the same time."""
+    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"} | {"OLMAX_HUGE_PAGES": "0"}
+    shards = write_synthetic_shards(tmp_path / "mix", vocab_size=512, eos_id=0, n_tokens=50_000, n_shards=1, seed=0)
+    olmax = [sys.executable, "-m", "olmax.cli"]
+    train = subprocess.Popen([*olmax, "train", "tiny", "mesh.fsdp=1", f"data.paths={json.dumps(shards)}",
+                              f"output_dir={tmp_path / 'run'}", "train.steps=100000", "train.log_every=1",
+                              "checkpoint.every=10000"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             env=env)
+    try:
+        assert train.stdout.readline() == "compiling the train step...\n", train.stderr.read()[-3000:]
+        assert train.stdout.readline().startswith("step 1/"), train.stderr.read()[-3000:]
+        maps = Path(f"/proc/{train.pid}/maps").read_text()
+        assert "libtpu" not in maps and libtpu_lock_holder() != train.pid
+        compiled = subprocess.run([*olmax, "compile", "tiny", "--target", "tpu:v5p:2x2x2"], capture_output=True,
+                                  text=True, env=env, timeout=600)
+        assert compiled.returncode == 0, compiled.stderr[-3000:]
+        assert train.poll() is None, "the run was still training during the compile"
+    finally:
+        train.terminate()
+        _, err = train.communicate(timeout=300)
+    assert "TPU" not in err and "libtpu" not in err, err[-3000:]
+
+
+HELD = (
+    "import os, signal, threading, time\n"
+    "from olmax.runtime import hold_stop_signals, release_stop_signals, restart_with_huge_pages\n"
+    "hold_stop_signals()\n"
+    "if 'glibc.malloc.hugetlb' not in os.environ.get('GLIBC_TUNABLES', ''):\n"
+    "    threading.Thread(target=time.sleep, args=(60,), daemon=True).start()  # as numpy's, started while held\n"
+    "    os.kill(os.getpid(), signal.SIGINT)\n"
+    "    print('pending', signal.SIGINT in signal.sigpending(), flush=True)\n"
+    "    restart_with_huge_pages()\n"
+    "signal.signal(signal.SIGINT, lambda *_: print('handled', flush=True))\n"
+    "release_stop_signals()\n"
+    "print('done', flush=True)\n"
+)
+
+
+def test_a_stop_signal_at_start_up_waits_for_its_handler_whatever_thread_and_across_the_restart():
+    """No thread started after the hold can take the signal (and lose it in the huge-pages exec): it stays
+    pending, in this process or the one it becomes, until the handler is installed and released."""
+    base = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", "OLMAX_HUGE_PAGES")}
+    out = subprocess.run([sys.executable, "-c", HELD], env=base, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.splitlines() == ["pending True", "handled", "done"], out
+
+
+def test_the_libtpu_lock_holder_is_found(tmp_path, monkeypatch):
+    """libtpu locks its lockfile with a POSIX lock; the holder's PID names it in the one-line error that replaces
+    libtpu's advice to delete the file."""
+    import fcntl
+
+    from olmax import runtime
+
+    monkeypatch.setattr(runtime, "LIBTPU_LOCKFILE", tmp_path / "libtpu_lockfile")
+    assert runtime.libtpu_lock_holder() is None
+    with open(tmp_path / "libtpu_lockfile", "w") as lockfile:
+        assert runtime.libtpu_lock_holder() is None
+        fcntl.lockf(lockfile, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        assert runtime.libtpu_lock_holder() == os.getpid()

@@ -25,9 +25,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import hashlib
 import json
 import logging
+import shutil
 import sys
 import time
 import warnings
@@ -55,6 +57,21 @@ class CheckpointError(BadInput):
 
 class UnreadableCheckpoint(CheckpointError):
     """A checkpoint whose files cannot be read or do not match their checksums (a torn or corrupted write)."""
+
+
+class DiskFull(Exception):
+    """The disk filled up while a checkpoint was written; its partial write was removed."""
+
+    exit_code = 74  # EX_IOERR; `olmax launch` does not retry it: only freeing space helps
+
+
+def _disk_full(err: BaseException | None) -> bool:
+    """Whether `err` or what caused it is ENOSPC (TensorStore reports it inside a ValueError's text)."""
+    while err is not None:
+        if isinstance(err, OSError) and err.errno == errno.ENOSPC or "No space left on device" in str(err):
+            return True
+        err = err.__cause__ or err.__context__
+    return False
 
 
 # --- checksums -------------------------------------------------------------------------------------
@@ -113,12 +130,12 @@ def _meta_digest(meta: dict) -> str:
 # --- reading Orbax quietly, one host array at a time ---------------------------------------------------
 
 
-def _ignore_abandoned_reads() -> None:
-    """After a failed read, Orbax closes its event loop while TensorStore's other reads are still in flight;
-    their coroutines, tasks and callbacks then fail whenever they are collected, each printing a traceback (up
-    to hundreds of lines, long after the error was reported): through sys.unraisablehook, as asyncio's
-    "exception was never retrieved" errors and as "coroutine ... was never awaited" warnings (olmax runs no
-    asyncio code of its own). Those are dropped."""
+def _ignore_abandoned_io() -> None:
+    """After a failed read or write, Orbax closes its event loop while TensorStore's other reads or writes are
+    still in flight; their coroutines, tasks and callbacks then fail whenever they are collected (at exit too,
+    when imports fail), each printing a traceback (up to hundreds of lines, long after the error was reported):
+    through sys.unraisablehook, as asyncio's "exception was never retrieved" errors and as "coroutine ... was
+    never awaited" warnings (olmax runs no asyncio code of its own). Those are dropped."""
     previous = sys.unraisablehook
     if getattr(previous, "olmax_ignores_abandoned_reads", False):
         return
@@ -126,8 +143,9 @@ def _ignore_abandoned_reads() -> None:
     def hook(unraisable) -> None:
         err = unraisable.exc_value
         closed_loop = isinstance(err, RuntimeError) and str(err) == "Event loop is closed"
-        abandoned_read = asyncio.iscoroutine(unraisable.object) and "while reading array index" in str(err)
-        if not (closed_loop or abandoned_read):
+        abandoned = asyncio.iscoroutine(unraisable.object) and (
+            "while reading array index" in str(err) or _disk_full(err) or "Python is likely shutting down" in str(err))
+        if not (closed_loop or abandoned):
             previous(unraisable)
 
     hook.olmax_ignores_abandoned_reads = True
@@ -175,15 +193,16 @@ class _SequentialNumpyHandler(ocp.type_handlers.NumpyHandler):
 
 
 @contextlib.contextmanager
-def _quiet_absl():
-    """Orbax logs absl WARNINGs about settings it was asked for (read-only options, handler overrides)."""
+def _quiet_absl(level: int = logging.ERROR):
+    """Orbax logs absl WARNINGs about settings it was asked for (read-only options, handler overrides): inside,
+    only `level` and above pass."""
     absl = logging.getLogger("absl")
-    level = absl.level
-    absl.setLevel(logging.ERROR)
+    previous = absl.level
+    absl.setLevel(level)
     try:
         yield
     finally:
-        absl.setLevel(level)
+        absl.setLevel(previous)
 
 
 @contextlib.contextmanager
@@ -249,9 +268,26 @@ class Checkpointer:
         meta = {**meta, "checksums": {"kind": CHECKSUM, **sums, "meta": _meta_digest(meta)}}
         items = {name: ocp.args.StandardSave(tree) for name, tree in arrays.items()}
         host = _numpy_one_array_at_a_time() if _on_host(arrays) else contextlib.nullcontext()
-        with host:
-            self.manager.save(step, args=ocp.args.Composite(**items, meta=ocp.args.JsonSave(meta)), force=True)
-            self.manager.wait_until_finished()
+        _ignore_abandoned_io()
+        try:
+            # Orbax's threads log each failed write as an absl ERROR; the exception below says it once.
+            with host, _quiet_absl(logging.CRITICAL):
+                self.manager.save(step, args=ocp.args.Composite(**items, meta=ocp.args.JsonSave(meta)), force=True)
+                self.manager.wait_until_finished()
+        except Exception as err:
+            if not _disk_full(err):
+                raise
+            self.remove_partial_writes()
+            raise DiskFull(f"disk full writing checkpoint {step} in {self.directory}: free space and run "
+                           "again") from None
+
+    def remove_partial_writes(self) -> list[Path]:
+        """Remove the temporary directories of checkpoint writes that did not finish (a crash, a full disk);
+        the ones removed. Only for the one process that writes this directory (the run directory's holder)."""
+        partial = sorted(self.directory.glob("*.orbax-checkpoint-tmp*"))
+        for path in partial:
+            shutil.rmtree(path, ignore_errors=True)
+        return partial
 
     def read_meta(self, step: int) -> dict:
         meta = self._restore(step, meta=ocp.args.JsonRestore())["meta"]
@@ -282,7 +318,7 @@ class Checkpointer:
         return params, meta
 
     def _restore(self, step: int, **items):
-        _ignore_abandoned_reads()  # before the read: a failed one's leftovers may be collected before it returns
+        _ignore_abandoned_io()  # before the read: a failed one's leftovers may be collected before it returns
         try:
             return self.manager.restore(step, args=ocp.args.Composite(**items))
         except Exception as err:  # Orbax, TensorStore and JSON errors alike: the files are not what was written

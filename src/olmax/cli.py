@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import signal
 import sys
 
 from olmax.errors import BadInput
-from olmax.runtime import STOP_SIGNALS, hold_stop_signals, received_signal
+from olmax.runtime import (LIBTPU_LOCKFILE, STOP_SIGNALS, drop_held_signals, hold_stop_signals, libtpu_lock_holder,
+                           release_stop_signals, skip_absent_tpus)
 
 EXIT_BAD_INPUT = 2  # `olmax launch` does not retry it
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports it
+# A URL as an argument, an option's value or an override's value (data.mix_file=gs://...); local paths only so far
+REMOTE_URL = re.compile(r"(?:^|=)((?:gs|s3|r2|weka|https?)://\S*)")
 
 
 def _config_args(parser: argparse.ArgumentParser) -> None:
@@ -51,7 +55,9 @@ def cmd_flops(args) -> None:
     print(f"params                    {count.params:,}")
     print(f"non-embedding params      {count.non_embedding_params:,}")
     print(f"active params / token     {count.active_params:,}  (FLOPs below count these)")
-    print(f"train FLOPs / token       {count.per_token / 1e9:,.2f} G  (sliding windows exact, seq {seq})")
+    sliding = any(not cfg.model.is_global(i) for i in range(cfg.model.n_layers))
+    attention = "sliding windows exact" if sliding else "every layer global"
+    print(f"train FLOPs / token       {count.per_token / 1e9:,.2f} G  ({attention}, seq {seq})")
     print(f"  all layers global       {count.per_token_all_global / 1e9:,.2f} G")
     print(f"train TFLOP / device-step {report['train_tflop_per_device_step']:,.1f}  ({per_device} x {seq} tokens)")
     print(f"  all layers global       {report['train_tflop_per_device_step_all_global_attention']:,.1f}")
@@ -151,6 +157,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    """The command line, where `key=value` overrides may also come after the command's options."""
+    argv = sys.argv[1:] if argv is None else argv
+    if url := next((m.group(1) for a in argv if (m := REMOTE_URL.search(a))), None):
+        print(f"olmax: {url}: remote storage is not supported yet; copy it to a local path", file=sys.stderr)
+        sys.exit(EXIT_BAD_INPUT)
+    parser = build_parser()
+    args, rest = parser.parse_known_args(argv)
+    if rest and hasattr(args, "overrides") and all("=" in a and not a.startswith("-") for a in rest):
+        args.overrides = [*args.overrides, *rest]
+    elif rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    return args
+
+
 def _raised(err: Exception, module: str, name: str) -> bool:
     return module in sys.modules and isinstance(err, getattr(sys.modules[module], name))
 
@@ -159,15 +180,16 @@ def main(argv: list[str] | None = None) -> int:
     """Run one command. Bad input exits 2 with one line naming it; an interrupt never prints a traceback: train
     and launch stop cleanly (exit 75) whenever it comes, other commands exit 130."""
     previous = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
+    previous_mask = signal.pthread_sigmask(signal.SIG_BLOCK, [])
     hold_stop_signals()
+    skip_absent_tpus()
     try:
-        args = build_parser().parse_args(argv)
+        args = parse(argv)
         if not getattr(args, "handles_stop_signals", False):
-            if received_signal() is not None:
-                raise KeyboardInterrupt
             for sig in STOP_SIGNALS:
                 if signal.getsignal(sig) is not signal.SIG_IGN:
                     signal.signal(sig, signal.default_int_handler)
+            release_stop_signals()  # one that came during start-up raises KeyboardInterrupt here
         args.func(args)
     except KeyboardInterrupt:
         print("olmax: interrupted", file=sys.stderr)
@@ -176,11 +198,23 @@ def main(argv: list[str] | None = None) -> int:
         if _raised(err, "olmax.train.trainer", "Preempted"):
             print(f"olmax: {err}; run the same command again to resume", file=sys.stderr)
             return sys.modules["olmax.train.trainer"].RESUMABLE_EXIT_CODE
+        if "libtpu multi-process lockfile" in str(err) and (holder := libtpu_lock_holder()):
+            print(f"olmax: process {holder} is using this machine's TPU chips (it holds {LIBTPU_LOCKFILE}); run "
+                  "this again when it has ended", file=sys.stderr)
+            return 1
+        if _raised(err, "olmax.train.trainer", "Diverged"):
+            print(f"olmax: {err}", file=sys.stderr)
+            return sys.modules["olmax.train.trainer"].DIVERGED_EXIT_CODE
+        if _raised(err, "olmax.checkpoint", "DiskFull"):
+            print(f"olmax: {err}", file=sys.stderr)
+            return err.exit_code
         if not isinstance(err, BadInput):
             raise
         print(f"olmax: {type(err).__name__}: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
     finally:
+        drop_held_signals()
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous_mask)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     return 0

@@ -9,6 +9,7 @@ anything is compiled or written.
 from __future__ import annotations
 
 import math
+import os
 import types
 import typing
 from pathlib import Path
@@ -20,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from olmax.errors import BadInput
 
 PRESET_DIR = Path(__file__).parent / "configs"
+MAX_STEPS = 2**31 - 1  # the step counter (and the LR schedule's arithmetic) is int32 on the device
 REMAT_NAMES = ("qkv_proj", "out_proj", "mlpwi_0", "mlpwi_1", "mlpwo", "context")
 DType = Literal["float32", "bfloat16"]
 
@@ -29,7 +31,8 @@ class ConfigError(BadInput):
 
 
 class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # Every float must be finite (`optim.lr=inf` would make every parameter NaN at the first step).
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
 class RopeConfig(Section):
@@ -374,10 +377,10 @@ class OptimConfig(Section):
 
 class ScheduleConfig(Section):
     kind: Literal["cosine", "linear", "wsd", "constant"] = "cosine"
-    warmup_steps: int = Field(2000, ge=0)
+    warmup_steps: int = Field(2000, ge=0, le=MAX_STEPS)
     final_lr_fraction: float = Field(0.1, ge=0, le=1)
-    horizon_steps: int | None = Field(None, gt=0, description="steps the decay spans; None = train.steps")
-    decay_steps: int | None = Field(None, gt=0, description="wsd: length of the final linear decay")
+    horizon_steps: int | None = Field(None, gt=0, le=MAX_STEPS, description="steps the decay spans; None = train.steps")
+    decay_steps: int | None = Field(None, gt=0, le=MAX_STEPS, description="wsd: length of the final linear decay")
 
 
 class LossConfig(Section):
@@ -386,8 +389,8 @@ class LossConfig(Section):
 
 
 class TrainConfig(Section):
-    steps: int = Field(100, gt=0, description="length of the run (and of its LR schedule)")
-    stop_after: int | None = Field(None, gt=0, description="end this invocation after this step (checkpointed)")
+    steps: int = Field(100, gt=0, le=MAX_STEPS, description="length of the run (and of its LR schedule)")
+    stop_after: int | None = Field(None, gt=0, le=MAX_STEPS, description="end this invocation after this step (checkpointed)")
     global_batch_instances: int = Field(512, gt=0)
     micro_batch_per_device: int | None = Field(
         None, gt=0, description="instances per device per micro-step; None = whole global batch in one micro-step"
@@ -535,6 +538,14 @@ class RunConfig(Section):
                 raise ValueError(f"data.{field} {getattr(self.data, field)} >= model.vocab_size {self.model.vocab_size}")
         if self.schedule.kind == "wsd" and self.schedule.decay_steps is None:
             raise ValueError("schedule.kind=wsd needs schedule.decay_steps")
+        if self.model.moe is not None and self.model.moe.num_experts % self.mesh.expert:
+            raise ValueError(f"model.moe.num_experts {self.model.moe.num_experts} do not divide over mesh.expert "
+                             f"{self.mesh.expert}; make the experts a multiple of it")
+        try:
+            self.output_dir.format(name=self.name)
+        except (KeyError, IndexError, ValueError):
+            raise ValueError(f"output_dir {self.output_dir!r}: only {{name}} (the run's name) may stand in braces; "
+                             "double any other brace ({{ }})") from None
         return self
 
 
@@ -579,16 +590,38 @@ def preset_path(name_or_path: str) -> Path:
     return path
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """YAML that refuses a key given twice in one mapping (PyYAML would keep the last silently)."""
+
+    def construct_mapping(self, node, deep=False):
+        lines = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<:` merge keys may be overridden by design
+                continue
+            key = self.construct_object(key_node, deep=True)
+            line = key_node.start_mark.line + 1
+            if isinstance(key, typing.Hashable) and key in lines:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key {key!r} is given twice, on lines {lines[key]} and {line}; keep one",
+                    key_node.start_mark)
+            lines[key] = line
+        return super().construct_mapping(node, deep)
+
+
 def _parsed(text: str, where: str):
     try:
-        return yaml.safe_load(text)
+        return yaml.load(text, Loader=_UniqueKeyLoader)
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         at = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
         raise ConfigError(f"{where} is not valid YAML ({at}{getattr(err, 'problem', None) or err})") from None
 
 
-def _read_yaml(path: Path) -> dict:
+def _read_yaml(path: Path, chain: tuple[Path, ...] = ()) -> dict:
+    """The file's settings over those of its `base:` chain; `chain` is the files that named this one."""
+    if path.resolve() in chain:
+        cycle = " -> ".join(str(p) for p in (*chain, path.resolve()))
+        raise ConfigError(f"config files name each other as base in a cycle ({cycle}); break it")
     if path.is_dir():
         raise ConfigError(f"config file {path} is a directory; pass a YAML file or a preset name")
     try:
@@ -601,7 +634,7 @@ def _read_yaml(path: Path) -> dict:
     base = raw.pop("base", None)
     if base is None:
         return raw
-    merged = _read_yaml(preset_path(base))
+    merged = _read_yaml(preset_path(base), (*chain, path.resolve()))
     for key, value in _flatten(raw):
         _set_path(merged, key, value)
     return merged
@@ -630,11 +663,13 @@ def load_config(name_or_path: str, overrides: list[str] = ()) -> RunConfig:
 
 
 def writable_dir(path: Path, field: str) -> Path:
-    """`path`, refused when it, or a directory it would be made in, is an existing file."""
+    """`path`, refused when it, or a directory it would be made in, is an existing file or not writable."""
     for existing in (path, *path.parents):
         if existing.exists():
             if not existing.is_dir():
                 raise ConfigError(f"{field} {path}: {existing} is a file, not a directory; set another {field}")
+            if not os.access(existing, os.W_OK):
+                raise ConfigError(f"{field} {path}: {existing} is not writable; set another {field}")
             break
     return path
 

@@ -109,14 +109,19 @@ def prepare_data(cache: Path, vocab_size: int, fresh: bool) -> dict:
     return info
 
 
-def unigram_baseline(train_paths: list[str], heldout_paths: list[str], vocab_size: int, dtype: str) -> float:
-    """Cross-entropy (nats/token) of held-out tokens under the train split's add-one unigram distribution."""
+def unigram_baseline(train_paths: list[str], selection, set_index: int, vocab_size: int, dtype: str) -> float:
+    """Cross-entropy (nats/token) of the tokens the held-out eval predicts in set `set_index` of `selection`
+    (the same documents the model is scored on) under the train split's add-one unigram distribution."""
     counts = np.ones(vocab_size, np.float64)
     for path in train_paths:
         counts += np.bincount(np.fromfile(path, dtype=dtype), minlength=vocab_size)[:vocab_size]
     log_p = np.log(counts / counts.sum())
-    heldout = np.concatenate([np.fromfile(p, dtype=dtype) for p in heldout_paths])
-    return float(-log_p[heldout].mean())
+    rows, shards = selection.rows, selection.sets[set_index].shards
+    total = 0.0
+    for i in np.flatnonzero(rows.set_index == set_index):
+        first = int(rows.doc_start[i])
+        total -= log_p[np.asarray(shards[rows.shard[i]].tokens[first + rows.start[i] : first + rows.end[i]])].sum()
+    return total / selection.tokens[set_index]
 
 
 def greedy_samples(cfg, params, tokenizer_path: str, prompts: list[str], new_tokens: int) -> list[str]:
@@ -187,8 +192,10 @@ def plot_expert_load(cfg, metrics: list[dict], path: Path) -> None:
         ax.axhline(1 / shares.shape[1], color="black", ls="--", lw=0.8)
         ax.set(title=f"layer {layer}", xlabel="step")
     axes[0][0].set_ylabel("share of assignments")
-    axes[0][-1].legend(fontsize=6, loc="upper right")
-    fig.tight_layout()
+    # one legend for every panel, under them, in the panels' own font size
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 8), frameon=False)
+    fig.tight_layout(rect=(0, 0.06 * -(-len(labels) // 8), 1, 1))
     fig.savefig(path, dpi=100)
     plt.close(fig)
 
@@ -197,7 +204,7 @@ def run_demo(overrides: list[str], fresh: bool, moe: bool = False) -> Path:
     """Build (or reuse) the data, train the demo preset (`demo_moe` with `moe`) from scratch, evaluate, write
     the report."""
     from olmax.checkpoint import Checkpointer
-    from olmax.eval.in_loop import make_in_loop_eval
+    from olmax.eval.in_loop import eval_selection, make_in_loop_eval
     from olmax.parallel.mesh import make_layout
     from olmax.train.resume import restore_or_init
     from olmax.train.trainer import train
@@ -224,12 +231,17 @@ def run_demo(overrides: list[str], fresh: bool, moe: bool = False) -> Path:
     checkpointer.close()
     samples = greedy_samples(cfg, state.params, data["tokenizer"],
                              ["def __init__(self", "import os\n", "class ", "Return the"], new_tokens=48)
-    baselines = {d: unigram_baseline(shards[f"{d}-train"]["paths"], shards[f"{d}-heldout"]["paths"],
+    selection = eval_selection(cfg)
+    labels = [s.label for s in selection.sets]
+    baselines = {d: unigram_baseline(shards[f"{d}-train"]["paths"], selection, labels.index(d),
                                      cfg.model.vocab_size, cfg.data.token_dtype) for d in DOMAINS}
+    scored = {d: {"documents": selection.documents[labels.index(d)], "tokens": selection.tokens[labels.index(d)]}
+              for d in DOMAINS}
     plot_curves(history, out / f"loss_curves{suffix}.png")
     if moe:
         plot_expert_load(cfg, history, out / "expert_load_moe.png")
-    report = write_report(out, cfg, data, history, baselines, samples, train_seconds, same_as_previous, suffix)
+    report = write_report(out, cfg, data, history, baselines, scored, samples, train_seconds, same_as_previous,
+                          suffix)
     print(f"demo: report in {report}")
     return report
 
@@ -256,7 +268,7 @@ def moe_section(cfg, history) -> list[str]:
     ]
 
 
-def write_report(out: Path, cfg, data, history, baselines, samples, train_seconds, same_as_previous,
+def write_report(out: Path, cfg, data, history, baselines, scored, samples, train_seconds, same_as_previous,
                  suffix: str = "") -> Path:
     final = history[-1]
     tokens = final["throughput/total tokens"]
@@ -264,10 +276,11 @@ def write_report(out: Path, cfg, data, history, baselines, samples, train_second
     for d in DOMAINS:
         ce = final[f"eval/lm/{d}/CE loss"]
         bpb = final.get(f"eval/lm/{d}/BPB")
-        rows.append(f"| {d} | {ce:.4f} | {np.exp(ce):.1f} | {'' if bpb is None else f'{bpb:.3f}'} | "
-                    f"{baselines[d]:.4f} | {baselines[d] - ce:+.4f} |")
+        rows.append(f"| {d} | {scored[d]['documents']:,} | {scored[d]['tokens']:,} | {ce:.4f} | {np.exp(ce):.1f} | "
+                    f"{'' if bpb is None else f'{bpb:.3f}'} | {baselines[d]:.4f} | {baselines[d] - ce:+.4f} |")
     shard_rows = [f"| {k} | {v['documents']:,} | {v['tokens']:,} | {v['bytes']:,} |" for k, v in data["shards"].items()]
-    repeat = {None: "no earlier run with this config in this directory; run `olmax demo` again to check that "
+    demo = "olmax demo --moe" if suffix else "olmax demo"
+    repeat = {None: f"no earlier run with this config in this directory; run `{demo}` again to check that "
                     "the losses repeat",
               True: "bitwise identical to the previous run's, step for step",
               False: "DIFFERENT from the previous run's (same config and seed): a determinism bug"}[same_as_previous]
@@ -286,10 +299,11 @@ def write_report(out: Path, cfg, data, history, baselines, samples, train_second
         "## Data (the Python standard library, split by file)", "",
         "| split | documents | tokens | text bytes |", "| --- | ---: | ---: | ---: |", *shard_rows, "",
         "## Held-out loss at the last step", "",
-        "| domain | CE (nats/token) | PPL | bits/byte | unigram baseline CE | baseline - model |",
-        "| --- | ---: | ---: | ---: | ---: | ---: |", *rows, "",
-        "The unigram baseline is the cross-entropy of the held-out tokens under the train split's token "
-        "frequencies (add-one smoothed), with the same tokenizer.", "",
+        "| domain | documents | tokens | CE (nats/token) | PPL | bits/byte | unigram baseline CE | baseline - model |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |", *rows, "",
+        f"Both columns score the same held-out documents: {cfg.eval.tokens or 'all'} tokens' worth per domain, "
+        f"chosen by eval.seed {cfg.eval.seed}. The unigram baseline is the cross-entropy of those tokens under the "
+        "train split's token frequencies (add-one smoothed), with the same tokenizer.", "",
         f"Final train CE {final['train/CE loss']:.4f}. Losses: {repeat}.", "",
         f"![loss curves](loss_curves{suffix}.png)", "",
         *(moe_section(cfg, history) if cfg.model.mlp == "moe" else []),
@@ -301,15 +315,17 @@ def write_report(out: Path, cfg, data, history, baselines, samples, train_second
         "## Next commands", "",
         "```bash",
         f"olmax train {cfg.name} train.steps={2 * cfg.train.steps}   # resume from the last checkpoint, train further",
+        "olmax synth-data --out runs/synth   # generated tokens for the next command",
         "olmax resume-check tiny data.mix_file=runs/synth/mix.txt --at 20 --steps 40   # exact resume A/B",
         f"olmax eval heldout {ckpt} --data code={out}/cache/shards/code-heldout/mix.txt",
-        f"olmax convert olmax-to-hf {ckpt} runs/demo/hf",
+        f"olmax convert olmax-to-hf {ckpt} {out}/hf{suffix} --tokenizer {data['tokenizer']}",
         f"olmax compare {run_dir} runs/OTHER_RUN",
         "```", "",
     ]
     report = out / f"report{suffix}.md"
     report.write_text("\n".join(lines))
     (out / f"report{suffix}.json").write_text(json.dumps({"final": final, "unigram_baseline": baselines,
+                                                 "scored": scored,
                                                  "config": cfg.model_dump(mode="json"),
                                                  "losses": [h["train/CE loss"] for h in history],
                                                  "losses_repeat_previous_run": same_as_previous,

@@ -13,10 +13,18 @@ Results do not change: only where memory comes from.
 Set OLMAX_HUGE_PAGES=0 to leave glibc's defaults.
 
 The CLI also holds SIGINT/SIGTERM from its first line on (`hold_stop_signals`):
-they are recorded, not acted on, until a command is ready to stop cleanly, so
-an interrupt during start-up (imports, config, restore, compilation) neither
-prints a KeyboardInterrupt traceback nor kills the process in the middle of
-XLA's work; across the restart above they stay pending.
+they wait, blocked and pending, until a command is ready to stop cleanly
+(`release_stop_signals`), so an interrupt during start-up (imports, config,
+restore, compilation) neither prints a KeyboardInterrupt traceback nor kills the
+process in the middle of XLA's work, and none is lost: blocked before any other
+thread exists, they are blocked in every thread started later (numpy's, XLA's),
+so no thread can take one and drop it, and pending signals survive the restart
+above.
+
+Before any of that, `skip_absent_tpus` keeps JAX off its TPU backend on a machine
+with no accelerator attached: with the `aot` extra installed, JAX would otherwise load
+libtpu in every process that touches a device, which prints its probing for TPUs
+and takes libtpu's one-process lockfile for the life of the process.
 """
 
 from __future__ import annotations
@@ -33,23 +41,51 @@ GLIBC_HUGETLB = GLIBC is not None and tuple(map(int, platform.libc_ver()[1].spli
 HUGE_PAGES = "glibc.malloc.hugetlb=1"
 THP_MODE = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
-_held: list[int] | None = None  # the stop signals that came since hold_stop_signals(); None before it
+GOOGLE_PCI_VENDOR = "0x1ae0"  # TPU chips show up as Google's PCI devices (as JAX's hardware_utils finds them)
+NVIDIA_DEVICES = ("/dev/nvidia0", "/dev/nvidiactl", "/dev/dxg")  # JAX's test for a visible NVIDIA GPU
+LIBTPU_LOCKFILE = Path("/tmp/libtpu_lockfile")  # libtpu's lock on the machine's TPU chips
+
+
+def skip_absent_tpus() -> None:
+    """Run JAX on the CPU (JAX_PLATFORMS=cpu, inherited by the processes this one starts) on a machine with
+    neither a TPU nor an NVIDIA GPU attached: JAX, left to choose, tries every backend it knows, TPU first.
+    A JAX_PLATFORMS already set is kept, and so is JAX's own choice where a GPU is, or any Google PCI device
+    (a TPU, or only Google's network card: then the probing stays). Compiling for a TPU target loads libtpu
+    without its backend (`scale.targets.compile_only_devices`)."""
+    if "JAX_PLATFORMS" in os.environ or any(map(os.path.exists, NVIDIA_DEVICES)):
+        return
+    vendors = Path("/sys/bus/pci/devices").glob("*/vendor")
+    if not any(vendor.read_text().strip() == GOOGLE_PCI_VENDOR for vendor in vendors):
+        os.environ["JAX_PLATFORMS"] = "cpu"
+
+
+def libtpu_lock_holder() -> int | None:
+    """The process holding libtpu's lockfile, if one does (libtpu's own error then says to delete the file)."""
+    try:
+        stat = LIBTPU_LOCKFILE.stat()
+    except FileNotFoundError:
+        return None
+    file = f"{os.major(stat.st_dev):02x}:{os.minor(stat.st_dev):02x}:{stat.st_ino}"
+    for fields in map(str.split, Path("/proc/locks").read_text().splitlines()):
+        if fields[1] != "->" and fields[5] == file:  # "->": a process waiting for the lock
+            return int(fields[4])
+    return None
 
 
 def hold_stop_signals() -> None:
-    """Record SIGINT/SIGTERM instead of acting on them, until a command installs its own handlers; those
-    ask `received_signal()` about the ones that came before."""
-    global _held
-    _held = []
-    for sig in STOP_SIGNALS:
-        if signal.getsignal(sig) is not signal.SIG_IGN:  # ignored (nohup, a background job): stays ignored
-            signal.signal(sig, lambda sig, frame: _held.append(sig))
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)  # blocked across restart_with_huge_pages' exec
+    """Block SIGINT/SIGTERM in this thread and in the threads it starts from now on; call it first thing."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
 
 
-def received_signal() -> int | None:
-    """The first stop signal held, if any."""
-    return _held[0] if _held else None
+def release_stop_signals() -> None:
+    """Unblock SIGINT/SIGTERM in this thread: those that came while held run the handlers installed now."""
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+
+
+def drop_held_signals() -> None:
+    """Forget the stop signals that came while held: a command that has ended can no longer act on them."""
+    while signal.sigtimedwait(STOP_SIGNALS, 0) is not None:
+        pass
 
 
 def huge_pages_env(env: dict[str, str]) -> dict[str, str]:
@@ -72,10 +108,4 @@ def restart_with_huge_pages() -> None:
     if env.get("GLIBC_TUNABLES") != os.environ.get("GLIBC_TUNABLES"):
         sys.stdout.flush()
         sys.stderr.flush()
-        if _held is not None:
-            # Blocked, held signals stay pending across the exec until the new process holds them too (else the
-            # new interpreter would die of one before that); those that came already are sent again.
-            signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
-            for sig in _held:
-                os.kill(os.getpid(), sig)
         os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)

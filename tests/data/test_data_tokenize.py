@@ -143,3 +143,36 @@ def test_cli_commands(tmp_path, corpus, capsys):
     assert f"data.mix_file={tmp_path / 'shards' / 'mix.txt'} data.token_dtype=uint16" in capsys.readouterr().out
     run_cli("synth-data", "--out", tmp_path / "synth", "--tokens", 50_000, "--shards", 2)
     assert len(read_mix_file(tmp_path / "synth" / "mix.txt")) == 2
+
+
+def test_inputs_with_only_empty_texts_are_an_error_not_a_shard_of_eos(tmp_path, corpus):
+    _, _, tokenizer = corpus
+    (tmp_path / "empty.jsonl").write_text('{"text": ""}\n{"text": "  \\n"}\n')
+    (tmp_path / "empty.txt").write_text("")
+    for name in ("empty.jsonl", "empty.txt"):
+        with pytest.raises(DataError, match="hold no documents with text"):
+            tokenize_corpus([str(tmp_path / name)], tmp_path / f"out-{name}", tokenizer_path=tokenizer, workers=0,
+                            progress=False)
+        assert not (tmp_path / f"out-{name}").exists()
+
+
+def test_the_partial_output_of_a_tokenize_killed_outright_is_removed_by_the_next(tmp_path, corpus):
+    import subprocess
+    import sys
+    import time
+
+    inputs, _, tokenizer = corpus
+    big = tmp_path / "big.jsonl"
+    big.write_text("".join(json.dumps({"text": d * 40}) + "\n" for d in make_documents(5_000, 2)))
+    out = tmp_path / "shards"
+    proc = subprocess.Popen([sys.executable, "-m", "olmax.cli", "tokenize", str(big), "--tokenizer", tokenizer,
+                             "--out", str(out), "--workers", "0", "--quiet"])
+    partial = tmp_path / f".shards.partial-{proc.pid}"
+    while not partial.exists():  # the event: the command has started writing
+        assert proc.poll() is None, "tokenize ended before it was killed"
+        time.sleep(0.01)
+    proc.kill()
+    proc.wait()
+    assert partial.exists() and not out.exists()
+    tokenize_corpus(inputs[:1], out, tokenizer_path=tokenizer, workers=0, progress=False)
+    assert not partial.exists() and (out / "mix.txt").is_file()

@@ -235,3 +235,31 @@ def test_cli_errors_name_the_input(checkpoint, tmp_path, capsys):
     with pytest.raises(SystemExit):
         run_cli("eval", "heldout", tmp_path / "nothing", "--data", tmp_path / "missing.npy")
     assert "nothing does not exist" in capsys.readouterr().err
+
+
+def test_heldout_reads_shards_with_the_dtype_training_checks(base_run, synth_mix, synth_mix32, capsys):
+    """uint32 shards give the same documents and tokens as the uint16 ones they equal; read as the model's
+    uint16 they are refused, as training refuses them."""
+    from olmax.cli import main
+
+    def heldout(mix, *extra):
+        assert main(["eval", "heldout", str(base_run), "--data", f"synthetic={mix}", *extra]) == 0
+        return json.loads(capsys.readouterr().out)["sets"]["synthetic"]
+
+    narrow = heldout(synth_mix)
+    assert heldout(synth_mix32, "--token-dtype", "uint32") == narrow
+    with pytest.raises(SystemExit) as exit_info:
+        main(["eval", "heldout", str(base_run), "--data", str(synth_mix32)])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "written as uint32 tokens" in err and "set --token-dtype=uint32" in err
+
+
+@pytest.mark.parametrize("tokens", ["0", "-5"])
+def test_a_token_budget_below_one_is_refused(base_run, synth_mix, capsys, tokens):
+    from olmax.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["eval", "heldout", str(base_run), "--data", str(synth_mix), "--tokens", tokens])
+    assert exit_info.value.code == 2
+    assert f"--tokens {tokens}: give a positive number of tokens per set" in capsys.readouterr().err

@@ -90,3 +90,20 @@ def test_compare_cli_writes_table_plot_and_summary(tmp_path):
     assert table[0].split("\t")[:3] == ["window_start", "window_end", "steps"] and len(table) == 1 + 7
     assert [float(x) for x in table[1].split("\t")] == pytest.approx([0, 9, 9, 2.95, 3.0, 0.05, 0.05])
     assert (tmp_path / "cmp.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_compare_defaults_fit_a_short_run_and_write_beside_it(tmp_path, monkeypatch):
+    """Two 300-step runs: windows of 15 steps (20 points, not one of 2000), smoothing over 9 of them; the
+    outputs go into the first run's directory, never the current one."""
+    from olmax.cli import main
+
+    for name, offset in (("a", 0.0), ("b", 0.05)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "metrics.jsonl").write_text("".join(
+            json.dumps({"step": s, "train/CE loss": 3 - 0.001 * s + offset}) + "\n" for s in range(1, 301)))
+    monkeypatch.chdir(tmp_path)
+    assert main(["compare", str(tmp_path / "a"), str(tmp_path / "b")]) == 0
+    report = json.loads((tmp_path / "a" / "compare.json").read_text())
+    assert (report["window"], report["smooth"]) == (15, 135)
+    assert len((tmp_path / "a" / "compare.tsv").read_text().splitlines()) == 1 + 21  # steps 1..300 in 0..314
+    assert not list(tmp_path.glob("compare*"))

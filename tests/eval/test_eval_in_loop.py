@@ -63,3 +63,12 @@ def test_in_loop_metrics_are_in_the_event_files_of_a_short_run(tmp_path, shards)
         assert sorted(events[name]) == [5, 10], name
     logged = [json.loads(line) for line in Path(tmp_path, "run", "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in logged if "eval/lm/held/CE loss" in m] == [5, 10]
+
+
+def test_in_loop_eval_sets_get_the_dtype_check_training_applies(tmp_path, synth_mix, synth_mix32, capsys):
+    from olmax.cli import main
+
+    code = main(["train", "tiny", "mesh.fsdp=1", f"data.mix_file={synth_mix}", f"output_dir={tmp_path}/run",
+                 "eval.every=2", f"eval.sets=[{{label: held, mix_file: {synth_mix32}}}]"])
+    err = capsys.readouterr().err
+    assert code == 2 and "written as uint32 tokens" in err and "set data.token_dtype=uint32" in err

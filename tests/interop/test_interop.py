@@ -3,6 +3,7 @@
 import argparse
 import json
 import shutil
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -284,11 +285,18 @@ def test_import_pads_the_vocab_with_zeros_and_records_the_source(hf_dir, tmp_pat
 def test_cli_converts_both_ways(hf_dir, tmp_path, capsys):
     parser = argparse.ArgumentParser(prog="olmax")
     add_commands(parser.add_subparsers(dest="command", required=True))
+    from olmax.data.tokenize import train_tokenizer
+
+    (tmp_path / "text.txt").write_text("the run's own tokenizer goes with its weights " * 20)
+    tokenizer = train_tokenizer([str(tmp_path / "text.txt")], tmp_path / "tokenizer.json", vocab_size=280,
+                                progress=False)
     for argv in (["convert", "hf-to-olmax", str(hf_dir), str(tmp_path / "olmax")],
-                 ["convert", "olmax-to-hf", str(tmp_path / "olmax"), str(tmp_path / "hf"), "--dtype", "bfloat16"]):
+                 ["convert", "olmax-to-hf", str(tmp_path / "olmax"), str(tmp_path / "hf"), "--dtype", "bfloat16",
+                  "--tokenizer", str(tokenizer)]):
         args = parser.parse_args(argv)
         assert args.func(args) is None
     assert "vocab 300 padded to 384" in capsys.readouterr().out
+    assert (tmp_path / "hf" / "tokenizer.json").read_bytes() == Path(tokenizer).read_bytes()
     back = read_tensors(tmp_path / "hf")
     assert back["lm_head.weight"].dtype == ml_dtypes.bfloat16 and back["lm_head.weight"].shape == (300, 64)
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["dtype"] == "bfloat16"

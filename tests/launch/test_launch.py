@@ -84,10 +84,11 @@ def test_progress_resets_the_backoff_and_a_signal_death_is_a_crash(tmp_path):
     assert records[-1]["action"] == "done"
 
 
-def test_bad_input_is_not_retried(tmp_path):
-    code, sleeps, records = _supervise(tmp_path, [{"exit": 2}])
-    assert (code, sleeps, len(records)) == (2, [], 1)
-    assert records[0]["reason"] == "bad input"
+@pytest.mark.parametrize("code, reason", [(2, "bad input"), (3, "diverged")])
+def test_bad_input_and_divergence_are_not_retried(tmp_path, code, reason):
+    exit_code, sleeps, records = _supervise(tmp_path, [{"exit": code}])
+    assert (exit_code, sleeps, len(records)) == (code, [], 1)
+    assert records[0]["reason"] == reason
     assert records[0]["action"].startswith("stop")
 
 
@@ -193,7 +194,7 @@ def test_defaults_and_refusals():
 
 
 def test_the_exit_code_contract_matches_olmax_train():
-    from olmax.launch.supervisor import EXIT_PREEMPTED
-    from olmax.train.trainer import RESUMABLE_EXIT_CODE
+    from olmax.launch.supervisor import EXIT_DIVERGED, EXIT_PREEMPTED
+    from olmax.train.trainer import DIVERGED_EXIT_CODE, RESUMABLE_EXIT_CODE
 
-    assert EXIT_PREEMPTED == RESUMABLE_EXIT_CODE
+    assert EXIT_PREEMPTED == RESUMABLE_EXIT_CODE and EXIT_DIVERGED == DIVERGED_EXIT_CODE

@@ -78,3 +78,23 @@ def test_a_training_child_killed_mid_run_is_restarted_and_finishes(tmp_path, sha
     # Both metric streams hold every step once: the steps up to the checkpoint were on disk before it existed.
     assert [m["step"] for m in read_jsonl(run / "metrics.jsonl")] == list(range(1, 13))
     assert tensorboard_steps(run / "tensorboard") == list(range(1, 13))
+
+
+def test_the_launcher_holds_the_run_directory_and_its_trainer_runs_under_it(tmp_path, synth_mix):
+    from olmax.run_lock import RunDirError, hold
+
+    run = tmp_path / "run"
+    refused = []
+
+    def try_to_take_it(procs):
+        with pytest.raises(RunDirError, match=f"PID {os.getpid()}\\b") as err, hold(run):
+            pass
+        refused.append(str(err.value))
+
+    supervisor = Supervisor("tiny", [f"data.mix_file={synth_mix}", f"output_dir={run}", "train.steps=2",
+                                     "checkpoint.every=2", "mesh.fsdp=-1"],
+                            env=child_env(tmp_path / "jax-cache", 1), on_start=try_to_take_it)
+    assert supervisor.run() == 0 and len(refused) == 1
+    assert [r["reason"] for r in read_jsonl(run / "launch.jsonl")] == ["finished"]
+    with hold(run):  # released with the launch
+        pass

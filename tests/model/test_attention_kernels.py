@@ -58,7 +58,7 @@ def test_kernel_runs_per_shard_of_the_batch():
 
 def test_auto_is_xla_on_cpu_and_named_kernels_refuse_it():
     layout = make_layout(load_config("tiny").mesh)
-    assert attention.implementation(ImplConfig(), layout) == "xla"
+    assert attention.implementation(ImplConfig(), layout, 4096) == "xla"
     for kernel, where in (("splash", "TPU"), ("cudnn", "GPU")):
         impl = ImplConfig(attention={"implementation": kernel})
         with pytest.raises(ConfigError, match=f"impl.attention.implementation={kernel} runs on {where} only"):
@@ -74,7 +74,7 @@ def test_auto_follows_the_devices_not_the_host(platform, target, chosen):
 
     layout = make_layout(load_config("tiny").mesh, compile_only_devices(parse_target(target)))
     assert jax.default_backend() == "cpu"
-    assert attention.implementation(ImplConfig(), layout) == chosen
+    assert attention.implementation(ImplConfig(), layout, 4096) == chosen
     assert transformer.compute_dtype(ImplConfig(), layout) == jnp.bfloat16
     assert transformer.compute_dtype(ImplConfig(), None) == jnp.float32
 
@@ -93,3 +93,31 @@ def test_sequence_the_tiles_do_not_divide_is_named():
     blocks = load_config("tiny", ["impl.attention.splash.block_q=256"]).impl.attention.splash
     with pytest.raises(ConfigError, match="impl.attention.splash.block_q 256: .* divides the sequence length 384"):
         splash.attention(q, k, v, window=None, blocks=blocks, interpret=True)
+
+
+def test_auto_fits_splash_tiles_to_the_sequence():
+    """The largest tiles, at most the configured ones, that are multiples of 128 dividing the sequence."""
+    blocks = load_config("tiny").impl.attention.splash  # 512 each
+    assert splash.fitted(4096, blocks) == blocks
+    tiles = splash.fitted(384, blocks)
+    assert (tiles.block_q, tiles.block_kv, tiles.block_kv_compute) == (384, 384, 384)
+    tiles = splash.fitted(640, blocks)
+    assert (tiles.block_q, tiles.block_kv, tiles.block_kv_compute) == (128, 128, 128)
+    assert splash.fitted(64, blocks) is None and splash.fitted(200, blocks) is None
+
+
+def test_auto_on_tpu_takes_xla_where_no_splash_tile_fits_and_explicit_splash_names_the_fix():
+    if reason := aot_missing("tpu"):
+        pytest.skip(reason)
+    layout = make_layout(load_config("tiny").mesh, compile_only_devices(parse_target("tpu:v5p:2x2x2")))
+    assert attention.implementation(ImplConfig(), layout, 64) == "xla"
+    assert attention.implementation(ImplConfig(), layout, 640) == "splash"
+    explicit = ImplConfig(attention={"implementation": "splash"})
+    assert attention.implementation(explicit, layout, 64) == "splash"
+    q, k, v, _ = _qkv(batch=1, seq=64, heads=2, kv_heads=2)
+    with pytest.raises(ConfigError, match="sequence length 64; Splash needs a sequence length that is a multiple of "
+                                          "128: set impl.attention.implementation=xla"):
+        splash.attention(q, k, v, window=None, blocks=explicit.attention.splash, interpret=True)
+    q, k, v, _ = _qkv(batch=1, seq=640, heads=2, kv_heads=2)
+    with pytest.raises(ConfigError, match="block_q 512: .* length 640; set impl.attention.splash.block_q=128"):
+        splash.attention(q, k, v, window=None, blocks=explicit.attention.splash, interpret=True)

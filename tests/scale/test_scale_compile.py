@@ -51,6 +51,18 @@ def test_tiny_step_compiles_with_splash_for_a_tpu_slice(capsys):
     assert re.search(r"peak \(compiler\)\s+\d+\.\d\d\s+\d+\.\d% of the device", table)
 
 
+@needs_tpu
+def test_tiny_as_it_is_compiles_for_a_tpu_slice_with_xla_attention(capsys):
+    """64-token sequences: no Splash tile (a multiple of 128) fits them, so `auto` takes XLA's attention and the
+    report says so; an explicit `splash` is refused with the fix."""
+    assert main(["compile", "tiny", "--target", "tpu:v5p:2x2x2", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["attention"] == "xla" and not any("splash" in k for k in report["program"]["custom_calls"])
+    assert "bfloat16 compute, xla attention" in format_compile(report)
+    assert main(["compile", "tiny", "--target", "tpu:v5p:2x2x2", "impl.attention.implementation=splash"]) == 2
+    assert "set impl.attention.implementation=xla" in capsys.readouterr().err
+
+
 @needs_gpu
 @pytest.mark.parametrize("fp8", [False, True])
 def test_tiny_step_compiles_with_cudnn_for_a_gpu_host(fp8):

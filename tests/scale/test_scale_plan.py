@@ -78,3 +78,13 @@ def test_bad_targets_are_named(name, says):
 def test_bad_mfu_is_a_config_error(capsys):
     assert main(["plan", "olmo3_7b", "--target", "tpu:v5p:4x4x8", "--mfu", "44.5"]) == 2
     assert "--mfu 44.5" in capsys.readouterr().err
+
+
+def test_plan_and_compile_share_the_mfu_default(capsys):
+    """Neither requires --mfu; both assume the same 40%, and say so."""
+    assert main(["plan", "tiny", "--target", "tpu:v5p:2x2x2", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["mfu"] == 0.4
+    from olmax.cli import build_parser
+
+    compile_args = build_parser().parse_args(["compile", "tiny", "--target", "tpu:v5p:2x2x2"])
+    assert compile_args.mfu == 0.4

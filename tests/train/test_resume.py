@@ -1,6 +1,8 @@
 """Runs that survive: preemption, torn and corrupt checkpoints, elastic resume, warm start, bad resumes."""
 
 import json
+import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -144,3 +146,105 @@ def test_warm_start_keeps_params_and_moments_resets_step_schedule_and_data(tmp_p
     fresh_moments = _train(tmp_path, shards, "stage2b", *stage2, "checkpoint.init_optimizer=false")
     assert fresh_moments[0]["optim/adam step"] == 1
     assert fresh_moments[0]["train/CE loss"] == warm[0]["train/CE loss"]
+
+
+def test_resume_on_shards_rewritten_with_other_tokens_of_the_same_size_is_refused(tmp_path, base_run, synth_mix,
+                                                                                    capsys):
+    from olmax.cli import main
+
+    shutil.copytree(synth_mix.parent, tmp_path / "data")
+    shutil.copytree(base_run, tmp_path / "run")
+    for shard in sorted((tmp_path / "data").glob("part-*.npy")):
+        tokens = np.fromfile(shard, dtype=np.uint16)
+        np.roll(tokens, 1).tofile(shard)  # the same tokens, one position later: same size, same dtype
+    code = main(["train", "tiny", "mesh.fsdp=1", "train.steps=8", f"data.mix_file={tmp_path}/data/mix.txt",
+                 f"output_dir={tmp_path}/run"])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert "shard 0: part-00000.npy has other contents" in err and "allow_fingerprint_change" in err
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["4", "6"]  # keep_last 2
+
+
+def test_a_second_train_on_a_run_directory_in_use_exits_2_naming_the_holder(tmp_path, synth_mix, capsys):
+    import socket
+
+    from olmax.cli import main
+
+    run = tmp_path / "run"
+    first = subprocess.Popen([sys.executable, "-m", "olmax.cli", "train", "tiny", "mesh.fsdp=1", "train.steps=100000",
+                              "checkpoint.every=100000", f"data.mix_file={synth_mix}", f"output_dir={run}"],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_for(lambda: (run / "metrics.jsonl").exists() or first.poll() is not None)
+        assert first.poll() is None, first.stderr.read()
+        code = main(["train", "tiny", "mesh.fsdp=1", "train.steps=2", f"data.mix_file={synth_mix}",
+                     f"output_dir={run}"])
+        err = capsys.readouterr().err
+        assert code == 2 and f"is in use by another run (host {socket.gethostname()}, PID {first.pid}" in err, err
+    finally:
+        first.send_signal(signal.SIGTERM)
+        assert first.wait(timeout=240) == RESUMABLE_EXIT_CODE
+    # The lock went with the process: the next train resumes.
+    assert main(["train", "tiny", "mesh.fsdp=1", "train.stop_after=1", "train.steps=100000",
+                 "checkpoint.every=100000", f"data.mix_file={synth_mix}", f"output_dir={run}"]) == 0
+
+
+def test_a_resume_says_where_it_resumes_and_how_the_lr_schedule_changed(tmp_path, base_run, synth_mix, capsys):
+    from olmax.cli import main
+
+    shutil.copytree(base_run, tmp_path / "run")
+    common = ["train", "tiny", "mesh.fsdp=1", f"data.mix_file={synth_mix}", f"output_dir={tmp_path}/run"]
+    assert main([*common, "train.steps=6"]) == 0
+    out = capsys.readouterr().out
+    assert f"resuming from step 6 (checkpoint {tmp_path}/run/checkpoints/6)" in out and "LR schedule" not in out
+    # tiny: lr 1e-2, 10 warmup steps, cosine over train.steps; step 7 is past the new warmup, on a longer cosine.
+    assert main([*common, "train.steps=8", "schedule.warmup_steps=2"]) == 0
+    out = capsys.readouterr().out
+    assert ("the LR schedule changed since the checkpoint (schedule.warmup_steps 10 -> 2, horizon 6 -> 8 steps): "
+            "the LR of step 7 is 1.6029e-03, 7.0000e-03 under the checkpoint's schedule") in out
+
+
+def test_a_torn_last_line_of_metrics_jsonl_is_dropped_with_a_warning_and_the_run_resumes(tmp_path, base_run,
+                                                                                        synth_mix, caplog):
+    from olmax.cli import main
+
+    shutil.copytree(base_run, tmp_path / "run")
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    with metrics.open("a") as f:
+        f.write('{"step": 7, "train/CE loss": 6.0')  # a crash in the middle of step 7's line
+    assert main(["train", "tiny", "mesh.fsdp=1", "train.steps=8", f"data.mix_file={synth_mix}",
+                 f"output_dir={tmp_path}/run"]) == 0
+    assert f"{metrics}:7 is not a whole metrics record" in caplog.text
+    assert [json.loads(line)["step"] for line in metrics.read_text().splitlines()] == list(range(1, 9))
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 4 MB tmpfs: room for the tiny model's first checkpoint (1.3 MB) and the run's logs, not its second."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(disk)],
+                                                  check=False).returncode:
+        pytest.skip("a small disk to fill needs root, to mount a tmpfs")
+    yield disk
+    subprocess.run(["umount", str(disk)], check=True)
+
+
+def test_disk_full_writing_a_checkpoint_is_one_line_and_a_code_launch_does_not_retry(small_disk, synth_mix):
+    from olmax.checkpoint import DiskFull
+    from olmax.launch.supervisor import EXIT_DISK_FULL, NOT_RETRIED
+
+    run = small_disk / "run"
+    command = [sys.executable, "-m", "olmax.cli", "train", "tiny", "mesh.fsdp=1", "checkpoint.every=2",
+               f"data.mix_file={synth_mix}", f"output_dir={run}"]
+    proc = subprocess.run([*command, "train.steps=8"], capture_output=True, text=True, timeout=600, check=False)
+    assert proc.stderr == f"olmax: disk full writing checkpoint 4 in {run}/checkpoints: free space and run again\n"
+    assert proc.returncode == DiskFull.exit_code == EXIT_DISK_FULL and EXIT_DISK_FULL in NOT_RETRIED
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["2"]  # the partial write is gone
+    # A crash mid-write leaves Orbax's temporary directory: the next start removes it, with a warning.
+    subprocess.run(["mount", "-o", "remount,size=64m", str(small_disk)], check=True)
+    (run / "checkpoints" / "6.orbax-checkpoint-tmp-1234" / "params").mkdir(parents=True)
+    proc = subprocess.run([*command, "train.steps=4"], capture_output=True, text=True, timeout=600, check=False)
+    assert proc.returncode == 0, proc.stderr
+    assert f"removed {run}/checkpoints/6.orbax-checkpoint-tmp-1234: a checkpoint write that did not finish" in proc.stderr
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["2", "4"]

@@ -1,4 +1,6 @@
 import json
+import os
+import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -72,8 +74,61 @@ def test_gradient_accumulation_equals_one_big_batch(tmp_path, shards):
 
 
 def test_indivisible_global_batch_is_refused_before_anything_is_written(tmp_path, shards):
-    with pytest.raises(ConfigError, match="train.global_batch_instances 16 must be divisible"):
-        train(_cfg(tmp_path, shards, "bad", "train.micro_batch_per_device=3"), quiet=True)
-    with pytest.raises(ConfigError, match="divisible"):
-        train(_cfg(tmp_path, shards, "bad", "mesh.fsdp=-1", "train.global_batch_instances=12"), quiet=True)
+    with pytest.raises(ConfigError, match=r"train.global_batch_instances 16 must be divisible by data-parallel size 8 "
+                                          r"x train.micro_batch_per_device 3 = 24;"):
+        train(_cfg(tmp_path, shards, "bad", "mesh.fsdp=8", "train.micro_batch_per_device=3"), quiet=True)
+    with pytest.raises(ConfigError, match=r"train.global_batch_instances 12 must be divisible by the data-parallel "
+                                          r"size 8 \(mesh data x fsdp x expert\); change the global batch or the mesh"):
+        train(_cfg(tmp_path, shards, "bad", "mesh.fsdp=8", "train.global_batch_instances=12"), quiet=True)
     assert not Path(tmp_path, "bad").exists()
+
+
+def test_a_run_whose_parameters_become_infinite_stops_without_writing_them(tmp_path, synth_mix, capsys):
+    """1e39 is a finite float, but infinite as the float32 learning rate: step 1 makes the parameters infinite."""
+    from olmax.cli import main
+    from olmax.train.trainer import DIVERGED_EXIT_CODE
+
+    run = tmp_path / "run"
+    code = main(["train", "tiny", "mesh.fsdp=1", "train.steps=6", "checkpoint.every=1", "optim.lr=1e39",
+                 "schedule.warmup_steps=0", f"data.mix_file={synth_mix}", f"output_dir={run}"])
+    err = capsys.readouterr().err
+    assert code == DIVERGED_EXIT_CODE and code not in (0, 1, 2, 75), err
+    assert "the run diverged: the parameters are NaN or infinite (checked before writing checkpoint 1)" in err
+    assert "lower optim.lr" in err.lower() and "Traceback" not in err
+    assert not list((run / "checkpoints").glob("[0-9]*"))
+    # Without a checkpoint due, the first loss that is not finite finds it (step 2's, on step 1's parameters).
+    code = main(["train", "tiny", "mesh.fsdp=1", "train.steps=6", "checkpoint.every=6", "optim.lr=1e39",
+                 "schedule.warmup_steps=0", f"data.mix_file={synth_mix}", f"output_dir={tmp_path}/run2"])
+    assert code == DIVERGED_EXIT_CODE and "(train/CE loss nan at step 2)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name, make", [("checkpoints", Path.touch), ("tensorboard", Path.touch),
+                                        ("metrics.jsonl", Path.mkdir)])
+def test_an_output_path_taken_by_the_wrong_kind_is_refused_before_training(tmp_path, synth_mix, capsys, name, make):
+    from olmax.cli import main
+
+    (tmp_path / "run").mkdir()
+    make(tmp_path / "run" / name)
+    assert main(["train", "tiny", "mesh.fsdp=1", "train.steps=2", f"data.mix_file={synth_mix}",
+                 f"output_dir={tmp_path}/run"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and f"{tmp_path}/run/{name} is a " in err and "set another output_dir" in err
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == [name]
+
+
+def test_a_read_only_output_dir_is_refused_before_training(tmp_path, synth_mix, capsys):
+    from olmax.cli import main
+
+    mount = tmp_path / "ro"
+    mount.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(mount)],
+                                                  check=False).returncode:
+        pytest.skip("mounting a read-only tmpfs needs root")
+    try:
+        for run in (mount, mount / "run"):  # the directory itself, and one to be made in it
+            assert main(["train", "tiny", "mesh.fsdp=1", "train.steps=2", f"data.mix_file={synth_mix}",
+                         f"output_dir={run}"]) == 2
+            err = capsys.readouterr().err
+            assert len(err.splitlines()) == 1 and f"output_dir {run} cannot be written" in err, err
+    finally:
+        subprocess.run(["umount", str(mount)], check=True)

@@ -1,8 +1,9 @@
 """ZeRO-1 (`impl.shard_optimizer`): optimizer state sharded over the mesh axes a parameter is replicated on,
-training bitwise the same as with the replicated optimizer."""
+training as the replicated optimizer does, to float32 rounding of the gradient norm's sum."""
 
 import json
 
+import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
@@ -47,19 +48,28 @@ def _train(tmp_path, shards, name, *overrides):
     return train(cfg, quiet=True)
 
 
-def _logged(history):
-    return [(h["train/CE loss"], h["optim/total grad norm"], h["optim/step skipped"]) for h in history]
+# The two runs are two compiled programs: XLA may sum the gradient norm's squares in another order in each (seen:
+# 0.48335206 against 0.48335204 at step 14 on an AVX-512 Xeon, 4e-8 relative; bitwise equal on an AMD EPYC), and a
+# clipped step carries such an ulp into the update. The bound leaves room for 20 steps of that; the README states it.
+RTOL = 1e-5
+
+
+def _assert_same_run(history, reference):
+    """The same skip decisions; losses and grad norms within RTOL at every step."""
+    assert [h["optim/step skipped"] for h in history] == [h["optim/step skipped"] for h in reference]
+    for key in ("train/CE loss", "optim/total grad norm"):
+        np.testing.assert_allclose([h[key] for h in history], [h[key] for h in reference], rtol=RTOL, err_msg=key)
 
 
 @pytest.mark.parametrize("mesh", ["mesh.data=8 mesh.fsdp=1", "mesh.data=2 mesh.fsdp=4"])
-def test_sharded_optimizer_trains_bitwise_like_the_replicated_one_and_resumes_across(tmp_path, shards, mesh):
-    """20 steps with and without ZeRO-1 (pure data parallelism, and data x FSDP): the same losses, grad norms
-    and skip decisions to the bit; a sharded run's checkpoint resumes unsharded, bitwise as well."""
+def test_sharded_optimizer_trains_like_the_replicated_one_and_resumes_across(tmp_path, shards, mesh):
+    """20 steps with and without ZeRO-1 (pure data parallelism, and data x FSDP): the same skip decisions, the
+    same losses and grad norms to RTOL; a sharded run's checkpoint resumes unsharded, the same way."""
     replicated = _train(tmp_path, shards, "replicated", *mesh.split())
     sharded = _train(tmp_path, shards, "sharded", *mesh.split(), "impl.shard_optimizer=true")
-    assert _logged(sharded) == _logged(replicated)
+    _assert_same_run(sharded, replicated)
     first = _train(tmp_path, shards, "switched", *mesh.split(), "impl.shard_optimizer=true", "train.stop_after=10")
-    assert _logged(first + _train(tmp_path, shards, "switched", *mesh.split())) == _logged(replicated)
+    _assert_same_run(first + _train(tmp_path, shards, "switched", *mesh.split()), replicated)
 
 
 @needs_tpu

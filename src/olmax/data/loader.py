@@ -144,9 +144,10 @@ class Loader:
         missing = {"epoch", "tokens_processed", "seed", "fingerprint"} - set(state)
         if missing:
             raise DataError(f"the checkpoint's data state lacks {sorted(missing)}; it was not written by Loader.state_dict")
-        changes = []
-        if state["fingerprint"] != self.fingerprint:
-            changes = describe_change(state.get("dataset", {}), self.reader.shards.facts()) or ["fingerprint"]
+        saved = state.get("dataset")
+        changes = describe_change(saved, self.reader.shards.facts()) if saved else []
+        if state["fingerprint"] != self.fingerprint and not changes:
+            changes = ["fingerprint"]
         if state["seed"] != self.reader.seed:
             changes.append(f"data.seed {state['seed']} -> {self.reader.seed}")
         if changes:

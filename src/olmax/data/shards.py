@@ -23,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
+from olmax.config import writable_dir
 from olmax.errors import BadInput
 
 TOKEN_DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
@@ -30,6 +31,9 @@ FINGERPRINT_VERSION = "olmax-fsl-v1"
 # Tokens read from the head of every shard at startup, so a wrong token_dtype or
 # tokenizer fails before the first step rather than at some batch hours later.
 HEAD_CHECK_TOKENS = 4096
+# Bytes hashed at each end of every shard for the facts' content check: a shard rewritten with other tokens of
+# the same size is caught on resume, for two small reads per shard.
+CONTENT_HASH_BYTES = 1 << 16
 MAX_OPEN_FILES = 256
 # Written beside the shards by `olmax tokenize` and `olmax synth-data`: how they were written.
 SHARDS_RECORD = "shards.json"
@@ -94,9 +98,11 @@ def resolve_sources(paths: list[str], mix_file: str | None, base_dir: str | None
     return [Source(Path(p).stem, p) for p in paths]
 
 
-def count_tokens(path: str, token_dtype: str) -> int:
+def count_tokens(path: str, token_dtype: str, setting: str = "data.token_dtype") -> int:
     """Tokens in a shard, checking that it is a readable file, not empty, of whole tokens of the dtype it was
-    written with (when its directory records it)."""
+    written with: the one check every reader of shards (training, evals) applies. The dtype is the one its
+    directory's shards record names; without a record, the shard's head must not look like uint32 tokens read
+    as uint16. `setting` is what the user sets to choose the dtype, named in the errors."""
     if os.path.isdir(path):
         raise DataError(f"shard {path} is a directory, not a token shard; list the shard files in it instead")
     try:
@@ -105,19 +111,35 @@ def count_tokens(path: str, token_dtype: str) -> int:
         raise DataError(f"shard {path} does not exist; fix data.paths / data.mix_file or run `olmax tokenize`") from None
     if not os.access(path, os.R_OK):
         raise DataError(f"shard {path} is not readable (file permissions); fix them or remove it from the mix")
-    written = recorded(path).get("token_dtype", token_dtype)
+    if token_dtype not in TOKEN_DTYPES:
+        raise DataError(f"{setting} {token_dtype!r} is not one of {sorted(TOKEN_DTYPES)}")
+    record = recorded(path)
+    written = record.get("token_dtype", token_dtype)
     if written != token_dtype:
         raise DataError(f"shard {path} was written as {written} tokens ({Path(path).parent / SHARDS_RECORD} "
-                        f"says), not {token_dtype}; set data.token_dtype={written}")
+                        f"says), not {token_dtype}; set {setting}={written}")
     itemsize = np.dtype(TOKEN_DTYPES[token_dtype]).itemsize
     if size == 0:
         raise DataError(f"shard {path} is empty; remove it from the mix or re-run `olmax tokenize`")
     if size % itemsize:
         raise DataError(
             f"shard {path}: {size} bytes is not a multiple of the {itemsize}-byte {token_dtype} token; "
-            "the file is truncated or written with another data.token_dtype"
+            f"the file is truncated or written with another {setting}"
         )
+    if not record:
+        _check_plausible(path, np.fromfile(path, dtype=TOKEN_DTYPES[token_dtype], count=HEAD_CHECK_TOKENS), setting)
     return size // itemsize
+
+
+def _check_plausible(path: str, head: np.ndarray, setting: str) -> None:
+    """Refuse uint32 tokens read as uint16 (each id then reads as itself and a 0, or a 1 above 65535),
+    for shards that do not record their dtype."""
+    high, low = head[1::2], head[0::2]
+    if head.dtype.itemsize == 2 and len(high) >= 64 and np.mean(high <= 1) > 0.99 and np.mean(low <= 1) < 0.5:
+        raise DataError(
+            f"shard {path}: every other token is 0 or 1, as uint32 tokens read as uint16 are; set "
+            f"{setting}=uint32 (no {SHARDS_RECORD} beside the shard says how it was written)"
+        )
 
 
 class TokenShards:
@@ -164,11 +186,11 @@ class TokenShards:
             raise DataError(f"{self.num_instances} instances exceed OLMo-core's uint32 instance ids; split the mix")
         self._lock = threading.Lock()
         self._fds: OrderedDict[int, int] = OrderedDict()
+        self.contents = []
         for index in range(len(self.sources)):
             head = self._read_tokens(index, 0, min(HEAD_CHECK_TOKENS, self.sizes[index] // self.dtype.itemsize))
             self._check_ids(head, index, 0)
-            if not recorded(self.sources[index].path):
-                self._check_plausible(head, index)
+            self.contents.append(self._content_hash(index))
 
     def _checked_size(self, path: str) -> int:
         tokens = count_tokens(path, self.token_dtype)
@@ -198,6 +220,9 @@ class TokenShards:
             "sequence_length": self.sequence_length,
             # Names, not full paths, as OLMo-core: the same mix moved to another disk is the same data.
             "files": [[os.path.basename(s.path), size] for s, size in zip(self.sources, self.sizes)],
+            # Compared on resume beside the fingerprint, which stays a hash of names and sizes (as OLMo-core's),
+            # so that checkpoints written before these hashes existed still resume.
+            "contents": self.contents,
         }
         if self.mixture is not None:
             facts.update(mixture=self.mixture, instances=self.instances)
@@ -239,15 +264,13 @@ class TokenShards:
                 f"(it is {self.token_dtype})"
             )
 
-    def _check_plausible(self, head: np.ndarray, shard: int) -> None:
-        """Refuse uint32 tokens read as uint16 (each id then reads as itself and a 0, or a 1 above 65535),
-        for shards that do not record their dtype."""
-        high, low = head[1::2], head[0::2]
-        if self.dtype.itemsize == 2 and len(high) >= 64 and np.mean(high <= 1) > 0.99 and np.mean(low <= 1) < 0.5:
-            raise DataError(
-                f"shard {self.sources[shard].path}: every other token is 0 or 1, as uint32 tokens read as uint16 "
-                f"are; set data.token_dtype=uint32 (no {SHARDS_RECORD} beside the shard says how it was written)"
-            )
+    def _content_hash(self, shard: int) -> str:
+        """sha256 of the shard's first and last CONTENT_HASH_BYTES (the whole shard when smaller)."""
+        tokens = self.sizes[shard] // self.dtype.itemsize
+        block = CONTENT_HASH_BYTES // self.dtype.itemsize
+        head = self._read_tokens(shard, 0, min(block, tokens))
+        tail = self._read_tokens(shard, max(tokens - block, 0), min(block, tokens))
+        return hashlib.sha256(head.tobytes() + tail.tobytes()).hexdigest()
 
     def _read_tokens(self, shard: int, start: int, count: int, into: np.ndarray | None = None) -> np.ndarray:
         buffer = np.empty(count, dtype=self.dtype) if into is None else into
@@ -314,6 +337,11 @@ def describe_change(old: dict, new: dict) -> list[str]:
     for index, (was, now) in enumerate(zip(old_files, new_files)):
         if was != now:
             changes.append(f"shard {index}: {was[0]} ({was[1]} bytes) -> {now[0]} ({now[1]} bytes)")
+    if "contents" in old and len(old_files) == len(new_files):  # checkpoints before content hashes lack them
+        changes += [f"shard {index}: {now[0]} has other contents (same name and size)"
+                    for index, (was, now, old_hash, new_hash) in enumerate(zip(old_files, new_files, old["contents"],
+                                                                               new["contents"]))
+                    if was == now and old_hash != new_hash]
     return changes + _mixture_changes(old, new)
 
 
@@ -380,7 +408,13 @@ def new_output_dir(out: str | os.PathLike, command: str):
     if out.is_dir() and any(out.iterdir()):
         raise DataError(f"{out} is not empty (shards of an earlier run?); {command} writes into a new or empty "
                         "directory: choose another, or delete this one")
-    partial = out.resolve().parent / f".{out.resolve().name}.partial-{os.getpid()}"
+    parent, name = out.resolve().parent, out.resolve().name
+    for stale in parent.glob(f".{name}.partial-*"):  # left by a process killed outright (kill -9, power loss)
+        pid = stale.name.rpartition("-")[2]
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(stale, ignore_errors=True)
+    writable_dir(parent, "--out")
+    partial = parent / f".{name}.partial-{os.getpid()}"
     partial.mkdir(parents=True)
     try:
         yield partial
@@ -388,6 +422,16 @@ def new_output_dir(out: str | os.PathLike, command: str):
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
         raise
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def write_shard(path: str | os.PathLike, tokens: np.ndarray) -> None:

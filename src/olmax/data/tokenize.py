@@ -162,7 +162,8 @@ def _init_worker(tokenizer_path: str, eos_id: int, dtype: str) -> None:
 def _encode_chunk(chunk: tuple[str, list[tuple[int, str]]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(tokens with EOS after each document, tokens per document, text bytes per document)."""
     path, raw = chunk
-    texts = [_parse(Path(path), line, number) for number, line in raw]
+    # A document without text would be a lone EOS in the shards: it is not a document.
+    texts = [text for number, line in raw if (text := _parse(Path(path), line, number)).strip()]
     encodings = _worker["tokenizer"].encode_batch_fast(texts, add_special_tokens=False)
     lengths = np.array([len(e.ids) + 1 for e in encodings], dtype=np.int64)
     tokens = np.empty(int(lengths.sum()), dtype=_worker["dtype"])
@@ -258,7 +259,7 @@ def tokenize_corpus(
         names, documents, tokens, text_bytes = _write_shards(files, partial, str(tokenizer_path), eos_id, dtype,
                                                              shard_tokens, workers, progress)
         if not names:
-            raise DataError(f"the inputs {inputs} hold no documents")
+            raise DataError(f"the inputs {inputs} hold no documents with text (empty ones are skipped)")
         write_mix_file(partial / "mix.txt", [Source(label or out.resolve().name, str(partial / n)) for n in names])
         write_shards_record(partial, names, token_dtype=dtype, vocab_size=vocab_size, eos_id=eos_id)
         result = TokenizeResult(

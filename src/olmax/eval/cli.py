@@ -31,6 +31,14 @@ def _reports_errors(command):
     return run
 
 
+def _writable(out: str | None) -> None:
+    """Refuse an --out that cannot be written before the work whose results it would hold."""
+    from olmax.config import writable_dir
+
+    if out:
+        writable_dir(Path(out).absolute().parent, "--out")
+
+
 def _print_json(report: dict, out: str | None) -> None:
     text = json.dumps(report, indent=2)
     if out:
@@ -41,14 +49,16 @@ def _print_json(report: dict, out: str | None) -> None:
 
 def _selection(args, model):
     from olmax.eval.documents import select, sets_from_argument
+    from olmax.eval.models import EvalError
 
+    if args.tokens is not None and args.tokens < 1:
+        raise EvalError(f"--tokens {args.tokens}: give a positive number of tokens per set, or leave it out for all")
     data = model.cfg.data
     token_dtype = args.token_dtype or data.token_dtype
-    sets = [s for argument in args.data for s in sets_from_argument(argument, token_dtype=token_dtype, eos_id=data.eos_id)]
+    sets = [s for argument in args.data
+            for s in sets_from_argument(argument, token_dtype=token_dtype, eos_id=data.eos_id)]
     labels = [s.label for s in sets]
     if len(set(labels)) != len(labels):
-        from olmax.eval.models import EvalError
-
         raise EvalError(f"eval set labels {labels} repeat; name the sets with --data LABEL=PATH")
     return select(sets, sequence_length=args.seq_len or data.sequence_length, tokens=args.tokens, seed=args.seed)
 
@@ -82,6 +92,7 @@ def load_model(path: str | Path):
 
 @_reports_errors
 def cmd_heldout(args) -> None:
+    _writable(args.out)
     import jax
 
     from olmax.eval.heldout import evaluate
@@ -98,6 +109,7 @@ def cmd_heldout(args) -> None:
 
 @_reports_errors
 def cmd_kl(args) -> None:
+    _writable(args.out)
     from olmax.eval import kl
     from olmax.eval.models import eval_layout
 
@@ -144,6 +156,7 @@ def _harness_results(path: str, args) -> dict:
 
 @_reports_errors
 def cmd_harness(args) -> None:
+    _writable(args.out)
     from olmax.eval.harness import deltas
 
     a = _harness_results(args.model, args)
@@ -158,10 +171,14 @@ def cmd_harness(args) -> None:
 def cmd_compare(args) -> None:
     from olmax.eval import curves
 
+    first = Path(args.a)
+    out = Path(args.out or (first if first.is_dir() else first.parent) / "compare")
+    _writable(str(out))
     a = curves.read_curve(args.a, args.metric)
     b = curves.read_curve(args.b, args.metric_b or args.metric)
-    result = curves.compare(a, b, window=args.window, smooth=args.smooth, ranges=curves.parse_ranges(args.ranges))
-    out = Path(args.out)
+    window = args.window or curves.default_window(a, b)
+    smooth = window * (curves.SMOOTH // curves.WINDOW) if args.smooth is None else args.smooth
+    result = curves.compare(a, b, window=window, smooth=smooth, ranges=curves.parse_ranges(args.ranges))
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".tsv").write_text(curves.window_table(result))
     curves.plot(a, b, result, args.metric, out.with_suffix(".png"))
@@ -217,8 +234,9 @@ def add_commands(subparsers) -> None:
     p.add_argument("b", help="the same kinds; deltas are B - A")
     p.add_argument("--metric", default="train/CE loss")
     p.add_argument("--metric-b", help="metric name in B (default: --metric)")
-    p.add_argument("--window", type=int, default=2000, help="steps per window of means")
-    p.add_argument("--smooth", type=int, default=18000, help="steps the smoothed delta averages over")
+    p.add_argument("--window", type=int, help="steps per window of means (default 2000, less on runs shorter "
+                   "than 20 windows)")
+    p.add_argument("--smooth", type=int, help="steps the smoothed delta averages over (default 9 windows: 18000)")
     p.add_argument("--ranges", help="summaries per step range too: lo:hi,lo:hi (hi may be empty)")
-    p.add_argument("--out", default="compare", help="writes OUT.tsv, OUT.png and OUT.json (default: ./compare)")
+    p.add_argument("--out", help="writes OUT.tsv, OUT.png and OUT.json (default: compare.* in A, or beside A's file)")
     p.set_defaults(func=cmd_compare)

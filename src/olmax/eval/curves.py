@@ -173,6 +173,18 @@ def _smoothed(index: np.ndarray, delta: np.ndarray, radius: int) -> np.ndarray:
     return (total[hi] - total[lo]) / (count[hi] - count[lo])
 
 
+WINDOW, SMOOTH = 2000, 18000  # steps: the MaxText reproduction's windowed means and smoothing of their delta
+MIN_WINDOWS = 20  # windows a comparison gets at least, where WINDOW would give fewer
+
+
+def default_window(a: Curve, b: Curve) -> int:
+    """WINDOW, shrunk on runs sharing fewer than MIN_WINDOWS x WINDOW steps, so that a short run gives a curve,
+    not one point (the smoothing follows: SMOOTH / WINDOW windows)."""
+    shared = np.intersect1d(a.steps, b.steps)
+    span = int(shared[-1] - shared[0]) + 1 if shared.size else 1
+    return max(1, min(WINDOW, span // MIN_WINDOWS))
+
+
 def compare(a: Curve, b: Curve, *, window: int, smooth: int = 0, ranges: list[tuple[int, int]] = ()) -> dict:
     """{"windows": columns of the window table, "summary": {"all": stats, "lo:hi": stats, ...}}."""
     if window < 1 or smooth < 0:

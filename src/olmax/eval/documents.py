@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from olmax.data.shards import TOKEN_DTYPES, DataError, read_mix_file
+from olmax.data.shards import TOKEN_DTYPES, DataError, count_tokens, read_mix_file
 
 SCAN_TOKENS = 1 << 24  # tokens scanned for EOS at a time, so a large shard never sits in memory whole
 
@@ -93,18 +93,11 @@ def _document_offsets(path: str, tokens: np.ndarray, eos_id: int) -> np.ndarray:
     return offsets
 
 
-def open_shard(path: str, *, token_dtype: str, eos_id: int) -> Shard:
-    if token_dtype not in TOKEN_DTYPES:
-        raise DataError(f"token dtype {token_dtype!r} is not one of {sorted(TOKEN_DTYPES)}")
+def open_shard(path: str, *, token_dtype: str, eos_id: int, setting: str = "data.token_dtype") -> Shard:
+    """The shard as its documents, after the checks training applies to a shard (its dtype record included);
+    `setting` is what chooses the dtype, named in the errors."""
+    count_tokens(path, token_dtype, setting)
     dtype = np.dtype(TOKEN_DTYPES[token_dtype])
-    if os.path.isdir(path):
-        raise DataError(f"eval shard {path} is a directory; give its shard files or a mix file (.txt)")
-    try:
-        size = os.path.getsize(path)
-    except FileNotFoundError:
-        raise DataError(f"eval shard {path} does not exist; fix the eval set's paths or mix file") from None
-    if size == 0 or size % dtype.itemsize:
-        raise DataError(f"eval shard {path}: {size} bytes is not a whole, non-zero number of {token_dtype} tokens")
     tokens = np.memmap(path, dtype=dtype, mode="r")
     side = sidecar_path(path)
     if not side.is_file():
@@ -120,10 +113,11 @@ def open_shard(path: str, *, token_dtype: str, eos_id: int) -> Shard:
     return Shard(path, tokens, offsets, text_bytes)
 
 
-def open_eval_set(label: str, paths: list[str], *, token_dtype: str, eos_id: int) -> EvalSet:
+def open_eval_set(label: str, paths: list[str], *, token_dtype: str, eos_id: int,
+                  setting: str = "data.token_dtype") -> EvalSet:
     if not paths:
         raise DataError(f"eval set {label!r} has no shards")
-    return EvalSet(label, [open_shard(p, token_dtype=token_dtype, eos_id=eos_id) for p in paths])
+    return EvalSet(label, [open_shard(p, token_dtype=token_dtype, eos_id=eos_id, setting=setting) for p in paths])
 
 
 def shard_paths(paths: list[str], mix_file: str | None) -> list[str]:
@@ -131,18 +125,19 @@ def shard_paths(paths: list[str], mix_file: str | None) -> list[str]:
     return [s.path for s in read_mix_file(mix_file)] if mix_file else list(paths)
 
 
-def sets_from_argument(argument: str, *, token_dtype: str, eos_id: int) -> list[EvalSet]:
+def sets_from_argument(argument: str, *, token_dtype: str, eos_id: int, setting: str = "--token-dtype") -> list[EvalSet]:
     """`[LABEL=]PATH`: a shard, or a mix file (`.txt`). Without LABEL a mix file gives one set per label in
     it (Paloma's domains), and a shard is labeled by its file name."""
     label, sep, path = argument.partition("=")
     if not sep:
         label, path = "", argument
     if Path(path).suffix != ".txt":
-        return [open_eval_set(label or Path(path).stem, [path], token_dtype=token_dtype, eos_id=eos_id)]
+        return [open_eval_set(label or Path(path).stem, [path], token_dtype=token_dtype, eos_id=eos_id,
+                              setting=setting)]
     sources = read_mix_file(path)
     groups = {label: sources} if label else {name: [s for s in sources if s.label == name]
                                               for name in dict.fromkeys(s.label for s in sources)}
-    return [open_eval_set(name, [s.path for s in group], token_dtype=token_dtype, eos_id=eos_id)
+    return [open_eval_set(name, [s.path for s in group], token_dtype=token_dtype, eos_id=eos_id, setting=setting)
             for name, group in groups.items()]
 
 

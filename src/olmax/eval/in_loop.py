@@ -11,7 +11,7 @@ evaluator is made; every evaluation then reads the very same rows.
 from __future__ import annotations
 
 from olmax.config import RunConfig
-from olmax.eval.documents import open_eval_set, select, shard_paths
+from olmax.eval.documents import Selection, open_eval_set, select, shard_paths
 from olmax.eval.heldout import evaluate, make_row_losses
 from olmax.parallel.mesh import Layout
 
@@ -26,6 +26,14 @@ def lm_metrics(results: dict) -> dict[str, float]:
     return out
 
 
+def eval_selection(cfg: RunConfig) -> Selection:
+    """The documents and rows of the config's held-out sets that every in-loop evaluation reads."""
+    e, data = cfg.eval, cfg.data
+    sets = [open_eval_set(s.label, shard_paths(s.paths, s.mix_file), token_dtype=data.token_dtype,
+                          eos_id=data.eos_id) for s in e.sets]
+    return select(sets, sequence_length=data.sequence_length, tokens=e.tokens, seed=e.seed)
+
+
 class InLoopEval:
     """`evaluate(step, params) -> metrics`: the evaluations due at `step` ({} when none is), on the train
     state's params (on `layout`). `due(step)` says beforehand whether there will be any, so the trainer can
@@ -33,12 +41,10 @@ class InLoopEval:
 
     def __init__(self, cfg: RunConfig, layout: Layout):
         self.cfg, self.layout = cfg, layout
-        e, data = cfg.eval, cfg.data
+        e = cfg.eval
         self.selection = None
         if e.every is not None:
-            sets = [open_eval_set(s.label, shard_paths(s.paths, s.mix_file), token_dtype=data.token_dtype,
-                                  eos_id=data.eos_id) for s in e.sets]
-            self.selection = select(sets, sequence_length=data.sequence_length, tokens=e.tokens, seed=e.seed)
+            self.selection = eval_selection(cfg)
             self.row_losses = make_row_losses(cfg, layout)
         self.rows = e.batch_instances or (cfg.train.micro_batch_per_device * layout.data_parallel_size
                                           if cfg.train.micro_batch_per_device else cfg.train.global_batch_instances)

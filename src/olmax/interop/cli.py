@@ -20,7 +20,8 @@ def cmd_hf_to_olmax(args) -> None:
 def cmd_olmax_to_hf(args) -> None:
     from olmax.interop.hf import olmax_to_hf
 
-    cfg, step = olmax_to_hf(args.ckpt, args.out, dtype=args.dtype, max_shard_bytes=int(args.max_shard_gb * 2**30))
+    cfg, step = olmax_to_hf(args.ckpt, args.out, dtype=args.dtype, max_shard_bytes=int(args.max_shard_gb * 2**30),
+                            tokenizer=args.tokenizer)
     from olmax.model.families import HF_CLASSES
 
     print(f"wrote {args.out}: {HF_CLASSES[cfg.model.family]} ({args.dtype}) from {args.ckpt} step {step}, "
@@ -56,6 +57,7 @@ def add_commands(subparsers) -> None:
     p.add_argument("out", help="new directory for config.json and safetensors")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="tensor dtype written")
     p.add_argument("--max-shard-gb", type=float, default=5.0, help="split into shards of at most this size")
+    p.add_argument("--tokenizer", help="the run's tokenizer.json, copied into OUT (HF's AutoTokenizer reads it)")
     p.set_defaults(func=cmd_olmax_to_hf)
 
     p = subparsers.add_parser("parity", help="logit parity of an olmax checkpoint against HF / OLMo-core")

@@ -27,7 +27,7 @@ import ml_dtypes
 import numpy as np
 
 from olmax.checkpoint import Checkpointer, run_meta
-from olmax.config import CheckpointConfig, ModelConfig, RunConfig
+from olmax.config import CheckpointConfig, ModelConfig, RunConfig, writable_dir
 from olmax.interop import InteropError, stream
 from olmax.model import families
 from olmax.model.weights import load_olmax
@@ -155,6 +155,7 @@ def hf_to_olmax(src: str | Path, out: str | Path) -> RunConfig:
     src, out = Path(src), Path(out)
     if out.exists() and any(out.iterdir()):
         raise InteropError(f"{out} exists and is not empty; choose a new output directory")
+    writable_dir(out, "output directory")
     cfg = families.from_hf(read_hf_config(src), name=src.absolute().name, where=str(src / "config.json"))
     params = load_hf_params(src, cfg)
     meta = run_meta(cfg, 0, {})
@@ -181,11 +182,13 @@ def _plan_shards(cfg: RunConfig, itemsize: int, max_shard_bytes: int) -> list[li
 
 
 def write_hf(cfg: RunConfig, params: dict, out: str | Path, dtype: str = "float32",
-             max_shard_bytes: int = 5 * 2**30) -> Path:
+             max_shard_bytes: int = 5 * 2**30, tokenizer: str | Path | None = None) -> Path:
     """safetensors (one file, or shards + index) and config.json for the family's transformers class
-    (`Olmo3ForCausalLM` / `OlmoeForCausalLM`.from_pretrained)."""
+    (`Olmo3ForCausalLM` / `OlmoeForCausalLM`.from_pretrained), and a copy of `tokenizer` (a tokenizer.json)."""
     out = Path(out)
     families.check_exportable(cfg.model)
+    if tokenizer is not None and not Path(tokenizer).is_file():
+        raise InteropError(f"tokenizer {tokenizer} is not a file; give the run's tokenizer.json")
     if out.exists() and any(out.iterdir()):
         raise InteropError(f"{out} exists and is not empty; choose a new output directory")
     if dtype not in EXPORT_DTYPES:
@@ -196,6 +199,8 @@ def write_hf(cfg: RunConfig, params: dict, out: str | Path, dtype: str = "float3
     partial.mkdir()
     try:
         _write_hf_files(cfg, params, partial, dtype, np_dtype, max_shard_bytes)
+        if tokenizer is not None:
+            shutil.copyfile(tokenizer, partial / "tokenizer.json")
         os.replace(partial, out)  # the directory appears complete or not at all
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
@@ -222,11 +227,13 @@ def _write_hf_files(cfg: RunConfig, params: dict, out: Path, dtype: str, np_dtyp
 
 
 def olmax_to_hf(ckpt: str | Path, out: str | Path, dtype: str = "float32",
-                max_shard_bytes: int = 5 * 2**30) -> tuple[RunConfig, int]:
-    """Export the latest step of an olmax checkpoint as an HF Olmo3 / OLMoE directory; (config, step)."""
+                max_shard_bytes: int = 5 * 2**30, tokenizer: str | Path | None = None) -> tuple[RunConfig, int]:
+    """Export the latest step of an olmax checkpoint as an HF Olmo3 / OLMoE directory (with a copy of
+    `tokenizer`); (config, step)."""
     out = Path(out)
     if out.exists() and any(out.iterdir()):
         raise InteropError(f"{out} exists and is not empty; choose a new output directory")
+    writable_dir(out, "output directory")
     cfg, params, step = load_olmax(ckpt)
-    write_hf(cfg, params, out, dtype, max_shard_bytes)
+    write_hf(cfg, params, out, dtype, max_shard_bytes, tokenizer)
     return cfg, step

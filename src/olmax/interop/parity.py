@@ -10,9 +10,11 @@ is judged against the reference's own float32 error, measured by running the
 reference in float64 on the same inputs (an HF model with weights x3 differs
 from itself in float64 by 2e-4, so a fixed bound cannot be right for every
 model): olmax in float32 must be within NOISE_MULTIPLE times that error of the
-float64 reference. Without the float64 run (`float64_reference=False`, for
-models whose float64 copy does not fit in memory) a fixed 1e-4 bound applies.
-KL and top-1 bounds are exact-math; in bfloat16 they are the MaxText
+float64 reference, and its mean KL from the float64 reference within
+NOISE_MULTIPLE squared times the reference's own float32 KL to it (see `judged`).
+Without the float64 run (`float64_reference=False`, for models whose float64
+copy does not fit in memory) fixed bounds apply: 1e-4 on max |delta logit| and
+1e-9 on mean KL. The top-1 bound is exact-math; in bfloat16 the bounds are the MaxText
 reproduction's figures (mean KL 1.5e-3, top-1 agreement 98.75%).
 """
 
@@ -26,6 +28,7 @@ import jax
 import numpy as np
 
 from olmax.config import RunConfig
+from olmax.data.shards import count_tokens
 from olmax.interop import InteropError
 from olmax.interop.hf import read_hf_config
 from olmax.model import families, transformer
@@ -56,6 +59,8 @@ class Agreement:
     float64: bool = False  # whether the float64 reference's figures below were measured
     reference_float32_error: float = 0.0  # max |reference in float32 - reference in float64|
     max_abs_logit_delta_float64: float = 0.0  # max |olmax - reference in float64|
+    reference_float32_kl_max: float = 0.0  # max over tokens of KL(reference in float64 || reference in float32)
+    kl_float64_sum: float = 0.0  # KL(reference in float64 || olmax), summed over tokens
 
     def add(self, reference: np.ndarray, test: np.ndarray, reference64: np.ndarray | None = None) -> None:
         """reference, test: float32 logits [..., vocab] over the same positions; reference64: the reference's
@@ -71,12 +76,13 @@ class Agreement:
                                                    float(np.abs(reference[part] - reference64[part]).max()))
                 self.max_abs_logit_delta_float64 = max(self.max_abs_logit_delta_float64,
                                                        float(np.abs(test[part] - reference64[part]).max()))
+                self.reference_float32_kl_max = max(self.reference_float32_kl_max,
+                                                    float(_kl(reference64[part], reference[part]).max()))
+                self.kl_float64_sum += float(_kl(reference64[part], test[part]).sum())
 
     def _add_chunk(self, reference: np.ndarray, test: np.ndarray) -> None:
         self.max_abs_logit_delta = max(self.max_abs_logit_delta, float(np.abs(reference - test).max()))
-        log_p = _log_softmax(reference.astype(np.float64))
-        log_q = _log_softmax(test.astype(np.float64))
-        kl = (np.exp(log_p) * (log_p - log_q)).sum(-1)
+        kl = _kl(reference, test)
         self.kl_sum += float(kl.sum())
         self.kl_max = max(self.kl_max, float(kl.max()))
         self.top1_same += int((reference.argmax(-1) == test.argmax(-1)).sum())
@@ -97,8 +103,17 @@ class Agreement:
         }
         if self.float64:
             summary |= {"reference_float32_error": self.reference_float32_error,
-                        "max_abs_logit_delta_float64": self.max_abs_logit_delta_float64}
+                        "max_abs_logit_delta_float64": self.max_abs_logit_delta_float64,
+                        "reference_float32_kl_max": self.reference_float32_kl_max,
+                        "kl_mean_float64": self.kl_float64_sum / self.tokens}
         return summary
+
+
+def _kl(p_logits: np.ndarray, q_logits: np.ndarray) -> np.ndarray:
+    """KL(p || q) per position, in float64."""
+    log_p = _log_softmax(p_logits.astype(np.float64))
+    log_q = _log_softmax(q_logits.astype(np.float64))
+    return (np.exp(log_p) * (log_p - log_q)).sum(-1)
 
 
 def _log_softmax(x: np.ndarray) -> np.ndarray:
@@ -108,11 +123,18 @@ def _log_softmax(x: np.ndarray) -> np.ndarray:
 
 def judged(thresholds: dict, summary: dict) -> dict:
     """The thresholds for this comparison: with a float64 reference, olmax's distance from it is held to a
-    multiple of the reference's own float32 error instead of a fixed max |delta logit|."""
+    multiple of the reference's own float32 distance instead of a fixed bound, for max |delta logit| and KL.
+
+    KL grows with the square of a logit error, hence NOISE_MULTIPLE squared. Its scale is the reference's
+    worst token, not its mean: a mean over a few tokens is ruled by the one or two whose top candidates are
+    nearly tied, and which tokens those are differs between two float32 computations (measured: olmax's mean
+    KL was up to 9x the reference's mean and up to 1.7x its worst token over 48 random inputs of peaked models).
+    """
     if "max_abs_logit_delta" not in thresholds or "reference_float32_error" not in summary:
         return thresholds
-    rest = {k: v for k, v in thresholds.items() if k != "max_abs_logit_delta"}
-    return {"max_abs_logit_delta_float64": ("<=", NOISE_MULTIPLE * summary["reference_float32_error"]), **rest}
+    rest = {k: v for k, v in thresholds.items() if k not in ("max_abs_logit_delta", "kl_mean")}
+    return {"max_abs_logit_delta_float64": ("<=", NOISE_MULTIPLE * summary["reference_float32_error"]),
+            "kl_mean_float64": ("<=", NOISE_MULTIPLE**2 * summary["reference_float32_kl_max"]), **rest}
 
 
 def failures(summary: dict, thresholds: dict) -> list[str]:
@@ -220,6 +242,7 @@ def random_tokens(vocab_size: int, batches: int, batch_size: int, seq_len: int, 
 def shard_tokens(path: Path, dtype: str, vocab_size: int, batches: int, batch_size: int, seq_len: int) -> np.ndarray:
     """The first batches x batch_size instances of seq_len tokens of a raw token shard."""
     need = batches * batch_size * seq_len
+    count_tokens(str(path), dtype)  # the dtype check every reader of shards applies
     tokens = np.fromfile(path, dtype=dtype, count=need)
     if len(tokens) < need:
         raise InteropError(f"{path} has {len(tokens)} tokens; {batches} x {batch_size} x {seq_len} need {need}")
@@ -292,7 +315,9 @@ ROWS = (("kl_mean", "mean KL", "{:.3e}"), ("kl_max", "max KL", "{:.3e}"),
         ("top1_agreement", "top-1 agreement", "{:.4%}"), ("top10_overlap", "top-10 overlap", "{:.4%}"),
         ("max_abs_logit_delta", "max |delta logit|", "{:.3e}"),
         ("max_abs_logit_delta_float64", "  vs float64 ref", "{:.3e}"),
-        ("reference_float32_error", "ref float32 error", "{:.3e}"), ("tokens", "tokens", "{:,}"))
+        ("reference_float32_error", "ref float32 error", "{:.3e}"),
+        ("kl_mean_float64", "mean KL vs float64", "{:.3e}"), ("reference_float32_kl_max", "ref float32 max KL", "{:.3e}"),
+        ("tokens", "tokens", "{:,}"))
 
 
 def format_report(report: dict) -> str:

@@ -6,6 +6,8 @@ happens next (`olmax train`'s exit code contract):
 
     0           finished: the step target is reached; stop.
     2           bad input (config, data, checkpoint): retrying cannot help; stop.
+    3           diverged (the parameters became NaN/inf): a retry would repeat it bitwise; stop.
+    74          disk full writing a checkpoint: a retry cannot help until space is freed; stop.
     75          preempted after writing a checkpoint: restart at once, not a failure.
     other/signal  crashed: restart after a backoff.
 
@@ -47,14 +49,18 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from olmax import run_lock
 from olmax.config import load_config, writable_dir
 from olmax.launch.distributed import ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID
-from olmax.runtime import received_signal
+from olmax.runtime import release_stop_signals
 
 EXIT_FINISHED = 0
 EXIT_BAD_INPUT = 2
+EXIT_DIVERGED = 3
+EXIT_DISK_FULL = 74  # EX_IOERR
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL
 EXIT_GAVE_UP = 1
+NOT_RETRIED = (EXIT_BAD_INPUT, EXIT_DIVERGED, EXIT_DISK_FULL)
 
 TRAIN_COMMAND = (sys.executable, "-m", "olmax.cli", "train")
 # How long the other processes of a group may take to exit on their own once one has exited cleanly
@@ -88,7 +94,8 @@ def exit_reason(returncode: int) -> str:
             return f"killed by {signal.Signals(-returncode).name}"
         except ValueError:
             return f"killed by signal {-returncode}"
-    return {EXIT_FINISHED: "finished", EXIT_BAD_INPUT: "bad input", EXIT_PREEMPTED: "preempted"}.get(
+    return {EXIT_FINISHED: "finished", EXIT_BAD_INPUT: "bad input", EXIT_DIVERGED: "diverged",
+            EXIT_DISK_FULL: "disk full", EXIT_PREEMPTED: "preempted"}.get(
         returncode, f"crashed (exit {returncode})"
     )
 
@@ -178,7 +185,7 @@ class Supervisor:
             if None not in codes:
                 break
             if exit_order and deadline is None:
-                if any(codes[i] not in (EXIT_FINISHED, EXIT_BAD_INPUT, EXIT_PREEMPTED) for i in exit_order):
+                if any(codes[i] not in (EXIT_FINISHED, *NOT_RETRIED, EXIT_PREEMPTED) for i in exit_order):
                     deadline = time.monotonic()  # a crash: the others are stuck waiting for it in a collective
                 else:
                     deadline = time.monotonic() + self.stop_grace
@@ -227,13 +234,14 @@ class Supervisor:
         )
 
     def run(self) -> int:
-        """Attempts until done; the exit code for `olmax launch` (0 finished, 2 bad input, 75 stopped
-        by a signal, 1 gave up after max_retries failures in a row)."""
+        """Attempts until done; the exit code for `olmax launch` (0 finished, 2 bad input, 3 diverged,
+        74 disk full, 75 stopped by a signal, 1 gave up after max_retries failures in a row)."""
         previous = self._install_signal_handlers()
         try:
-            if received_signal() is not None:  # it came while the CLI started up, holding it
-                self._on_signal(received_signal(), None)
-            return self._loop()
+            with run_lock.hold(self.run_dir) as holder:  # for the whole run: its trainers check they run for it
+                self.env[run_lock.ENV_RUN_LOCK] = holder
+                release_stop_signals()  # one that came while the CLI started up, holding it, stops the run now
+                return self._loop()
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
@@ -268,8 +276,8 @@ class Supervisor:
                 failures_in_a_row = 0
             if all(c == EXIT_FINISHED for c in codes):
                 result, record["action"] = EXIT_FINISHED, "done"
-            elif code == EXIT_BAD_INPUT:
-                result, record["action"] = EXIT_BAD_INPUT, "stop: bad input is not retried (see the error above)"
+            elif code in NOT_RETRIED:
+                result, record["action"] = code, f"stop: {exit_reason(code)} is not retried (see the error above)"
             elif after >= self.target_step:
                 result, record["action"] = EXIT_FINISHED, f"done: the final checkpoint {after} was written"
             elif self._stop_signal is not None:

@@ -101,7 +101,7 @@ def compile_train_step(cfg: RunConfig, target: Target, mfu: float) -> dict:
         "sequence_length": cfg.data.sequence_length,
         # `auto` settings as the model resolves them for the target's devices, not for this host
         "compute_dtype": jnp.dtype(transformer.compute_dtype(cfg.impl, layout)).name,
-        "attention": attention.implementation(cfg.impl, layout),
+        "attention": attention.implementation(cfg.impl, layout, cfg.data.sequence_length),
         "fp8": cfg.impl.fp8,
         "loss_chunk": cfg.impl.loss_chunk,
         "remat": cfg.impl.remat,

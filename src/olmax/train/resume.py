@@ -10,9 +10,10 @@ import logging
 import jax
 
 from olmax.checkpoint import Checkpointer, CheckpointError, UnreadableCheckpoint, check_model_compatible, locate
-from olmax.config import ModelConfig, RunConfig, upgrade
+from olmax.config import ModelConfig, RunConfig, ScheduleConfig, upgrade
 from olmax.model import families
 from olmax.parallel.mesh import Layout
+from olmax.train.optimizer import lr_at
 from olmax.train.step import TrainState, abstract_state, create_state
 
 log = logging.getLogger(__name__)
@@ -116,3 +117,27 @@ def resume_data(cfg: RunConfig, loader, meta: dict | None, step: int, where: str
             "restore the checkpoint from a copy, or move it away to resume from the one before"
         )
     return tokens, data_offset
+
+
+def schedule_change(saved: dict, cfg: RunConfig, step: int) -> str | None:
+    """What changed in the LR schedule since the checkpoint's config, with the LR of the next step under both
+    (a longer train.steps stretches the decay's horizon: the LR jumps); None when nothing did."""
+    try:
+        before = ScheduleConfig.model_validate(saved["schedule"])
+        peak_before, steps_before = saved["optim"]["lr"], saved["train"]["steps"]
+    except (KeyError, ValueError):  # a config of an older olmax, schedule keys since changed: nothing to compare
+        return None
+    horizon_before = before.horizon_steps or steps_before
+    horizon = cfg.schedule.horizon_steps or cfg.train.steps
+    changes = [f"schedule.{k} {v!r} -> {getattr(cfg.schedule, k)!r}" for k, v in before if k != "horizon_steps"
+               and v != getattr(cfg.schedule, k)]
+    if peak_before != cfg.optim.lr:
+        changes.append(f"optim.lr {peak_before!r} -> {cfg.optim.lr!r}")
+    if horizon_before != horizon:
+        changes.append(f"horizon {horizon_before} -> {horizon} steps")
+    if not changes:
+        return None
+    lr_before = float(lr_at(before, peak_before, steps_before, step + 1))
+    lr_now = float(lr_at(cfg.schedule, cfg.optim.lr, cfg.train.steps, step + 1))
+    return (f"the LR schedule changed since the checkpoint ({', '.join(changes)}): the LR of step {step + 1} is "
+            f"{lr_now:.4e}, {lr_before:.4e} under the checkpoint's schedule")

@@ -12,6 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from olmax.config import ConfigError
+
 
 def _train(config: str, overrides: list[str], run_dir: Path, steps: int, stop_after: int | None, every: int) -> None:
     args = [sys.executable, "-m", "olmax.cli", "train", config, *overrides, f"output_dir={run_dir}",
@@ -30,7 +32,8 @@ def resume_check(config: str, overrides: list[str], at: int, steps: int, out: Pa
                  metric: str = "train/CE loss") -> list[tuple[int, float, float, float]]:
     """(step, continuous, resumed, delta) for every step after the resume."""
     if not 0 < at < steps:
-        raise ValueError(f"--at {at} must be between 0 and --steps {steps}")
+        raise ConfigError(f"--at {at} must be between 0 and --steps {steps} (exclusive): the run stops and resumes "
+                          "after step --at and is compared up to step --steps")
     continuous, resumed = out / "continuous", out / "resumed"
     for run_dir in (continuous, resumed):
         shutil.rmtree(run_dir, ignore_errors=True)

@@ -90,11 +90,13 @@ def micro_batch_rows(cfg: RunConfig, dp_size: int) -> int:
     global_batch = cfg.train.global_batch_instances
     per_device = cfg.train.micro_batch_per_device
     rows = global_batch if per_device is None else per_device * dp_size
-    if global_batch % dp_size or global_batch % rows:
+    if global_batch % dp_size:
+        raise ConfigError(f"train.global_batch_instances {global_batch} must be divisible by the data-parallel size "
+                          f"{dp_size} (mesh data x fsdp x expert); change the global batch or the mesh")
+    if global_batch % rows:
         raise ConfigError(
             f"train.global_batch_instances {global_batch} must be divisible by data-parallel size {dp_size} "
-            f"x train.micro_batch_per_device {per_device or global_batch // dp_size} = {rows}; "
-            "change the global batch or the micro-batch"
+            f"x train.micro_batch_per_device {per_device} = {rows}; change the global batch or the micro-batch"
         )
     pipeline.check_rows(pipeline.schedule_for(cfg), rows // dp_size)
     return rows

@@ -14,9 +14,11 @@ import threading
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 
+from olmax import run_lock
 from olmax.checkpoint import Checkpointer, run_meta
 from olmax.config import ConfigError, RunConfig, writable_dir
 from olmax.data import build_loader
@@ -24,18 +26,40 @@ from olmax.model import flops
 from olmax.model.transformer import compute_dtype
 from olmax.parallel import pipeline
 from olmax.parallel.mesh import make_layout
-from olmax.runtime import received_signal
+from olmax.runtime import release_stop_signals
 from olmax.train.metrics import MetricsWriter, console_line, device_peak_flops
-from olmax.train.resume import restore_or_init, resume_data
+from olmax.train.resume import restore_or_init, resume_data, schedule_change
 from olmax.train.step import batch_shardings, jit_train_step, micro_batch_rows
 
 log = logging.getLogger(__name__)
 
 RESUMABLE_EXIT_CODE = 75  # EX_TEMPFAIL: preempted after a checkpoint; run again to resume
+DIVERGED_EXIT_CODE = 3  # the parameters are not finite: a resume would repeat the same steps bitwise, so no retry
 
 
 class Preempted(Exception):
     """SIGTERM/SIGINT arrived; the step in flight finished and a checkpoint was written (or nothing needed one)."""
+
+
+class Diverged(Exception):
+    """The parameters became NaN or infinite; no checkpoint of them was written."""
+
+
+@jax.jit
+def _all_finite(params) -> jax.Array:
+    return jnp.all(jnp.stack([jnp.isfinite(x).all() for x in jax.tree.leaves(params)]))
+
+
+def check_finite(params, when: str, checkpointer: Checkpointer) -> None:
+    """Raise Diverged unless every parameter is finite: one reduction over the params, run before each
+    checkpoint is written and after a step whose loss is not finite (`when` says which)."""
+    if not bool(_all_finite(params)):
+        latest = checkpointer.latest_step()
+        raise Diverged(
+            f"the run diverged: the parameters are NaN or infinite ({when}); no checkpoint of them was written "
+            f"({f'the latest is {latest}' if latest else 'there is none'}). Lower optim.lr or raise "
+            "schedule.warmup_steps, then run again"
+        )
 
 
 @contextlib.contextmanager
@@ -47,8 +71,7 @@ def preemption_signals():
         yield stop
         return
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
-    if received_signal() is not None:
-        stop.set()
+    release_stop_signals()
     try:
         yield stop
     finally:
@@ -84,7 +107,23 @@ def train(cfg: RunConfig, *, quiet: bool = False, make_eval=None) -> list[dict]:
     if (cfg.eval.every or cfg.eval.harness_every) and make_eval is None:
         raise ConfigError("the config asks for in-loop evals (eval.every / eval.harness_every) but train() was "
                           "given no make_eval; pass olmax.eval.in_loop.make_in_loop_eval")
-    writable_dir(cfg.run_dir, "output_dir")
+    check_outputs(cfg.run_dir)
+    # One process of a multi-process run holds the run directory for all (they share it).
+    with run_lock.hold(cfg.run_dir) if jax.process_index() == 0 else contextlib.nullcontext():
+        return _train(cfg, quiet, make_eval)
+
+
+def check_outputs(run_dir) -> None:
+    """Refuse, before anything is written, a run directory whose outputs cannot be written where they go."""
+    writable_dir(run_dir, "output_dir")
+    for name, directory in (("checkpoints", True), ("tensorboard", True), ("metrics.jsonl", False)):
+        path = run_dir / name
+        if path.exists() and path.is_dir() != directory:
+            raise ConfigError(f"{path} is a {'file' if directory else 'directory'}; the run writes a "
+                              f"{'directory' if directory else 'file'} there: move it away or set another output_dir")
+
+
+def _train(cfg: RunConfig, quiet: bool, make_eval) -> list[dict]:
     layout = make_layout(cfg.mesh)
     micro_rows = micro_batch_rows(cfg, layout.data_parallel_size)
     # Bad data fails first, before the model is built.
@@ -92,6 +131,9 @@ def train(cfg: RunConfig, *, quiet: bool = False, make_eval=None) -> list[dict]:
                           vocab_size=cfg.model.vocab_size, process_index=jax.process_index(),
                           process_count=jax.process_count())
     checkpointer = Checkpointer(cfg.run_dir / "checkpoints", cfg.checkpoint)
+    if jax.process_index() == 0:  # it holds the run directory
+        for partial in checkpointer.remove_partial_writes():
+            log.warning("removed %s: a checkpoint write that did not finish", partial)
     try:
         state, start, restored = restore_or_init(cfg, layout, checkpointer)
     except BaseException:
@@ -100,6 +142,10 @@ def train(cfg: RunConfig, *, quiet: bool = False, make_eval=None) -> list[dict]:
     tokens_per_step = cfg.train.global_batch_instances * cfg.data.sequence_length
     # tokens trained up to step `start`; loader position - step
     tokens_before, data_offset = resume_data(cfg, loader, restored, start, f"checkpoint {checkpointer.where(start)}")
+    if restored is not None and not quiet and jax.process_index() == 0:
+        print(f"resuming from step {start} (checkpoint {checkpointer.where(start)})", flush=True)
+        if change := schedule_change(restored["config"], cfg, start):
+            print(change, flush=True)
     step_fn = jit_train_step(cfg, layout, micro_rows)
     if (sched := pipeline.schedule_for(cfg)) and not quiet and jax.process_index() == 0:
         print(f"pipeline: {sched.describe()}", flush=True)
@@ -129,6 +175,8 @@ def train(cfg: RunConfig, *, quiet: bool = False, make_eval=None) -> list[dict]:
         })
         writer.write(step, values)
         history.append({"step": step, **values})
+        if not np.isfinite(values["train/CE loss"]):  # a skipped spike, or parameters gone for good
+            check_finite(state.params, f"train/CE loss {values['train/CE loss']} at step {step}", checkpointer)
         if not quiet and jax.process_index() == 0 and (step % cfg.train.log_every == 0 or step == cfg.train.steps):
             print(console_line(step, cfg.train.steps, values), flush=True)
 
@@ -141,6 +189,8 @@ def train(cfg: RunConfig, *, quiet: bool = False, make_eval=None) -> list[dict]:
                       "raise train.steps to train further", flush=True)
             if start < last and stop_requested(stop):
                 raise Preempted(f"stopped by a signal before step {start + 1}; nothing needed writing")
+            if start < last and not quiet and jax.process_index() == 0:
+                print("compiling the train step...", flush=True)  # the first step compiles: tens of seconds
             for step in range(start + 1, last + 1):
                 batch = place_batch(next(loader), sharding, micro_rows)
                 state, metrics = step_fn(state, batch)
@@ -162,6 +212,7 @@ def train(cfg: RunConfig, *, quiet: bool = False, make_eval=None) -> list[dict]:
                         pending = None
                         writer.flush()
                         side_work_start = time.perf_counter()
+                        check_finite(state.params, f"checked before writing checkpoint {step}", checkpointer)
                         checkpointer.save(step, state, run_meta(cfg, step, loader.state_dict(), tokens_after(step),
                                                                 data_offset))
                     paused += time.perf_counter() - side_work_start

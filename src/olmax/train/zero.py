@@ -11,7 +11,8 @@ parameters are all-gathered back to their own layout.
 Adam, weight decay, clipping and the skip-step are elementwise once the global gradient norm is known,
 so shards give the same bits as whole arrays. The norm is a sum over all elements, whose rounding depends
 on how the elements are split: the train step computes it once, from the gradients in the parameters'
-layout, and passes it in, so the sharded and unsharded optimizers see the same value.
+layout, and passes it in, so the sharded and unsharded optimizers see the same value up to the order XLA
+sums in within each compiled program (the same here; 1 ulp apart at one step of 20 on an AVX-512 CPU).
 """
 
 from __future__ import annotations

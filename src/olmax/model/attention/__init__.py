@@ -13,15 +13,15 @@ import functools
 import jax
 from jax.sharding import PartitionSpec
 
-from olmax.config import ConfigError, ImplConfig
+from olmax.config import ConfigError, ImplConfig, SplashConfig
 from olmax.model.attention import cudnn, splash, xla
 from olmax.parallel.mesh import Layout, platform
 
 KERNEL_PLATFORM = {"splash": "tpu", "cudnn": "gpu"}
 
 
-def implementation(impl: ImplConfig, layout: Layout | None) -> str:
-    """The attention implementation `impl` means on the layout's devices."""
+def platform_kernel(impl: ImplConfig, layout: Layout | None) -> str:
+    """The attention implementation `impl` means on the layout's devices, whatever the shapes."""
     chosen, where = impl.attention.implementation, platform(layout)
     if chosen == "auto":
         return {"tpu": "splash", "gpu": "cudnn"}.get(where, "xla")
@@ -29,6 +29,20 @@ def implementation(impl: ImplConfig, layout: Layout | None) -> str:
         raise ConfigError(f"impl.attention.implementation={chosen} runs on {KERNEL_PLATFORM[chosen].upper()} only, "
                           f"these devices are {where}; use auto or xla")
     return chosen
+
+
+def implementation(impl: ImplConfig, layout: Layout | None, seq_len: int) -> str:
+    """The attention implementation for sequences of `seq_len` tokens: `auto` takes XLA's on a TPU where no
+    Splash tile fits the sequence."""
+    chosen = platform_kernel(impl, layout)
+    return "xla" if chosen == "splash" and splash_blocks(impl, seq_len) is None else chosen
+
+
+def splash_blocks(impl: ImplConfig, seq_len: int) -> SplashConfig | None:
+    """Splash's tiles for this sequence length: as configured for an explicit `splash` (its kernel says what
+    is wrong with them), for `auto` the largest that fit, at most the configured ones (None: none fits)."""
+    blocks = impl.attention.splash
+    return blocks if impl.attention.implementation == "splash" else splash.fitted(seq_len, blocks)
 
 
 def per_shard(layout: Layout | None, fn):
@@ -50,11 +64,18 @@ def per_shard(layout: Layout | None, fn):
 
 def make(impl: ImplConfig, window: int | None, layout: Layout | None = None):
     """The attention of a layer with this window (None: global), as the block calls it."""
-    name = implementation(impl, layout)
-    if name == "splash":
-        kernel = per_shard(layout, functools.partial(splash.attention, window=window, blocks=impl.attention.splash))
-    elif name == "cudnn":
-        kernel = per_shard(layout, functools.partial(cudnn.attention, window=window))
-    else:
-        kernel = functools.partial(xla.attention, window=window, block=impl.attention.block)
-    return lambda q, k, v: (kernel(q, k, v), None)
+    platform_kernel(impl, layout)  # refuse a kernel for other devices now, not when the step is traced
+
+    def attend(q, k, v):
+        seq_len = q.shape[1]
+        name = implementation(impl, layout, seq_len)
+        if name == "splash":
+            blocks = splash_blocks(impl, seq_len)
+            kernel = per_shard(layout, functools.partial(splash.attention, window=window, blocks=blocks))
+        elif name == "cudnn":
+            kernel = per_shard(layout, functools.partial(cudnn.attention, window=window))
+        else:
+            kernel = functools.partial(xla.attention, window=window, block=impl.attention.block)
+        return kernel(q, k, v), None
+
+    return attend

@@ -23,10 +23,13 @@ def kernel(seq: int, heads: int, window: int | None, blocks: tuple[int, int, int
     """The kernel for `heads` local query heads of sequences of `seq` tokens, with blocks (q, kv, kv_compute)
     (cached: its mask tables are built in numpy)."""
     q_block, kv_block, kv_compute = (min(b, seq) for b in blocks)
+    fits = fitted(seq, SplashConfig(block_q=blocks[0], block_kv=blocks[1], block_kv_compute=blocks[2]))
     for name, size in zip(("block_q", "block_kv", "block_kv_compute"), (q_block, kv_block, kv_compute)):
         if seq % size or size % 128:
+            fix = (f"set impl.attention.splash.{name}={getattr(fits, name)}" if fits else
+                   "Splash needs a sequence length that is a multiple of 128: set impl.attention.implementation=xla")
             raise ConfigError(f"impl.attention.splash.{name} {size}: Splash needs a multiple of 128 that divides "
-                              f"the sequence length {seq}")
+                              f"the sequence length {seq}; {fix} (or auto)")
     if window is None:
         mask = splash.CausalMask(shape=(seq, seq))
     else:
@@ -40,6 +43,18 @@ def kernel(seq: int, heads: int, window: int | None, blocks: tuple[int, int, int
         splash.MultiHeadMask([mask] * heads), block_sizes=sizes, head_shards=1, q_seq_shards=1,
         residual_checkpoint_name="context", interpret=interpret,
     )
+
+
+def fitted(seq: int, blocks: SplashConfig) -> SplashConfig | None:
+    """The largest tiles, at most `blocks`, that Splash can cut sequences of `seq` tokens into; None where
+    none can (a tile is a multiple of 128 that divides the sequence, and the key compute tile the key tile)."""
+    def fit(limit: int, length: int) -> int | None:
+        return max((t for t in range(128, min(limit, length) + 1, 128) if length % t == 0), default=None)
+
+    if (q_block := fit(blocks.block_q, seq)) is None:
+        return None
+    kv_block = fit(blocks.block_kv, seq)
+    return SplashConfig(block_q=q_block, block_kv=kv_block, block_kv_compute=fit(blocks.block_kv_compute, kv_block))
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, window: int | None, blocks: SplashConfig,

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import os
 import re
 from dataclasses import dataclass
 from importlib.resources import files
@@ -41,6 +42,7 @@ ACCELERATORS = {
     "h200": Accelerator("gpu", 143_771 * 2**20, 989e12, target_config="h200_sxm.txtpb"),
 }
 GPUS_PER_HOST = 8
+HOST_CHIPS = (2, 2)  # libtpu's compile-only topologies are made of hosts of 2x2 chips (its default host bounds)
 
 
 class TargetError(ConfigError):
@@ -75,11 +77,18 @@ def parse_target(name: str) -> Target:
         kind, topology = match.groups()
         if kind not in tpus:
             raise TargetError(f"unknown TPU {kind!r} in target {name!r}; {usage}")
-        return Target(name, kind, topology, math.prod(int(d) for d in topology.split("x")))
+        dims = [int(d) for d in topology.split("x")]
+        if 0 in dims or dims[0] % HOST_CHIPS[0] or dims[1] % HOST_CHIPS[1]:
+            raise TargetError(f"target {name!r}: a TPU slice without the hardware is whole hosts of "
+                              f"{HOST_CHIPS[0]}x{HOST_CHIPS[1]} chips (its first two sizes even and not 0), as in "
+                              f"tpu:{kind}:2x2, 2x4, 4x4x8")
+        return Target(name, kind, topology, math.prod(dims))
     if match := re.fullmatch(r"gpu:(\w+?)x(\d+)", name):
         kind, count = match.group(1), int(match.group(2))
         if kind not in gpus:
             raise TargetError(f"unknown GPU {kind!r} in target {name!r}; {usage}")
+        if count == 0:
+            raise TargetError(f"target {name!r} has no GPUs; {usage}")
         if count > GPUS_PER_HOST and count % GPUS_PER_HOST:
             raise TargetError(f"target {name!r}: more than {GPUS_PER_HOST} GPUs come in whole hosts of {GPUS_PER_HOST}")
         hosts, per_host = (1, count) if count <= GPUS_PER_HOST else (count // GPUS_PER_HOST, GPUS_PER_HOST)
@@ -111,8 +120,14 @@ def compile_only_devices(target: Target) -> list:
         raise TargetError(reason)
     if not jax.config.jax_platforms:
         jax.config.update("jax_platforms", "cpu")
+    # libtpu takes a lockfile so that one process owns the TPU chips; compiling owns none (and never waits for,
+    # or breaks, a training process's lock)
+    os.environ["ALLOW_MULTIPLE_LIBTPU_LOAD"] = "1"
     if target.platform == "tpu":
-        topology = topologies.get_topology_desc(topology_name=f"{target.kind}:{target.topology}", platform="tpu")
+        try:
+            topology = topologies.get_topology_desc(topology_name=f"{target.kind}:{target.topology}", platform="tpu")
+        except jax.errors.JaxRuntimeError as err:
+            raise TargetError(f"target {target.name}: libtpu refuses the topology ({err})") from None
     else:
         config = (files(__package__) / target.accelerator.target_config).read_text()
         topology = topologies.get_topology_desc(platform="cuda", target_config=config, topology=target.topology)
