@@ -31,7 +31,7 @@ import numpy as np
 from safetensors.numpy import save_file
 
 from olmax.config import validate
-from olmax.interop.hf import INDEX_FILE, hf_config_from_run, hf_tensor_specs
+from olmax.interop.hf import INDEX_FILE
 from olmax.model import families
 
 GB = 1e9
@@ -54,17 +54,18 @@ def write_hf_checkpoint(directory: Path, cfg, shard_bytes: int) -> int:
         weight_map.update(dict.fromkeys(shard, name))
         shard, shard_size = {}, 0
 
-    for name, spec in hf_tensor_specs(cfg.model).items():
-        nbytes = math.prod(spec.hf_shape) * 4
+    for name, (p, at) in families.foreign_tensors(cfg.model).items():
+        shape = p.foreign_shape(cfg.model, at)
+        nbytes = math.prod(shape) * 4
         if shard and shard_size + nbytes > shard_bytes:
             flush()
-        shard[name] = rng.standard_normal(spec.hf_shape, dtype=np.float32)
+        shard[name] = rng.standard_normal(shape, dtype=np.float32)
         shard_size += nbytes
         total += nbytes
     flush()
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (directory / INDEX_FILE).write_text(json.dumps(index))
-    (directory / "config.json").write_text(json.dumps(hf_config_from_run(cfg)))
+    (directory / "config.json").write_text(json.dumps(families.to_hf(cfg)))
     return total
 
 
@@ -106,8 +107,9 @@ def main() -> None:
         hf_bytes = write_hf_checkpoint(hf_dir, cfg, int(args.shard_gb * GB))
         generate_s = time.perf_counter() - start
         baseline, _ = peak_of(BASELINE)
-        read_peak, read_s = peak_of(f"from olmax.interop.hf import *\nsrc = {str(hf_dir)!r}\n"
-                                    "load_hf_params(src, run_config_from_hf(read_hf_config(src), 'x'))")
+        read_peak, read_s = peak_of("from olmax.interop.hf import load_hf_params, read_hf_config\n"
+                                    f"from olmax.model import families\nsrc = {str(hf_dir)!r}\n"
+                                    "load_hf_params(src, families.from_hf(read_hf_config(src), 'x'))")
         import_peak, import_s = peak_of(f"from olmax.interop.hf import hf_to_olmax\nhf_to_olmax({str(hf_dir)!r}, "
                                         f"{str(ckpt)!r})")
         export_peak, export_s = peak_of(f"from olmax.interop.hf import olmax_to_hf\nolmax_to_hf({str(ckpt)!r}, "
@@ -117,7 +119,7 @@ def main() -> None:
 
     report = {
         "host": f"{platform.machine()}, {os.cpu_count()} CPUs",
-        "params": sum(math.prod(s.hf_shape) for s in hf_tensor_specs(m).values()),
+        "params": sum(math.prod(p.foreign_shape(m, i)) for p, i in families.foreign_tensors(m).values()),
         "hf_checkpoint_gb": hf_bytes / GB,
         "olmax_params_gb": olmax_bytes / GB,
         "generate_s": generate_s,

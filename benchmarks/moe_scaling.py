@@ -5,7 +5,7 @@ SwiGLU hidden 256 with a top-4 router, vocab 512; a step is 16 x 256 tokens, the
 (forward, backward, clip, AdamW, skip-step, load metrics). The active parameters and the useful FLOPs per
 token do not depend on E; the expert parameters do (8, 32, 128 experts: 3.1M, 12.6M, 50.3M). Routing is
 "random" (keys drawn from the step), so every row sees the same tokens and an even load in expectation
-whatever the router learned. Each row runs in a fresh process; a row is one dispatch (`impl.moe_dispatch`:
+whatever the router learned. Each row runs in a fresh process; a row is one dispatch (`impl.moe.dispatch`:
 the block-padded grouped matmul or jax.lax.ragged_dot) on one device, or with the experts spread over N
 fake CPU devices (expert parallelism, `mesh.expert=N`, all_to_all). Rows run as `olmax train` runs: glibc's
 malloc on transparent huge pages (olmax.runtime).
@@ -44,7 +44,7 @@ def run_row(args, experts: int, dispatch: str, devices: int) -> dict:
     cfg = load_config("tiny_moe", [
         f"model.d_model={args.d_model}", f"model.n_layers={args.layers}", "model.n_heads=4", "model.n_kv_heads=null",
         "model.layer_pattern=[global]", f"model.moe.num_experts={experts}", f"model.moe.top_k={args.top_k}",
-        f"model.moe.expert_hidden={args.expert_hidden}", "model.moe.routing=random", f"impl.moe_dispatch={dispatch}",
+        f"model.moe.expert_hidden={args.expert_hidden}", "model.moe.routing=random", f"impl.moe.dispatch={dispatch}",
         f"data.sequence_length={args.seq}", f"train.global_batch_instances={args.batch}", "data.paths=[unused]",
         *mesh])
     layout = make_layout(cfg.mesh)

@@ -68,3 +68,18 @@ def base_run(tmp_path_factory, synth_mix):
     run = tmp_path_factory.mktemp("base") / "run"
     assert main([*TRAIN_BASE, f"data.mix_file={synth_mix}", f"output_dir={run}"]) == 0
     return run
+
+
+def moe_layer_params(cfg, d_model: int, key, std: float = 0.02) -> dict:
+    """One MoE layer's parameters for tests of the layer alone (`from conftest import moe_layer_params`), from the
+    families' MoE rows: every matrix ~ N(0, std) truncated at +-3 std, the selection bias 0."""
+    import jax
+    import jax.numpy as jnp
+
+    from olmax.model.families.base import moe_shapes
+
+    shapes = {name: shape for name, (shape, _) in moe_shapes(cfg, d_model).items()}
+    keys = dict(zip(shapes, jax.random.split(key, len(shapes))))
+    return {name: jnp.zeros(shape) if name == "score_bias"
+            else std * jax.random.truncated_normal(keys[name], -3.0, 3.0, shape, jnp.float32)
+            for name, shape in shapes.items()}

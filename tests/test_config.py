@@ -68,6 +68,9 @@ def test_unknown_preset_lists_presets():
     ("model.attention_block=64", "impl.attention.block"),
     ("model.scan_layers=false", "impl.scan_layers"),
     ("model.rope_theta=10000", "model.rope.global.theta"),
+    ("impl.moe_dispatch=ragged_dot", "impl.moe.dispatch"),
+    ("impl.moe_block=32", "impl.moe.block"),
+    ("impl.moe_ep_capacity=1.5", "impl.moe.ep_capacity"),
 ])
 def test_moved_keys_name_their_new_place(old, new, tmp_path):
     with pytest.raises(ConfigError, match="moved") as err:
@@ -97,8 +100,10 @@ def test_upgrade_moves_old_checkpoint_configs():
     from olmax.config import upgrade, validate
 
     old = {"model": {"d_model": 64, "rope_theta": 1e4, "remat_save": "full", "attention_block": 16,
-                     "compute_dtype": "float32", "scan_layers": False}}
+                     "compute_dtype": "float32", "scan_layers": False},
+           "impl": {"moe_dispatch": "ragged_dot", "moe_block": 32, "moe_ep_capacity": 1.5}}
     cfg = validate(upgrade(old))
+    assert (cfg.impl.moe.dispatch, cfg.impl.moe.block, cfg.impl.moe.ep_capacity) == ("ragged_dot", 32, 1.5)
     assert cfg.model.rope["sliding"].theta == cfg.model.rope["global"].theta == 1e4
     assert (cfg.impl.remat, cfg.impl.attention.block, cfg.impl.compute_dtype, cfg.impl.scan_layers) == (
         "full", 16, "float32", False)

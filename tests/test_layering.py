@@ -1,5 +1,5 @@
-"""Imports run one way: cli -> scale -> {train, eval, interop, launch} -> {model, data, checkpoint} -> parallel
--> config (scale compiles the train step). A package that needs a sibling's code means that code belongs lower."""
+"""Imports run one way: cli -> scale -> {train, eval, interop, launch} -> {model, data} -> parallel -> checkpoint
+-> config -> errors (scale compiles the train step). A package that needs a sibling's code means that code belongs lower."""
 
 import ast
 from pathlib import Path
@@ -7,9 +7,11 @@ from pathlib import Path
 import olmax
 
 LAYERS = [
+    {"errors"},  # the bad-input error classes, free of imports
     {"config", "runtime", "run_lock"},
+    {"checkpoint"},  # checksums, Orbax I/O, the Checkpointer: train, eval and interop use it
     {"parallel"},
-    {"model", "data", "checkpoint"},
+    {"model", "data"},
     {"train", "eval", "interop", "launch"},
     {"scale"},  # compiles the train step ahead of time
     {"cli", "demo"},  # and every package's cli.py: the commands
@@ -40,3 +42,24 @@ def test_imports_only_go_down():
             if target != parts[0] and _layer(target) >= layer < len(LAYERS) - 1:
                 wrong.append(f"{path.relative_to(ROOT)}:{line} imports olmax.{target}")
     assert not wrong, "\n".join(wrong)
+
+
+def _code(path: Path) -> str:
+    """The source without docstrings and comments: names and strings the code uses."""
+    tree = ast.parse(path.read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.FunctionDef, ast.ClassDef)) and ast.get_docstring(node) is not None:
+            node.body = node.body[1:]
+    return ast.unparse(tree)
+
+
+def test_the_train_step_knows_no_mlp_kind():
+    """What an MLP sublayer kind adds to training comes from its hooks (olmax.model.mlp), not from train/step.py."""
+    code = _code(ROOT / "train" / "step.py").lower()
+    assert not [name for name in ("moe", "router", "routing", "score_bias", "per_expert", "experts") if name in code]
+
+
+def test_hf_io_has_no_family_branches():
+    """interop/hf.py reads and writes safetensors for any family: the families module says what each one is."""
+    code = _code(ROOT / "interop" / "hf.py")
+    assert not [name for name in ("olmo3", "olmoe", "Olmo3ForCausalLM", "OlmoeForCausalLM") if name in code]

@@ -8,6 +8,7 @@ import re
 import signal
 import sys
 
+from olmax.errors import BadInput
 from olmax.runtime import (LIBTPU_LOCKFILE, STOP_SIGNALS, drop_held_signals, hold_stop_signals, libtpu_lock_holder,
                            release_stop_signals, skip_absent_tpus)
 
@@ -15,11 +16,6 @@ EXIT_BAD_INPUT = 2  # `olmax launch` does not retry it
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports it
 # A URL as an argument, an option's value or an override's value (data.mix_file=gs://...); local paths only so far
 REMOTE_URL = re.compile(r"(?:^|=)((?:gs|s3|r2|weka|https?)://\S*)")
-# The errors that mean bad input, by module. Only the modules already imported are looked at: an error whose
-# module was never imported cannot have been raised, and importing jax to name one would slow every command.
-BAD_INPUT_ERRORS = {"olmax.config": "ConfigError", "olmax.data.shards": "DataError", "olmax.interop": "InteropError",
-                    "olmax.checkpoint": "CheckpointError", "olmax.eval.models": "EvalError",
-                    "olmax.run_lock": "RunDirError"}
 
 
 def _config_args(parser: argparse.ArgumentParser) -> None:
@@ -212,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
         if _raised(err, "olmax.checkpoint", "DiskFull"):
             print(f"olmax: {err}", file=sys.stderr)
             return err.exit_code
-        if not any(_raised(err, module, name) for module, name in BAD_INPUT_ERRORS.items()):
+        if not isinstance(err, BadInput):
             raise
         print(f"olmax: {type(err).__name__}: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT

@@ -18,13 +18,15 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from olmax.errors import BadInput
+
 PRESET_DIR = Path(__file__).parent / "configs"
 MAX_STEPS = 2**31 - 1  # the step counter (and the LR schedule's arithmetic) is int32 on the device
 REMAT_NAMES = ("qkv_proj", "out_proj", "mlpwi_0", "mlpwi_1", "mlpwo", "context")
 DType = Literal["float32", "bfloat16"]
 
 
-class ConfigError(ValueError):
+class ConfigError(BadInput):
     """A config that cannot describe a run; the message names the field and the fix."""
 
 
@@ -54,13 +56,17 @@ class RopeConfig(Section):
 
 
 LayerKind = Literal["sliding", "global"]
-# Keys that moved out of `model` (architecture) into `impl` (how it runs), or were reshaped.
+# Keys that moved out of `model` (architecture) into `impl` (how it runs), or were reshaped: an override or
+# YAML key naming the old place is refused with the new one; `upgrade` moves them in an older checkpoint's config.
 MOVED_KEYS = {
     "model.compute_dtype": "impl.compute_dtype",
     "model.remat_save": "impl.remat",
     "model.attention_block": "impl.attention.block",
     "model.scan_layers": "impl.scan_layers",
     "model.rope_theta": "model.rope.global.theta and model.rope.sliding.theta",
+    "impl.moe_dispatch": "impl.moe.dispatch",
+    "impl.moe_block": "impl.moe.block",
+    "impl.moe_ep_capacity": "impl.moe.ep_capacity",
 }
 
 
@@ -69,7 +75,7 @@ class MoEConfig(Section):
 
     Routing and losses follow OLMo-core's MoE (olmo_core/nn/moe/router.py, loss.py, moe.py): each MoE
     layer's losses are weighted by coefficient / model.n_layers and, like the CE loss, divided by the
-    label count of the batch. How the layer is computed is `impl.moe_dispatch` / `impl.moe_block`.
+    label count of the batch. How the layer is computed is `impl.moe`.
     """
 
     num_experts: int = Field(64, gt=1)
@@ -149,11 +155,6 @@ class ModelConfig(Section):
 
     def layer_kind(self, layer: int) -> str:
         return self.layer_pattern[layer % len(self.layer_pattern)]
-
-    @property
-    def norm_placement(self) -> str:
-        """reordered: h = x + norm(attn(x)) (OLMo 2/3); pre: h = x + attn(norm(x)) (OLMoE)."""
-        return "pre" if self.family == "olmoe" else "reordered"
 
     def is_global(self, layer: int) -> bool:
         return self.layer_kind(layer) == "global"
@@ -243,6 +244,21 @@ class PipelineConfig(Section):
         return self
 
 
+class MoEImplConfig(Section):
+    """How a mixture of experts runs (model.moe says what it computes)."""
+
+    dispatch: Literal["blocks", "ragged_dot"] = Field(
+        "blocks", description="the experts: blocks = block-padded grouped matmul (portable); ragged_dot = "
+        "jax.lax.ragged_dot (a platform kernel where there is one; XLA:CPU expands it densely)"
+    )
+    block: int | None = Field(None, gt=0, description="rows per block of the grouped matmul; None = auto")
+    ep_capacity: float | None = Field(
+        None, gt=0, description="expert parallelism: None = dropless (every token to every device of its expert "
+        "group); a factor = send each peer only its routed rows, up to factor x the mean share (k x tokens / EP), "
+        "dropping (and counting, train/dropped rate) the rest: buffers independent of the EP size"
+    )
+
+
 class ImplConfig(Section):
     """How the model runs: free to change between runs and on resume (the function stays the same)."""
 
@@ -269,16 +285,7 @@ class ImplConfig(Section):
         False, description="ZeRO-1: the optimizer state of each parameter is also sharded over the mesh axes the "
         "parameter is replicated on (mesh.data...); the update runs on shards, the parameters are all-gathered after"
     )
-    moe_dispatch: Literal["blocks", "ragged_dot"] = Field(
-        "blocks", description="MoE experts: blocks = block-padded grouped matmul (portable); ragged_dot = "
-        "jax.lax.ragged_dot (a platform kernel where there is one; XLA:CPU expands it densely)"
-    )
-    moe_block: int | None = Field(None, gt=0, description="rows per block of the grouped matmul; None = auto")
-    moe_ep_capacity: float | None = Field(
-        None, gt=0, description="expert parallelism: None = dropless (every token to every device of its expert "
-        "group); a factor = send each peer only its routed rows, up to factor x the mean share (k x tokens / EP), "
-        "dropping (and counting, train/dropped rate) the rest: buffers independent of the EP size"
-    )
+    moe: MoEImplConfig = Field(default_factory=lambda: MoEImplConfig())
 
     @model_validator(mode="after")
     def _names(self):
@@ -434,6 +441,13 @@ class MeshConfig(Section):
         for name, axes in self.rules.items():
             if bad := [a for a in axes if a not in MESH_AXES]:
                 raise ValueError(f"mesh.rules.{name}: {bad} are not mesh axes {list(MESH_AXES)}")
+        if self.expert > 1 and "expert" not in self.rules["batch"]:
+            raise ValueError(f"mesh.rules.batch must include expert with mesh.expert {self.expert} (got "
+                             f"{self.rules['batch']}): each device of an expert group brings its own tokens")
+        if self.rules["experts"] != ["expert"]:
+            raise ValueError(f"mesh.rules.experts must be [expert] (got {self.rules['experts']}): the experts' "
+                             "exchange runs over the expert mesh axis, so their weights must be sharded over it; set "
+                             "mesh.expert for expert parallelism")
         if self.stage > 1:
             if self.rules["layers"] != ["stage"]:
                 raise ValueError(f"mesh.stage {self.stage} pipelines the layers over the stages: mesh.rules.layers "
@@ -685,6 +699,9 @@ def upgrade(tree: dict) -> dict:
             impl[new] = model.pop(old)
     if "attention_block" in model:
         impl["attention"] = {"block": model.pop("attention_block")}
+    for old in ("dispatch", "block", "ep_capacity"):
+        if f"moe_{old}" in impl:
+            impl.setdefault("moe", {})[old] = impl.pop(f"moe_{old}")
     return tree
 
 

@@ -126,29 +126,17 @@ def unigram_baseline(train_paths: list[str], selection, set_index: int, vocab_si
 
 def greedy_samples(cfg, params, tokenizer_path: str, prompts: list[str], new_tokens: int) -> list[str]:
     """Greedy continuations with the model's KV cache: the prompt in one call, then a token per call."""
+    import functools
+
     import jax
-    import jax.numpy as jnp
     from tokenizers import Tokenizer
 
-    from olmax.model import transformer
+    from olmax.model import generate
 
     tokenizer = Tokenizer.from_file(tokenizer_path)
     model, impl, length = cfg.model, cfg.impl, cfg.data.sequence_length
-
-    def next_token(params, hidden):
-        return jnp.argmax(transformer.logits(params, hidden)[..., : model.vocab_size], axis=-1)
-
-    @jax.jit
-    def prefill(params, tokens, n):
-        cache = transformer.init_cache(model, impl, 1, length)
-        hidden, cache = transformer.forward_cached(model, impl, params, tokens, jnp.zeros(1, jnp.int32), cache,
-                                                   length, n)
-        return next_token(params, hidden[0, n[0] - 1]), cache
-
-    @jax.jit
-    def step(params, token, position, cache):
-        hidden, cache = transformer.forward_cached(model, impl, params, token.reshape(1, 1), position, cache, length)
-        return next_token(params, hidden[0, 0]), cache
+    prefill = jax.jit(functools.partial(generate.prefill, model, impl, length=length))
+    step = jax.jit(functools.partial(generate.step, model, impl, length=length))
 
     samples = []
     for prompt in prompts:
@@ -157,9 +145,9 @@ def greedy_samples(cfg, params, tokenizer_path: str, prompts: list[str], new_tok
         buffer[0, : len(ids)] = ids
         token, cache = prefill(params, buffer, np.array([len(ids)], np.int32))
         for position in range(len(ids), min(len(ids) + new_tokens, length)):
-            if int(token) == cfg.data.eos_id:
+            if int(token[0]) == cfg.data.eos_id:
                 break
-            ids.append(int(token))
+            ids.append(int(token[0]))
             token, cache = step(params, token, np.array([position], np.int32), cache)
         samples.append(tokenizer.decode(ids))
     return samples
@@ -218,7 +206,8 @@ def run_demo(overrides: list[str], fresh: bool, moe: bool = False) -> Path:
     from olmax.checkpoint import Checkpointer
     from olmax.eval.in_loop import eval_selection, make_in_loop_eval
     from olmax.parallel.mesh import make_layout
-    from olmax.train.trainer import restore_or_init, train
+    from olmax.train.resume import restore_or_init
+    from olmax.train.trainer import train
 
     cfg = load_config("demo_moe" if moe else "demo", overrides)
     suffix = "_moe" if moe else ""

@@ -23,11 +23,13 @@ import os
 import socket
 from pathlib import Path
 
+from olmax.errors import BadInput
+
 LOCK_FILE = "run.lock"
 ENV_RUN_LOCK = "OLMAX_RUN_LOCK"
 
 
-class RunDirError(Exception):
+class RunDirError(BadInput):
     """Another process holds the run directory, or it cannot be written; the message names the holder or the fix."""
 
 

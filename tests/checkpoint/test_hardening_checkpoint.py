@@ -18,7 +18,7 @@ from olmax.checkpoint import CheckpointError, Checkpointer, UnreadableCheckpoint
 from olmax.config import CheckpointConfig, load_config
 from olmax.data.synthetic import write_synthetic_shards
 from olmax.interop import InteropError
-from olmax.interop.hf import load_olmax, run_config_from_hf
+from olmax.model.weights import load_olmax
 from olmax.model import families
 from olmax.parallel.mesh import make_layout
 from olmax.train.trainer import train
@@ -126,10 +126,10 @@ def test_the_stray_tracebacks_of_failed_reads_are_gone(tmp_path, run):
         from olmax.checkpoint import Checkpointer, UnreadableCheckpoint
         from olmax.config import load_config
         from olmax.parallel.mesh import make_layout
-        from olmax.train.trainer import _abstract_state
+        from olmax.train.step import abstract_state
         cfg = load_config("tiny", ["mesh.fsdp=1"])
         checkpointer = Checkpointer({str(tmp_path / "checkpoints")!r}, cfg.checkpoint, read_only=True)
-        abstract = _abstract_state(cfg, make_layout(cfg.mesh))
+        abstract = abstract_state(cfg, make_layout(cfg.mesh))
         for attempt in range(15):
             for step in checkpointer.all_steps():
                 try:
@@ -181,14 +181,14 @@ def test_hf_rope_settings_olmax_does_not_implement_are_refused():
           "num_attention_heads": 4, "eos_token_id": 0, "sliding_window": 8,
           "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1e4},
                               "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}}
-    assert {kind: r.theta for kind, r in run_config_from_hf(hf, "ok").model.rope.items()} == \
+    assert {kind: r.theta for kind, r in families.from_hf(hf, "ok").model.rope.items()} == \
         {"global": 1e4, "sliding": 1e4}
     for extra, named in (({"rope_scaling": {"type": "linear", "factor": 2.0}}, "rope_type 'linear' is not"),
                          ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "'dynamic' is not"),
                          ({"partial_rotary_factor": 0.5}, "partial_rotary_factor 0.5 is not supported")):
         with pytest.raises(InteropError, match=named):
-            run_config_from_hf({**hf, **extra}, "refused")
+            families.from_hf({**hf, **extra}, "refused")
     unknown = {**hf, "rope_parameters": {kind: {**entry, "low_freq_factor": 1.0}
                                          for kind, entry in hf["rope_parameters"].items()}}
     with pytest.raises(InteropError, match="fields olmax does not implement: \\['low_freq_factor'\\]"):
-        run_config_from_hf(unknown, "refused")
+        families.from_hf(unknown, "refused")

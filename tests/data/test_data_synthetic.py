@@ -36,7 +36,10 @@ def test_learnable_bigram_language(tmp_path):
     assert entropy < np.log(BRANCHING) + 0.1 < np.log(512) / 3
 
 
-def test_the_tiny_config_trains_on_it(tmp_path):
+def test_the_tiny_config_loads_it(tmp_path):
+    """Shards written with the tiny config's vocabulary, EOS and token dtype load under that config: full
+    batches of its shape whose instances are consecutive tokens of the shards. (Training the tiny model on this
+    language: tests/train/test_train.py, test_loss_decreases_on_the_generated_language.)"""
     config = load_config("tiny")
     paths = write_synthetic_shards(tmp_path, vocab_size=config.model.vocab_size, eos_id=config.data.eos_id,
                                    n_tokens=100_000, n_shards=2, seed=0, token_dtype=config.data.token_dtype)
@@ -46,3 +49,6 @@ def test_the_tiny_config_trains_on_it(tmp_path):
     batch = next(loader)
     assert batch["input_ids"].shape == (config.train.global_batch_instances, config.data.sequence_length)
     assert batch["instance_mask"].all()
+    T = config.data.sequence_length
+    instances = np.concatenate([s[: len(s) // T * T].reshape(-1, T) for s in read_all(paths)])
+    assert all((instances == row).all(axis=1).any() for row in np.asarray(batch["input_ids"]))

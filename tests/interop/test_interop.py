@@ -19,9 +19,8 @@ from olmax.checkpoint import CheckpointError, Checkpointer, check_model_compatib
 from olmax.config import CheckpointConfig, load_config
 from olmax.interop import InteropError
 from olmax.interop.cli import add_commands
-from olmax.interop.hf import (
-    hf_config_from_run, hf_to_olmax, load_olmax, olmax_to_hf, read_hf_config, run_config_from_hf,
-)
+from olmax.interop.hf import hf_to_olmax, olmax_to_hf, read_hf_config
+from olmax.model.weights import load_olmax
 from olmax.model import families
 from olmax.parallel.mesh import make_layout
 from olmax.train.step import TrainState
@@ -75,7 +74,7 @@ def hf_dir(tmp_path_factory):
 
 
 def test_config_is_derived_from_hf(hf_dir):
-    cfg = run_config_from_hf(read_hf_config(hf_dir), name="tiny")
+    cfg = families.from_hf(read_hf_config(hf_dir), name="tiny")
     m = cfg.model
     assert (m.vocab_size, m.padded_vocab, m.d_model, m.n_layers, m.n_heads, m.kv_heads, m.head_size) == (
         300, 384, 64, 4, 4, 2, 16)
@@ -84,7 +83,7 @@ def test_config_is_derived_from_hf(hf_dir):
                                                                        "global": ("default", 1e4)}
     assert m.layer_pattern == ["sliding", "sliding", "sliding", "global"]
     assert (cfg.data.eos_id, cfg.data.pad_id, cfg.data.token_dtype) == (0, 1, "uint16")
-    back = hf_config_from_run(cfg)
+    back = families.to_hf(cfg)
     assert Olmo3Config(**back).to_dict()["layer_types"] == read_hf_config(hf_dir)["layer_types"]
 
 
@@ -93,11 +92,11 @@ def test_preset_models_survive_hf_config_round_trip(preset):
     """olmax -> config.json -> olmax gives the preset's own model config, so a converted checkpoint
     passes the model check of a run using that preset (init_from)."""
     cfg = load_config(preset)
-    hf = hf_config_from_run(cfg)
+    hf = families.to_hf(cfg)
     resolved = Olmo3Config(**hf).rope_parameters
     assert resolved["sliding_attention"]["rope_theta"] == cfg.model.rope["sliding"].theta
     assert resolved["full_attention"]["rope_theta"] == cfg.model.rope["global"].theta
-    back = run_config_from_hf(hf, name=preset)
+    back = families.from_hf(hf, name=preset)
     check_model_compatible(back.model_dump(mode="json"), cfg.model, "converted")
     assert (back.data.eos_id, back.data.pad_id) == (cfg.data.eos_id, cfg.data.pad_id)
 
@@ -112,7 +111,7 @@ def test_layer_pattern_is_the_shortest_period(layer_types, pattern):
     hf = {"model_type": "olmo3", "vocab_size": 300, "hidden_size": 64, "intermediate_size": 96,
           "num_hidden_layers": len(layer_types), "num_attention_heads": 4, "layer_types": layer_types,
           "sliding_window": 8, "eos_token_id": 0}
-    assert run_config_from_hf(hf, name="x").model.layer_pattern == pattern
+    assert families.from_hf(hf, name="x").model.layer_pattern == pattern
 
 
 YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0, "original_max_position_embeddings": 64}
@@ -140,14 +139,14 @@ def _olmax_rope(cfg) -> dict:
 def test_rope_per_layer_kind_is_read_as_transformers_reads_it(hf_dir, rope_fields):
     hf = {k: v for k, v in read_hf_config(hf_dir).items() if k not in ("rope_parameters", "rope_scaling")}
     hf |= rope_fields
-    cfg = run_config_from_hf(hf, name="x")
+    cfg = families.from_hf(hf, name="x")
     want = _resolved(hf)
     got = _olmax_rope(cfg)
     for name, kind in (("full_attention", "global"), ("sliding_attention", "sliding")):
         w = want[name]
         assert got[kind] == (w["rope_type"], w["rope_theta"], w["factor"], w["original_max_position_embeddings"])
     assert got["global"][0] == "yarn"
-    back = hf_config_from_run(cfg)
+    back = families.to_hf(cfg)
     assert _resolved(back) == want, "export writes rope_parameters back as they were read"
     assert "rope_theta" not in back  # the two kinds differ: only rope_parameters says it right
 
@@ -157,7 +156,7 @@ def test_legacy_rope_fields_and_default_layer_types():
     hf = {"model_type": "olmo3", "architectures": ["Olmo3ForCausalLM"], "vocab_size": 100278, "hidden_size": 64,
           "intermediate_size": 96, "num_hidden_layers": 8, "num_attention_heads": 4, "rope_theta": 500000,
           "rope_scaling": None, "sliding_window": 4096, "eos_token_id": 100257, "pad_token_id": 100277}
-    cfg = run_config_from_hf(hf, name="x")
+    cfg = families.from_hf(hf, name="x")
     assert cfg.model.rope["global"].theta == cfg.model.rope["sliding"].theta == 5e5
     assert cfg.model.padded_vocab == 100352
     assert cfg.model.layer_pattern == ["sliding", "sliding", "sliding", "global"]

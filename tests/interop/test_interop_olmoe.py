@@ -11,9 +11,11 @@ from transformers import OlmoeConfig, OlmoeForCausalLM
 from olmax.config import CheckpointConfig, load_config
 from olmax.interop import InteropError
 from olmax.interop.cli import add_commands
-from olmax.interop.hf import hf_config_from_run, hf_to_olmax, load_olmax, olmax_to_hf, run_config_from_hf, write_hf
+from olmax.interop.hf import hf_to_olmax, olmax_to_hf, write_hf
+from olmax.model.weights import load_olmax
 from olmax.interop.parity import run_parity
 from olmax.checkpoint import Checkpointer, check_model_compatible, run_meta
+from olmax.model import families
 from test_interop import randomize_norms, read_tensors
 
 
@@ -40,7 +42,7 @@ def olmoe_dir(tmp_path_factory):
 def test_config_and_tensors_are_read_as_olmoe(olmoe_dir, tmp_path):
     cfg = hf_to_olmax(olmoe_dir, tmp_path / "olmax")
     m = cfg.model
-    assert (m.family, m.norm_placement, m.mlp, m.layer_pattern) == ("olmoe", "pre", "moe", ["global"])
+    assert (m.family, families.of(m).NORM_PLACEMENT, m.mlp, m.layer_pattern) == ("olmoe", "pre", "moe", ["global"])
     assert (m.moe.num_experts, m.moe.top_k, m.moe.expert_hidden, m.moe.normalize_gates) == (8, 2, 32, False)
     assert (m.rope["global"].theta, m.norm_eps, m.kv_heads) == (10000.0, 1e-6, 2)
     _, params, _ = load_olmax(tmp_path / "olmax")
@@ -69,11 +71,11 @@ def test_round_trip_is_bit_identical_and_loads_in_transformers(olmoe_dir, tmp_pa
 def test_olmoe_preset_survives_the_hf_config_round_trip():
     """olmoe_1b_7b -> config.json -> transformers' OlmoeConfig -> olmax: the same model (HF's own reading)."""
     cfg = load_config("olmoe_1b_7b")
-    hf = OlmoeConfig(**hf_config_from_run(cfg)).to_dict()
+    hf = OlmoeConfig(**families.to_hf(cfg)).to_dict()
     assert (hf["num_experts"], hf["num_experts_per_tok"], hf["intermediate_size"], hf["norm_topk_prob"]) == (
         64, 8, 1024, False)
     assert hf["rope_parameters"]["rope_theta"] == 10000.0 and hf["rms_norm_eps"] == 1e-5
-    back = run_config_from_hf(hf, name="olmoe")
+    back = families.from_hf(hf, name="olmoe")
     check_model_compatible(back.model_dump(mode="json"), cfg.model, "converted")
 
 

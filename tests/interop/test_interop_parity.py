@@ -15,7 +15,8 @@ from olmax.cli import main
 from olmax.config import CheckpointConfig, load_config
 from olmax.interop import InteropError
 from olmax.interop.cli import add_commands
-from olmax.interop.hf import hf_to_olmax, load_olmax, olmax_to_hf
+from olmax.interop.hf import hf_to_olmax, olmax_to_hf
+from olmax.model.weights import load_olmax
 from olmax.interop.parity import Agreement, hf_reference, olmax_logits_fn, random_tokens, run_parity
 from olmax.model import families, transformer
 from test_interop import make_hf_model

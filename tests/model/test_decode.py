@@ -93,3 +93,26 @@ def test_slot_positions_of_a_ring():
     assert slot_positions(jnp.array([0]), 4).tolist() == [[-4, -3, -2, -1]]
     assert slot_positions(jnp.array([3]), 4).tolist() == [[0, 1, 2, -1]]
     assert slot_positions(jnp.array([10]), 4).tolist() == [[8, 9, 6, 7]]
+
+
+def test_greedy_generation_of_ragged_prompts_follows_the_forward_pass():
+    """model/generate.py (the demo's and the harness's decoding): right-padded prompts of different lengths, then
+    a token per call; each row's tokens are the argmax of the plain forward pass over its own sequence."""
+    from olmax.model import generate
+
+    cfg, params = _setup("float32")
+    m, impl = cfg.model, cfg.impl
+    prefill = jax.jit(lambda p, t, n: generate.prefill(m, impl, p, t, n, LENGTH))
+    step = jax.jit(lambda p, t, pos, c: generate.step(m, impl, p, t, pos, c, LENGTH))
+    lengths = np.array([3, 7], np.int32)
+    prompts = np.asarray(jax.random.randint(jax.random.key(2), (2, 8), 2, m.vocab_size), np.int32)
+    token, cache = prefill(params, prompts, lengths)
+    rows = [list(prompts[b, : lengths[b]]) for b in range(2)]
+    for i in range(6):
+        for b in range(2):
+            rows[b].append(int(token[b]))
+        token, cache = step(params, np.asarray(token, np.int32), lengths + i, cache)
+    for row in rows:
+        sequence = np.array([row], np.int32)
+        expected = np.argmax(np.asarray(transformer.forward_logits(m, impl, params, sequence))[0, :, : m.vocab_size], -1)
+        assert row[-6:] == list(expected[-7:-1])

@@ -15,7 +15,8 @@ from olmax.cli import main
 from olmax.config import ConfigError, load_config
 from olmax.data.synthetic import write_synthetic_shards
 from olmax.eval.curves import read_events
-from olmax.model import families, flops, moe, transformer
+from olmax.model import families, flops, transformer
+from olmax.model.moe import router
 from olmax.parallel.mesh import make_layout
 from olmax.train.step import create_state, jit_train_step, make_train_step
 from olmax.train.trainer import train
@@ -79,6 +80,11 @@ def test_parameter_counts_equal_olmo_cores_and_flops_count_active_parameters(cap
     (["model.mlp=moe", "model.moe.top_k=2", "model.family=olmoe"], "family olmoe"),
     (["model.moe.experts=2"], "unknown config key 'model.moe.experts'"),
     (["model.moe_dispatch=blocks"], "unknown config key"),
+    (["impl.moe_dispatch=blocks"], "moved: set impl.moe.dispatch"),
+    # The experts' exchange runs over the expert axis: a rule placing their weights elsewhere is refused by name.
+    (["mesh.rules.experts=[tensor]"], r"mesh.rules.experts must be \[expert\]"),
+    (["mesh.rules.experts=[]"], r"mesh.rules.experts must be \[expert\]"),
+    (["mesh.expert=2", "mesh.rules.batch=[data,fsdp]"], "mesh.rules.batch must include expert"),
 ])
 def test_bad_moe_configs_are_named(overrides, message):
     with pytest.raises(ConfigError, match=message):
@@ -107,7 +113,7 @@ def test_identical_experts_with_renormalized_gates_are_the_dense_model():
     tokens = jax.random.randint(jax.random.key(2), (2, 40), 0, dense.model.vocab_size)
     want = transformer.forward_logits(dense.model, dense.impl, params, tokens)
     for dispatch in ("blocks", "ragged_dot"):
-        impl = sparse.impl.model_copy(update={"moe_dispatch": dispatch})
+        impl = sparse.impl.model_copy(update={"moe": sparse.impl.moe.model_copy(update={"dispatch": dispatch})})
         np.testing.assert_allclose(transformer.forward_logits(sparse.model, impl, moe_params, tokens), want,
                                    atol=2e-5, rtol=2e-5, err_msg=dispatch)
     cache = transformer.init_cache(sparse.model, sparse.impl, 2, 40)
@@ -188,7 +194,7 @@ def test_score_bias_moves_on_every_step_and_only_by_the_load(shards, tmp_path):
         state, metrics = step(state, batch)
         counts = jnp.stack([jnp.asarray(metrics[f"train/block {i:02d}/tokens per expert"]) for i in range(4)])
         np.testing.assert_array_equal(state.params["blocks"]["score_bias"],
-                                      moe.update_score_bias(before["blocks"]["score_bias"], counts, 0.01))
+                                      router.update_score_bias(before["blocks"]["score_bias"], counts, 0.01))
         assert bool(metrics["optim/step skipped"]) == poisoned
         if poisoned:
             np.testing.assert_array_equal(state.params["blocks"]["w1"], before["blocks"]["w1"])

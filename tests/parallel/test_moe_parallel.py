@@ -9,7 +9,8 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from olmax.config import MoEConfig
-from olmax.model import moe
+from conftest import moe_layer_params
+from olmax.model.moe import sublayer
 from olmax.parallel import expert
 
 D = 16
@@ -34,7 +35,7 @@ def _place(mesh, p, x):
 
 def _run(cfg, p, x, cotangent, key, mesh=None, dispatch="blocks", ep_capacity=None):
     def objective(p, x):
-        out, aux = moe.moe_mlp(cfg, p, x, key=key, mesh=mesh, batch_axes=BATCH_AXES, dispatch=dispatch,
+        out, aux = sublayer.moe_mlp(cfg, p, x, key=key, mesh=mesh, batch_axes=BATCH_AXES, dispatch=dispatch,
                                ep_capacity=ep_capacity)
         return jnp.sum(out * cotangent) + aux["load_balancing_loss"] + aux["router_z_loss"], (out, aux)
 
@@ -45,7 +46,7 @@ def _run(cfg, p, x, cotangent, key, mesh=None, dispatch="blocks", ep_capacity=No
 def _inputs(cfg, B=8, T=8):
     kp, kx, kc = jax.random.split(jax.random.key(0), 3)
     x = jax.random.normal(kx, (B, T, D))
-    return moe.init_params(cfg, D, kp, std=0.3), x, jax.random.normal(kc, x.shape)
+    return moe_layer_params(cfg, D, kp, std=0.3), x, jax.random.normal(kc, x.shape)
 
 
 @pytest.mark.parametrize("shape, overrides, dispatch, ep_capacity", [
@@ -77,7 +78,7 @@ def test_compiled_step_exchanges_tokens_and_never_gathers_expert_weights():
     p, x = _place(mesh, p, x)
 
     def objective(p, x):
-        out, aux = moe.moe_mlp(cfg, p, x, mesh=mesh, batch_axes=BATCH_AXES)
+        out, aux = sublayer.moe_mlp(cfg, p, x, mesh=mesh, batch_axes=BATCH_AXES)
         return jnp.sum(out * cotangent) + aux["load_balancing_loss"]
 
     hlo = jax.jit(jax.grad(objective, argnums=(0, 1))).lower(p, x).compile().as_text()
@@ -98,8 +99,8 @@ def test_capacity_and_micro_batch_losses_are_per_rank():
     cfg = _cfg(capacity_factor=0.25, load_balancing_granularity="micro_batch")
     p, x, _ = _inputs(cfg, T=64)  # 64 tokens per rank: capacity 8, half the mean load
     mesh = _mesh(2, 1, 4)
-    out, aux = jax.jit(lambda p, x: moe.moe_mlp(cfg, p, x, mesh=mesh, batch_axes=BATCH_AXES))(*_place(mesh, p, x))
-    layer = jax.jit(lambda x: moe.moe_mlp(cfg, p, x))
+    out, aux = jax.jit(lambda p, x: sublayer.moe_mlp(cfg, p, x, mesh=mesh, batch_axes=BATCH_AXES))(*_place(mesh, p, x))
+    layer = jax.jit(lambda x: sublayer.moe_mlp(cfg, p, x))
     shards = [layer(s) for s in np.split(np.asarray(x), 8)]
     np.testing.assert_allclose(out, np.concatenate([o for o, _ in shards]), atol=1e-5, rtol=1e-5)
     assert int(aux["dropped_tokens"]) == sum(int(a["dropped_tokens"]) for _, a in shards) > 0
@@ -111,9 +112,9 @@ def test_expert_parallel_rejects_a_batch_not_sharded_over_experts():
     cfg = _cfg()
     p, x, _ = _inputs(cfg)
     with pytest.raises(ValueError, match="sharded over 'expert'"):
-        moe.moe_mlp(cfg, p, x, mesh=_mesh(2, 1, 4), batch_axes=("data", "fsdp"))
+        sublayer.moe_mlp(cfg, p, x, mesh=_mesh(2, 1, 4), batch_axes=("data", "fsdp"))
     with pytest.raises(ValueError, match="do not divide"):
-        moe.moe_mlp(_cfg(num_experts=6), moe.init_params(_cfg(num_experts=6), D, jax.random.key(0)), x,
+        sublayer.moe_mlp(_cfg(num_experts=6), moe_layer_params(_cfg(num_experts=6), D, jax.random.key(0)), x,
                     mesh=_mesh(1, 2, 4), batch_axes=BATCH_AXES)
     assert expert.batch_shards(_mesh(2, 1, 4), ("data", "fsdp")) == 2
 

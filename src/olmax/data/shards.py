@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from olmax.config import writable_dir
+from olmax.errors import BadInput
 
 TOKEN_DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
 FINGERPRINT_VERSION = "olmax-fsl-v1"
@@ -38,7 +39,7 @@ MAX_OPEN_FILES = 256
 SHARDS_RECORD = "shards.json"
 
 
-class DataError(ValueError):
+class DataError(BadInput):
     """Bad data input; the message names the file or field and the fix."""
 
 

@@ -21,15 +21,11 @@ def _reports_errors(command):
     """Bad input ends the command with a one-line error naming it, exit status 2."""
     @functools.wraps(command)
     def run(args) -> None:
-        from olmax.config import ConfigError
-        from olmax.data import DataError
-        from olmax.eval.models import EvalError
-        from olmax.interop import InteropError
-        from olmax.checkpoint import CheckpointError
+        from olmax.errors import BadInput
 
         try:
             command(args)
-        except (EvalError, InteropError, DataError, CheckpointError, ConfigError) as err:
+        except BadInput as err:
             print(f"olmax: {type(err).__name__}: {err}", file=sys.stderr)
             sys.exit(2)
     return run
@@ -75,13 +71,15 @@ def load_model(path: str | Path):
     """An HF Olmo3 directory (config.json + safetensors), an olmax checkpoint directory (its latest
     step), one step of it (`.../checkpoints/STEP`), or a run directory (its `checkpoints/`)."""
     from olmax.eval.models import EvalError, Model
-    from olmax.interop.hf import load_hf_params, load_olmax, read_hf_config, run_config_from_hf
+    from olmax.interop.hf import load_hf_params, read_hf_config
+    from olmax.model.weights import load_olmax
+    from olmax.model import families
 
     path = Path(path)
     if not path.exists():
         raise EvalError(f"{path} does not exist; give an olmax checkpoint or run directory, or an HF model directory")
     if (path / "config.json").is_file():
-        cfg = run_config_from_hf(read_hf_config(path), name=path.absolute().name, where=str(path / "config.json"))
+        cfg = families.from_hf(read_hf_config(path), name=path.absolute().name, where=str(path / "config.json"))
         return Model(str(path), cfg, load_hf_params(path, cfg))
     step = None
     if path.name.isdigit() and (path / "meta").exists():

@@ -15,6 +15,7 @@ HF_DATASETS_OFFLINE=1) or defined in a local directory of task YAMLs.
 
 from __future__ import annotations
 
+import functools
 import math
 from pathlib import Path
 
@@ -26,7 +27,7 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
 from olmax.config import RunConfig
 from olmax.eval.models import EvalError, batch_rows, put_batch
-from olmax.model import transformer
+from olmax.model import generate, transformer
 from olmax.model.loss import over_logits
 from olmax.parallel.mesh import Layout
 
@@ -66,24 +67,9 @@ class OlmaxLM(TemplateLM):
             hidden, _ = transformer.forward(model_cfg, impl, params, inputs, layout)
             return over_logits(scored, (params,), (hidden,), (targets,), impl.loss_chunk)
 
-        def next_token(params, hidden):
-            return jnp.argmax(transformer.logits(params, hidden)[..., :vocab], axis=-1)
-
-        def prefill(params, tokens, lengths):
-            cache = transformer.init_cache(model_cfg, impl, tokens.shape[0], max_length)
-            hidden, cache = transformer.forward_cached(model_cfg, impl, params, tokens, jnp.zeros_like(lengths), cache,
-                                                       max_length, lengths)
-            last = jnp.take_along_axis(hidden, (lengths - 1)[:, None, None], axis=1)[:, 0]
-            return next_token(params, last), cache
-
-        def step(params, tokens, positions, cache):
-            hidden, cache = transformer.forward_cached(model_cfg, impl, params, tokens[:, None], positions, cache,
-                                                       max_length)
-            return next_token(params, hidden[:, 0]), cache
-
         self._score = jax.jit(score, out_shardings=layout.replicated)
-        self._prefill = jax.jit(prefill)
-        self._step = jax.jit(step, donate_argnums=3)
+        self._prefill = jax.jit(functools.partial(generate.prefill, model_cfg, impl, length=max_length))
+        self._step = jax.jit(functools.partial(generate.step, model_cfg, impl, length=max_length), donate_argnums=3)
 
     @property
     def eot_token_id(self) -> int:

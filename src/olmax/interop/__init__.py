@@ -1,8 +1,9 @@
-"""Interop with HF transformers and OLMo-core: checkpoint conversion (hf.py) and logit parity (parity.py).
+"""Interop with HF transformers and OLMo-core: safetensors I/O (hf.py) and logit parity (parity.py); each
+model family (olmax.model.families) does its own config and tensor-name mapping.
 
-Kept free of imports, so the CLI can catch InteropError without loading jax.
+Kept free of imports beyond olmax.errors, so the CLI can catch InteropError without loading jax.
 """
 
+from olmax.errors import InteropError
 
-class InteropError(ValueError):
-    """Input that cannot be converted or compared; the message names the file, field or tensors."""
+__all__ = ["InteropError"]

@@ -22,9 +22,9 @@ def cmd_olmax_to_hf(args) -> None:
 
     cfg, step = olmax_to_hf(args.ckpt, args.out, dtype=args.dtype, max_shard_bytes=int(args.max_shard_gb * 2**30),
                             tokenizer=args.tokenizer)
-    from olmax.interop.hf import ARCHITECTURES
+    from olmax.model.families import HF_CLASSES
 
-    print(f"wrote {args.out}: {ARCHITECTURES[cfg.model.family]} ({args.dtype}) from {args.ckpt} step {step}, "
+    print(f"wrote {args.out}: {HF_CLASSES[cfg.model.family]} ({args.dtype}) from {args.ckpt} step {step}, "
           f"vocab trimmed to {cfg.model.vocab_size}")
 
 

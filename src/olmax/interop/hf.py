@@ -1,6 +1,6 @@
-"""HF transformers `Olmo3ForCausalLM` / `OlmoeForCausalLM` <-> olmax: configs, tensor names, streaming
-conversion. The HF `model_type` is the olmax model family (olmo3, olmoe); tensor names and layouts come
-from the family's parameter table (OLMoE's experts: one tensor per expert, as on the Hub).
+"""HF transformers checkpoints <-> olmax: safetensors I/O and streaming conversion. The HF `model_type` is the
+olmax model family (olmax.model.families): config.json is translated, and tensor names and layouts come,
+from the family's module and parameter table; nothing here knows one family from another.
 
 Needs neither torch nor transformers: config.json is read as JSON and tensors
 as safetensors (never pickle, never remote code). Both directions stream a slab
@@ -26,22 +26,19 @@ import jax
 import ml_dtypes
 import numpy as np
 
-from olmax.checkpoint import Checkpointer, read_params, run_meta
-from olmax.config import CheckpointConfig, ConfigError, ModelConfig, RunConfig, validate, writable_dir
+from olmax.checkpoint import Checkpointer, run_meta
+from olmax.config import CheckpointConfig, ModelConfig, RunConfig, writable_dir
 from olmax.interop import InteropError, stream
 from olmax.model import families
+from olmax.model.weights import load_olmax
 
-ARCHITECTURES = {"olmo3": "Olmo3ForCausalLM", "olmoe": "OlmoeForCausalLM"}  # model_type (= family) -> class
-LAYER_KINDS = {"sliding_attention": "sliding", "full_attention": "global"}
-HF_LAYER_TYPES = {kind: name for name, kind in LAYER_KINDS.items()}
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 FLOAT_DTYPES = {"F32", "BF16", "F16", "F64"}  # safetensors dtype codes the import accepts
 EXPORT_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}
 
 
-
-# --- configs ---------------------------------------------------------------------------------------
+# --- config.json -----------------------------------------------------------------------------------
 
 
 def read_hf_config(src: Path) -> dict:
@@ -54,228 +51,11 @@ def read_hf_config(src: Path) -> dict:
         raise InteropError(f"{path} is not valid JSON: {err}") from None
     architectures = config.get("architectures") or []
     model_type = config.get("model_type")
-    if model_type not in ARCHITECTURES or architectures not in ([], [ARCHITECTURES[model_type]]):
-        known = ", ".join(f"{cls} (model_type {t!r})" for t, cls in ARCHITECTURES.items())
+    if model_type not in families.HF_CLASSES or architectures not in ([], [families.HF_CLASSES[model_type]]):
+        known = ", ".join(f"{cls} (model_type {t!r})" for t, cls in families.HF_CLASSES.items())
         raise InteropError(f"{path}: unsupported architecture (model_type {model_type!r}, architectures "
                            f"{architectures}); olmax converts {known}")
     return config
-
-
-ROPE_KEYS = {"rope_type", "rope_theta", "factor", "original_max_position_embeddings", "beta_fast", "beta_slow",
-             "attention_factor", "truncate"}
-
-
-def _rope(hf: dict, where: str) -> dict:
-    """olmax `model.rope` (per layer kind) from transformers' Olmo3 RoPE fields, resolved exactly as
-    `Olmo3Config` resolves them: `rope_parameters` keyed by layer type; an old-style `rope_scaling` merged
-    into the full-attention entry only; a top-level `rope_theta` filling in the full-attention theta only
-    (sliding layers default to 500000 whatever it says)."""
-    if hf.get("partial_rotary_factor", 1.0) != 1.0:
-        raise InteropError(f"{where}: partial_rotary_factor {hf['partial_rotary_factor']} is not supported "
-                           "(olmax rotates every dimension of a head)")
-    params = hf.get("rope_parameters") or {}
-    if ignored := sorted(set(params) - set(LAYER_KINDS)):
-        raise InteropError(f"{where}: rope_parameters has keys {ignored} that are not layer types; transformers' "
-                           f"Olmo3 reads only {sorted(LAYER_KINDS)} (and would ignore these)")
-    entries = {name: dict(params.get(name) or {"rope_type": "default"}) for name in LAYER_KINDS}
-    if scaling := dict(hf.get("rope_scaling") or {}):
-        if "type" in scaling:  # the legacy name of rope_type
-            scaling.setdefault("rope_type", scaling.pop("type"))
-        entries["full_attention"].update(scaling)
-    entries["full_attention"].setdefault("rope_theta", hf.get("rope_theta", 500000.0))
-    entries["sliding_attention"].setdefault("rope_theta", 500000.0)
-    rope = {}
-    for name, p in entries.items():
-        at = f"{where}: rope_parameters[{name!r}]"
-        if unknown := sorted(set(p) - ROPE_KEYS - {"type"}):
-            raise InteropError(f"{at} has fields olmax does not implement: {unknown}")
-        kind = p.get("rope_type", p.get("type", "default"))
-        if kind not in ("default", "yarn"):
-            raise InteropError(f"{at}: rope_type {kind!r} is not implemented (olmax has default and yarn)")
-        if p.get("truncate", True) is not True:
-            raise InteropError(f"{at}: truncate=false is not implemented (and transformers' Olmo3 reads truncate "
-                               "from the top level of rope_parameters, so it would not honour it either)")
-        entry = {"theta": float(p["rope_theta"]), "type": kind}
-        if kind == "yarn":
-            original = p.get("original_max_position_embeddings") or hf.get("max_position_embeddings")
-            if not original:
-                raise InteropError(f"{at}: yarn needs original_max_position_embeddings (or max_position_embeddings)")
-            entry |= {"factor": p.get("factor") or hf["max_position_embeddings"] / original,
-                      "original_max_position_embeddings": original, "beta_fast": p.get("beta_fast") or 32.0,
-                      "beta_slow": p.get("beta_slow") or 1.0, "attention_factor": p.get("attention_factor")}
-        rope[LAYER_KINDS[name]] = entry
-    return rope
-
-
-def _hf_rope(rope) -> dict:
-    """transformers' `rope_parameters` entry of one olmax RopeConfig."""
-    entry = {"rope_type": rope.type, "rope_theta": rope.theta}
-    if rope.type == "yarn":
-        entry |= {"factor": rope.factor, "original_max_position_embeddings": rope.original_max_position_embeddings,
-                  "beta_fast": rope.beta_fast, "beta_slow": rope.beta_slow}
-        if rope.attention_factor is not None:
-            entry["attention_factor"] = rope.attention_factor
-    return entry
-
-
-def _layer_pattern(hf: dict, n_layers: int, where: str) -> list[str]:
-    """The shortest period of `layer_types` (a period dividing n_layers; the whole list at worst)."""
-    layer_types = hf.get("layer_types")
-    if layer_types is None:  # HF's default: every fourth layer global
-        layer_types = [HF_LAYER_TYPES["global" if (i + 1) % 4 == 0 else "sliding"] for i in range(n_layers)]
-    if len(layer_types) != n_layers:
-        raise InteropError(f"{where}: layer_types has {len(layer_types)} entries, num_hidden_layers is {n_layers}")
-    if unknown := sorted({t for t in layer_types if t not in LAYER_KINDS}):
-        raise InteropError(f"{where}: layer_types has unsupported kinds {unknown}; supported: {sorted(LAYER_KINDS)}")
-    kinds = [LAYER_KINDS[t] for t in layer_types]
-    period = next(p for p in range(1, n_layers + 1) if n_layers % p == 0 and kinds == kinds[:p] * (n_layers // p))
-    return kinds[:period]
-
-
-def _token_id(hf: dict, field: str, vocab_size: int, where: str) -> int | None:
-    value = hf.get(field)
-    if isinstance(value, list):
-        value = value[0] if value else None
-    if value is not None and not 0 <= value < vocab_size:
-        raise InteropError(f"{where}: {field} {value} is outside the vocabulary (vocab_size {vocab_size})")
-    return value
-
-
-def _olmoe_model(hf: dict, where: str) -> dict:
-    """olmax model fields of an HF OLMoE config beyond the shared ones: MoE in every layer, global attention,
-    one unscaled RoPE (`OlmoeConfig`'s defaults where config.json omits a field)."""
-    if hf.get("clip_qkv") is not None:
-        raise InteropError(f"{where}: clip_qkv {hf['clip_qkv']} is not implemented (olmax does not clip q, k, v)")
-    rope = dict(hf.get("rope_parameters") or {}) | (hf.get("rope_scaling") or {})
-    if rope.get("rope_type", rope.get("type", "default")) != "default":
-        raise InteropError(f"{where}: RoPE scaling {rope} is not implemented for OLMoE (olmax reads default RoPE)")
-    theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
-    return {
-        "family": "olmoe", "mlp": "moe", "layer_pattern": ["global"], "rope": {"global": {"theta": float(theta)}},
-        "moe": {"num_experts": hf.get("num_experts", 64), "top_k": hf.get("num_experts_per_tok", 8),
-                "expert_hidden": hf["intermediate_size"], "normalize_gates": hf.get("norm_topk_prob", False),
-                "load_balancing_loss": hf.get("router_aux_loss_coef", 0.01)},
-    }
-
-
-def _olmo3_model(hf: dict, where: str) -> dict:
-    pattern = _layer_pattern(hf, hf["num_hidden_layers"], where)
-    window = hf.get("sliding_window")
-    if "sliding" in pattern and not window:
-        raise InteropError(f"{where}: layer_types has sliding layers but sliding_window is {window!r}")
-    return {"mlp_hidden": hf["intermediate_size"], "rope": _rope(hf, where), "layer_pattern": pattern} | (
-        {"sliding_window": window} if window else {})
-
-
-def run_config_from_hf(hf: dict, name: str, where: str = "config.json") -> RunConfig:
-    """The olmax run config of an HF Olmo3 / OLMoE config: the model derived from it, the rest the 7B recipe."""
-    unsupported = {
-        "attention_bias": (hf.get("attention_bias", False), False),
-        "hidden_act": (hf.get("hidden_act", "silu"), "silu"),
-        "tie_word_embeddings": (hf.get("tie_word_embeddings", False), False),
-    }
-    if bad := {k: got for k, (got, want) in unsupported.items() if got != want}:
-        raise InteropError(f"{where}: unsupported settings {bad} (OLMo 3 and OLMoE: no biases, SiLU MLP, "
-                           "untied LM head)")
-    missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                           "num_attention_heads") if k not in hf]
-    if missing:
-        raise InteropError(f"{where}: missing fields {missing}")
-    n_heads, d_model = hf["num_attention_heads"], hf["hidden_size"]
-    head_dim = hf.get("head_dim")
-    model = {
-        "vocab_size": hf["vocab_size"],
-        "d_model": d_model,
-        "n_layers": hf["num_hidden_layers"],
-        "n_heads": n_heads,
-        "n_kv_heads": None if hf.get("num_key_value_heads") in (None, n_heads) else hf["num_key_value_heads"],
-        "head_dim": None if head_dim in (None, d_model // n_heads) else head_dim,
-        "norm_eps": hf.get("rms_norm_eps", 1e-5),
-        "init_std": hf.get("initializer_range", 0.02),
-        "param_dtype": "float32",
-    }
-    model |= (_olmoe_model if hf.get("model_type") == "olmoe" else _olmo3_model)(hf, where)
-    eos = _token_id(hf, "eos_token_id", hf["vocab_size"], where)
-    pad = _token_id(hf, "pad_token_id", hf["vocab_size"], where)
-    if eos is None:
-        raise InteropError(f"{where}: eos_token_id is missing; olmax's data config needs it")
-    data = {"eos_id": eos, "pad_id": eos if pad is None else pad,
-            "token_dtype": "uint16" if hf["vocab_size"] <= 2**16 else "uint32"}
-    try:
-        return validate({"name": name, "model": model, "data": data}, source=where)
-    except ConfigError as err:
-        raise InteropError(str(err)) from None
-
-
-def check_exportable(m: ModelConfig) -> None:
-    """Refuse a model its family's transformers class cannot express (it would load, and compute another function)."""
-    if m.family == "olmo3" and m.mlp != "dense":
-        raise InteropError("model.mlp moe with family olmo3 has no transformers class (Olmo3ForCausalLM is dense); "
-                           "HF interop of a mixture of experts is OlmoeForCausalLM, model.family olmoe")
-    if m.family == "olmoe":
-        e = m.moe
-        bad = {"moe.gating": e.gating != "softmax", "moe.shared_expert_hidden": e.shared_expert_hidden is not None,
-               "moe.bias_update_rate": e.bias_update_rate is not None, "moe.capacity_factor": e.capacity_factor
-               is not None, "moe.routing": e.routing != "learned", "rope": m.rope["global"].type != "default"}
-        if fields := [k for k, b in bad.items() if b]:
-            raise InteropError(f"OlmoeForCausalLM has a softmax router, dropless learned top-k routing, no shared "
-                               f"expert or selection bias, and unscaled RoPE; this model sets model.{fields}")
-
-
-def _hf_olmoe(cfg: RunConfig) -> dict:
-    m = cfg.model
-    theta = m.rope["global"].theta
-    return {"intermediate_size": m.moe.expert_hidden, "rope_theta": theta,
-            "rope_parameters": {"rope_type": "default", "rope_theta": theta}, "clip_qkv": None,
-            "num_experts": m.moe.num_experts, "num_experts_per_tok": m.moe.top_k,
-            "norm_topk_prob": m.moe.normalize_gates, "router_aux_loss_coef": m.moe.load_balancing_loss,
-            "output_router_logits": False}
-
-
-def _hf_olmo3(cfg: RunConfig) -> dict:
-    """RoPE as `rope_parameters` per layer type (transformers 5), and as `rope_theta` too when both kinds share
-    an unscaled theta (transformers 4 reads that)."""
-    m = cfg.model
-    unscaled = {r.theta for r in m.rope.values() if r.type == "default"}
-    single_theta = len(unscaled) == 1 and all(r.type == "default" for r in m.rope.values())
-    config = {
-        "intermediate_size": m.mlp_hidden,
-        "rope_parameters": {name: _hf_rope(m.rope.get(kind, m.rope["global"])) for name, kind in LAYER_KINDS.items()},
-        "sliding_window": m.sliding_window,
-        "layer_types": [HF_LAYER_TYPES["global" if m.is_global(i) else "sliding"] for i in range(m.n_layers)],
-    }
-    if single_theta:
-        config["rope_theta"] = unscaled.pop()
-    if m.head_dim is not None:
-        config["head_dim"] = m.head_dim
-    return config
-
-
-def hf_config_from_run(cfg: RunConfig, dtype: str = "float32") -> dict:
-    """config.json for the family's transformers class (Olmo3ForCausalLM, OlmoeForCausalLM)."""
-    m = cfg.model
-    check_exportable(m)
-    return {
-        "architectures": [ARCHITECTURES[m.family]],
-        "model_type": m.family,
-        "vocab_size": m.vocab_size,
-        "hidden_size": m.d_model,
-        "num_hidden_layers": m.n_layers,
-        "num_attention_heads": m.n_heads,
-        "num_key_value_heads": m.kv_heads,
-        "hidden_act": "silu",
-        "max_position_embeddings": cfg.data.sequence_length,
-        "initializer_range": m.init_std,
-        "rms_norm_eps": m.norm_eps,
-        "attention_bias": False,
-        "attention_dropout": 0.0,
-        "tie_word_embeddings": False,
-        "bos_token_id": None,
-        "eos_token_id": cfg.data.eos_id,
-        "pad_token_id": cfg.data.pad_id,
-        "use_cache": True,
-        "dtype": dtype,
-    } | (_hf_olmoe if m.family == "olmoe" else _hf_olmo3)(cfg)
 
 
 # --- tensors ---------------------------------------------------------------------------------------
@@ -341,7 +121,7 @@ def check_hf_tensors(found: dict, src: Path, m: ModelConfig) -> None:
     not_float = [f"{n} ({found[n][1]})" for n in specs if n in found and found[n][1] not in FLOAT_DTYPES]
     if missing or extra or mismatched or not_float:
         mlp = f"MLP {m.mlp_hidden}" if m.mlp == "dense" else f"{m.moe.num_experts} experts of {m.moe.expert_hidden}"
-        lines = [f"{src}: the tensors do not match config.json ({ARCHITECTURES[m.family]}: {m.n_layers} layers, "
+        lines = [f"{src}: the tensors do not match config.json ({families.HF_CLASSES[m.family]}: {m.n_layers} layers, "
                  f"hidden {m.d_model}, {m.n_heads} heads / {m.kv_heads} KV heads of {m.head_size}, {mlp}, "
                  f"vocab {m.vocab_size})"]
         lines += _listing("missing tensors", missing)
@@ -376,10 +156,10 @@ def hf_to_olmax(src: str | Path, out: str | Path) -> RunConfig:
     if out.exists() and any(out.iterdir()):
         raise InteropError(f"{out} exists and is not empty; choose a new output directory")
     writable_dir(out, "output directory")
-    cfg = run_config_from_hf(read_hf_config(src), name=src.absolute().name, where=str(src / "config.json"))
+    cfg = families.from_hf(read_hf_config(src), name=src.absolute().name, where=str(src / "config.json"))
     params = load_hf_params(src, cfg)
     meta = run_meta(cfg, 0, {})
-    meta["converted_from"] = {"format": "hf", "architecture": ARCHITECTURES[cfg.model.family],
+    meta["converted_from"] = {"format": "hf", "architecture": families.HF_CLASSES[cfg.model.family],
                               "path": str(src.absolute())}
     checkpointer = Checkpointer(out, CheckpointConfig())
     try:
@@ -387,15 +167,6 @@ def hf_to_olmax(src: str | Path, out: str | Path) -> RunConfig:
     finally:
         checkpointer.close()
     return cfg
-
-
-def load_olmax(ckpt: str | Path, step: int | None = None) -> tuple[RunConfig, dict, int]:
-    """(config, params as numpy arrays, step) of an olmax checkpoint (a run directory, its checkpoints/ or one
-    step of it), training or weights-only."""
-    def host_arrays(cfg: RunConfig) -> dict:
-        return jax.tree.map(lambda shape: np.empty(shape, cfg.model.param_dtype), families.param_shapes(cfg.model),
-                            is_leaf=lambda s: isinstance(s, tuple))
-    return read_params(ckpt, host_arrays, step)
 
 
 def _plan_shards(cfg: RunConfig, itemsize: int, max_shard_bytes: int) -> list[list[str]]:
@@ -415,7 +186,7 @@ def write_hf(cfg: RunConfig, params: dict, out: str | Path, dtype: str = "float3
     """safetensors (one file, or shards + index) and config.json for the family's transformers class
     (`Olmo3ForCausalLM` / `OlmoeForCausalLM`.from_pretrained), and a copy of `tokenizer` (a tokenizer.json)."""
     out = Path(out)
-    check_exportable(cfg.model)
+    families.check_exportable(cfg.model)
     if tokenizer is not None and not Path(tokenizer).is_file():
         raise InteropError(f"tokenizer {tokenizer} is not a file; give the run's tokenizer.json")
     if out.exists() and any(out.iterdir()):
@@ -452,7 +223,7 @@ def _write_hf_files(cfg: RunConfig, params: dict, out: Path, dtype: str, np_dtyp
         total = sum(math.prod(p.foreign_shape(m, index)) for p, index in tensors.values()) * np_dtype.itemsize
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (out / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
-    (out / "config.json").write_text(json.dumps(hf_config_from_run(cfg, dtype), indent=2) + "\n")
+    (out / "config.json").write_text(json.dumps(families.to_hf(cfg, dtype), indent=2) + "\n")
 
 
 def olmax_to_hf(ckpt: str | Path, out: str | Path, dtype: str = "float32",

@@ -27,11 +27,12 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from olmax.config import RopeConfig, RunConfig
+from olmax.config import RunConfig
 from olmax.data.shards import count_tokens
 from olmax.interop import InteropError
-from olmax.interop.hf import ARCHITECTURES, _rope, load_olmax, read_hf_config, run_config_from_hf
+from olmax.interop.hf import read_hf_config
 from olmax.model import families, transformer
+from olmax.model.weights import load_olmax
 
 TOP_K = 10
 CHUNK_TOKENS = 1024  # positions compared at a time: float64 copies of [chunk, vocab] stay small
@@ -148,66 +149,24 @@ def failures(summary: dict, thresholds: dict) -> list[str]:
 # --- the models ------------------------------------------------------------------------------------
 
 
-def _signature(family, vocab, d_model, n_layers, heads, kv_heads, head_dim, mlp, eps, rope, window, kinds,
-               experts=None) -> dict:
-    """What fixes a model's forward pass, comparable across config formats; experts = (count, top-k,
-    renormalized gates) of a mixture of experts, whose expert hidden size is `mlp`."""
-    return {
-        "family": family, "vocab_size": vocab, "hidden_size": d_model, "num_hidden_layers": n_layers,
-        "num_attention_heads": heads, "num_key_value_heads": kv_heads, "head_dim": head_dim,
-        "intermediate_size": mlp, "rms_norm_eps": eps, "rope": rope,
-        "sliding_window": window if "sliding" in kinds else None, "layer_types": kinds, "experts": experts,
-    }
-
-
-def _olmax_signature(cfg: RunConfig) -> dict:
-    m = cfg.model
-    kinds = ["global" if m.is_global(i) else "sliding" for i in range(m.n_layers)]
-    rope = {kind: m.rope[kind].model_dump() for kind in sorted(set(kinds))}
-    mlp, experts = m.mlp_hidden, None
-    if m.mlp == "moe":
-        mlp, experts = m.moe.expert_hidden, (m.moe.num_experts, m.moe.top_k, m.moe.normalize_gates)
-    return _signature(m.family, m.vocab_size, m.d_model, m.n_layers, m.n_heads, m.kv_heads, m.head_size, mlp,
-                      m.norm_eps, rope, m.sliding_window, kinds, experts)
-
-
-def _hf_signature(config) -> dict:
-    """As transformers itself resolved config.json (it may read a field differently from olmax)."""
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    if config.model_type == "olmoe":
-        kinds = ["global"] * config.num_hidden_layers
-        rope = {"global": RopeConfig(theta=config.rope_parameters["rope_theta"]).model_dump()}
-        window, experts = None, (config.num_experts, config.num_experts_per_tok, config.norm_topk_prob)
-    else:
-        kinds = [{"sliding_attention": "sliding", "full_attention": "global"}.get(t, t) for t in config.layer_types]
-        resolved = _rope({"rope_parameters": config.rope_parameters,
-                          "max_position_embeddings": config.max_position_embeddings}, "transformers' resolved config")
-        rope = {kind: RopeConfig(**resolved[kind]).model_dump() for kind in sorted(set(kinds))}
-        window, experts = config.sliding_window, None
-    return _signature(config.model_type, config.vocab_size, config.hidden_size, config.num_hidden_layers,
-                      config.num_attention_heads, config.num_key_value_heads, head_dim, config.intermediate_size,
-                      config.rms_norm_eps, rope, window, kinds, experts)
-
-
 def check_same_model(cfg: RunConfig, hf_config, where: str) -> None:
-    ours, theirs = _olmax_signature(cfg), _hf_signature(hf_config)
+    ours, theirs = families.parity_signature(cfg.model), families.hf_signature(hf_config)
     if diff := [f"{k}: olmax {ours[k]!r}, HF {theirs[k]!r}" for k in ours if ours[k] != theirs[k]]:
         raise InteropError(f"{where} is a different model from the olmax checkpoint:\n  " + "\n  ".join(diff))
 
 
 def hf_reference(hf_dir: Path, cfg: RunConfig, dtype: str = "float32"):
-    """A function tokens [B, T] -> logits [B, T, vocab] (numpy, `dtype`) of the HF model run in `dtype`.
-    OLMoE's experts run as transformers' eager loop over experts (its grouped kernels have no float64)."""
+    """A function tokens [B, T] -> logits [B, T, vocab] (numpy, `dtype`) of the HF model run in `dtype`, loaded
+    with its family's arguments (OLMoE's experts run as transformers' eager loop)."""
     import torch
     import transformers
 
     hf_dir = Path(hf_dir)
     hf = read_hf_config(hf_dir)
-    run_config_from_hf(hf, name="reference", where=str(hf_dir / "config.json"))
-    model_class = getattr(transformers, ARCHITECTURES[hf["model_type"]])
-    experts = {"experts_implementation": "eager"} if hf["model_type"] == "olmoe" else {}
-    model = model_class.from_pretrained(hf_dir, dtype=getattr(torch, dtype), trust_remote_code=False,
-                                        use_safetensors=True, **experts).eval()
+    families.from_hf(hf, name="reference", where=str(hf_dir / "config.json"))
+    family = families.FAMILIES[hf["model_type"]]
+    model = getattr(transformers, family.HF_CLASS).from_pretrained(
+        hf_dir, dtype=getattr(torch, dtype), trust_remote_code=False, use_safetensors=True, **family.HF_LOAD_ARGS).eval()
     check_same_model(cfg, model.config, str(hf_dir))
 
     def logits(tokens: np.ndarray) -> np.ndarray:

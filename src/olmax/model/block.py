@@ -4,13 +4,14 @@
     out = h + norm(mlp(h))
     h   = x + attn(norm(x))          pre-norm (OLMoE, model.family olmoe)
     out = h + mlp(norm(h))
+(each family module's NORM_PLACEMENT says which)
     attn: q = rope(norm(x Wq)), k = rope(norm(x Wk)), v = x Wv   (QK-norm over the whole projection)
 
 `attention(q, k, v) -> (context, state)` is the layer's attention: blocked over the sequence in
 training, over a KV cache in decoding (its state is the updated cache). `mlp(p, h) -> (out, aux)` is the
-MLP sublayer chosen by `model.mlp` (dense SwiGLU, or the mixture of experts of model/moe.py); `aux` (a
-dict of arrays, {} for dense) is stacked over layers by the model and read by the train step (auxiliary
-losses, load metrics). Matmuls run in the dtype of x;
+MLP sublayer chosen by `model.mlp` (dense SwiGLU, model/mlp.py, or the mixture of experts of model/moe/);
+`aux` (a dict of arrays, {} for dense) is stacked over layers by the model and read by the sublayer's
+training hooks, which the train step calls (auxiliary losses, load metrics). Matmuls run in the dtype of x;
 norms, RoPE and softmax in float32. Named activations (`qkv_proj`, `out_proj`, `mlpwi_0`, `mlpwi_1`,
 `mlpwo`, `context`) let a remat policy be a list of names. `dense` is the projections' matmul (float8
 with impl.fp8: q, k, v, o and the MLP's, never the attention's own products).
@@ -27,7 +28,9 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from olmax.config import ImplConfig, ModelConfig
-from olmax.model import fp8, moe
+from olmax.model import families, fp8
+from olmax.model.mlp import DenseTraining, dense_mlp
+from olmax.model.moe import sublayer
 from olmax.model import rope as rope_lib
 from olmax.parallel.mesh import Layout, constrain
 
@@ -52,13 +55,6 @@ def dense_for(impl: ImplConfig) -> Callable:
     return functools.partial(dense, matmul=fp8.matmul) if impl.fp8 else dense
 
 
-def dense_mlp(p: dict, h: jax.Array, dense: Callable = dense) -> tuple[jax.Array, dict]:
-    """SwiGLU: w2(silu(w1 h) * w3 h)."""
-    gate = jax.nn.silu(dense(h, p["w1"], "mlpwi_0"))
-    up = dense(h, p["w3"], "mlpwi_1")
-    return dense(gate * up, p["w2"], "mlpwo"), {}
-
-
 def mlp_sublayer(cfg: ModelConfig, impl: ImplConfig, layout: Layout | None = None, kind: str | None = None,
                  dense: Callable = dense):
     """The MLP sublayer of `kind` (default model.mlp): `mlp(p, h) -> (out, aux)`; the MoE one also takes
@@ -68,11 +64,17 @@ def mlp_sublayer(cfg: ModelConfig, impl: ImplConfig, layout: Layout | None = Non
         return functools.partial(dense_mlp, dense=dense)
 
     def moe_mlp(p: dict, h: jax.Array, key: jax.Array | None = None) -> tuple[jax.Array, dict]:
-        return moe.moe_mlp(cfg.moe, p, h, key=key, mesh=layout.mesh if layout else None,
-                           batch_axes=layout.batch_axes if layout else (), dispatch=impl.moe_dispatch,
-                           block_size=impl.moe_block, ep_capacity=impl.moe_ep_capacity)
+        return sublayer.moe_mlp(cfg.moe, p, h, key=key, mesh=layout.mesh if layout else None,
+                                batch_axes=layout.batch_axes if layout else (), dispatch=impl.moe.dispatch,
+                                block_size=impl.moe.block, ep_capacity=impl.moe.ep_capacity)
 
     return moe_mlp
+
+
+def training_hooks(cfg: ModelConfig, seed: int):
+    """The training hooks of the model's MLP sublayer kind (olmax.model.mlp describes them); `seed` is
+    train.seed."""
+    return DenseTraining() if cfg.mlp == "dense" else sublayer.MoETraining(cfg, seed)
 
 
 def block(cfg: ModelConfig, p: dict, x: jax.Array, *, rope: tuple, attention: Callable, mlp: Callable,
@@ -80,7 +82,7 @@ def block(cfg: ModelConfig, p: dict, x: jax.Array, *, rope: tuple, attention: Ca
     """x [B, T, D] -> (out [B, T, D], mlp aux, attention state); rope = (cos, sin) at the tokens' positions."""
     B, T, _ = x.shape
     Dh = cfg.head_size
-    pre = cfg.norm_placement == "pre"
+    pre = families.of(cfg).NORM_PLACEMENT == "pre"
     a = rms_norm(x, p["attn_norm"], cfg.norm_eps) if pre else x
     q = rms_norm(dense(a, p["q_proj"], "qkv_proj"), p["q_norm"], cfg.norm_eps)
     k = rms_norm(dense(a, p["k_proj"], "qkv_proj"), p["k_norm"], cfg.norm_eps)

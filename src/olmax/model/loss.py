@@ -1,4 +1,4 @@
-"""The LM head and everything computed from its logits, a chunk of sequence positions at a time.
+"""Everything computed from the LM head's logits (`transformer.logits`), a chunk of sequence positions at a time.
 
 Full float32 logits of a batch are [tokens, padded vocab]: about 13 GB per device for the 7B recipe
 (4 x 8192 tokens, vocab 100,352), more than all other activations. `over_logits` computes the logits of

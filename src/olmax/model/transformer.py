@@ -4,7 +4,8 @@ Layers repeat `layer_pattern` (3 sliding, 1 global in OLMo 3). Block parameters 
 leading `layers` axis and the model scans over groups of one pattern period, so the compiled program
 does not grow with depth and each layer's kind (window, RoPE) is static. Training, evaluation and
 cached decoding run the same block (block.py); they differ in the attention they pass it. Parameters
-are float32; matmuls run in the compute dtype; norms, RoPE, softmax, logits and the loss in float32.
+are kept in model.param_dtype (float32 in every preset); matmuls run in the compute dtype; norms, RoPE,
+softmax, logits and the loss in float32.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ all_to_all needs static shapes, and without dropping a device may receive every 
 group, so by default (dropless) every token travels to every device of the group once (not once per
 assignment): the traffic, and the receive buffer, of an all-gather of the group's tokens, P times a
 device's tokens. `ragged_all_to_all` would send only the routed rows, but it does not compile on
-XLA:CPU. With a capacity per peer (`impl.moe_ep_capacity`), each device sends each peer only the
+XLA:CPU. With a capacity per peer (`impl.moe.ep_capacity`), each device sends each peer only the
 assignments routed there, up to `capacity` rows (assignments beyond it are dropped before the
 exchange, by `drop_over_peer_capacity`, and counted): buffers of P x capacity rows, about
 factor x k x a device's tokens, whatever P.

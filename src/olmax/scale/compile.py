@@ -14,7 +14,6 @@ attention kernels (Splash, cuDNN) and its matmuls with float8 operands (impl.fp8
 from __future__ import annotations
 
 import collections
-import functools
 import math
 import re
 import time
@@ -27,7 +26,7 @@ from olmax.model import attention, transformer
 from olmax.parallel.mesh import Layout, make_layout
 from olmax.scale.plan import plan
 from olmax.scale.targets import GiB, Target, compile_only_devices
-from olmax.train.step import batch_shardings, init_state, jit_train_step, micro_batch_rows, state_shardings
+from olmax.train.step import abstract_state, batch_shardings, jit_train_step, micro_batch_rows
 
 
 class DoesNotFit(Exception):
@@ -46,11 +45,7 @@ def device_bytes(tree) -> int:
 
 
 def abstract_inputs(cfg: RunConfig, layout: Layout, micro_rows: int):
-    shapes = jax.eval_shape(functools.partial(init_state, cfg), jax.random.key(0))
-    state = jax.tree.map(
-        lambda x, sharding: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
-        shapes, state_shardings(cfg, layout),
-    )
+    state = abstract_state(cfg, layout)
     seq, micro_steps = cfg.data.sequence_length, cfg.train.global_batch_instances // micro_rows
     sharding = batch_shardings(layout, seq, micro_rows)
     batch = {

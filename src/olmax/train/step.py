@@ -3,16 +3,13 @@
 A batch is the global batch cut into micro-batches, `input_ids [A, M, T]` and
 `instance_mask [A, M]`. Each micro-batch's summed loss is divided by the label
 count of the whole global batch, so accumulating A micro-batches gives the
-gradient of one big batch. Auxiliary losses of the model's sublayers (`aux`,
-stacked over layers) enter in one place, `auxiliary`, summed over tokens and
-divided by the same label count (OLMo-core's MoE router losses). With pipeline
-stages (mesh.stage > 1) each micro-batch is cut again into the pipeline's
-micro-batches, and `auxiliary` sees each of those as a micro-batch of its own.
-
-A mixture of experts adds its true load over the global batch to the metrics
-(`load_metrics`) and moves its selection bias after the update (even on a
-skipped step, as OLMo-core does); routing="random" draws from a key that is a
-function of the step, so a resumed run routes as the continuous one.
+gradient of one big batch. What the MLP sublayer kind adds to training comes
+from its training hooks (olmax.model.mlp): the loss of its `aux` (stacked over
+layers), already divided by the same label count; its metrics; state it moves
+after the update; its key for each micro-batch of a step. The step knows no
+kind. With pipeline stages (mesh.stage > 1) each micro-batch is cut again into
+the pipeline's micro-batches, and the loss hook sees each of those as a
+micro-batch of its own.
 
 The optimizer gets the global gradient norm computed here, from the gradients in
 the parameters' layout; with `impl.shard_optimizer` it then updates ZeRO-1
@@ -31,7 +28,8 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from olmax.config import ConfigError, RunConfig
-from olmax.model import families, moe, transformer
+from olmax.model import families, transformer
+from olmax.model.block import training_hooks
 from olmax.model.loss import label_mask, loss_sums
 from olmax.parallel import pipeline
 from olmax.parallel.mesh import Layout
@@ -74,6 +72,14 @@ def state_shardings(cfg: RunConfig, layout: Layout) -> TrainState:
     return TrainState(layout.replicated, param_shardings(cfg, layout), opt_state)
 
 
+def abstract_state(cfg: RunConfig, layout: Layout) -> TrainState:
+    """The train state as shapes placed on the layout (ShapeDtypeStructs, nothing allocated): what a restore
+    fills and what an ahead-of-time compile takes."""
+    shapes = jax.eval_shape(functools.partial(init_state, cfg), jax.random.key(0))
+    return jax.tree.map(lambda x, sharding: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
+                        shapes, state_shardings(cfg, layout))
+
+
 def create_state(cfg: RunConfig, layout: Layout, key: jax.Array) -> TrainState:
     """The initial state, created already sharded (no full copy on one device)."""
     return jax.jit(functools.partial(init_state, cfg), out_shardings=state_shardings(cfg, layout))(key)
@@ -105,56 +111,10 @@ def batch_shardings(layout: Layout, seq_len: int, micro_rows: int) -> dict:
             "instance_mask": sharding(("batch",), (micro_rows,))}
 
 
-def auxiliary(cfg: RunConfig, aux: dict, tokens: int, n_labels: jax.Array) -> tuple[jax.Array, dict]:
-    """The one place auxiliary losses enter the loss: (what a micro-batch of `tokens` tokens adds to the loss,
-    already divided by the global batch's label count, and the values summed over micro-batches for the
-    metrics) from the model's per-layer aux. A dense model has none."""
-    if cfg.model.mlp != "moe":
-        return jnp.float32(0.0), {}
-    loss, logged = moe.aux_loss(cfg.model.moe, aux, cfg.model.n_layers, tokens, n_labels)
-    return loss, {f"train/{name}": value for name, value in logged.items()} | {
-        "tokens_per_expert": aux["tokens_per_expert"], "dropped_tokens": aux["dropped_tokens"]}
-
-
-def load_metrics(cfg: RunConfig, logged: dict) -> dict:
-    """The step's metrics from the summed aux values: the true load of the global batch per MoE layer
-    (assignments per expert, a vector metric: a histogram in the event files), and the worst layer's
-    load imbalance (max / mean, OLMo-core's metric and reduction) and busiest expert share."""
-    counts, dropped = logged.pop("tokens_per_expert"), logged.pop("dropped_tokens")
-    load = moe.load_metrics(counts, dropped)
-    metrics = {"train/load imbalance": jnp.max(load["load imbalance"]),
-               "train/busiest expert share": jnp.max(load["busiest expert share"]),
-               "train/dropped rate": jnp.sum(dropped) / jnp.sum(counts)}
-    for i in range(counts.shape[0]):
-        layer = cfg.model.dense_layers + i
-        metrics[f"train/block {layer:02d}/load imbalance"] = load["load imbalance"][i]
-        metrics[f"train/block {layer:02d}/tokens per expert"] = counts[i]
-    return logged | metrics
-
-
-def routing_key(cfg: RunConfig, step: jax.Array, micro: jax.Array) -> jax.Array | None:
-    """The key of routing="random" for micro-batch `micro` of trainer step `step` (1-based): a function of
-    the step, not of anything carried in the state, so a resumed run draws what the continuous one drew."""
-    if cfg.model.mlp != "moe" or cfg.model.moe.routing != "random":
-        return None
-    return jax.random.fold_in(jax.random.fold_in(jax.random.key(cfg.train.seed), step), micro)
-
-
-def with_score_bias(cfg: RunConfig, params: dict, old: dict, counts: jax.Array) -> dict:
-    """params with the MoE selection bias moved from its value in `old` by this step's load (OLMo-core's
-    `bias_gamma` update): the bias is no trainable weight, so neither Adam nor weight decay may move it."""
-    rate = cfg.model.mlp == "moe" and cfg.model.moe.bias_update_rate
-    if not rate:
-        return params
-    bias = moe.update_score_bias(old["blocks"]["score_bias"], counts, rate)
-    return params | {"blocks": params["blocks"] | {"score_bias": bias}}
-
-
-def per_microbatch_auxiliary(cfg: RunConfig, aux: dict, microbatches: int, tokens: int,
-                             n_labels: jax.Array) -> tuple[jax.Array, dict]:
-    """`auxiliary` of each pipeline micro-batch of tokens / microbatches tokens (aux leaves [microbatches,
-    n_layers, ...]): their summed loss and metrics, as if each were a micro-batch of the gradient accumulation."""
-    parts = [auxiliary(cfg, jax.tree.map(lambda a: a[m], aux), tokens // microbatches, n_labels)
+def per_microbatch_loss(hooks, aux: dict, microbatches: int, tokens: int, n_labels: jax.Array) -> tuple[jax.Array, dict]:
+    """The hooks' `loss` of each pipeline micro-batch of tokens / microbatches tokens (aux leaves [microbatches,
+    n_layers, ...]): their summed loss and logs, as if each were a micro-batch of the gradient accumulation."""
+    parts = [hooks.loss(jax.tree.map(lambda a: a[m], aux), tokens // microbatches, n_labels)
              for m in range(microbatches)]
     loss = sum(part[0] for part in parts)
     return loss, jax.tree.map(lambda *values: sum(values), *(part[1] for part in parts))
@@ -172,6 +132,7 @@ def make_train_step(cfg: RunConfig, layout: Layout):
     optimizer = optimizer_for(cfg)
     model_cfg, impl, loss_cfg = cfg.model, cfg.impl, cfg.loss
     sched = pipeline.schedule_for(cfg)
+    hooks = training_hooks(model_cfg, cfg.train.seed)  # the MLP sublayer's: its losses, metrics, state, key
     params_sh, update_sh = param_shardings(cfg, layout), update_shardings(cfg, layout)
 
     def micro_loss(params, input_ids, instance_mask, n_labels, key):
@@ -179,9 +140,9 @@ def make_train_step(cfg: RunConfig, layout: Layout):
         mask = label_mask(input_ids, cfg.data.pad_id, loss_cfg.mask_pad)
         ce, z = loss_sums(params, hidden, input_ids, mask, instance_mask, impl.loss_chunk)
         if sched is None:
-            aux_loss, aux_metrics = auxiliary(cfg, aux, input_ids.size, n_labels)
+            aux_loss, aux_metrics = hooks.loss(aux, input_ids.size, n_labels)
         else:
-            aux_loss, aux_metrics = per_microbatch_auxiliary(cfg, aux, sched.microbatches, input_ids.size, n_labels)
+            aux_loss, aux_metrics = per_microbatch_loss(hooks, aux, sched.microbatches, input_ids.size, n_labels)
         return (ce + loss_cfg.z_loss * z) / n_labels + aux_loss, (ce, z, aux_metrics)
 
     grad_fn = jax.grad(micro_loss, has_aux=True)
@@ -196,15 +157,12 @@ def make_train_step(cfg: RunConfig, layout: Layout):
             micro, index = inputs
             grads, ce, z = carry
             g, (micro_ce, micro_z, logged) = grad_fn(state.params, micro["input_ids"], micro["instance_mask"],
-                                                     n_labels, routing_key(cfg, state.step + 1, index))
+                                                     n_labels, hooks.key(state.step + 1, index))
             return (jax.tree.map(jnp.add, grads, g), ce + micro_ce, z + micro_z), logged
 
         zeros = jax.tree.map(jnp.zeros_like, state.params)
         (grads, ce, z), logged = jax.lax.scan(accumulate, (zeros, 0.0, 0.0), (batch, jnp.arange(n_micro)))
-        logged = jax.tree.map(lambda a: a.sum(0), logged)
-        counts = logged.get("tokens_per_expert")  # [MoE layers, experts] over the global batch
-        if counts is not None:
-            logged = load_metrics(cfg, logged)
+        logged = jax.tree.map(lambda a: a.sum(0), logged)  # over the global batch
         ce_loss, z_loss = ce / n_labels, loss_cfg.z_loss * z / n_labels
 
         lr = lr_at(cfg.schedule, cfg.optim.lr, cfg.train.steps, state.step + 1)
@@ -216,7 +174,7 @@ def make_train_step(cfg: RunConfig, layout: Layout):
         grads, params = jax.lax.with_sharding_constraint((grads, state.params), (update_sh, update_sh))
         updates, opt_state = optimizer.update(grads, opt_state, params, loss=ce_loss, grad_norm=grad_norm)
         params = jax.lax.with_sharding_constraint(optax.apply_updates(params, updates), params_sh)
-        params = with_score_bias(cfg, params, state.params, counts)
+        params = hooks.after_update(params, state.params, logged)
         metrics = {
             "train/CE loss": ce_loss,
             "train/Z loss": z_loss,
@@ -225,7 +183,7 @@ def make_train_step(cfg: RunConfig, layout: Layout):
             "optim/step skipped": opt_state.skipped.astype(jnp.float32),
             "optim/adam step": adam_count(opt_state),
             "train/masked instances (%)": 100.0 * (1.0 - instance_mask.mean()),
-            **logged,
+            **hooks.metrics(logged),
         }
         return TrainState(state.step + 1, params, opt_state), metrics
 

@@ -18,22 +18,18 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 
-from olmax.checkpoint import (
-    Checkpointer, CheckpointError, UnreadableCheckpoint, abstract_like, check_model_compatible, locate, run_meta,
-)
 from olmax import run_lock
-from olmax.config import ConfigError, ModelConfig, RunConfig, ScheduleConfig, upgrade, writable_dir
+from olmax.checkpoint import Checkpointer, run_meta
+from olmax.config import ConfigError, RunConfig, writable_dir
 from olmax.data import build_loader
-from olmax.model import families, flops
+from olmax.model import flops
 from olmax.model.transformer import compute_dtype
 from olmax.parallel import pipeline
-from olmax.parallel.mesh import Layout, make_layout
+from olmax.parallel.mesh import make_layout
 from olmax.runtime import release_stop_signals
-from olmax.train.optimizer import lr_at
 from olmax.train.metrics import MetricsWriter, console_line, device_peak_flops
-from olmax.train.step import (
-    TrainState, batch_shardings, create_state, jit_train_step, micro_batch_rows, state_shardings,
-)
+from olmax.train.resume import restore_or_init, resume_data, schedule_change
+from olmax.train.step import batch_shardings, jit_train_step, micro_batch_rows
 
 log = logging.getLogger(__name__)
 
@@ -91,116 +87,6 @@ def stop_requested(stop: threading.Event) -> bool:
     return bool(multihost_utils.process_allgather(np.int32(stop.is_set())).any())
 
 
-def _abstract_state(cfg: RunConfig, layout: Layout):
-    shapes = jax.eval_shape(lambda: create_state(cfg, layout, jax.random.key(0)))
-    return abstract_like(state_shardings(cfg, layout), shapes)
-
-
-def _restore(cfg: RunConfig, layout: Layout, checkpointer: Checkpointer, step: int):
-    where = f"checkpoint {checkpointer.where(step)}"
-    meta = checkpointer.read_meta(step)
-    check_model_compatible(meta["config"], cfg.model, where)
-    state, meta = checkpointer.restore(step, _abstract_state(cfg, layout))
-    if meta["step"] != step:
-        raise CheckpointError(f"{where} holds step {meta['step']}; the directory is misnamed or corrupt")
-    return state, meta
-
-
-def restore_or_init(cfg: RunConfig, layout: Layout, checkpointer: Checkpointer):
-    """(state, step, meta or None): the latest readable checkpoint when resuming, else a fresh state.
-
-    An unreadable checkpoint (a torn or corrupted write, files that do not match their checksums) falls
-    back to the one before it with a warning; a checkpoint of a different model is an error, not a fallback.
-    """
-    steps = checkpointer.all_steps() if cfg.checkpoint.resume else []
-    unreadable = []
-    for step in reversed(steps):
-        try:
-            state, meta = _restore(cfg, layout, checkpointer, step)
-        except UnreadableCheckpoint as err:
-            log.warning("%s; trying the one before it", err)
-            unreadable.append(step)
-            continue
-        for bad in unreadable:  # the run will write these steps again
-            log.warning("set unreadable checkpoint aside as %s", checkpointer.set_aside(bad))
-        return state, step, meta
-    if steps:
-        raise CheckpointError(
-            f"no readable checkpoint in {checkpointer.directory} (tried steps {steps}); nothing was overwritten. "
-            "Move the directory away to start over, or restore it from a copy"
-        )
-    if cfg.checkpoint.init_from:
-        return warm_start(cfg, layout, cfg.checkpoint.init_from), 0, None
-    return create_state(cfg, layout, jax.random.key(cfg.train.seed)), 0, None
-
-
-def check_same_parameters(saved: dict, current: ModelConfig, where: str) -> list[str]:
-    """A warm start keeps the parameters, so their shapes must match; other model fields may change between
-    stages (OLMo 3's long-context stage adds YaRN to the global layers). Returns those changes, one line each."""
-    before = ModelConfig.model_validate(upgrade(saved)["model"])
-    if families.param_shapes(before) != families.param_shapes(current):
-        check_model_compatible(saved, current, where)  # names the fields that changed the shapes
-    old, new = before.model_dump(mode="json"), current.model_dump(mode="json")
-    return [f"model.{k}: {old[k]!r} -> {new[k]!r}" for k in new if old[k] != new[k]]
-
-
-def warm_start(cfg: RunConfig, layout: Layout, source: str) -> TrainState:
-    """Step 0 of a new run from another run's checkpoint (stage 2 from stage 1, or a converted HF model).
-
-    Params are kept, and Adam's moments and count too when the source has them and
-    `checkpoint.init_optimizer`; the step (so the LR schedule), the skip-step history
-    (the old run's losses say nothing about the new mix) and the data position start fresh.
-    The model may change where its parameters do not (RoPE scaling for the long-context stage).
-    """
-    try:
-        directory, step = locate(source)
-    except CheckpointError as err:
-        raise CheckpointError(f"checkpoint.init_from: {err}") from None
-    checkpointer = Checkpointer(directory, cfg.checkpoint, read_only=True)
-    try:
-        step = checkpointer.latest_step() if step is None else step
-        if step is None:
-            raise CheckpointError(f"checkpoint.init_from {source}: holds no checkpoint")
-        where = f"checkpoint.init_from {checkpointer.where(step)}"
-        for change in check_same_parameters(checkpointer.read_meta(step)["config"], cfg.model, where):
-            log.warning("%s: the model changes, its parameters stay: %s", where, change)
-        fresh = create_state(cfg, layout, jax.random.key(cfg.train.seed))
-        if cfg.checkpoint.init_optimizer and (directory / str(step) / "opt_state").exists():
-            state, _ = checkpointer.restore(step, _abstract_state(cfg, layout))
-            return TrainState(fresh.step, state.params, fresh.opt_state._replace(inner=state.opt_state.inner))
-        params, _ = checkpointer.restore_params(step, _abstract_state(cfg, layout).params)
-        return fresh._replace(params=params)
-    except UnreadableCheckpoint as err:
-        raise UnreadableCheckpoint(f"checkpoint.init_from: {err}; set it to another step ({directory}/N) or restore "
-                                   "it from a copy") from err
-    finally:
-        checkpointer.close()
-
-
-def schedule_change(saved: dict, cfg: RunConfig, step: int) -> str | None:
-    """What changed in the LR schedule since the checkpoint's config, with the LR of the next step under both
-    (a longer train.steps stretches the decay's horizon: the LR jumps); None when nothing did."""
-    try:
-        before = ScheduleConfig.model_validate(saved["schedule"])
-        peak_before, steps_before = saved["optim"]["lr"], saved["train"]["steps"]
-    except (KeyError, ValueError):  # a config of an older olmax, schedule keys since changed: nothing to compare
-        return None
-    horizon_before = before.horizon_steps or steps_before
-    horizon = cfg.schedule.horizon_steps or cfg.train.steps
-    changes = [f"schedule.{k} {v!r} -> {getattr(cfg.schedule, k)!r}" for k, v in before if k != "horizon_steps"
-               and v != getattr(cfg.schedule, k)]
-    if peak_before != cfg.optim.lr:
-        changes.append(f"optim.lr {peak_before!r} -> {cfg.optim.lr!r}")
-    if horizon_before != horizon:
-        changes.append(f"horizon {horizon_before} -> {horizon} steps")
-    if not changes:
-        return None
-    lr_before = float(lr_at(before, peak_before, steps_before, step + 1))
-    lr_now = float(lr_at(cfg.schedule, cfg.optim.lr, cfg.train.steps, step + 1))
-    return (f"the LR schedule changed since the checkpoint ({', '.join(changes)}): the LR of step {step + 1} is "
-            f"{lr_now:.4e}, {lr_before:.4e} under the checkpoint's schedule")
-
-
 def place_batch(batch: dict, sharding: dict, micro_rows: int) -> dict:
     """Local rows [G / P, T] -> global arrays [A, M, T] sharded over the batch axes."""
     process_count = jax.process_count()
@@ -254,20 +140,8 @@ def _train(cfg: RunConfig, quiet: bool, make_eval) -> list[dict]:
         loader.close()
         raise
     tokens_per_step = cfg.train.global_batch_instances * cfg.data.sequence_length
-    tokens_before, data_offset = 0, 0  # tokens trained up to step `start`; loader position - step
-    if restored is not None:
-        data = restored["data"]
-        loader.load_state_dict(data)
-        tokens_before = restored.get("tokens", start * data["global_batch_instances"] * data["sequence_length"])
-        # Constant while the global batch size is; a new size rescales the position by tokens (as OLMo-core).
-        data_offset = loader.step - start
-        if data["global_batch_instances"] == cfg.train.global_batch_instances and \
-                data_offset != restored.get("data_offset", 0):
-            raise CheckpointError(
-                f"checkpoint {checkpointer.where(start)}: data position {loader.step} batches is not step {start} "
-                f"+ the offset {restored.get('data_offset', 0)} written with it, so the next step would not train on "
-                "the next batch; restore the checkpoint from a copy, or move it away to resume from the one before"
-            )
+    # tokens trained up to step `start`; loader position - step
+    tokens_before, data_offset = resume_data(cfg, loader, restored, start, f"checkpoint {checkpointer.where(start)}")
     if restored is not None and not quiet and jax.process_index() == 0:
         print(f"resuming from step {start} (checkpoint {checkpointer.where(start)})", flush=True)
         if change := schedule_change(restored["config"], cfg, start):

@@ -1,7 +1,8 @@
 """ZeRO-1, the distributed optimizer: optimizer state sharded over the mesh axes its parameter is replicated on.
 
 A parameter the layout replicates over some mesh axes (all of them over mesh.data; norm gains over fsdp too;
-later, resident experts over the batch axes) gets Adam moments replicated there as well. With
+expert weights, resident on the expert axis, over the other batch axes) gets Adam moments replicated there as
+well. With
 `impl.shard_optimizer` each moment is split over those axes instead, on the dimensions they divide. The
 train step then hands the optimizer the gradients and parameters on these shards (slices of replicated
 arrays: no communication beyond the gradient reduction), the update is computed per shard, and the new

@@ -1,0 +1,129 @@
+"""The experts' grouped matmul: each row of x times the weights of its group (expert), over blocks of rows,
+with a VJP that runs the same loops; and the experts' SwiGLU on it.
+
+Assignments are sorted by expert, each expert's rows padded to a block multiple, and loops over the
+used blocks multiply each block by its expert's weights (`gmm`). Work is the routed rows plus under
+one block per expert, whatever E; a dense expansion (every expert on every token, or XLA:CPU's
+lowering of `ragged_dot`, the other `dispatch`) grows linearly with E.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+
+from olmax.model.mlp import swiglu
+from olmax.parallel.expert import rank_within
+
+def auto_block_size(expected_rows: int, groups: int) -> int:
+    """A power of two near a quarter of the mean rows per group, in [16, 128]: a group's last, partly
+    filled block wastes half a block on average (about an eighth of the work), and smaller blocks make
+    smaller, less efficient matmuls."""
+    target = max(expected_rows // (4 * groups), 1)
+    return min(max(1 << (target.bit_length() - 1), 16), 128)
+
+
+def _vary_like(a, *like):
+    # Inside shard_map, `a` made to vary over the mesh axes that `like` varies over (a no-op outside):
+    # a loop carry must keep its type, and a custom_vjp's gradient must match its input's. The add's
+    # transpose sums the gradient over those axes (over data-parallel replicas, for expert weights).
+    return a + sum(jnp.zeros_like(b, a.dtype, shape=()) for b in like)
+
+
+def _zeros(shape, dtype, *like):
+    return _vary_like(jnp.zeros(shape, dtype), *like)
+
+
+def _grouped_loop(x, w, block_starts, block: int, contract_w: int):
+    def group(g, out):
+        wg = jax.lax.dynamic_index_in_dim(w, g, keepdims=False)  # one copy per group, not per block
+
+        def one_block(b, out):
+            xb = jax.lax.dynamic_slice_in_dim(x, b * block, block)
+            yb = jax.lax.dot_general(xb, wg, (((1,), (contract_w,)), ((), ())), preferred_element_type=jnp.float32)
+            return jax.lax.dynamic_update_slice_in_dim(out, yb.astype(out.dtype), b * block, 0)
+
+        return jax.lax.fori_loop(block_starts[g], block_starts[g + 1], one_block, out)
+
+    return jax.lax.fori_loop(0, w.shape[0], group, _zeros((x.shape[0], w.shape[2 - contract_w]), x.dtype, x, w))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def gmm(x: jax.Array, w: jax.Array, block_starts: jax.Array, block: int) -> jax.Array:
+    """Grouped matmul over blocks of `block` rows: blocks block_starts[g] to block_starts[g + 1] - 1 of
+    x [NB * block, D] times w[g] ([G, D, F]); rows after the last group's blocks are 0 and cost nothing
+    (while loops over the used blocks only). The gradient runs the same loops: a while loop cannot be
+    differentiated, and a scan's gradient would add a full [G, D, F] buffer per block."""
+    return _grouped_loop(x, w, block_starts, block, contract_w=0)
+
+
+def _gmm_fwd(x, w, block_starts, block):
+    return gmm(x, w, block_starts, block), (x, w, block_starts)
+
+
+def _gmm_bwd(block, res, dy):
+    x, w, block_starts = res
+    dx = _grouped_loop(dy, w, block_starts, block, contract_w=1)
+
+    def group(g, dw):
+        def one_block(b, acc):
+            xb = jax.lax.dynamic_slice_in_dim(x, b * block, block)
+            dyb = jax.lax.dynamic_slice_in_dim(dy, b * block, block)
+            return acc + jax.lax.dot_general(xb, dyb, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+
+        zeros = _zeros(w.shape[1:], jnp.float32, x, dy)
+        acc = jax.lax.fori_loop(block_starts[g], block_starts[g + 1], one_block, zeros)
+        return jax.lax.dynamic_update_index_in_dim(dw, acc, g, 0)
+
+    dw = jax.lax.fori_loop(0, w.shape[0], group, _zeros(w.shape, jnp.float32, x, dy))
+    return dx, dw.astype(w.dtype), None
+
+
+gmm.defvjp(_gmm_fwd, _gmm_bwd)
+
+
+def _swiglu_blocks(x, groups, w1, w3, w2, block):
+    M, k = groups.shape
+    G, R = w1.shape[0], groups.size
+    flat = groups.reshape(-1)
+    rank, counts = rank_within(flat, G + 1)
+    blocks = -(-counts[:G] // block)
+    block_starts = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(blocks)])
+    # Static bound: at most min(k, G) real rows per row of x, and each group wastes under one block.
+    n_blocks = -(-(M * min(k, G) + G * (block - 1)) // block)
+    slot = jnp.where(flat < G, block_starts[jnp.minimum(flat, G - 1)] * block + rank, n_blocks * block)
+    source = jnp.full(n_blocks * block, R, jnp.int32).at[slot].set(jnp.arange(R, dtype=jnp.int32), mode="drop")
+    xp = jnp.take(x, source // k, axis=0, mode="fill", fill_value=0)
+    w1, w3, w2 = (_vary_like(w.astype(x.dtype), x) for w in (w1, w3, w2))
+    y = swiglu(xp, w1, w3, w2, lambda a, w, name: checkpoint_name(gmm(a, w, block_starts, block), name))
+    return jnp.take(y, slot, axis=0, mode="fill", fill_value=0).reshape(M, k, -1)
+
+
+def _swiglu_ragged(x, groups, w1, w3, w2):
+    M, k = groups.shape
+    G = w1.shape[0]
+    flat = groups.reshape(-1)
+    order = jnp.argsort(flat, stable=True)  # dropped ids (G) sort last, outside every group
+    counts = jnp.zeros(G + 1, jnp.int32).at[flat].add(1)[:G]
+    xs = jnp.take(x, order // k, axis=0)
+    y = swiglu(xs, w1, w3, w2,
+               lambda a, w, name: checkpoint_name(jax.lax.ragged_dot(a, w.astype(x.dtype), counts), name))
+    y = jnp.where((flat[order] < G)[:, None], y, 0)
+    return jnp.zeros_like(y).at[order].set(y).reshape(M, k, -1)
+
+
+def grouped_swiglu(x: jax.Array, groups: jax.Array, w1, w3, w2, *, dispatch: str, block: int) -> jax.Array:
+    """Each row's experts on it: x [M, D], groups [M, k] ids in [0, G] (G = none) -> [M, k, D].
+
+    w1, w3 [G, D, F] and w2 [G, F, D] are cast to x's dtype; rows with id G give 0."""
+    if dispatch == "ragged_dot":
+        return _swiglu_ragged(x, groups, w1, w3, w2)
+    return _swiglu_blocks(x, groups, w1, w3, w2, block)
+
+
+def combine(y: jax.Array, gates: jax.Array) -> jax.Array:
+    """sum_k gates[n, k] * y[n, k, :], gates in float32."""
+    return jnp.einsum("nkd,nk->nd", y.astype(jnp.float32), gates).astype(y.dtype)

@@ -1,0 +1,139 @@
+"""The mixture-of-experts MLP sublayer and its training hooks: a router sends each token to top_k of E
+SwiGLU experts (router.py), which run as grouped matmuls (gmm.py).
+
+    out    = sum_k gates_k * expert_{chosen_k}(x)
+           = (shared(x) + k * out) / (k + 1)  with a shared expert (OLMo-core's weighting)
+    expert(x) = w2(silu(w1 x) * w3 x)
+
+The experts run dropless by default. With several devices the same computation runs per device
+inside `olmax.parallel.expert`, experts resident on the `expert` mesh axis and tokens exchanged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+
+from olmax.config import ModelConfig, MoEConfig
+from olmax.model.mlp import swiglu
+from olmax.model.moe import gmm, router
+from olmax.parallel import expert as expert_parallel
+
+
+def moe_mlp(
+    cfg: MoEConfig,
+    p: dict,
+    x: jax.Array,
+    *,
+    key: jax.Array | None = None,
+    mesh: Mesh | None = None,
+    batch_axes: tuple[str, ...] = (),
+    dispatch: str = "blocks",
+    block_size: int | None = None,
+    ep_capacity: float | None = None,
+) -> tuple[jax.Array, dict]:
+    """One MoE layer on hidden states x [B, T, D] -> (out [B, T, D], aux); `key` drives routing="random".
+    `dispatch` ("blocks" or "ragged_dot") and `block_size` (None = auto) choose how the experts run;
+    `ep_capacity` (None: dropless) bounds what a device sends each peer of its expert group (see
+    olmax.parallel.expert), dropping, and counting, assignments beyond it.
+
+    aux (one layer's values; the model stacks them over layers):
+      load_balancing_loss  f32 []   unscaled, see `load_balancing_loss`
+      router_z_loss        f32 []   unscaled, mean(logsumexp(logits)^2)
+      tokens_per_expert    i32 [E]  assignments routed to each expert (before any drop)
+      dropped_tokens       i32 []   assignments over capacity (0 when dropless)
+    With a mesh, tokens stay sharded over `batch_axes` and experts over its `expert` axis; `batch_axes`
+    must then include `expert` when that axis is larger than 1. The batch's data-parallel shards
+    (the product of the batch axes) are the ranks of micro_batch granularity and capacity.
+    """
+    B, T, D = x.shape
+    tokens = x.reshape(B * T, D)
+    ranks = expert_parallel.batch_shards(mesh, batch_axes) if mesh is not None else 1
+    top_k = jax.lax.top_k
+    if mesh is not None:
+        def top_k(scores, k):
+            return expert_parallel.per_shard(lambda s: jax.lax.top_k(s, k), mesh, batch_axes, scores)
+    r = router.route(cfg, p, tokens, key, top_k)
+    lb_groups = ranks if cfg.load_balancing_granularity == "micro_batch" else 1
+    lb_scores = r.scores / jnp.sum(r.scores, axis=-1, keepdims=True) if cfg.gating == "sigmoid" else r.scores
+    aux = {
+        "load_balancing_loss": router.load_balancing_loss(lb_scores, r.experts, cfg.top_k, lb_groups),
+        "router_z_loss": router.router_z_loss(r.logits),
+        "tokens_per_expert": router.tokens_per_expert(r.experts, cfg.num_experts),
+    }
+    experts = r.experts
+    if cfg.capacity_factor is not None:
+        experts = router.drop_over_capacity(cfg, experts, ranks)
+    ep = mesh.shape.get(expert_parallel.EXPERT_AXIS, 1) if mesh is not None else 1
+    capacity = None
+    if ep > 1 and ep_capacity is not None:
+        capacity = expert_parallel.peer_capacity(tokens.shape[0] // ranks, cfg.top_k, ep, ep_capacity)
+        experts = expert_parallel.drop_over_peer_capacity(experts, cfg.num_experts, ep, ranks, capacity)
+    aux["dropped_tokens"] = jnp.sum(experts == cfg.num_experts, dtype=jnp.int32)
+
+    def run_experts(x_local, groups, gates, w1, w3, w2, expected_rows):
+        block = block_size or gmm.auto_block_size(expected_rows, w1.shape[0])
+        return gmm.combine(gmm.grouped_swiglu(x_local, groups, w1, w3, w2, dispatch=dispatch, block=block), gates)
+
+    weights = (p["w1"], p["w3"], p["w2"])
+    if mesh is None:
+        y = run_experts(tokens, experts, r.gates, *weights, experts.size)
+    else:
+        y = expert_parallel.routed_experts(run_experts, tokens, experts, r.gates, weights, mesh, batch_axes,
+                                           capacity)
+    if cfg.shared_expert_hidden:
+        shared = swiglu(tokens, p["shared_w1"], p["shared_w3"], p["shared_w2"], lambda a, w, _: a @ w.astype(x.dtype))
+        y = (shared + cfg.top_k * y) / (cfg.top_k + 1)
+    return y.reshape(B, T, D), aux
+
+
+@dataclass(frozen=True)
+class MoETraining:
+    """The MoE sublayer's training hooks (see olmax.model.mlp): the router losses, the true load over the
+    global batch, the selection bias's move after the update, and routing="random"'s key."""
+
+    model: ModelConfig
+    seed: int  # train.seed: routing="random" draws from a key of (seed, step, micro-batch)
+
+    def loss(self, aux: dict, tokens: int, n_labels: jax.Array) -> tuple[jax.Array, dict]:
+        """What a micro-batch of `tokens` tokens adds to the loss, already divided by the global batch's label
+        count, and the values to sum over micro-batches for the metrics, from the per-layer aux."""
+        loss, logged = router.aux_loss(self.model.moe, aux, self.model.n_layers, tokens, n_labels)
+        return loss, {f"train/{name}": value for name, value in logged.items()} | {
+            "tokens_per_expert": aux["tokens_per_expert"], "dropped_tokens": aux["dropped_tokens"]}
+
+    def metrics(self, logged: dict) -> dict:
+        """The step's metrics from the summed values: the true load of the global batch per MoE layer
+        (assignments per expert, a vector metric: a histogram in the event files), and the worst layer's
+        load imbalance (max / mean, OLMo-core's metric and reduction) and busiest expert share."""
+        logged = dict(logged)
+        counts, dropped = logged.pop("tokens_per_expert"), logged.pop("dropped_tokens")
+        load = router.load_metrics(counts, dropped)
+        metrics = {"train/load imbalance": jnp.max(load["load imbalance"]),
+                   "train/busiest expert share": jnp.max(load["busiest expert share"]),
+                   "train/dropped rate": jnp.sum(dropped) / jnp.sum(counts)}
+        for i in range(counts.shape[0]):
+            layer = self.model.dense_layers + i
+            metrics[f"train/block {layer:02d}/load imbalance"] = load["load imbalance"][i]
+            metrics[f"train/block {layer:02d}/tokens per expert"] = counts[i]
+        return logged | metrics
+
+    def after_update(self, params: dict, old: dict, logged: dict) -> dict:
+        """params with the selection bias moved from its value in `old` by the step's load (OLMo-core's
+        `bias_gamma` update; even on a skipped step, as OLMo-core does): the bias is no trainable weight, so
+        neither Adam nor weight decay may move it."""
+        rate = self.model.moe.bias_update_rate
+        if not rate:
+            return params
+        bias = router.update_score_bias(old["blocks"]["score_bias"], logged["tokens_per_expert"], rate)
+        return params | {"blocks": params["blocks"] | {"score_bias": bias}}
+
+    def key(self, step: jax.Array, micro: jax.Array) -> jax.Array | None:
+        """The key of routing="random" for micro-batch `micro` of trainer step `step` (1-based): a function of
+        the step, not of anything carried in the state, so a resumed run draws what the continuous one drew."""
+        if self.model.moe.routing != "random":
+            return None
+        return jax.random.fold_in(jax.random.fold_in(jax.random.key(self.seed), step), micro)

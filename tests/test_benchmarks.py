@@ -1,0 +1,59 @@
+"""Every benchmark script stays runnable: each runs its smallest case, in a process of its own as it is run by
+hand (the figures are not checked: tests never judge time). benchmarks/gpu_bench.py and gpu.sh are run at toy
+sizes by tests/scale/test_scale_gpu_bench.py."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+TOY_MODEL = ["model.vocab_size=512", "model.d_model=64", "model.n_layers=4", "model.n_heads=4", "model.n_kv_heads=4",
+             "model.mlp_hidden=128", "model.sliding_window=32", "data.sequence_length=64", "impl.attention.block=32"]
+
+SMALLEST = {
+    "checkpoint_checksum.py": ["--arrays", "1", "--mb", "1", "--repeats", "1"],
+    "convert_memory.py": ["--layers", "4", "--d-model", "64", "--heads", "4", "--mlp-hidden", "128",
+                          "--shard-gb", "0.0001", "--workdir", "{tmp}", "--json"],
+    "data_loader.py": ["--dir", "{tmp}/shards", "--shards", "1", "--tokens-per-shard", "32768", "--sequence-length",
+                       "256", "--global-batch", "4", "--repeats", "1", "--json"],
+    "moe_scaling.py": ["--experts", "4", "--dispatch", "blocks", "--steps", "1", "--batch", "2", "--seq", "32",
+                       "--layers", "1", "--d-model", "32", "--expert-hidden", "32", "--top-k", "2"],
+    "step_memory.py": ["tiny", "train.micro_batch_per_device=1", "--devices", "2"],
+    "tokenize_throughput.py": ["--megabytes", "0.05", "--vocab-size", "300", "--workers", "1"],
+    "train_throughput.py": ["--steps", "1", "--skip-torch", "--olmax", *TOY_MODEL],
+}
+
+
+def test_every_benchmark_has_a_smoke_test():
+    assert sorted(p.name for p in BENCHMARKS.glob("*.py")) == sorted([*SMALLEST, "pipeline_memory.py", "gpu_bench.py"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script", sorted(SMALLEST))
+def test_benchmark_runs_its_smallest_case(script, tmp_path):
+    args = [a.replace("{tmp}", str(tmp_path)) for a in SMALLEST[script]]
+    run = subprocess.run([sys.executable, str(BENCHMARKS / script), *args], cwd=tmp_path, capture_output=True,
+                         text=True, timeout=900)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.strip()
+    if "--json" in args:
+        json.loads(run.stdout)
+
+
+@pytest.mark.slow
+def test_pipeline_memory_runs_a_pipelined_layout(monkeypatch, capsys):
+    """In this process (its 8 fake devices), one pipelined row: compiling all three layouts at its 16 layers
+    takes minutes."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("pipeline_memory", BENCHMARKS / "pipeline_memory.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    row = "4 stages, GPipe, 8 micro-batches"
+    monkeypatch.setattr(module, "LAYOUTS", {row: module.LAYOUTS[row]})
+    monkeypatch.setattr(sys, "argv", ["pipeline_memory.py", "--remat", "full"])
+    module.main()
+    assert f"| {row} |" in capsys.readouterr().out
