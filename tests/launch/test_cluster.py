@@ -7,12 +7,12 @@ import sys
 
 import numpy as np
 import pytest
+from test_launch_train import child_env, read_jsonl, shards  # noqa: F401
 
 from olmax.config import load_config
 from olmax.launch.distributed import ClusterError, join_cluster
 from olmax.launch.supervisor import free_port
 from olmax.train.trainer import train
-from test_launch_train import child_env, read_jsonl, shards  # noqa: F401
 
 CLUSTER_ENV = ("OLMAX_COORDINATOR", "OLMAX_NUM_PROCESSES", "OLMAX_PROCESS_ID", "OLMAX_LOCAL_DEVICES",
                "SLURM_JOB_ID", "SLURM_NTASKS", "SLURM_STEP_NODELIST", "SLURM_PROCID", "SLURM_LOCALID",

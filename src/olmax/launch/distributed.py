@@ -32,7 +32,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import jax
-from jax._src import clusters  # JAX's cluster detection; no public API exposes which cluster it found
+
+# JAX's own cluster detection (what jax.distributed.initialize() uses); no public API says which cluster it found.
+from jax._src import clusters
 
 from olmax.config import ConfigError, writable_dir
 
