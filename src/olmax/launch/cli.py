@@ -28,6 +28,18 @@ def add_commands(subparsers) -> None:
     p.add_argument("--dry-run", action="store_true", help="with --slurm: print the batch script, submit nothing")
     p.add_argument("--poll-seconds", type=float, default=30.0, metavar="S",
                    help="with --slurm: how often to ask Slurm about the job (default 30)")
+    p.add_argument("--tpu-pod", metavar="NAME",
+                   help="print the gcloud command that installs olmax on every worker of TPU VM NAME and starts "
+                        "the run there (with --zone; --run executes it)")
+    p.add_argument("--zone", help="with --tpu-pod: the TPU VM's zone")
+    p.add_argument("--project", help="with --tpu-pod: the Google Cloud project (default: gcloud's)")
+    p.add_argument("--install", default="olmax[aot]", metavar="SPEC",
+                   help="with --tpu-pod: what each worker pip-installs (default olmax[aot]; a wheel or git URL)")
+    p.add_argument("--run", action="store_true", help="with --tpu-pod: run the command, not just print it")
+    p.add_argument("--k8s", action="store_true",
+                   help="write RUN_DIR/jobset.yaml, a JobSet for `kubectl apply` (with --target and --image)")
+    p.add_argument("--target", help="with --k8s: the slice, as olmax compile names it (tpu:v5p:4x4x4, gpu:h100x16)")
+    p.add_argument("--image", help="with --k8s: the container image with olmax installed")
     p.add_argument("--retry-backoff", type=float, default=300.0, metavar="S",
                    help="seconds before the first restart after a failure (default 300)")
     p.add_argument("--backoff-factor", type=float, default=2.0, metavar="F",
@@ -35,7 +47,8 @@ def add_commands(subparsers) -> None:
     p.add_argument("--backoff-max", type=float, default=3600.0, metavar="S",
                    help="the longest wait between attempts (default 3600)")
     p.add_argument("--max-retries", type=int, default=50, metavar="K",
-                   help="give up after K restarts in a row that wrote no new checkpoint (default 50)")
+                   help="give up after K restarts in a row that wrote no new checkpoint (default 50; with --k8s "
+                        "the JobSet's maxRestarts)")
     p.set_defaults(func=run_launch, handles_stop_signals=True)
 
 
@@ -51,6 +64,13 @@ def run_launch(args: argparse.Namespace) -> None:
         raise ConfigError("olmax launch: --dry-run goes with --slurm")
     if args.slurm and args.nprocs != 1:
         raise ConfigError("olmax launch: --slurm runs launch.slurm.nodes x tasks_per_node processes; drop --nprocs")
+    modes = [flag for flag, on in (("--slurm", args.slurm), ("--tpu-pod", args.tpu_pod), ("--k8s", args.k8s)) if on]
+    if len(modes) > 1:
+        raise ConfigError(f"olmax launch: {' and '.join(modes)} are different ways to run; choose one")
+    if args.tpu_pod:
+        return _tpu_pod(args)
+    if args.k8s:
+        return _k8s(args)
     backoff = Backoff(args.retry_backoff, args.backoff_factor, args.backoff_max)
     if args.dry_run:
         from olmax.launch.slurm import batch_script
@@ -66,3 +86,41 @@ def run_launch(args: argparse.Namespace) -> None:
         code = launch(args.config, args.overrides, nprocs=args.nprocs, backoff=backoff, max_retries=args.max_retries)
     if code:
         sys.exit(code)
+
+
+def _tpu_pod(args: argparse.Namespace) -> None:
+    import shutil
+    import subprocess
+
+    from olmax.config import ConfigError, load_config
+    from olmax.launch.cloud import shell_line, tpu_pod_command
+
+    if not args.zone:
+        raise ConfigError("olmax launch --tpu-pod: give the TPU VM's zone with --zone")
+    load_config(args.config, args.overrides)  # a bad config fails here, not on every worker
+    command = tpu_pod_command(args.tpu_pod, args.zone, args.config, args.overrides, project=args.project,
+                              install=args.install)
+    print(shell_line(command), flush=True)
+    if args.run:
+        if shutil.which("gcloud") is None:
+            raise ConfigError("olmax launch --tpu-pod --run: gcloud is not on PATH; install the Google Cloud CLI")
+        sys.exit(subprocess.run(command).returncode)
+
+
+def _k8s(args: argparse.Namespace) -> None:
+    import yaml
+
+    from olmax.config import ConfigError, load_config, writable_dir
+    from olmax.launch.cloud import jobset
+    from olmax.scale.targets import parse_target
+
+    if not (args.target and args.image):
+        raise ConfigError("olmax launch --k8s: give the slice with --target (tpu:v5p:4x4x4, gpu:h100x16) and the "
+                          "container image with --image")
+    cfg, target = load_config(args.config, args.overrides), parse_target(args.target)
+    manifest = jobset(cfg, args.config, args.overrides, image=args.image, platform=target.platform, kind=target.kind,
+                      topology=target.topology, chips=target.chips, max_restarts=args.max_retries)
+    path = writable_dir(cfg.run_dir, "output_dir") / "jobset.yaml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(manifest, sort_keys=False))
+    print(f"wrote {path}; start the run with: kubectl apply -f {path}")
