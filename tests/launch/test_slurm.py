@@ -17,6 +17,7 @@ import time
 import pytest
 from test_launch_train import read_jsonl, shards  # noqa: F401
 
+from olmax.cli import main
 from olmax.config import load_config
 from olmax.launch.slurm import batch_script
 from olmax.launch.supervisor import free_port
@@ -140,6 +141,17 @@ def test_the_batch_script_asks_for_requeue_a_warning_signal_and_one_srun_task_pe
     assert 'if [ "$code" -eq 75 ]; then scontrol requeue "$SLURM_JOB_ID"; fi\nexit "$code"\n' in script
 
 
+def test_dry_run_prints_the_script_and_writes_nothing(tmp_path, capsys):
+    assert main(["launch", "--slurm", "--dry-run", "tiny", f"output_dir={tmp_path}/run",
+                 "launch.slurm.tasks_per_node=2"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("#!/bin/bash\n") and "#SBATCH --ntasks-per-node=2\n" in out and "\nsrun " in out
+    assert not (tmp_path / "run").exists()
+    assert main(["launch", "--slurm", "--nprocs", "2", "tiny"]) == 2
+    assert main(["launch", "--slurm", "tiny", "launch.slurm.time=1:00:00"]) == 2
+    assert 'quote the time limit ("1:00:00")' in capsys.readouterr().err
+
+
 STEPS, STOP_AFTER = 30, 20
 
 
@@ -179,8 +191,10 @@ def test_slurm_job_signalled_midway_is_requeued_resumes_then_continues_on_one_ta
         first_output = launcher.communicate(timeout=900)[0]
     finally:
         launcher.kill()
-    assert launcher.returncode == 0, first_output
-    first, second = read_jsonl(run / "launch.jsonl")
+    records = read_jsonl(run / "launch.jsonl")
+    jobs = "".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted((run / "slurm").glob("*.out")))
+    assert launcher.returncode == 0 and len(records) == 2, f"{first_output}\n{jobs}"
+    first, second = records
     assert first["job_id"] == second["job_id"] == job  # requeued: the same job, run again
     assert (first["job_run"], first["reason"], first["action"]) == (1, "requeued", "run again now")
     assert 4 <= first["checkpoint_after"] < STOP_AFTER

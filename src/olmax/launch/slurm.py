@@ -87,10 +87,11 @@ def _slurm(*argv: str) -> subprocess.CompletedProcess:
 
 
 def job_info(job_id: str) -> dict[str, str] | None:
-    """`scontrol show job` as a dict (JobState, Restarts, ExitCode, ...); None once Slurm has forgotten the job."""
+    """`scontrol show job` as a dict (JobState, Restarts, ExitCode, ...); None once Slurm has forgotten the job.
+    When slurmctld does not answer, the state is UNKNOWN: the job may well be running, so it is asked again."""
     out = _slurm("scontrol", "show", "job", "--oneliner", job_id)
     if out.returncode != 0:
-        return None
+        return None if "Invalid job id" in out.stderr else {"JobState": "UNKNOWN"}
     return dict(field.split("=", 1) for field in out.stdout.split() if "=" in field)
 
 
@@ -179,7 +180,7 @@ class SlurmLauncher:
         start_at = None  # when the requeued job is to run again, once it is back in the queue
         while True:
             info = job_info(job)
-            restarts = int(info.get("Restarts", 0)) if info else runs_seen
+            restarts = int(info.get("Restarts", runs_seen)) if info else runs_seen
             if restarts > runs_seen:  # Slurm requeued it: our script after exit 75, a preemption, `scontrol requeue`
                 after = latest_checkpoint_step(self.run_dir)
                 result, sleep = self._record(job, runs_seen + 1, started, EXIT_PREEMPTED, "requeued",
