@@ -81,8 +81,9 @@ def cmd_train(args) -> None:
         host_log.info("stopped: %s: %s", type(err).__name__, err)
         raise
     host_log.info("finished")
-    print(f"done: checkpoints in {cfg.run_dir / 'checkpoints'}, metrics in {cfg.run_dir / 'metrics.jsonl'} "
-          f"and {cfg.run_dir / 'tensorboard'}")
+    if cluster.process_id == 0:
+        print(f"done: checkpoints in {cfg.run_dir / 'checkpoints'}, metrics in {cfg.run_dir / 'metrics.jsonl'} "
+              f"and {cfg.run_dir / 'tensorboard'}")
 
 
 def cmd_resume_check(args) -> None:

@@ -31,7 +31,8 @@ SlurmdPort={d_port}
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
-AuthInfo=socket={scratch}/munge.socket
+# Slurm holds a requeued job back until the old run's credential expires (cred_expire, 120 s by default).
+AuthInfo=socket={scratch}/munge.socket,cred_expire=10
 StateSaveLocation={scratch}/state
 SlurmdSpoolDir={scratch}/spool
 SlurmctldPidFile={scratch}/slurmctld.pid

@@ -9,8 +9,9 @@ the script requeues the job (same job id), which resumes from that checkpoint.
 This launcher submits the script with `sbatch` and watches the job with `scontrol`. Each
 run of the job (the first and every requeued one) is an attempt, judged as local
 launches judge theirs (olmax.launch.supervisor.RetryPolicy): a requeue that advanced the
-latest checkpoint runs again at once; one that did not is a failure and starts only after
-the backoff (`scontrol update StartTime`; Slurm itself would hold it for a while); a job that ends without finishing the run is
+latest checkpoint runs again as soon as Slurm lets it (it holds a requeued job back until
+the old run's credential expires, 2 minutes by default); one that did not is a failure and
+is held back for the backoff too (`scontrol update StartTime`); a job that ends without finishing the run is
 submitted again after the backoff; bad input (exit 2) never is. Every attempt goes to
 RUN_DIR/launch.jsonl with its job id. SIGTERM/SIGINT to the launcher cancel the job (its
 tasks checkpoint within Slurm's KillWait) and the launcher exits 75.
@@ -109,6 +110,14 @@ def _exit_code(info: dict[str, str] | None) -> tuple[int, str]:
     return (code or 1), state.lower().replace("_", " ")  # timeout, node fail, cancelled, ...
 
 
+def _eligible(info: dict[str, str]) -> datetime.datetime:
+    """When a pending job may start (`EligibleTime`, local time), or now when Slurm does not say."""
+    try:
+        return datetime.datetime.fromisoformat(info.get("EligibleTime", ""))
+    except ValueError:
+        return datetime.datetime.now()
+
+
 class SlurmLauncher:
     """Submits `config overrides` as a Slurm job and watches it until the run finishes (see the module's doc)."""
 
@@ -177,23 +186,25 @@ class SlurmLauncher:
     def _watch(self, job: str) -> tuple[int | None, float]:
         """Follow one job to its end: (the launcher's exit code or None to submit again, seconds to wait first)."""
         runs_seen, started, before = 0, time.time(), latest_checkpoint_step(self.run_dir)
-        start_at = None  # when the requeued job is to run again, once it is back in the queue
+        hold_until = None  # a backoff for the requeued job, applied once it is back in the queue
         while True:
             info = job_info(job)
             restarts = int(info.get("Restarts", runs_seen)) if info else runs_seen
             if restarts > runs_seen:  # Slurm requeued it: our script after exit 75, a preemption, `scontrol requeue`
                 after = latest_checkpoint_step(self.run_dir)
                 result, sleep = self._record(job, runs_seen + 1, started, EXIT_PREEMPTED, "requeued",
-                                                     before, after, again="run again")
+                                             before, after, again="run again")
                 if result is not None:
                     _slurm("scancel", job)
                     return result, 0.0
-                # Slurm holds a requeued job back for a while by itself; the policy says when it runs.
-                start_at = f"now+{int(sleep)}" if sleep else "now"
+                hold_until = datetime.datetime.now() + datetime.timedelta(seconds=sleep) if sleep else None
                 runs_seen, started, before = restarts, time.time(), after
-            if start_at and info and info["JobState"] == "PENDING":
-                _slurm("scontrol", "update", f"JobId={job}", f"StartTime={start_at}")
-                start_at = None
+            if hold_until and info and info["JobState"] == "PENDING":
+                # Slurm holds a requeued job back by itself until the old run's credential expires (it could
+                # not start before): only ever later than that.
+                if hold_until > _eligible(info):
+                    _slurm("scontrol", "update", f"JobId={job}", f"StartTime={hold_until.isoformat(timespec='seconds')}")
+                hold_until = None
             if info is None or info["JobState"] in ENDED:
                 code, reason = _exit_code(info)
                 after = latest_checkpoint_step(self.run_dir)
