@@ -69,15 +69,24 @@ def cmd_train(args) -> None:
 
     restart_with_huge_pages()
     cfg = load_config(args.config, args.overrides)
-    from olmax.launch.distributed import initialize_from_env
+    from olmax.launch.distributed import announce, host_log, join_cluster
 
-    initialize_from_env()  # join a multi-process run (OLMAX_* variables) before anything touches a device
+    cluster = join_cluster()  # before anything touches a device
+    line = announce(cfg.run_dir, cluster)
+    if cluster.process_id == 0:
+        print(line, flush=True)
     from olmax.eval.in_loop import make_in_loop_eval
     from olmax.train.trainer import train
 
-    train(cfg, make_eval=make_in_loop_eval)
-    print(f"done: checkpoints in {cfg.run_dir / 'checkpoints'}, metrics in {cfg.run_dir / 'metrics.jsonl'} "
-          f"and {cfg.run_dir / 'tensorboard'}")
+    try:
+        train(cfg, make_eval=make_in_loop_eval)
+    except BaseException as err:
+        host_log.info("stopped: %s: %s", type(err).__name__, err)
+        raise
+    host_log.info("finished")
+    if cluster.process_id == 0:
+        print(f"done: checkpoints in {cfg.run_dir / 'checkpoints'}, metrics in {cfg.run_dir / 'metrics.jsonl'} "
+              f"and {cfg.run_dir / 'tensorboard'}")
 
 
 def cmd_resume_check(args) -> None:

@@ -504,6 +504,32 @@ class EvalConfig(Section):
         return self
 
 
+class SlurmConfig(Section):
+    """The batch job `olmax launch --slurm` submits: one srun task per process."""
+
+    nodes: int = Field(1, gt=0)
+    tasks_per_node: int = Field(1, gt=0, description="processes per node")
+    gpus_per_task: int | None = Field(None, gt=0, description="GPUs each process drives; None = none requested")
+    time: str | None = Field(None, description="sbatch --time (2-00:00:00); None = the partition's limit")
+    partition: str | None = None
+    account: str | None = None
+    signal_seconds: int = Field(
+        300, gt=0, description="SIGTERM this long before the time limit: the run checkpoints, the job is requeued"
+    )
+    sbatch_lines: list[str] = Field(default_factory=list, description="more sbatch options, one each (--qos=high)")
+
+    @field_validator("time", mode="before")
+    @classmethod
+    def _time_as_text(cls, value):
+        if isinstance(value, int):
+            raise ValueError(f"quote the time limit (\"1:00:00\"): unquoted, YAML reads H:MM:SS as the number {value}")
+        return value
+
+
+class LaunchConfig(Section):
+    slurm: SlurmConfig = Field(default_factory=SlurmConfig)
+
+
 class RunConfig(Section):
     name: str = "run"
     output_dir: str = Field("runs/{name}", description="checkpoints/ and metrics/ go here")
@@ -517,6 +543,7 @@ class RunConfig(Section):
     mesh: MeshConfig = Field(default_factory=MeshConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
+    launch: LaunchConfig = Field(default_factory=LaunchConfig)
 
     @property
     def run_dir(self) -> Path:

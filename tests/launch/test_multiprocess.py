@@ -14,15 +14,15 @@ import numpy as np
 import pytest
 
 from olmax.config import ConfigError, load_config
-from olmax.launch.distributed import initialize_from_env
+from olmax.launch.distributed import ClusterError, join_cluster
 from olmax.launch.supervisor import Backoff, Supervisor
 from olmax.train.trainer import train
 from test_launch_train import child_env, read_jsonl, shards, signal_once_after_checkpoint, tensorboard_steps  # noqa: F401
 
-# `olmax train` joining the run its OLMAX_* variables describe. (Calling initialize_from_env is harmless when
+# `olmax train` joining the run its OLMAX_* variables describe. (Calling join_cluster is harmless when
 # `olmax train` calls it too.)
-TRAIN_COMMAND = (sys.executable, "-c", "import sys; from olmax.launch.distributed import initialize_from_env; "
-                 "initialize_from_env(); from olmax.cli import main; sys.exit(main())", "train")
+TRAIN_COMMAND = (sys.executable, "-c", "import sys; from olmax.launch.distributed import join_cluster; "
+                 "join_cluster(); from olmax.cli import main; sys.exit(main())", "train")
 STEPS = 12
 
 
@@ -59,12 +59,17 @@ def test_two_processes_preempt_together_resume_and_match_one_process(tmp_path, s
     np.testing.assert_allclose(*norms, rtol=1e-5)
 
 
-def test_initialize_from_env_is_a_no_op_without_the_variables_and_refuses_half_of_them():
-    assert initialize_from_env({}) is False
-    with pytest.raises(ConfigError, match="OLMAX_NUM_PROCESSES"):
-        initialize_from_env({"OLMAX_COORDINATOR": "127.0.0.1:1234", "OLMAX_PROCESS_ID": "0"})
-    with pytest.raises(ConfigError, match="OLMAX_PROCESS_ID=2 must be below"):
-        initialize_from_env({"OLMAX_COORDINATOR": "127.0.0.1:1234", "OLMAX_PROCESS_ID": "2",
-                             "OLMAX_NUM_PROCESSES": "2"})
+def test_join_cluster_is_single_process_without_the_variables_and_refuses_half_of_them(monkeypatch):
+    for name in ("OLMAX_COORDINATOR", "OLMAX_PROCESS_ID", "OLMAX_NUM_PROCESSES", "OLMAX_LOCAL_DEVICES"):
+        monkeypatch.delenv(name, raising=False)
+    assert join_cluster().kind == "single process"
+    monkeypatch.setenv("OLMAX_COORDINATOR", "127.0.0.1:1234")
+    monkeypatch.setenv("OLMAX_PROCESS_ID", "2")
+    with pytest.raises(ClusterError, match="OLMAX_NUM_PROCESSES"):
+        join_cluster()
+    monkeypatch.setenv("OLMAX_NUM_PROCESSES", "2")
+    with pytest.raises(ClusterError, match="OLMAX_PROCESS_ID=2 must be below"):
+        join_cluster()
+    monkeypatch.setenv("OLMAX_LOCAL_DEVICES", "none")
     with pytest.raises(ConfigError, match="OLMAX_LOCAL_DEVICES='none' must be an integer >= 1"):
-        initialize_from_env({"OLMAX_LOCAL_DEVICES": "none"})
+        join_cluster()

@@ -1,34 +1,66 @@
-"""Join a multi-process run from environment variables, before JAX starts its backend.
+"""Join the multi-process run this process belongs to, before JAX starts its backend.
 
-`olmax launch --nprocs N` sets, for each process it starts:
+Where the process count and this process's place come from, first match wins:
 
-    OLMAX_COORDINATOR     host:port of process 0's coordinator (127.0.0.1:PORT locally)
-    OLMAX_NUM_PROCESSES   N
-    OLMAX_PROCESS_ID      0 .. N-1
+1. OLMAX_* variables (`olmax launch --nprocs N` sets them; any launcher may):
 
-and, optionally, OLMAX_LOCAL_DEVICES: how many CPU devices this process fakes
-(a CPU stand-in for the accelerators of one host; ignored by GPU/TPU backends).
-On CPU the processes exchange collectives with gloo over TCP. Any launcher
-(Slurm, a Kubernetes job) can set the same variables.
+       OLMAX_COORDINATOR     host:port of process 0's coordinator (127.0.0.1:PORT locally)
+       OLMAX_NUM_PROCESSES   N
+       OLMAX_PROCESS_ID      0 .. N-1
+
+2. The cluster manager, found by JAX's own detection (what `jax.distributed.initialize()`
+   does with no arguments): a Slurm step (`srun`), Cloud TPU VM workers (GCE metadata
+   or GKE's TPU_WORKER_* variables), Open MPI's `mpirun`, Kubernetes Jobs.
+3. Neither: a single-process run.
+
+A process that is plainly part of a multi-process job which it cannot join (a Slurm batch
+script of N tasks run without `srun`, the second pod of an indexed Kubernetes Job, a TPU
+worker other than 0 without its peers' addresses) stops with ClusterError (exit 2) rather
+than train alone on a run directory its peers share.
+
+OLMAX_LOCAL_DEVICES=D makes this process fake D CPU devices (a CPU stand-in for the
+accelerators of one host; ignored by GPU/TPU backends). On CPU the processes exchange
+collectives with gloo over TCP.
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import socket
+from dataclasses import dataclass
+from pathlib import Path
 
 import jax
 
-from olmax.config import ConfigError
+# JAX's own cluster detection (what jax.distributed.initialize() uses); no public API says which cluster it found.
+from jax._src import clusters
+
+from olmax.config import ConfigError, writable_dir
 
 ENV_COORDINATOR = "OLMAX_COORDINATOR"
 ENV_NUM_PROCESSES = "OLMAX_NUM_PROCESSES"
 ENV_PROCESS_ID = "OLMAX_PROCESS_ID"
 ENV_LOCAL_DEVICES = "OLMAX_LOCAL_DEVICES"
 DISTRIBUTED_ENV = (ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID)
+JOIN_BY_HAND = f"or set {', '.join(DISTRIBUTED_ENV)} on every process"
+
+host_log = logging.getLogger("olmax.host")
 
 
-def _int_env(environ, name: str, minimum: int) -> int:
-    value = environ[name]
+class ClusterError(ConfigError):
+    """This process belongs to a multi-process job but cannot join it."""
+
+
+@dataclass(frozen=True)
+class Cluster:
+    kind: str  # "single process", "OLMAX_* variables" or JAX's name of the detected cluster ("slurm", "gcetpu", ...)
+    process_count: int = 1
+    process_id: int = 0
+
+
+def _int_env(name: str, minimum: int) -> int:
+    value = os.environ[name]
     try:
         number = int(value)
     except ValueError:
@@ -38,35 +70,98 @@ def _int_env(environ, name: str, minimum: int) -> int:
     return number
 
 
-def initialize_from_env(environ=None) -> bool:
-    """Join the run the OLMAX_* variables describe; True if this is a multi-process run.
+def _detected():
+    """JAX's cluster environment that applies here, None if none does."""
+    for env in clusters.ClusterEnv._cluster_types:
+        if env.opt_in_only_method:
+            continue
+        try:
+            if env.is_env_present():
+                return env
+        except Exception as err:  # a TPU VM whose metadata server does not answer, say
+            raise ClusterError(f"cannot read the {env.name} cluster's description ({err}); {JOIN_BY_HAND}") from None
+    return None
 
-    A no-op (False) when none of the distributed variables is set, and when
-    jax.distributed is already initialized, so calling it twice is harmless.
-    Must run before anything touches a JAX device.
+
+def _unjoinable() -> str | None:
+    """Why this process is evidently one of several that no detector could join, None if it is not."""
+    env = os.environ
+    if "SLURM_JOB_ID" in env and int(env.get("SLURM_NTASKS", "1")) > 1:
+        return (f"this is Slurm job {env['SLURM_JOB_ID']} of {env['SLURM_NTASKS']} tasks, but not one of its srun "
+                "tasks (no SLURM_STEP_NODELIST/SLURM_PROCID): start every process with `srun`, or submit with "
+                f"`olmax launch --slurm`, {JOIN_BY_HAND}")
+    if int(env.get("OMPI_COMM_WORLD_SIZE", "1")) > 1:
+        return ("this is an Open MPI rank without OMPI_MCA_orte_hnp_uri, from which JAX finds the coordinator "
+                f"(Open MPI 5 launches through PRRTE and does not set it): use Open MPI 4's mpirun, {JOIN_BY_HAND}")
+    if int(env.get("TPU_WORKER_ID", "0")) > 0:
+        return (f"this is TPU worker {env['TPU_WORKER_ID']} but JAX finds no TPU VM or no TPU_WORKER_HOSTNAMES: "
+                f"check that libtpu is installed and the JobSet sets the TPU variables, {JOIN_BY_HAND}")
+    if int(env.get("JOB_COMPLETION_INDEX", "0")) > 0:
+        return (f"this is pod {env['JOB_COMPLETION_INDEX']} of an indexed Kubernetes Job, which JAX only joins "
+                f"with the `kubernetes` package (pip install 'jax[k8s]'): set the variables in the pod spec as "
+                f"`olmax launch --k8s` writes them, {JOIN_BY_HAND}")
+    return None
+
+
+def join_cluster() -> Cluster:
+    """Join the run this process belongs to (see the module's docstring) and describe it.
+
+    Calling it again once joined is harmless. Must run before anything touches a JAX device.
     """
-    environ = os.environ if environ is None else environ
-    if ENV_LOCAL_DEVICES in environ:
+    if ENV_LOCAL_DEVICES in os.environ:
         # Overrides --xla_force_host_platform_device_count in XLA_FLAGS (which a parent process may have set).
-        jax.config.update("jax_num_cpu_devices", _int_env(environ, ENV_LOCAL_DEVICES, 1))
-    present = [name for name in DISTRIBUTED_ENV if name in environ]
-    if not present:
-        return False
-    if len(present) != len(DISTRIBUTED_ENV):
-        missing = sorted(set(DISTRIBUTED_ENV) - set(present))
-        raise ConfigError(f"a multi-process run needs all of {list(DISTRIBUTED_ENV)}; {missing} not set")
+        jax.config.update("jax_num_cpu_devices", _int_env(ENV_LOCAL_DEVICES, 1))
+    present = [name for name in DISTRIBUTED_ENV if name in os.environ]
+    if present:
+        if len(present) != len(DISTRIBUTED_ENV):
+            missing = sorted(set(DISTRIBUTED_ENV) - set(present))
+            raise ClusterError(f"a multi-process run needs all of {list(DISTRIBUTED_ENV)}; {missing} not set")
+        num_processes = _int_env(ENV_NUM_PROCESSES, 1)
+        process_id = _int_env(ENV_PROCESS_ID, 0)
+        if process_id >= num_processes:
+            raise ClusterError(f"{ENV_PROCESS_ID}={process_id} must be below {ENV_NUM_PROCESSES}={num_processes}")
+        cluster = Cluster("OLMAX_* variables", num_processes, process_id)
+        # The variables say everything: no Slurm/MPI/TPU detection guessing otherwise.
+        _initialize(cluster, coordinator_address=os.environ[ENV_COORDINATOR], num_processes=num_processes,
+                    process_id=process_id, cluster_detection_method="deactivate")
+        return cluster
+    env = _detected()
+    if env is None:
+        if why := _unjoinable():
+            raise ClusterError(why)
+        return Cluster("single process")
+    try:
+        cluster = Cluster(env.name, env.get_process_count(), env.get_process_id())
+    except Exception as err:
+        raise ClusterError(f"cannot read the {env.name} cluster's process count and id ({err}); {JOIN_BY_HAND}") from None
+    if cluster.process_count > 1:
+        _initialize(cluster, cluster_detection_method=env.name)
+    return cluster
+
+
+def _initialize(cluster: Cluster, **kwargs) -> None:
     if jax.distributed.is_initialized():
-        return True
-    num_processes = _int_env(environ, ENV_NUM_PROCESSES, 1)
-    process_id = _int_env(environ, ENV_PROCESS_ID, 0)
-    if process_id >= num_processes:
-        raise ConfigError(f"{ENV_PROCESS_ID}={process_id} must be below {ENV_NUM_PROCESSES}={num_processes}")
+        return
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(
-        coordinator_address=environ[ENV_COORDINATOR],
-        num_processes=num_processes,
-        process_id=process_id,
-        # The variables say everything: no Slurm/MPI/TPU auto-detection guessing otherwise.
-        cluster_detection_method="deactivate",
-    )
-    return True
+    jax.distributed.initialize(**kwargs)
+
+
+def announce(run_dir: Path, cluster: Cluster) -> str:
+    """Start this process's log, RUN_DIR/logs/host-NN.log (appended to by every attempt), with the start-up
+    line naming the cluster, the process count and the devices per process; returns that line.
+
+    The log takes this process's warnings too (all loggers'), and the run's outcome (`olmax train`)."""
+    path = writable_dir(Path(run_dir), "output_dir") / "logs" / f"host-{jax.process_index():02d}.log"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handler = logging.FileHandler(path)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.getLogger().addHandler(handler)  # warnings and errors of every logger
+    host_log.addHandler(handler)
+    host_log.setLevel(logging.INFO)
+    host_log.propagate = False  # its lines go to this file only, not to whatever else handles the root logger
+    devices = jax.local_devices()
+    line = (f"olmax: process {jax.process_index()} of {jax.process_count()} ({cluster.kind}) on "
+            f"{socket.gethostname()}: {len(devices)} {devices[0].platform} device{'s' * (len(devices) > 1)} "
+            f"per process, {jax.device_count()} in all")
+    host_log.info(line)
+    return line

@@ -79,6 +79,45 @@ class Backoff:
         return min(self.initial * self.factor ** (failures_in_a_row - 1), self.maximum)
 
 
+@dataclass
+class RetryPolicy:
+    """What follows an attempt, from how it ended and whether it advanced the latest checkpoint (see the
+    module's docstring); local launches and Slurm jobs share it."""
+
+    target_step: int
+    backoff: Backoff
+    max_retries: int
+    failures_in_a_row: int = 0
+
+    def decide(self, *, finished: bool, code: int, before: int, after: int, stopped_by: int | None = None,
+               again: str = "restart") -> tuple[int | None, str, float]:
+        """(the launcher's exit code, or None to go on; the action in words; seconds to wait first)."""
+        progressed = after > before
+        if progressed:
+            self.failures_in_a_row = 0
+        if finished:
+            return EXIT_FINISHED, "done", 0.0
+        if code in NOT_RETRIED:
+            return code, f"stop: {exit_reason(code)} is not retried (see the error above)", 0.0
+        if after >= self.target_step:
+            return EXIT_FINISHED, f"done: the final checkpoint {after} was written", 0.0
+        if stopped_by is not None:
+            return EXIT_PREEMPTED, f"stop: the launcher got {signal.Signals(stopped_by).name}", 0.0
+        if code == EXIT_PREEMPTED and progressed:
+            return None, f"{again} now", 0.0
+        self.failures_in_a_row += 1
+        if self.failures_in_a_row > self.max_retries:
+            return (EXIT_GAVE_UP, f"give up: {self.failures_in_a_row} failures in a row "
+                    f"(--max-retries {self.max_retries})", 0.0)
+        sleep = self.backoff.delay(self.failures_in_a_row)
+        return None, f"{again} in {sleep:g} s (retry {self.failures_in_a_row} of at most {self.max_retries} in a row)", sleep
+
+
+def previous_attempts(run_dir: Path) -> int:
+    log = Path(run_dir) / "launch.jsonl"
+    return len(log.read_text().splitlines()) if log.exists() else 0
+
+
 def latest_checkpoint_step(run_dir: Path) -> int:
     """The newest committed checkpoint's step, 0 if none: Orbax writes into a temporary directory
     (`N.orbax-checkpoint-tmp-*`) and renames it to `N` when complete."""
@@ -139,8 +178,7 @@ class Supervisor:
         self.target_step = cfg.train.steps
         self.argv = [*command, config, *overrides]
         self.nprocs = nprocs
-        self.backoff = backoff
-        self.max_retries = max_retries
+        self.policy = RetryPolicy(self.target_step, backoff, max_retries)
         self.env = dict(os.environ if env is None else env)
         self.stop_grace = stop_grace
         self.on_start = on_start  # called with the list of Popen handles of each attempt (tests inject faults)
@@ -246,12 +284,8 @@ class Supervisor:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
 
-    def _previous_attempts(self) -> int:
-        log = self.run_dir / "launch.jsonl"
-        return len(log.read_text().splitlines()) if log.exists() else 0
-
     def _loop(self) -> int:
-        attempt, failures_in_a_row = self._previous_attempts(), 0  # numbered over every launch of the run
+        attempt = previous_attempts(self.run_dir)  # numbered over every launch of the run
         while True:
             if self._stop_signal is not None:
                 self.echo("olmax launch: stopped before the next attempt")
@@ -269,33 +303,12 @@ class Supervisor:
                 "attempt": attempt, "started": datetime.datetime.fromtimestamp(started).isoformat(timespec="seconds"),
                 "seconds": round(time.time() - started, 3), "nprocs": self.nprocs, "exit_codes": codes,
                 "reason": reason, "checkpoint_before": before, "checkpoint_after": after,
-                "target_step": self.target_step, "sleep": 0.0,
+                "target_step": self.target_step,
             }
-            progressed = after > before
-            if progressed:
-                failures_in_a_row = 0
-            if all(c == EXIT_FINISHED for c in codes):
-                result, record["action"] = EXIT_FINISHED, "done"
-            elif code in NOT_RETRIED:
-                result, record["action"] = code, f"stop: {exit_reason(code)} is not retried (see the error above)"
-            elif after >= self.target_step:
-                result, record["action"] = EXIT_FINISHED, f"done: the final checkpoint {after} was written"
-            elif self._stop_signal is not None:
-                result = EXIT_PREEMPTED
-                record["action"] = f"stop: the launcher got {signal.Signals(self._stop_signal).name}"
-            elif code == EXIT_PREEMPTED and progressed:
-                result, record["action"] = None, "restart now"
-            else:
-                failures_in_a_row += 1
-                if failures_in_a_row > self.max_retries:
-                    result = EXIT_GAVE_UP
-                    record["action"] = f"give up: {failures_in_a_row} failures in a row (--max-retries {self.max_retries})"
-                else:
-                    result = None
-                    record["sleep"] = self.backoff.delay(failures_in_a_row)
-                    record["action"] = (f"restart in {record['sleep']:g} s "
-                                        f"(retry {failures_in_a_row} of at most {self.max_retries} in a row)")
-            record["failures_in_a_row"] = failures_in_a_row
+            result, record["action"], record["sleep"] = self.policy.decide(
+                finished=all(c == EXIT_FINISHED for c in codes), code=code, before=before, after=after,
+                stopped_by=self._stop_signal)
+            record["failures_in_a_row"] = self.policy.failures_in_a_row
             self._log(record)
             if result is not None:
                 return result
