@@ -7,7 +7,7 @@ from pathlib import Path
 import olmax
 
 LAYERS = [
-    {"config", "runtime"},
+    {"config", "runtime", "storage"},
     {"parallel"},
     {"model", "data", "checkpoint"},
     {"train", "eval", "interop", "launch"},

@@ -14,7 +14,8 @@ EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports it
 # The errors that mean bad input, by module. Only the modules already imported are looked at: an error whose
 # module was never imported cannot have been raised, and importing jax to name one would slow every command.
 BAD_INPUT_ERRORS = {"olmax.config": "ConfigError", "olmax.data.shards": "DataError", "olmax.interop": "InteropError",
-                    "olmax.checkpoint": "CheckpointError", "olmax.eval.models": "EvalError"}
+                    "olmax.checkpoint": "CheckpointError", "olmax.eval.models": "EvalError",
+                    "olmax.storage": "StorageError"}
 
 
 def _config_args(parser: argparse.ArgumentParser) -> None:

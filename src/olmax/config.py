@@ -487,6 +487,11 @@ class EvalConfig(Section):
         return self
 
 
+class StorageConfig(Section):
+    retry_seconds: float = Field(120.0, gt=0, description="how long a bucket request's transient faults (5xx, 429, "
+                                 "resets, timeouts) are retried before the run stops")
+
+
 class RunConfig(Section):
     name: str = "run"
     output_dir: str = Field("runs/{name}", description="checkpoints/ and metrics/ go here")
@@ -500,6 +505,7 @@ class RunConfig(Section):
     mesh: MeshConfig = Field(default_factory=MeshConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
+    storage: StorageConfig = Field(default_factory=StorageConfig)
 
     @property
     def run_dir(self) -> Path:

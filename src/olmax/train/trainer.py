@@ -26,6 +26,7 @@ from olmax.model import families, flops
 from olmax.model.transformer import compute_dtype
 from olmax.parallel import pipeline
 from olmax.parallel.mesh import Layout, make_layout
+from olmax import storage
 from olmax.runtime import received_signal
 from olmax.train.metrics import MetricsWriter, console_line, device_peak_flops
 from olmax.train.step import (
@@ -173,6 +174,7 @@ def train(cfg: RunConfig, *, quiet: bool = False, make_eval=None) -> list[dict]:
     if (cfg.eval.every or cfg.eval.harness_every) and make_eval is None:
         raise ConfigError("the config asks for in-loop evals (eval.every / eval.harness_every) but train() was "
                           "given no make_eval; pass olmax.eval.in_loop.make_in_loop_eval")
+    storage.configure(cfg.storage.retry_seconds)
     writable_dir(cfg.run_dir, "output_dir")
     layout = make_layout(cfg.mesh)
     micro_rows = micro_batch_rows(cfg, layout.data_parallel_size)
@@ -227,6 +229,7 @@ def train(cfg: RunConfig, *, quiet: bool = False, make_eval=None) -> list[dict]:
             "throughput/total tokens": tokens_after(step),
             "throughput/device/TPS": tps,
             "throughput/device/MFU": 100.0 * tps * flops_per_token / peak,
+            "io/retries": storage.retries(),  # transient bucket faults retried so far (0 on local disk)
         })
         writer.write(step, values)
         history.append({"step": step, **values})
