@@ -74,8 +74,11 @@ def cmd_train(args) -> None:
     from olmax.train.trainer import train
 
     train(cfg, make_eval=make_in_loop_eval)
-    print(f"done: checkpoints in {cfg.run_dir / 'checkpoints'}, metrics in {cfg.run_dir / 'metrics.jsonl'} "
-          f"and {cfg.run_dir / 'tensorboard'}")
+    from olmax.storage import join
+
+    run = cfg.run_location
+    print(f"done: checkpoints in {join(run, 'checkpoints')}, metrics in {join(run, 'metrics.jsonl')} "
+          f"and {join(run, 'tensorboard')}")
 
 
 def cmd_resume_check(args) -> None:

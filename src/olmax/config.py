@@ -511,6 +511,11 @@ class RunConfig(Section):
     def run_dir(self) -> Path:
         return Path(self.output_dir.format(name=self.name))
 
+    @property
+    def run_location(self) -> str:
+        """output_dir as given: a local path or a bucket URL (which a Path would mangle)."""
+        return self.output_dir.format(name=self.name)
+
     @model_validator(mode="after")
     def _consistent(self):
         low = {"float32": False, "bfloat16": True}

@@ -43,6 +43,10 @@ class StorageError(ValueError):
     retry budget; the message names the URL and what to check."""
 
 
+class MissingObject(StorageError):
+    """No such object or bucket."""
+
+
 class _Settings:
     retry_seconds = 120.0
     retries = 0
@@ -101,7 +105,8 @@ def _filesystem(kind: str, emulator: str | None, endpoint: str | None):
     if kind == "s3":
         import s3fs
 
-        fs = s3fs.S3FileSystem(config_kwargs={"retries": {"total_max_attempts": 1}}, skip_instance_cache=True)
+        fs = s3fs.S3FileSystem(config_kwargs={"retries": {"total_max_attempts": 1}}, skip_instance_cache=True,
+                               use_listings_cache=False)
         fs.retries = 1  # s3fs's own loop: one attempt
         return fs
     if kind == "gs":
@@ -112,7 +117,7 @@ def _filesystem(kind: str, emulator: str | None, endpoint: str | None):
             _request = GCSFileSystem._request.__wrapped__
 
         logging.getLogger("gcsfs").setLevel(logging.CRITICAL)  # it logs whole tracebacks for errors it raises
-        return OneAttemptGCS(token="anon" if emulator else None, skip_instance_cache=True)
+        return OneAttemptGCS(token="anon" if emulator else None, skip_instance_cache=True, use_listings_cache=False)
     if kind in ("http", "https"):
         return fsspec.filesystem("http", skip_instance_cache=True)
     return fsspec.filesystem("file")
@@ -188,7 +193,7 @@ def _named(err: BaseException, path: str, kind: str) -> StorageError:
     what = f"{type(err).__name__}: {str(err).strip().splitlines()[0][:200] if str(err).strip() else ''}"
     endpoint = _endpoint(path)
     if kind == "missing":
-        return StorageError(f"{path} does not exist ({what}); check the bucket and object names")
+        return MissingObject(f"{path} does not exist ({what}); check the bucket and object names")
     if kind == "denied":
         return StorageError(f"{path}: access denied ({what}); check the credentials the store's standard chain "
                             "finds (AWS_* / ~/.aws for s3://, application default credentials for gs://) and the "
@@ -302,8 +307,8 @@ def listdir(path: str) -> list[str]:
     fs = _fs(path)
     try:
         entries = _call(path, fs.ls, path, detail=False, refresh=True)
-    except StorageError as err:
-        if "does not exist" in str(err) and exists(parent(path)):  # an empty prefix, in a bucket that exists
+    except MissingObject:
+        if exists("/".join(str(path).split("/", 3)[:3])):  # an empty prefix, in a bucket that exists
             return []
         raise
     return sorted(basename(e) for e in entries)
@@ -314,4 +319,32 @@ def remove(path: str) -> None:
     if not is_remote(path):
         shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
         return
-    _call(path, _fs(path).rm, path, recursive=True)
+    try:
+        _call(path, _fs(path).rm, path, recursive=True)
+    except MissingObject:
+        pass  # gone already: a retry of a deletion that had gone through in part
+
+
+# --- a run directory in a bucket -------------------------------------------------------------------
+
+COMMIT_MARKER = "UPLOADED"  # written into a directory last: without it, an upload was cut short
+
+
+def upload_committed(local: str | os.PathLike, path: str) -> None:
+    """Upload a directory, then its commit marker, so that a reader never takes a part of it for the whole.
+    Whatever was at `path` (an upload cut short) goes first."""
+    if exists(path):
+        remove_committed(path)
+    upload(local, path)
+    write_bytes(join(path, COMMIT_MARKER), b"")
+
+
+def committed(path: str) -> bool:
+    return exists(join(path, COMMIT_MARKER))
+
+
+def remove_committed(path: str) -> None:
+    """Delete a directory uploaded with `upload_committed`, its marker first (a half-deleted one is no commit)."""
+    if committed(path):
+        remove(join(path, COMMIT_MARKER))
+    remove(path)

@@ -28,6 +28,7 @@ from olmax.parallel import pipeline
 from olmax.parallel.mesh import Layout, make_layout
 from olmax import storage
 from olmax.runtime import received_signal
+from olmax.train.bucket_run import BucketRun
 from olmax.train.metrics import MetricsWriter, console_line, device_peak_flops
 from olmax.train.step import (
     TrainState, batch_shardings, create_state, jit_train_step, micro_batch_rows, state_shardings,
@@ -175,14 +176,19 @@ def train(cfg: RunConfig, *, quiet: bool = False, make_eval=None) -> list[dict]:
         raise ConfigError("the config asks for in-loop evals (eval.every / eval.harness_every) but train() was "
                           "given no make_eval; pass olmax.eval.in_loop.make_in_loop_eval")
     storage.configure(cfg.storage.retry_seconds)
-    writable_dir(cfg.run_dir, "output_dir")
+    if storage.is_remote(cfg.run_location) and jax.process_count() > 1:
+        raise ConfigError("output_dir in a bucket is written by one process; run a single process, or write to a "
+                          "shared filesystem")
+    bucket = BucketRun(cfg.run_location) if storage.is_remote(cfg.run_location) else None
+    run_dir = bucket.local if bucket else cfg.run_dir
+    writable_dir(run_dir, "output_dir")
     layout = make_layout(cfg.mesh)
     micro_rows = micro_batch_rows(cfg, layout.data_parallel_size)
     # Bad data fails first, before the model is built.
     loader = build_loader(cfg.data, global_batch_instances=cfg.train.global_batch_instances,
                           vocab_size=cfg.model.vocab_size, process_index=jax.process_index(),
                           process_count=jax.process_count())
-    checkpointer = Checkpointer(cfg.run_dir / "checkpoints", cfg.checkpoint)
+    checkpointer = Checkpointer(run_dir / "checkpoints", cfg.checkpoint)
     try:
         state, start, restored = restore_or_init(cfg, layout, checkpointer)
     except BaseException:
@@ -208,7 +214,7 @@ def train(cfg: RunConfig, *, quiet: bool = False, make_eval=None) -> list[dict]:
         print(f"pipeline: {sched.describe()}", flush=True)
     evaluate = make_eval(cfg, layout) if make_eval else None
     sharding = batch_shardings(layout, cfg.data.sequence_length, micro_rows)
-    writer = MetricsWriter(cfg.run_dir, start, enabled=jax.process_index() == 0)
+    writer = MetricsWriter(run_dir, start, enabled=jax.process_index() == 0)
     flops_per_token = flops.count(cfg.model, cfg.data.sequence_length).per_token
     peak = device_peak_flops(np.dtype(compute_dtype(cfg.impl, layout)).name)
     history, pending = [], None
@@ -233,8 +239,12 @@ def train(cfg: RunConfig, *, quiet: bool = False, make_eval=None) -> list[dict]:
         })
         writer.write(step, values)
         history.append({"step": step, **values})
-        if not quiet and jax.process_index() == 0 and (step % cfg.train.log_every == 0 or step == cfg.train.steps):
-            print(console_line(step, cfg.train.steps, values), flush=True)
+        if step % cfg.train.log_every == 0 or step == cfg.train.steps:
+            if not quiet and jax.process_index() == 0:
+                print(console_line(step, cfg.train.steps, values), flush=True)
+            if bucket:
+                writer.flush()
+                bucket.push_metrics()
 
     try:
         with preemption_signals() as stop:
@@ -268,6 +278,9 @@ def train(cfg: RunConfig, *, quiet: bool = False, make_eval=None) -> list[dict]:
                         side_work_start = time.perf_counter()
                         checkpointer.save(step, state, run_meta(cfg, step, loader.state_dict(), tokens_after(step),
                                                                 data_offset))
+                        if bucket:
+                            bucket.push_metrics()
+                            bucket.push_checkpoint(step, checkpointer.all_steps())
                     paused += time.perf_counter() - side_work_start
                 if stopping:
                     raise Preempted(f"stopped by a signal after step {step}; checkpoint {step} written")
@@ -277,4 +290,6 @@ def train(cfg: RunConfig, *, quiet: bool = False, make_eval=None) -> list[dict]:
         loader.close()
         writer.close()
         checkpointer.close()
+        if bucket:
+            bucket.close()
     return history
