@@ -63,11 +63,6 @@ def retries() -> int:
     return _Settings.retries
 
 
-def _count_retry() -> None:
-    with _Settings.lock:
-        _Settings.retries += 1
-
-
 def scheme(path: str | os.PathLike) -> str | None:
     text = str(path)
     head, sep, _ = text.partition("://")
@@ -204,31 +199,42 @@ def _named(err: BaseException, path: str, kind: str) -> StorageError:
     return StorageError(f"{path}: {what}")
 
 
+class _Retries:
+    """One operation's retry budget: `after(err)` waits before the next attempt, or raises."""
+
+    def __init__(self, path: str):
+        self.path, self.attempt, self.first_failure = path, 0, None
+
+    def after(self, err: Exception, retried: int = 1) -> None:
+        kind = _kind(err)
+        if kind == "other" and not (is_remote(self.path) and isinstance(err, OSError)):
+            raise err  # a local OSError says what it is itself (disk full, permissions); a TypeError is a bug
+        now = time.monotonic()
+        self.first_failure = self.first_failure or now
+        if kind != "transient":
+            raise _named(err, self.path, kind) from None
+        if now - self.first_failure >= _Settings.retry_seconds:
+            raise StorageError(
+                f"{self.path}: still failing after {self.attempt} retries over {now - self.first_failure:.0f}s "
+                f"({_named(err, self.path, kind)}); check {_endpoint(self.path)}, or raise storage.retry_seconds"
+            ) from None
+        self.attempt += 1
+        with _Settings.lock:
+            _Settings.retries += retried
+        log.debug("retry %d of %s after %s", self.attempt, self.path, type(err).__name__)
+        time.sleep(random.uniform(0, min(MAX_BACKOFF_S, FIRST_BACKOFF_S * 2**self.attempt)))
+
+
 def _call(path: str, fn, *args, **kwargs):
     """fn(*args, **kwargs), retrying transient faults within the budget; permanent ones become StorageError."""
-    attempt, first_failure = 0, None
+    retries = _Retries(path)
     while True:
         try:
             return fn(*args, **kwargs)
         except StorageError:
             raise
         except Exception as err:
-            kind = _kind(err)
-            if kind == "other" and not (is_remote(path) and isinstance(err, OSError)):
-                raise  # a local OSError says what it is itself (disk full, permissions); a TypeError is a bug
-            now = time.monotonic()
-            first_failure = first_failure or now
-            if kind != "transient":
-                raise _named(err, path, kind) from None
-            if now - first_failure >= _Settings.retry_seconds:
-                raise StorageError(
-                    f"{path}: still failing after {attempt} retries over {now - first_failure:.0f}s "
-                    f"({_named(err, path, kind)}); check {_endpoint(path)}, or raise storage.retry_seconds"
-                ) from None
-            attempt += 1
-            _count_retry()
-            log.debug("retry %d of %s after %s", attempt, path, type(err).__name__)
-            time.sleep(random.uniform(0, min(MAX_BACKOFF_S, FIRST_BACKOFF_S * 2**attempt)))
+            retries.after(err)
 
 
 # --- operations ------------------------------------------------------------------------------------
@@ -263,13 +269,29 @@ def read_text(path: str) -> str:
 
 
 def read_ranges(path: str, starts: list[int], ends: list[int]) -> list[bytes]:
-    """Bytes [start, end) of one object for each pair, fetched concurrently by async stores; a fault retries the
-    whole set."""
-    fs = _fs(path)
-    return _call(path, fs.cat_ranges, [path] * len(starts), list(starts), list(ends), on_error="raise")
+    """Bytes [start, end) of one object for each pair, fetched concurrently by async stores; the ranges a fault
+    failed are fetched again (each one a retry), not the others."""
+    fs, retries = _fs(path), _Retries(path)
+    out, todo = [None] * len(starts), list(range(len(starts)))
+    while todo:
+        got = _call(path, fs.cat_ranges, [path] * len(todo), [starts[i] for i in todo], [ends[i] for i in todo],
+                    on_error="return")
+        failed = [(i, r) for i, r in zip(todo, got) if isinstance(r, Exception)]
+        for i, r in zip(todo, got):
+            out[i] = None if isinstance(r, Exception) else r
+        todo = [i for i, _ in failed]
+        if failed:
+            retries.after(failed[0][1], retried=len(failed))
+    return out
+
+
+def _writable(path: str) -> None:
+    if scheme(path) in ("http", "https"):
+        raise StorageError(f"{path}: http(s) URLs are read-only; write to gs://, s3:// or a local path")
 
 
 def write_bytes(path: str, data: bytes) -> None:
+    _writable(path)
     if not is_remote(path):
         Path(path).parent.mkdir(parents=True, exist_ok=True)
     _call(path, _fs(path).pipe_file, path, data)
@@ -277,6 +299,7 @@ def write_bytes(path: str, data: bytes) -> None:
 
 def upload(local: str | os.PathLike, path: str) -> None:
     """Copy a local file or directory tree to `path` (a URL), file by file, each retried on its own."""
+    _writable(path)
     local = Path(local)
     files = [local] if local.is_file() else sorted(p for p in local.rglob("*") if p.is_file())
     for file in files:
@@ -316,6 +339,7 @@ def listdir(path: str) -> list[str]:
 
 def remove(path: str) -> None:
     """Delete an object or a whole tree."""
+    _writable(path)
     if not is_remote(path):
         shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
         return

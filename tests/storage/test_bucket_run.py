@@ -76,6 +76,13 @@ def test_run_in_buckets_through_faults_and_kill_9_is_the_local_run(stores, bucke
     assert storage.listdir(f"{run}/tensorboard")
     assert stores.s3.faults > 0 and stores.gcs.faults > 0
     assert max(json.loads(line)["io/retries"] for line in storage.read_text(f"{run}/metrics.jsonl").splitlines()) > 0
+    # Warm start from the bucket is the warm start from the local run's identical checkpoint.
+    warm = [f"data.paths={json.dumps(bucket_shards)}", "train.steps=2", "mesh.fsdp=1"]
+    from_bucket = train(load_config("tiny", [*warm, f"output_dir={tmp_path}/w1",
+                                             f"checkpoint.init_from={run}/checkpoints/16"]), quiet=True)
+    from_disk = train(load_config("tiny", [*warm, f"output_dir={tmp_path}/w2",
+                                           f"checkpoint.init_from={tmp_path}/local/checkpoints/16"]), quiet=True)
+    assert [h["train/CE loss"] for h in from_bucket] == [h["train/CE loss"] for h in from_disk]
     curve = read_curve(run, "train/CE loss")  # what `olmax compare` reads: the bucket's TensorBoard events
     assert curve.name == run and dict(zip(curve.steps.tolist(), curve.values.tolist())) == \
         {s: float(np.float32(v)) for s, v in expected.items()}

@@ -70,3 +70,21 @@ def test_permanent_faults_are_named_at_once(stores, kind, monkeypatch, unused_po
     monkeypatch.setenv(variable, f"http://127.0.0.1:{unused_port}")
     with pytest.raises(storage.StorageError, match="cannot reach http://127.0.0.1:.*check the endpoint"):
         storage.read_bytes(f"{kind}://{stores.bucket}/x.bin")
+
+
+def test_https_is_read_only():
+    with pytest.raises(storage.StorageError, match="read-only; write to gs://, s3:// or a local path"):
+        storage.write_bytes("https://example.invalid/x.bin", b"x")
+
+
+@pytest.mark.parametrize("kind", ["s3", "gs"])
+def test_many_ranges_through_faults_refetch_only_the_failed_ones(stores, kind, monkeypatch):
+    """50 ranges at 30% faults: all of them at once succeed with probability 0.7**50; the failed ones alone
+    are fetched again, so the read completes."""
+    monkeypatch.setattr(storage._Settings, "retry_seconds", 60.0)
+    url = f"{kind}://{stores.bucket}/many.bin"
+    data = bytes(range(256)) * 40
+    storage.write_bytes(url, data)
+    stores.set_faults(share=0.3, fault=503)
+    starts = list(range(0, 10000, 200))
+    assert storage.read_ranges(url, starts, [s + 100 for s in starts]) == [data[s:s + 100] for s in starts]

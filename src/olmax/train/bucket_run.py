@@ -35,16 +35,7 @@ class BucketRun:
         for name in storage.listdir(self.url):
             if name != CHECKPOINTS:
                 storage.download(storage.join(self.url, name), self.local / name)
-        remote = storage.join(self.url, CHECKPOINTS)
-        for step in storage.listdir(remote):
-            if not step.isdigit():
-                continue
-            if storage.committed(storage.join(remote, step)):
-                storage.download(storage.join(remote, step), self.local / CHECKPOINTS / step)
-                (self.local / CHECKPOINTS / step / storage.COMMIT_MARKER).unlink()
-            else:
-                log.warning("%s has no commit marker (its upload was cut short); not a checkpoint, skipped",
-                            storage.join(remote, step))
+        pull_steps(storage.join(self.url, CHECKPOINTS), self.local / CHECKPOINTS)
 
     def push_metrics(self) -> None:
         for name in METRICS:
@@ -61,3 +52,29 @@ class BucketRun:
 
     def close(self) -> None:
         shutil.rmtree(self.local, ignore_errors=True)
+
+
+def pull_steps(remote: str, local: Path, steps: list[str] | None = None) -> None:
+    """Copy the committed checkpoint steps of `remote` (all, or those named) into `local`."""
+    for step in steps or storage.listdir(remote):
+        if not step.isdigit():
+            continue
+        if storage.committed(storage.join(remote, step)):
+            storage.download(storage.join(remote, step), local / step)
+            (local / step / storage.COMMIT_MARKER).unlink()
+        else:
+            log.warning("%s has no commit marker (its upload was cut short); not a checkpoint, skipped",
+                        storage.join(remote, step))
+
+
+def fetch_checkpoints(url: str, local: Path) -> Path:
+    """`checkpoint.init_from` in a bucket (a run directory, its checkpoints/ or one step of it), copied into
+    `local`: the local path to read instead."""
+    url = url.rstrip("/")
+    step = storage.basename(url)
+    if step.isdigit():
+        pull_steps(storage.parent(url), local / CHECKPOINTS, [step])
+        return local / CHECKPOINTS / step
+    remote = storage.join(url, CHECKPOINTS) if CHECKPOINTS in storage.listdir(url) else url
+    pull_steps(remote, local / CHECKPOINTS)
+    return local / CHECKPOINTS

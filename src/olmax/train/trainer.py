@@ -10,8 +10,10 @@ from __future__ import annotations
 import contextlib
 import logging
 import signal
+import tempfile
 import threading
 import time
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -28,7 +30,7 @@ from olmax.parallel import pipeline
 from olmax.parallel.mesh import Layout, make_layout
 from olmax import storage
 from olmax.runtime import received_signal
-from olmax.train.bucket_run import BucketRun
+from olmax.train.bucket_run import BucketRun, fetch_checkpoints
 from olmax.train.metrics import MetricsWriter, console_line, device_peak_flops
 from olmax.train.step import (
     TrainState, batch_shardings, create_state, jit_train_step, micro_batch_rows, state_shardings,
@@ -107,6 +109,9 @@ def restore_or_init(cfg: RunConfig, layout: Layout, checkpointer: Checkpointer):
             f"no readable checkpoint in {checkpointer.directory} (tried steps {steps}); nothing was overwritten. "
             "Move the directory away to start over, or restore it from a copy"
         )
+    if cfg.checkpoint.init_from and storage.is_remote(cfg.checkpoint.init_from):
+        with tempfile.TemporaryDirectory(prefix="olmax-init-") as local:
+            return warm_start(cfg, layout, str(fetch_checkpoints(cfg.checkpoint.init_from, Path(local)))), 0, None
     if cfg.checkpoint.init_from:
         return warm_start(cfg, layout, cfg.checkpoint.init_from), 0, None
     return create_state(cfg, layout, jax.random.key(cfg.train.seed)), 0, None
