@@ -19,6 +19,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
+from olmax import storage
 from olmax.checkpoint import (
     Checkpointer, CheckpointError, UnreadableCheckpoint, abstract_like, check_model_compatible, locate, run_meta,
 )
@@ -28,7 +29,6 @@ from olmax.model import families, flops
 from olmax.model.transformer import compute_dtype
 from olmax.parallel import pipeline
 from olmax.parallel.mesh import Layout, make_layout
-from olmax import storage
 from olmax.runtime import received_signal
 from olmax.train.bucket_run import BucketRun, fetch_checkpoints
 from olmax.train.metrics import MetricsWriter, console_line, device_peak_flops
@@ -247,9 +247,10 @@ def train(cfg: RunConfig, *, quiet: bool = False, make_eval=None) -> list[dict]:
         if step % cfg.train.log_every == 0 or step == cfg.train.steps:
             if not quiet and jax.process_index() == 0:
                 print(console_line(step, cfg.train.steps, values), flush=True)
-            if bucket:
+            if bucket:  # upload time is not step time
                 writer.flush()
                 bucket.push_metrics()
+                paused += time.perf_counter() - now
 
     try:
         with preemption_signals() as stop:
