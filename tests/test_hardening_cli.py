@@ -223,17 +223,6 @@ def test_bad_input_known_up_front_is_refused_before_any_work(read_only_dir, caps
     assert not list(read_only_dir.iterdir()) and not list(read_only_dir.parent.glob(".*partial*"))
 
 
-@pytest.mark.parametrize("argv", [["train", "tiny", "data.mix_file=gs://bucket/mix.txt"],
-                                  ["eval", "heldout", "s3://bucket/run", "--data", "code=http://host/a.npy"],
-                                  ["compare", "runs/a", "https://host/curve.tsv"]])
-def test_a_remote_url_is_not_supported_yet_and_says_so(capsys, argv):
-    """Named as given (not `http:/`), as unsupported (not as missing)."""
-    assert _exit_code(argv) == 2
-    err = capsys.readouterr().err.strip()
-    url = next(a.split("=", 1)[-1] for a in argv if "://" in a)
-    assert err == f"olmax: {url}: remote storage is not supported yet; copy it to a local path"
-
-
 def test_flops_names_the_attention_it_counts(capsys):
     """Sliding windows are only mentioned for a model that has sliding layers."""
     assert _exit_code(["flops", "tiny"]) == 0

@@ -8,7 +8,7 @@ import olmax
 
 LAYERS = [
     {"errors"},  # the bad-input error classes, free of imports
-    {"config", "runtime", "run_lock"},
+    {"config", "runtime", "run_lock", "storage"},
     {"checkpoint"},  # checksums, Orbax I/O, the Checkpointer: train, eval and interop use it
     {"parallel"},
     {"model", "data"},

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import signal
 import sys
 
@@ -14,8 +13,6 @@ from olmax.runtime import (LIBTPU_LOCKFILE, STOP_SIGNALS, drop_held_signals, hol
 
 EXIT_BAD_INPUT = 2  # `olmax launch` does not retry it
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports it
-# A URL as an argument, an option's value or an override's value (data.mix_file=gs://...); local paths only so far
-REMOTE_URL = re.compile(r"(?:^|=)((?:gs|s3|r2|weka|https?)://\S*)")
 
 
 def _config_args(parser: argparse.ArgumentParser) -> None:
@@ -85,8 +82,11 @@ def cmd_train(args) -> None:
         raise
     host_log.info("finished")
     if cluster.process_id == 0:
-        print(f"done: checkpoints in {cfg.run_dir / 'checkpoints'}, metrics in {cfg.run_dir / 'metrics.jsonl'} "
-              f"and {cfg.run_dir / 'tensorboard'}")
+        from olmax.storage import join
+
+        run = cfg.run_location
+        print(f"done: checkpoints in {join(run, 'checkpoints')}, metrics in {join(run, 'metrics.jsonl')} "
+              f"and {join(run, 'tensorboard')}")
 
 
 def cmd_resume_check(args) -> None:
@@ -169,9 +169,6 @@ def build_parser() -> argparse.ArgumentParser:
 def parse(argv: list[str] | None) -> argparse.Namespace:
     """The command line, where `key=value` overrides may also come after the command's options."""
     argv = sys.argv[1:] if argv is None else argv
-    if url := next((m.group(1) for a in argv if (m := REMOTE_URL.search(a))), None):
-        print(f"olmax: {url}: remote storage is not supported yet; copy it to a local path", file=sys.stderr)
-        sys.exit(EXIT_BAD_INPUT)
     parser = build_parser()
     args, rest = parser.parse_known_args(argv)
     if rest and hasattr(args, "overrides") and all("=" in a and not a.startswith("-") for a in rest):

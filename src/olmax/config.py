@@ -530,6 +530,11 @@ class LaunchConfig(Section):
     slurm: SlurmConfig = Field(default_factory=SlurmConfig)
 
 
+class StorageConfig(Section):
+    retry_seconds: float = Field(120.0, gt=0, description="how long a bucket request's transient faults (5xx, 429, "
+                                 "resets, timeouts) are retried before the run stops")
+
+
 class RunConfig(Section):
     name: str = "run"
     output_dir: str = Field("runs/{name}", description="checkpoints/ and metrics/ go here")
@@ -544,10 +549,16 @@ class RunConfig(Section):
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     launch: LaunchConfig = Field(default_factory=LaunchConfig)
+    storage: StorageConfig = Field(default_factory=StorageConfig)
 
     @property
     def run_dir(self) -> Path:
         return Path(self.output_dir.format(name=self.name))
+
+    @property
+    def run_location(self) -> str:
+        """output_dir as given: a local path or a bucket URL (which a Path would mangle)."""
+        return self.output_dir.format(name=self.name)
 
     @model_validator(mode="after")
     def _consistent(self):

@@ -13,6 +13,7 @@ from olmax.train.trainer import train
 METRIC_NAMES = {
     "train/CE loss", "train/Z loss", "optim/total grad norm", "optim/LR (group 0)", "optim/step skipped",
     "throughput/total tokens", "throughput/device/TPS", "throughput/device/MFU", "train/masked instances (%)",
+    "io/retries",
 }
 
 

@@ -5,7 +5,11 @@ already tokenized, each ending with EOS. Each shard is cut on its own into
 non-overlapping instances of `sequence_length` tokens, its tail dropped, so an
 instance never crosses a shard boundary; global instance ids follow the mix
 order. Shards are read with `os.pread` straight into the batch buffer: one
-copy from the page cache, no per-shard mapping to keep open.
+copy from the page cache, no per-shard mapping to keep open. A shard in a
+bucket (gs://, s3://, https://) is read through olmax.storage as the byte
+ranges of the batch's instances, fetched concurrently; its size comes from the
+object's metadata, and its ETag or generation joins the fingerprint, so a
+replaced object is named on resume.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
+from olmax import storage
 from olmax.config import writable_dir
 from olmax.errors import BadInput
 
@@ -54,6 +59,9 @@ def read_mix_file(mix_file: str | os.PathLike, base_dir: str | None = None,
     """OLMo-core's mix format: `label,path` lines, `#` comments. Relative paths are relative to `base_dir`
     (OLMo-core's mix_base_dir), by default the mix file's directory; `{TOKENIZER}` becomes `tokenizer`, as
     OLMo-core builds its published mixes (e.g. allenai/dolma2-tokenizer)."""
+    if storage.is_remote(mix_file):
+        text = storage.read_text(str(mix_file))
+        return _parse_mix(str(mix_file), text, base_dir or storage.parent(mix_file), tokenizer)
     mix = Path(mix_file)
     if mix.is_dir():
         raise DataError(f"mix file {mix} is a directory; set data.mix_file to a file of `label,path` lines in it")
@@ -63,6 +71,10 @@ def read_mix_file(mix_file: str | os.PathLike, base_dir: str | None = None,
         text = mix.read_text()
     except (OSError, UnicodeDecodeError) as err:
         raise DataError(f"mix file {mix} cannot be read as text ({err}); it must hold `label,path` lines") from None
+    return _parse_mix(mix, text, base_dir or str(mix.parent), tokenizer)
+
+
+def _parse_mix(mix, text: str, base_dir: str, tokenizer: str | None) -> list[Source]:
     sources = []
     for number, raw in enumerate(text.splitlines(), start=1):
         line = raw.strip()
@@ -79,8 +91,8 @@ def read_mix_file(mix_file: str | os.PathLike, base_dir: str | None = None,
                     "the tokenizer's directory name (e.g. allenai/dolma2-tokenizer)"
                 )
             path = path.replace("{TOKENIZER}", tokenizer)
-        if not os.path.isabs(path) and "://" not in path:
-            path = str(Path(base_dir) / path) if base_dir else str(mix.parent / path)
+        if not os.path.isabs(path) and not storage.is_remote(path):
+            path = storage.join(base_dir, path)
         sources.append(Source(label, path))
     if not sources:
         raise DataError(f"mix file {mix} lists no shards; add `label,path` lines")
@@ -95,7 +107,7 @@ def resolve_sources(paths: list[str], mix_file: str | None, base_dir: str | None
         return read_mix_file(mix_file, base_dir, tokenizer)
     if not paths:
         raise DataError("no data: set data.paths (token shards in mix order) or data.mix_file")
-    return [Source(Path(p).stem, p) for p in paths]
+    return [Source(Path(storage.basename(p)).stem, p) for p in paths]
 
 
 def count_tokens(path: str, token_dtype: str, setting: str = "data.token_dtype") -> int:
@@ -103,6 +115,20 @@ def count_tokens(path: str, token_dtype: str, setting: str = "data.token_dtype")
     written with: the one check every reader of shards (training, evals) applies. The dtype is the one its
     directory's shards record names; without a record, the shard's head must not look like uint32 tokens read
     as uint16. `setting` is what the user sets to choose the dtype, named in the errors."""
+    return _checked_tokens(path, token_dtype, shard_size(path)[0], setting)
+
+
+def shard_size(path: str) -> tuple[int, str | None]:
+    """(bytes, the object's ETag or generation in a bucket; None on disk)."""
+    if not storage.is_remote(path):
+        return _local_size(path), None
+    meta = storage.info(path)
+    if meta["dir"]:
+        raise DataError(f"shard {path} is a directory, not a token shard; list the shard files in it instead")
+    return meta["size"], meta["version"]
+
+
+def _local_size(path: str) -> int:
     if os.path.isdir(path):
         raise DataError(f"shard {path} is a directory, not a token shard; list the shard files in it instead")
     try:
@@ -111,6 +137,10 @@ def count_tokens(path: str, token_dtype: str, setting: str = "data.token_dtype")
         raise DataError(f"shard {path} does not exist; fix data.paths / data.mix_file or run `olmax tokenize`") from None
     if not os.access(path, os.R_OK):
         raise DataError(f"shard {path} is not readable (file permissions); fix them or remove it from the mix")
+    return size
+
+
+def _checked_tokens(path: str, token_dtype: str, size: int, setting: str = "data.token_dtype") -> int:
     if token_dtype not in TOKEN_DTYPES:
         raise DataError(f"{setting} {token_dtype!r} is not one of {sorted(TOKEN_DTYPES)}")
     record = recorded(path)
@@ -126,7 +156,7 @@ def count_tokens(path: str, token_dtype: str, setting: str = "data.token_dtype")
             f"shard {path}: {size} bytes is not a multiple of the {itemsize}-byte {token_dtype} token; "
             f"the file is truncated or written with another {setting}"
         )
-    if not record:
+    if not record and not storage.is_remote(path):
         _check_plausible(path, np.fromfile(path, dtype=TOKEN_DTYPES[token_dtype], count=HEAD_CHECK_TOKENS), setting)
     return size // itemsize
 
@@ -171,12 +201,15 @@ class TokenShards:
             if not 0 <= value < vocab_size:
                 raise DataError(f"data.{name} {value} is outside the vocabulary [0, {vocab_size})")
         self.sources = list(sources)
+        self._remote = [storage.is_remote(s.path) for s in self.sources]
         self.sequence_length = sequence_length
         self.token_dtype = token_dtype
         self.vocab_size = vocab_size
         self.eos_id = eos_id
         self.pad_id = pad_id
-        self.sizes = [self._checked_size(s.path) for s in self.sources]
+        sizes = [shard_size(s.path) for s in self.sources]
+        self.versions = [version for _, version in sizes]
+        self.sizes = [self._checked_size(s.path, size) for s, (size, _) in zip(self.sources, sizes)]
         self.mixture = mixture
         if instances is None:
             instances = [size // self.dtype.itemsize // sequence_length for size in self.sizes]
@@ -192,8 +225,8 @@ class TokenShards:
             self._check_ids(head, index, 0)
             self.contents.append(self._content_hash(index))
 
-    def _checked_size(self, path: str) -> int:
-        tokens = count_tokens(path, self.token_dtype)
+    def _checked_size(self, path: str, size: int) -> int:
+        tokens = _checked_tokens(path, self.token_dtype, size)
         if tokens < self.sequence_length:
             raise DataError(
                 f"shard {path} holds {tokens} tokens, fewer than data.sequence_length "
@@ -219,11 +252,13 @@ class TokenShards:
             "token_dtype": self.token_dtype,
             "sequence_length": self.sequence_length,
             # Names, not full paths, as OLMo-core: the same mix moved to another disk is the same data.
-            "files": [[os.path.basename(s.path), size] for s, size in zip(self.sources, self.sizes)],
+            "files": [[storage.basename(s.path), size] for s, size in zip(self.sources, self.sizes)],
             # Compared on resume beside the fingerprint, which stays a hash of names and sizes (as OLMo-core's),
             # so that checkpoints written before these hashes existed still resume.
             "contents": self.contents,
         }
+        if any(self.versions):  # objects in a bucket: a replaced one of the same size is a change too
+            facts["versions"] = self.versions
         if self.mixture is not None:
             facts.update(mixture=self.mixture, instances=self.instances)
         return facts
@@ -245,7 +280,10 @@ class TokenShards:
         shards = np.searchsorted(self.offsets, instances, side="right") - 1
         starts = (instances - self.offsets[shards]) * length
         wide = self.dtype.itemsize == 4
+        self._read_remote(out, shards, starts)
         for row, (shard, start) in enumerate(zip(shards.tolist(), starts.tolist())):
+            if self._remote[shard]:
+                continue
             # uint32 ids below 2**31 have int32's bytes, so they are read in place; uint16 needs one widening copy.
             out[row] = self._read_tokens(shard, start, length, into=out[row] if wide else None)
         # As uint32, an id that int32 shows as negative (>= 2**31) is large too: one pass catches both.
@@ -254,6 +292,21 @@ class TokenShards:
             row = int(np.argmax(ids.max(axis=1) >= self.vocab_size))
             self._check_ids(ids[row], int(shards[row]), int(starts[row]))
         return out
+
+    def _read_remote(self, out: np.ndarray, shards: np.ndarray, starts: np.ndarray) -> None:
+        """The rows of `out` whose instances live in buckets: one concurrent fetch of their byte ranges per shard."""
+        itemsize, length = self.dtype.itemsize, self.sequence_length
+        for shard in np.unique(shards).tolist():
+            if not self._remote[shard]:
+                continue
+            path = self.sources[shard].path
+            rows = np.flatnonzero(shards == shard)
+            begins = (starts[rows] * itemsize).tolist()
+            chunks = storage.read_ranges(path, begins, [b + length * itemsize for b in begins])
+            for row, chunk in zip(rows.tolist(), chunks):
+                if len(chunk) != length * itemsize:
+                    raise DataError(f"shard {path} shrank while reading; was it rewritten during the run?")
+                out[row] = np.frombuffer(chunk, dtype=self.dtype)
 
     def _check_ids(self, tokens: np.ndarray, shard: int, start: int) -> None:
         bad = np.flatnonzero(tokens.astype(np.int64) >= self.vocab_size)
@@ -273,6 +326,10 @@ class TokenShards:
         return hashlib.sha256(head.tobytes() + tail.tobytes()).hexdigest()
 
     def _read_tokens(self, shard: int, start: int, count: int, into: np.ndarray | None = None) -> np.ndarray:
+        if self._remote[shard]:
+            offset = start * self.dtype.itemsize
+            chunk = storage.read_ranges(self.sources[shard].path, [offset], [offset + count * self.dtype.itemsize])[0]
+            return np.frombuffer(chunk, dtype=self.dtype)
         buffer = np.empty(count, dtype=self.dtype) if into is None else into
         view = memoryview(buffer).cast("B")
         fd = self._fd(shard)
@@ -318,6 +375,8 @@ def fingerprint(facts: dict) -> str:
         digest.update(f"{key}={facts[key]},".encode())
     for name, size in facts["files"]:
         digest.update(f"path={name},size={size},".encode())
+    if "versions" in facts:
+        digest.update(f"versions={facts['versions']},".encode())
     if "mixture" in facts:
         mixture = json.dumps(facts["mixture"], sort_keys=True)
         digest.update(f"mixture={mixture},instances={facts['instances']},".encode())
@@ -342,6 +401,9 @@ def describe_change(old: dict, new: dict) -> list[str]:
                     for index, (was, now, old_hash, new_hash) in enumerate(zip(old_files, new_files, old["contents"],
                                                                                new["contents"]))
                     if was == now and old_hash != new_hash]
+    for index, (was, now) in enumerate(zip(old.get("versions", []), new.get("versions", []))):
+        if was != now and old_files[index:index + 1] == new_files[index:index + 1]:
+            changes.append(f"shard {index}: {new_files[index][0]} was replaced (version {was} -> {now})")
     return changes + _mixture_changes(old, new)
 
 
@@ -369,6 +431,9 @@ def _mixture_changes(old: dict, new: dict) -> list[str]:
 
 def recorded(path: str | os.PathLike) -> dict:
     """What the shards record beside `path` says about it ({} when there is none, or it does not list it)."""
+    if storage.is_remote(path):
+        entry = _read_remote_record(storage.join(storage.parent(path), SHARDS_RECORD))
+        return entry if storage.basename(path) in entry.get("shards", ()) else {}
     record = Path(path).parent / SHARDS_RECORD
     try:
         stat = record.stat()
@@ -379,9 +444,14 @@ def recorded(path: str | os.PathLike) -> dict:
 
 
 @functools.lru_cache(maxsize=64)
+def _read_remote_record(url: str) -> dict:
+    return _read_record(url, 0, 0) if storage.exists(url) else {}
+
+
+@functools.lru_cache(maxsize=64)
 def _read_record(path: str, mtime_ns: int, size: int) -> dict:
     try:
-        record = json.loads(Path(path).read_text())
+        record = json.loads(storage.read_text(path) if storage.is_remote(path) else Path(path).read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
         raise DataError(f"{path} is not a readable shards record ({err}); restore it or delete it") from None
     if not isinstance(record, dict):

@@ -12,12 +12,16 @@ window = 1 the deltas are per step: a resume A/B wants max |delta| = 0.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import struct
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+
+from olmax import storage
 
 from olmax.eval.models import EvalError
 
@@ -111,7 +115,9 @@ def _read_table(path: Path, metric: str) -> dict[int, float]:
 
 def read_curve(source: str | Path, metric: str) -> Curve:
     """A run directory (its tensorboard/ events, else metrics.jsonl), a directory of event files, a
-    .jsonl file, or a table of step and value (.tsv, .csv, .txt)."""
+    .jsonl file, or a table of step and value (.tsv, .csv, .txt); local or in a bucket."""
+    if storage.is_remote(source):
+        return _read_remote_curve(str(source), metric)
     path = Path(source)
     if not path.exists():
         raise EvalError(f"{path} does not exist; give a run directory, event directory, JSONL or TSV")
@@ -247,3 +253,17 @@ def plot(a: Curve, b: Curve, result: dict, metric: str, path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def _read_remote_curve(url: str, metric: str) -> Curve:
+    """A bucket's run directory or file, read from a local copy of its metrics only (never its checkpoints)."""
+    with tempfile.TemporaryDirectory(prefix="olmax-curve-") as local:
+        copy = Path(local) / storage.basename(url)
+        if storage.is_dir(url):
+            for name in ("tensorboard", "metrics.jsonl"):
+                if storage.exists(storage.join(url, name)):
+                    storage.download(storage.join(url, name), copy / name)
+            copy.mkdir(exist_ok=True)
+        else:
+            storage.download(url, copy)
+        return dataclasses.replace(read_curve(copy, metric), name=url)

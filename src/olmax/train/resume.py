@@ -6,14 +6,18 @@ that a checkpoint fits the model being trained.
 from __future__ import annotations
 
 import logging
+import tempfile
+from pathlib import Path
 
 import jax
 
+from olmax import storage
 from olmax.checkpoint import Checkpointer, CheckpointError, UnreadableCheckpoint, check_model_compatible, locate
 from olmax.config import ModelConfig, RunConfig, ScheduleConfig, upgrade
 from olmax.model import families
 from olmax.parallel.mesh import Layout
 from olmax.train.optimizer import lr_at
+from olmax.train.bucket_run import fetch_checkpoints
 from olmax.train.step import TrainState, abstract_state, create_state
 
 log = logging.getLogger(__name__)
@@ -52,6 +56,9 @@ def restore_or_init(cfg: RunConfig, layout: Layout, checkpointer: Checkpointer):
             f"no readable checkpoint in {checkpointer.directory} (tried steps {steps}); nothing was overwritten. "
             "Move the directory away to start over, or restore it from a copy"
         )
+    if cfg.checkpoint.init_from and storage.is_remote(cfg.checkpoint.init_from):
+        with tempfile.TemporaryDirectory(prefix="olmax-init-") as local:
+            return warm_start(cfg, layout, str(fetch_checkpoints(cfg.checkpoint.init_from, Path(local)))), 0, None
     if cfg.checkpoint.init_from:
         return warm_start(cfg, layout, cfg.checkpoint.init_from), 0, None
     return create_state(cfg, layout, jax.random.key(cfg.train.seed)), 0, None

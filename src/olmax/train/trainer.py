@@ -12,13 +12,14 @@ import logging
 import signal
 import threading
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 
-from olmax import run_lock
+from olmax import run_lock, storage
 from olmax.checkpoint import Checkpointer, run_meta
 from olmax.config import ConfigError, RunConfig, writable_dir
 from olmax.data import build_loader
@@ -27,6 +28,7 @@ from olmax.model.transformer import compute_dtype
 from olmax.parallel import pipeline
 from olmax.parallel.mesh import make_layout
 from olmax.runtime import release_stop_signals
+from olmax.train.bucket_run import BucketRun
 from olmax.train.metrics import MetricsWriter, console_line, device_peak_flops
 from olmax.train.resume import restore_or_init, resume_data, schedule_change
 from olmax.train.step import batch_shardings, jit_train_step, micro_batch_rows
@@ -107,10 +109,16 @@ def train(cfg: RunConfig, *, quiet: bool = False, make_eval=None) -> list[dict]:
     if (cfg.eval.every or cfg.eval.harness_every) and make_eval is None:
         raise ConfigError("the config asks for in-loop evals (eval.every / eval.harness_every) but train() was "
                           "given no make_eval; pass olmax.eval.in_loop.make_in_loop_eval")
-    check_outputs(cfg.run_dir)
+    storage.configure(cfg.storage.retry_seconds)
+    if storage.is_remote(cfg.run_location) and jax.process_count() > 1:
+        raise ConfigError("output_dir in a bucket is written by one process; run a single process, or write to a "
+                          "shared filesystem")
+    bucket = BucketRun(cfg.run_location) if storage.is_remote(cfg.run_location) else None
+    run_dir = bucket.local if bucket else cfg.run_dir
+    check_outputs(run_dir)
     # One process of a multi-process run holds the run directory for all (they share it).
-    with run_lock.hold(cfg.run_dir) if jax.process_index() == 0 else contextlib.nullcontext():
-        return _train(cfg, quiet, make_eval)
+    with run_lock.hold(run_dir) if jax.process_index() == 0 else contextlib.nullcontext():
+        return _train(cfg, quiet, make_eval, bucket, run_dir)
 
 
 def check_outputs(run_dir) -> None:
@@ -123,14 +131,14 @@ def check_outputs(run_dir) -> None:
                               f"{'directory' if directory else 'file'} there: move it away or set another output_dir")
 
 
-def _train(cfg: RunConfig, quiet: bool, make_eval) -> list[dict]:
+def _train(cfg: RunConfig, quiet: bool, make_eval, bucket: BucketRun | None, run_dir: Path) -> list[dict]:
     layout = make_layout(cfg.mesh)
     micro_rows = micro_batch_rows(cfg, layout.data_parallel_size)
     # Bad data fails first, before the model is built.
     loader = build_loader(cfg.data, global_batch_instances=cfg.train.global_batch_instances,
                           vocab_size=cfg.model.vocab_size, process_index=jax.process_index(),
                           process_count=jax.process_count())
-    checkpointer = Checkpointer(cfg.run_dir / "checkpoints", cfg.checkpoint)
+    checkpointer = Checkpointer(run_dir / "checkpoints", cfg.checkpoint)
     if jax.process_index() == 0:  # it holds the run directory
         for partial in checkpointer.remove_partial_writes():
             log.warning("removed %s: a checkpoint write that did not finish", partial)
@@ -151,7 +159,7 @@ def _train(cfg: RunConfig, quiet: bool, make_eval) -> list[dict]:
         print(f"pipeline: {sched.describe()}", flush=True)
     evaluate = make_eval(cfg, layout) if make_eval else None
     sharding = batch_shardings(layout, cfg.data.sequence_length, micro_rows)
-    writer = MetricsWriter(cfg.run_dir, start, enabled=jax.process_index() == 0)
+    writer = MetricsWriter(run_dir, start, enabled=jax.process_index() == 0)
     flops_per_token = flops.count(cfg.model, cfg.data.sequence_length).per_token
     peak = device_peak_flops(np.dtype(compute_dtype(cfg.impl, layout)).name)
     history, pending = [], None
@@ -172,13 +180,19 @@ def _train(cfg: RunConfig, quiet: bool, make_eval) -> list[dict]:
             "throughput/total tokens": tokens_after(step),
             "throughput/device/TPS": tps,
             "throughput/device/MFU": 100.0 * tps * flops_per_token / peak,
+            "io/retries": storage.retries(),  # transient bucket faults retried so far (0 on local disk)
         })
         writer.write(step, values)
         history.append({"step": step, **values})
         if not np.isfinite(values["train/CE loss"]):  # a skipped spike, or parameters gone for good
             check_finite(state.params, f"train/CE loss {values['train/CE loss']} at step {step}", checkpointer)
-        if not quiet and jax.process_index() == 0 and (step % cfg.train.log_every == 0 or step == cfg.train.steps):
-            print(console_line(step, cfg.train.steps, values), flush=True)
+        if step % cfg.train.log_every == 0 or step == cfg.train.steps:
+            if not quiet and jax.process_index() == 0:
+                print(console_line(step, cfg.train.steps, values), flush=True)
+            if bucket:  # upload time is not step time
+                writer.flush()
+                bucket.push_metrics()
+                paused += time.perf_counter() - now
 
     try:
         with preemption_signals() as stop:
@@ -215,6 +229,9 @@ def _train(cfg: RunConfig, quiet: bool, make_eval) -> list[dict]:
                         check_finite(state.params, f"checked before writing checkpoint {step}", checkpointer)
                         checkpointer.save(step, state, run_meta(cfg, step, loader.state_dict(), tokens_after(step),
                                                                 data_offset))
+                        if bucket:
+                            bucket.push_metrics()
+                            bucket.push_checkpoint(step, checkpointer.all_steps())
                     paused += time.perf_counter() - side_work_start
                 if stopping:
                     raise Preempted(f"stopped by a signal after step {step}; checkpoint {step} written")
@@ -224,4 +241,6 @@ def _train(cfg: RunConfig, quiet: bool, make_eval) -> list[dict]:
         loader.close()
         writer.close()
         checkpointer.close()
+        if bucket:
+            bucket.close()
     return history

@@ -1,0 +1,376 @@
+"""The one place that knows URLs: local paths, gs://, s3:// and (read-only) https://, through fsspec.
+
+fsspec with s3fs and gcsfs gives one interface for every store, byte-range
+reads (`cat_ranges` fetches many ranges concurrently), object metadata
+(size, ETag, generation) and each store's standard credential chain:
+boto's for S3 (AWS_* variables, ~/.aws, instance metadata; AWS_ENDPOINT_URL
+selects an S3-compatible server), google-auth's for GCS (application default
+credentials, the metadata server; STORAGE_EMULATOR_HOST selects an emulator).
+olmax reads no setting of its own for either and never logs a credential.
+
+Retries are olmax's, not the libraries' (theirs are turned off), so that each is
+counted (`io/retries`) and bounded: a transient fault (HTTP 5xx or 429, a reset
+connection, a timeout) is retried with exponential backoff and full jitter
+until `storage.retry_seconds` have passed since the first failure; a permanent
+one (403, 404, no such bucket, an endpoint that refuses connections) raises
+`StorageError` at once, naming the URL and what to check.
+"""
+
+from __future__ import annotations
+
+import errno
+import functools
+import logging
+import os
+import random
+import shutil
+import threading
+import time
+from pathlib import Path
+
+import fsspec
+
+from olmax.errors import BadInput
+
+REMOTE_SCHEMES = ("gs", "s3", "https", "http")
+FIRST_BACKOFF_S = 0.05
+MAX_BACKOFF_S = 10.0
+TRANSIENT_STATUS = {408, 429, 500, 502, 503, 504}
+
+log = logging.getLogger(__name__)
+
+
+class StorageError(BadInput):
+    """A store said no for good (missing object, denied, no bucket, unreachable) or kept failing past the
+    retry budget; the message names the URL and what to check."""
+
+
+class MissingObject(StorageError):
+    """No such object or bucket."""
+
+
+class _Settings:
+    retry_seconds = 120.0
+    retries = 0
+    lock = threading.Lock()
+
+
+def configure(retry_seconds: float) -> None:
+    """How long transient faults of one request are retried (from `storage.retry_seconds`)."""
+    _Settings.retry_seconds = retry_seconds
+
+
+def retries() -> int:
+    """Retries of transient faults so far in this process."""
+    return _Settings.retries
+
+
+def scheme(path: str | os.PathLike) -> str | None:
+    text = str(path)
+    head, sep, _ = text.partition("://")
+    return head if sep and head in REMOTE_SCHEMES else None
+
+
+def is_remote(path: str | os.PathLike) -> bool:
+    return scheme(path) is not None
+
+
+def join(base: str | os.PathLike, *parts: str) -> str:
+    """`base/parts...`, for a URL or a local path (a URL's `//` survives, which pathlib would collapse)."""
+    if is_remote(base):
+        return "/".join([str(base).rstrip("/"), *(p.strip("/") for p in parts)])
+    return str(Path(base, *parts))
+
+
+def parent(path: str | os.PathLike) -> str:
+    if is_remote(path):
+        return str(path).rstrip("/").rsplit("/", 1)[0]
+    return str(Path(path).parent)
+
+
+def basename(path: str | os.PathLike) -> str:
+    return str(path).rstrip("/").rsplit("/", 1)[-1]
+
+
+# --- the filesystems -------------------------------------------------------------------------------
+
+
+@functools.cache
+def _filesystem(kind: str, emulator: str | None, endpoint: str | None):
+    """One filesystem per store (and endpoint, so a test that changes it gets a new one), making one attempt
+    per request: olmax retries."""
+    if kind == "s3":
+        import s3fs
+
+        fs = s3fs.S3FileSystem(config_kwargs={"retries": {"total_max_attempts": 1}}, skip_instance_cache=True,
+                               use_listings_cache=False)
+        fs.retries = 1  # s3fs's own loop: one attempt
+        return fs
+    if kind == "gs":
+        from gcsfs.core import GCSFileSystem  # the JSON API one; gcsfs's default adds gRPC calls for HNS buckets
+
+        class OneAttemptGCS(GCSFileSystem):
+            # gcsfs wraps every request in six retries of its own, at class level; this is the request itself.
+            _request = GCSFileSystem._request.__wrapped__
+
+        logging.getLogger("gcsfs").setLevel(logging.CRITICAL)  # it logs whole tracebacks for errors it raises
+        return OneAttemptGCS(token="anon" if emulator else None, skip_instance_cache=True, use_listings_cache=False)
+    if kind in ("http", "https"):
+        return fsspec.filesystem("http", skip_instance_cache=True)
+    return fsspec.filesystem("file")
+
+
+def _fs(path: str):
+    kind = scheme(path) or "file"
+    return _filesystem(kind, os.environ.get("STORAGE_EMULATOR_HOST") if kind == "gs" else None,
+                       os.environ.get("AWS_ENDPOINT_URL") if kind == "s3" else None)
+
+
+def _endpoint(path: str) -> str:
+    kind = scheme(path)
+    if kind == "s3":
+        return os.environ.get("AWS_ENDPOINT_URL") or "AWS S3 (AWS_ENDPOINT_URL unset)"
+    if kind == "gs":
+        return os.environ.get("STORAGE_EMULATOR_HOST") or "Google Cloud Storage (STORAGE_EMULATOR_HOST unset)"
+    return str(path).split("/", 3)[2] if kind else "the local filesystem"
+
+
+# --- faults ----------------------------------------------------------------------------------------
+
+
+def _chain(err: BaseException):
+    seen = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        yield err
+        err = err.__cause__ or err.__context__
+
+
+def _status(err: BaseException) -> int | None:
+    for e in _chain(err):
+        response = getattr(e, "response", None)
+        if isinstance(response, dict):  # botocore's ClientError
+            code = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            if code:
+                return int(code)
+        for attribute in ("status", "code"):  # aiohttp's ClientResponseError, gcsfs's HttpError
+            value = getattr(e, attribute, None)
+            if isinstance(value, int) and 100 <= value < 600:
+                return value
+    return None
+
+
+def _kind(err: BaseException) -> str:
+    """'missing', 'denied', 'unreachable', 'transient' or 'other'."""
+    status = _status(err)
+    names = {type(e).__name__ for e in _chain(err)}
+    if isinstance(err, FileNotFoundError) or status == 404 or "NoSuchBucket" in str(err):
+        return "missing"
+    # gcsfs raises a bare OSError("Forbidden: URL") for 403
+    if isinstance(err, PermissionError) or status in (401, 403) or str(err).startswith(("Forbidden", "Unauthorized")):
+        return "denied"
+    if status in TRANSIENT_STATUS:
+        return "transient"
+    refused = any(isinstance(e, ConnectionRefusedError) or getattr(e, "errno", None) == errno.ECONNREFUSED
+                  for e in _chain(err))
+    if refused or names & {"ClientConnectorDNSError", "EndpointConnectionError"} and not names & {
+            "ConnectionResetError", "ServerDisconnectedError"}:
+        return "unreachable"
+    if names & {"ConnectionResetError", "ServerDisconnectedError", "ClientPayloadError", "ClientOSError",
+                "TimeoutError", "ReadTimeoutError", "ConnectTimeoutError", "ConnectionClosedError",
+                "ResponseStreamingError", "IncompleteReadError", "ProtocolError", "ServerTimeoutError",
+                "ContentLengthError", "TransferEncodingError", "BrokenPipeError"}:
+        return "transient"
+    if isinstance(err, OSError) and err.errno in (errno.EIO, getattr(errno, "EREMOTEIO", errno.EIO), errno.EAGAIN):
+        return "transient"  # s3fs's translation of a 5xx it has no name for
+    return "other"
+
+
+def _named(err: BaseException, path: str, kind: str) -> StorageError:
+    what = f"{type(err).__name__}: {str(err).strip().splitlines()[0][:200] if str(err).strip() else ''}"
+    endpoint = _endpoint(path)
+    if kind == "missing":
+        return MissingObject(f"{path} does not exist ({what}); check the bucket and object names")
+    if kind == "denied":
+        return StorageError(f"{path}: access denied ({what}); check the credentials the store's standard chain "
+                            "finds (AWS_* / ~/.aws for s3://, application default credentials for gs://) and the "
+                            "bucket's permissions")
+    if kind == "unreachable":
+        return StorageError(f"{path}: cannot reach {endpoint} ({what}); check the endpoint (AWS_ENDPOINT_URL, "
+                            "STORAGE_EMULATOR_HOST) and the network")
+    return StorageError(f"{path}: {what}")
+
+
+class _Retries:
+    """One operation's retry budget: `after(err)` waits before the next attempt, or raises."""
+
+    def __init__(self, path: str):
+        self.path, self.attempt, self.first_failure = path, 0, None
+
+    def after(self, err: Exception, retried: int = 1) -> None:
+        kind = _kind(err)
+        if kind == "other" and not (is_remote(self.path) and isinstance(err, OSError)):
+            raise err  # a local OSError says what it is itself (disk full, permissions); a TypeError is a bug
+        now = time.monotonic()
+        self.first_failure = self.first_failure or now
+        if kind != "transient":
+            raise _named(err, self.path, kind) from None
+        if now - self.first_failure >= _Settings.retry_seconds:
+            raise StorageError(
+                f"{self.path}: still failing after {self.attempt} retries over {now - self.first_failure:.0f}s "
+                f"({_named(err, self.path, kind)}); check {_endpoint(self.path)}, or raise storage.retry_seconds"
+            ) from None
+        self.attempt += 1
+        with _Settings.lock:
+            _Settings.retries += retried
+        log.debug("retry %d of %s after %s", self.attempt, self.path, type(err).__name__)
+        time.sleep(random.uniform(0, min(MAX_BACKOFF_S, FIRST_BACKOFF_S * 2**self.attempt)))
+
+
+def _call(path: str, fn, *args, **kwargs):
+    """fn(*args, **kwargs), retrying transient faults within the budget; permanent ones become StorageError."""
+    retries = _Retries(path)
+    while True:
+        try:
+            return fn(*args, **kwargs)
+        except StorageError:
+            raise
+        except Exception as err:
+            retries.after(err)
+
+
+# --- operations ------------------------------------------------------------------------------------
+
+
+def info(path: str) -> dict:
+    """{"size", "version"}: the object's size and its ETag or generation where the store gives one (None
+    locally). A directory or prefix is FileNotFoundError's 'missing' for objects; callers check `size`."""
+    if not is_remote(path):
+        return {"size": os.path.getsize(path), "version": None, "dir": os.path.isdir(path)}
+    fs = _fs(path)
+    meta = _call(path, fs.info, path)
+    version = meta.get("generation") or meta.get("ETag") or meta.get("etag")
+    return {"size": int(meta.get("size") or 0), "version": str(version).strip('"') if version else None,
+            "dir": meta.get("type") == "directory"}
+
+
+def exists(path: str) -> bool:
+    return _call(path, _fs(path).exists, path)
+
+
+def is_dir(path: str) -> bool:
+    return _call(path, _fs(path).isdir, path)
+
+
+def read_bytes(path: str) -> bytes:
+    return _call(path, _fs(path).cat_file, path)
+
+
+def read_text(path: str) -> str:
+    return read_bytes(path).decode()
+
+
+def read_ranges(path: str, starts: list[int], ends: list[int]) -> list[bytes]:
+    """Bytes [start, end) of one object for each pair, fetched concurrently by async stores; the ranges a fault
+    failed are fetched again (each one a retry), not the others."""
+    fs, retries = _fs(path), _Retries(path)
+    out, todo = [None] * len(starts), list(range(len(starts)))
+    while todo:
+        got = _call(path, fs.cat_ranges, [path] * len(todo), [starts[i] for i in todo], [ends[i] for i in todo],
+                    on_error="return")
+        failed = [(i, r) for i, r in zip(todo, got) if isinstance(r, Exception)]
+        for i, r in zip(todo, got):
+            out[i] = None if isinstance(r, Exception) else r
+        todo = [i for i, _ in failed]
+        if failed:
+            retries.after(failed[0][1], retried=len(failed))
+    return out
+
+
+def _writable(path: str) -> None:
+    if scheme(path) in ("http", "https"):
+        raise StorageError(f"{path}: http(s) URLs are read-only; write to gs://, s3:// or a local path")
+
+
+def write_bytes(path: str, data: bytes) -> None:
+    _writable(path)
+    if not is_remote(path):
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+    _call(path, _fs(path).pipe_file, path, data)
+
+
+def upload(local: str | os.PathLike, path: str) -> None:
+    """Copy a local file or directory tree to `path` (a URL), file by file, each retried on its own."""
+    _writable(path)
+    local = Path(local)
+    files = [local] if local.is_file() else sorted(p for p in local.rglob("*") if p.is_file())
+    for file in files:
+        target = path if file == local else join(path, *file.relative_to(local).parts)
+        _call(target, _fs(target).put_file, str(file), target)
+
+
+def download(path: str, local: str | os.PathLike) -> None:
+    """Copy the object or the tree under `path` to `local`."""
+    local = Path(local)
+    fs = _fs(path)
+    if not is_dir(path):
+        local.parent.mkdir(parents=True, exist_ok=True)
+        _call(path, fs.get_file, path, str(local))
+        return
+    for name in _call(path, fs.find, path):
+        relative = name[len(fs._strip_protocol(path).rstrip("/")) + 1:]
+        target = local / relative
+        target.parent.mkdir(parents=True, exist_ok=True)
+        source = f"{scheme(path)}://{name}"
+        _call(source, fs.get_file, source, str(target))
+
+
+def listdir(path: str) -> list[str]:
+    """Names (not paths) directly under `path`; [] when there is nothing."""
+    if not is_remote(path):
+        return sorted(os.listdir(path)) if os.path.isdir(path) else []
+    fs = _fs(path)
+    try:
+        entries = _call(path, fs.ls, path, detail=False, refresh=True)
+    except MissingObject:
+        if exists("/".join(str(path).split("/", 3)[:3])):  # an empty prefix, in a bucket that exists
+            return []
+        raise
+    return sorted(basename(e) for e in entries)
+
+
+def remove(path: str) -> None:
+    """Delete an object or a whole tree."""
+    _writable(path)
+    if not is_remote(path):
+        shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+        return
+    try:
+        _call(path, _fs(path).rm, path, recursive=True)
+    except MissingObject:
+        pass  # gone already: a retry of a deletion that had gone through in part
+
+
+# --- a run directory in a bucket -------------------------------------------------------------------
+
+COMMIT_MARKER = "UPLOADED"  # written into a directory last: without it, an upload was cut short
+
+
+def upload_committed(local: str | os.PathLike, path: str) -> None:
+    """Upload a directory, then its commit marker, so that a reader never takes a part of it for the whole.
+    Whatever was at `path` (an upload cut short) goes first."""
+    if exists(path):
+        remove_committed(path)
+    upload(local, path)
+    write_bytes(join(path, COMMIT_MARKER), b"")
+
+
+def committed(path: str) -> bool:
+    return exists(join(path, COMMIT_MARKER))
+
+
+def remove_committed(path: str) -> None:
+    """Delete a directory uploaded with `upload_committed`, its marker first (a half-deleted one is no commit)."""
+    if committed(path):
+        remove(join(path, COMMIT_MARKER))
+    remove(path)

@@ -1,0 +1,34 @@
+"""A run directory in a bucket: only steps with their commit marker come down; pruning deletes remote steps."""
+
+from __future__ import annotations
+
+import logging
+
+from olmax import storage
+from olmax.train.bucket_run import BucketRun, fetch_checkpoints
+
+
+def test_uncommitted_step_is_not_a_checkpoint_and_pruning_deletes(stores, tmp_path, caplog):
+    run = f"gs://{stores.bucket}/run"
+    for step in ("2", "3"):
+        (tmp_path / step).mkdir()
+        (tmp_path / step / "meta").write_text(step)
+    storage.upload_committed(tmp_path / "2", f"{run}/checkpoints/2")
+    storage.upload(tmp_path / "3", f"{run}/checkpoints/3")  # cut short: no marker
+    storage.write_bytes(f"{run}/metrics.jsonl", b'{"step": 1}\n')
+    with caplog.at_level(logging.WARNING):
+        bucket = BucketRun(run)
+    try:
+        assert sorted(p.name for p in (bucket.local / "checkpoints").iterdir()) == ["2"]
+        assert not (bucket.local / "checkpoints" / "2" / storage.COMMIT_MARKER).exists()
+        assert (bucket.local / "metrics.jsonl").read_text() == '{"step": 1}\n'
+        assert f"{run}/checkpoints/3 has no commit marker" in caplog.text
+        (bucket.local / "checkpoints" / "4").mkdir()
+        (bucket.local / "checkpoints" / "4" / "meta").write_text("4")
+        bucket.push_checkpoint(4, kept=[2, 4])
+        assert storage.listdir(f"{run}/checkpoints") == ["2", "4"]
+        assert storage.committed(f"{run}/checkpoints/4")
+    finally:
+        bucket.close()
+    assert fetch_checkpoints(f"{run}/checkpoints/4", tmp_path / "copy") == tmp_path / "copy" / "checkpoints" / "4"
+    assert (tmp_path / "copy" / "checkpoints" / "4" / "meta").read_text() == "4"
