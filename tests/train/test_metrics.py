@@ -1,24 +1,10 @@
 """Metric writers: scalars and vectors (histograms + per-index scalars) in the event files and metrics.jsonl."""
 
 import json
-import struct
 
-from tensorboardX.proto.event_pb2 import Event
-
+from conftest import event_histograms as _histograms
 from olmax.eval.curves import read_events
 from olmax.train.metrics import MetricsWriter
-
-
-def _histograms(directory):
-    out = {}
-    for path in directory.glob("events*"):
-        data, offset = path.read_bytes(), 0
-        while offset + 12 <= len(data):
-            (length,) = struct.unpack_from("<Q", data, offset)
-            event = Event.FromString(data[offset + 12: offset + 12 + length])
-            offset += 12 + length + 4
-            out.update({(v.tag, event.step): v.histo for v in event.summary.value if v.HasField("histo")})
-    return out
 
 
 def test_vector_metrics_are_histograms_and_per_index_scalars(tmp_path):
