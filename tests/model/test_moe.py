@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from olmax.config import MoEConfig
-from conftest import moe_layer_params
+from testlib import moe_layer_params
 from olmax.model.moe import router, sublayer
 
 D = 16

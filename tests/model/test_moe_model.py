@@ -20,7 +20,7 @@ from olmax.model.moe import router
 from olmax.parallel.mesh import make_layout
 from olmax.train.step import create_state, jit_train_step, make_train_step
 from olmax.train.trainer import train
-from conftest import event_histograms as _histograms
+from testlib import event_histograms as _histograms
 
 
 @pytest.fixture(scope="module")

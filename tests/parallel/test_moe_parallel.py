@@ -9,7 +9,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from olmax.config import MoEConfig
-from conftest import moe_layer_params
+from testlib import moe_layer_params
 from olmax.model.moe import sublayer
 from olmax.parallel import expert
 

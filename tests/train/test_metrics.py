@@ -2,7 +2,7 @@
 
 import json
 
-from conftest import event_histograms as _histograms
+from testlib import event_histograms as _histograms
 from olmax.eval.curves import read_events
 from olmax.train.metrics import MetricsWriter
 
