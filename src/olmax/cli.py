@@ -68,8 +68,11 @@ def cmd_train(args) -> None:
     cfg = load_config(args.config, args.overrides)
     from olmax.launch.distributed import announce, host_log, join_cluster
 
+    from olmax.storage import is_remote
+
     cluster = join_cluster()  # before anything touches a device
-    line = announce(cfg.run_dir, cluster)
+    # A run in a bucket keeps no host logs (a bucket has no appending); its metrics and checkpoints are there.
+    line = announce(None if is_remote(cfg.run_location) else cfg.run_dir, cluster)
     if cluster.process_id == 0:
         print(line, flush=True)
     from olmax.eval.in_loop import make_in_loop_eval

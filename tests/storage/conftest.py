@@ -10,6 +10,7 @@ import socket
 import struct
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.request
@@ -34,7 +35,8 @@ def wait_ready(url: str, process: subprocess.Popen) -> None:
     deadline = time.monotonic() + READY_TIMEOUT_S
     while time.monotonic() < deadline:
         if process.poll() is not None:
-            raise RuntimeError(f"{process.args[0]} exited with {process.returncode}: {process.stderr.read()!r}")
+            process.log.seek(0)
+            raise RuntimeError(f"{process.args[0]} exited with {process.returncode}: {process.log.read()!r}")
         try:
             urllib.request.urlopen(url, timeout=2).close()
             return
@@ -141,7 +143,12 @@ class FaultProxy:
 
 
 def _start(args: list[str]) -> subprocess.Popen:
-    return subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    """The server's log goes to a file: moto logs every request, and a pipe nobody reads fills up (64 KiB)
+    and stops the server in the middle of a run (seen as read timeouts after a few thousand requests)."""
+    log = tempfile.TemporaryFile(mode="w+")
+    process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=log, text=True)
+    process.log = log
+    return process
 
 
 def _stop(process: subprocess.Popen) -> None:

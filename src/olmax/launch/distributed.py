@@ -146,19 +146,21 @@ def _initialize(cluster: Cluster, **kwargs) -> None:
     jax.distributed.initialize(**kwargs)
 
 
-def announce(run_dir: Path, cluster: Cluster) -> str:
-    """Start this process's log, RUN_DIR/logs/host-NN.log (appended to by every attempt), with the start-up
-    line naming the cluster, the process count and the devices per process; returns that line.
+def announce(run_dir: Path | None, cluster: Cluster) -> str:
+    """Start this process's log, RUN_DIR/logs/host-NN.log (appended to by every attempt; none without a
+    local RUN_DIR), with the start-up line naming the cluster, the process count and the devices per
+    process; returns that line.
 
     The log takes this process's warnings too (all loggers'), and the run's outcome (`olmax train`)."""
-    path = writable_dir(Path(run_dir), "output_dir") / "logs" / f"host-{jax.process_index():02d}.log"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handler = logging.FileHandler(path)
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    logging.getLogger().addHandler(handler)  # warnings and errors of every logger
-    host_log.addHandler(handler)
     host_log.setLevel(logging.INFO)
     host_log.propagate = False  # its lines go to this file only, not to whatever else handles the root logger
+    if run_dir is not None:
+        path = writable_dir(Path(run_dir), "output_dir") / "logs" / f"host-{jax.process_index():02d}.log"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        handler = logging.FileHandler(path)
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        logging.getLogger().addHandler(handler)  # warnings and errors of every logger
+        host_log.addHandler(handler)
     devices = jax.local_devices()
     line = (f"olmax: process {jax.process_index()} of {jax.process_count()} ({cluster.kind}) on "
             f"{socket.gethostname()}: {len(devices)} {devices[0].platform} device{'s' * (len(devices) > 1)} "
