@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -59,23 +60,36 @@ def test_without_tpus_train_leaves_libtpu_alone_and_compile_runs_beside_it(tmp_p
     env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"} | {"OLMAX_HUGE_PAGES": "0"}
     shards = write_synthetic_shards(tmp_path / "mix", vocab_size=512, eos_id=0, n_tokens=50_000, n_shards=1, seed=0)
     olmax = [sys.executable, "-m", "olmax.cli"]
-    train = subprocess.Popen([*olmax, "train", "tiny", "mesh.fsdp=1", f"data.paths={json.dumps(shards)}",
-                              f"output_dir={tmp_path / 'run'}", "train.steps=100000", "train.log_every=1",
-                              "checkpoint.every=10000"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                             env=env)
+    out, err = tmp_path / "train.out", tmp_path / "train.err"
+    with open(out, "w") as stdout, open(err, "w") as stderr:  # files, not pipes: a full pipe would block the run
+        train = subprocess.Popen([*olmax, "train", "tiny", "mesh.fsdp=1", f"data.paths={json.dumps(shards)}",
+                                  f"output_dir={tmp_path / 'run'}", "train.steps=100000", "train.log_every=1",
+                                  "checkpoint.every=10000"], stdout=stdout, stderr=stderr, text=True, env=env)
     try:
-        assert train.stdout.readline() == "compiling the train step...\n", train.stderr.read()[-3000:]
-        assert train.stdout.readline().startswith("step 1/"), train.stderr.read()[-3000:]
+        steps = wait_for_steps(train, out, err, at_least=1)
         maps = Path(f"/proc/{train.pid}/maps").read_text()
         assert "libtpu" not in maps and libtpu_lock_holder() != train.pid
         compiled = subprocess.run([*olmax, "compile", "tiny", "--target", "tpu:v5p:2x2x2"], capture_output=True,
                                   text=True, env=env, timeout=600)
         assert compiled.returncode == 0, compiled.stderr[-3000:]
-        assert train.poll() is None, "the run was still training during the compile"
+        assert train.poll() is None, "the run stopped during the compile: " + err.read_text()[-3000:]
+        wait_for_steps(train, out, err, at_least=steps + 1)
     finally:
-        train.terminate()
-        _, err = train.communicate(timeout=300)
-    assert "TPU" not in err and "libtpu" not in err, err[-3000:]
+        train.kill()
+        train.wait(timeout=60)
+    assert "TPU" not in err.read_text() and "libtpu" not in err.read_text(), err.read_text()[-3000:]
+
+
+def wait_for_steps(proc: subprocess.Popen, out: Path, err: Path, at_least: int, timeout: float = 600) -> int:
+    """The number of step lines in `out` once it is at least `at_least`; fails if the process ends first."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        steps = sum(line.startswith("step ") for line in out.read_text().splitlines())
+        if steps >= at_least:
+            return steps
+        assert proc.poll() is None, f"train exited {proc.returncode}: " + err.read_text()[-3000:]
+        time.sleep(0.5)
+    raise AssertionError(f"no step {at_least} in {timeout} s: " + out.read_text()[-2000:] + err.read_text()[-2000:])
 
 
 HELD = (

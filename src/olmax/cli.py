@@ -68,18 +68,19 @@ def cmd_train(args) -> None:
     cfg = load_config(args.config, args.overrides)
     from olmax.launch.distributed import announce, host_log, join_cluster
 
-    from olmax.storage import is_remote
-
     cluster = join_cluster()  # before anything touches a device
-    # A run in a bucket keeps no host logs (a bucket has no appending); its metrics and checkpoints are there.
-    line = announce(None if is_remote(cfg.run_location) else cfg.run_dir, cluster)
-    if cluster.process_id == 0:
-        print(line, flush=True)
     from olmax.eval.in_loop import make_in_loop_eval
     from olmax.train.trainer import train
 
+    def start(run_dir) -> None:
+        # Once the run directory is checked and held; a run in a bucket keeps no host logs (a bucket has no
+        # appending): its metrics and checkpoints are there.
+        line = announce(run_dir, cluster)
+        if cluster.process_id == 0:
+            print(line, flush=True)
+
     try:
-        train(cfg, make_eval=make_in_loop_eval)
+        train(cfg, make_eval=make_in_loop_eval, on_start=start)
     except BaseException as err:
         host_log.info("stopped: %s: %s", type(err).__name__, err)
         raise

@@ -130,6 +130,7 @@ def test_a_read_only_output_dir_is_refused_before_training(tmp_path, synth_mix, 
             assert main(["train", "tiny", "mesh.fsdp=1", "train.steps=2", f"data.mix_file={synth_mix}",
                          f"output_dir={run}"]) == 2
             err = capsys.readouterr().err
-            assert len(err.splitlines()) == 1 and f"output_dir {run} cannot be written" in err, err
+            assert len(err.splitlines()) == 1 and f"output_dir {run}: {mount} is not writable" in err, err
+            assert "set another output_dir" in err
     finally:
         subprocess.run(["umount", str(mount)], check=True)

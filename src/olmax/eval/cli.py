@@ -10,7 +10,7 @@ import json
 import sys
 from pathlib import Path
 
-# The downstream suite of MaxText's OLMo 3 reproduction; needs the datasets in the HF cache.
+# The downstream suite of MaxText's OLMo 3 reproduction (https://github.com/AI-Hypercomputer/maxtext/pull/3886); needs the datasets in the HF cache.
 DEFAULT_TASKS = ("mmlu:5", "hellaswag:0", "arc_easy:0", "arc_challenge:0", "openbookqa:0", "piqa:0", "boolq:0",
                  "winogrande:0")
 MODEL_HELP = ("olmax checkpoint directory (latest step), a step of one (.../checkpoints/STEP), a run directory, "
@@ -220,7 +220,7 @@ def add_commands(subparsers) -> None:
     p.add_argument("model", help=MODEL_HELP + ", or a results JSON of an earlier run")
     p.add_argument("model_b", nargs="?", help="a second model (or results JSON): report B - A")
     p.add_argument("--tasks", default=",".join(DEFAULT_TASKS),
-                   help="comma-separated `name` or `name:shots` (default: the 8 tasks of MaxText's OLMo 3 reproduction, MMLU 5-shot)")
+                   help="comma-separated `name` or `name:shots` (default: the 8 tasks of MaxText's OLMo 3 reproduction, https://github.com/AI-Hypercomputer/maxtext/pull/3886, MMLU 5-shot)")
     p.add_argument("--tokenizer", help="tokenizer.json (default: the HF directory's)")
     p.add_argument("--limit", type=int, help="examples per task (default: all)")
     p.add_argument("--include-path", help="directory of extra (local) task YAMLs")

@@ -179,7 +179,7 @@ def _smoothed(index: np.ndarray, delta: np.ndarray, radius: int) -> np.ndarray:
     return (total[hi] - total[lo]) / (count[hi] - count[lo])
 
 
-WINDOW, SMOOTH = 2000, 18000  # steps: the MaxText reproduction's windowed means and smoothing of their delta
+WINDOW, SMOOTH = 2000, 18000  # steps: the MaxText reproduction's (https://github.com/AI-Hypercomputer/maxtext/pull/3886) windowed means and smoothing of their delta
 MIN_WINDOWS = 20  # windows a comparison gets at least, where WINDOW would give fewer
 
 

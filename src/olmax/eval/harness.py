@@ -8,7 +8,8 @@ and `generate_until` (greedy, with the model's KV cache). Rows of a batch are
 right-padded to a power of two, so a run compiles a handful of shapes.
 
 OLMo 3's tokenizer has no BOS: an empty context is EOS, as in lm-eval.
-Tasks are lm-eval's own (the 8-task suite of MaxText's OLMo 3 reproduction is the CLI default, for
+Tasks are lm-eval's own (the 8-task suite of MaxText's OLMo 3 reproduction,
+https://github.com/AI-Hypercomputer/maxtext/pull/3886, is the CLI default, for
 machines that hold the datasets; nothing is downloaded when
 HF_DATASETS_OFFLINE=1) or defined in a local directory of task YAMLs.
 """

@@ -3,7 +3,8 @@
 Both models read the same rows of a held-out set (documents.py); at every
 predicted position, KL over the real vocabulary in float32, and whether the
 two argmax tokens agree. Reported: mean, quantiles, max, top-1 agreement, and
-a histogram (PNG) of log10 KL. For scale (MaxText's OLMo 3 reproduction): two independent runs of one
+a histogram (PNG) of log10 KL. For scale (MaxText's OLMo 3 reproduction,
+https://github.com/AI-Hypercomputer/maxtext/pull/3886): two independent runs of one
 recipe differ by 0.389 nats; framework noise is about 200x smaller. The logits are
 computed a chunk of positions at a time (`impl.loss_chunk` of model A), never whole.
 """

@@ -101,11 +101,12 @@ def place_batch(batch: dict, sharding: dict, micro_rows: int) -> dict:
     return out
 
 
-def train(cfg: RunConfig, *, quiet: bool = False, make_eval=None) -> list[dict]:
+def train(cfg: RunConfig, *, quiet: bool = False, make_eval=None, on_start=None) -> list[dict]:
     """Train to cfg.train.steps; returns the metrics of the steps this call ran.
 
     `make_eval(cfg, layout)` builds the in-loop evaluator (`due(step)`, `(step, params) -> metrics`) when the
-    config asks for evaluations (olmax.eval.in_loop.make_in_loop_eval)."""
+    config asks for evaluations (olmax.eval.in_loop.make_in_loop_eval). `on_start(run_dir)` is called once the
+    run directory is checked and held, before the model is built (`olmax train` starts its host log there)."""
     if (cfg.eval.every or cfg.eval.harness_every) and make_eval is None:
         raise ConfigError("the config asks for in-loop evals (eval.every / eval.harness_every) but train() was "
                           "given no make_eval; pass olmax.eval.in_loop.make_in_loop_eval")
@@ -118,6 +119,8 @@ def train(cfg: RunConfig, *, quiet: bool = False, make_eval=None) -> list[dict]:
     check_outputs(run_dir)
     # One process of a multi-process run holds the run directory for all (they share it).
     with run_lock.hold(run_dir) if jax.process_index() == 0 else contextlib.nullcontext():
+        if on_start is not None:
+            on_start(None if bucket else run_dir)
         return _train(cfg, quiet, make_eval, bucket, run_dir)
 
 
