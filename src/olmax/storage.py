@@ -18,12 +18,14 @@ one (403, 404, no such bucket, an endpoint that refuses connections) raises
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import functools
 import logging
 import os
 import random
 import shutil
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -287,13 +289,13 @@ def read_ranges(path: str, starts: list[int], ends: list[int]) -> list[bytes]:
     return out
 
 
-def _writable(path: str) -> None:
+def check_writable(path: str) -> None:
     if scheme(path) in ("http", "https"):
         raise StorageError(f"{path}: http(s) URLs are read-only; write to gs://, s3:// or a local path")
 
 
 def write_bytes(path: str, data: bytes) -> None:
-    _writable(path)
+    check_writable(path)
     if not is_remote(path):
         Path(path).parent.mkdir(parents=True, exist_ok=True)
     _call(path, _fs(path).pipe_file, path, data)
@@ -301,7 +303,7 @@ def write_bytes(path: str, data: bytes) -> None:
 
 def upload(local: str | os.PathLike, path: str) -> None:
     """Copy a local file or directory tree to `path` (a URL), file by file, each retried on its own."""
-    _writable(path)
+    check_writable(path)
     local = Path(local)
     files = [local] if local.is_file() else sorted(p for p in local.rglob("*") if p.is_file())
     for file in files:
@@ -341,7 +343,7 @@ def listdir(path: str) -> list[str]:
 
 def remove(path: str) -> None:
     """Delete an object or a whole tree."""
-    _writable(path)
+    check_writable(path)
     if not is_remote(path):
         shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
         return
@@ -349,6 +351,38 @@ def remove(path: str) -> None:
         _call(path, _fs(path).rm, path, recursive=True)
     except MissingObject:
         pass  # gone already: a retry of a deletion that had gone through in part
+
+
+# --- commands' inputs and outputs ------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def local_copy(path: str | os.PathLike):
+    """A local path to read `path` from: itself when local, else a copy of the object or tree in a temporary
+    directory removed after the block (for inputs read whole: an HF model directory, a token file)."""
+    if not is_remote(path):
+        yield Path(path)
+        return
+    with tempfile.TemporaryDirectory(prefix="olmax-in-") as tmp:
+        local = Path(tmp, basename(path))
+        download(str(path), local)
+        yield local
+
+
+@contextlib.contextmanager
+def staged(path: str | os.PathLike):
+    """A local path to write `path` through: itself when local, else a temporary one uploaded (file or tree)
+    when the block ends without an error. Refuses a read-only URL before the block."""
+    if not is_remote(path):
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        yield Path(path)
+        return
+    check_writable(str(path))
+    with tempfile.TemporaryDirectory(prefix="olmax-out-") as tmp:
+        local = Path(tmp, basename(path))
+        yield local
+        if local.exists():
+            upload(local, str(path))
 
 
 # --- a run directory in a bucket -------------------------------------------------------------------

@@ -198,3 +198,17 @@ def test_the_exit_code_contract_matches_olmax_train():
     from olmax.train.trainer import DIVERGED_EXIT_CODE, RESUMABLE_EXIT_CODE
 
     assert EXIT_PREEMPTED == RESUMABLE_EXIT_CODE and EXIT_DIVERGED == DIVERGED_EXIT_CODE
+
+
+@pytest.mark.parametrize("mode", [[], ["--nprocs", "2"], ["--slurm", "--dry-run"], ["--k8s", "--target",
+                                  "tpu:v5p:2x2x2", "--image", "olmax:1"], ["--tpu-pod", "pod", "--zone", "z"]])
+def test_a_bucket_output_dir_is_refused_by_every_launcher(tmp_path, capsys, monkeypatch, mode):
+    """launch keeps its records in the run directory and its processes share it: a bucket is for `olmax train`.
+    Refused with exit 2 and nothing written (no local 'gs:' folder either)."""
+    from olmax.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    assert main(["launch", "tiny", "output_dir=gs://runs/tiny", *mode]) == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and "output_dir gs://runs/tiny is a bucket" in err and "olmax train" in err
+    assert not list(tmp_path.iterdir())

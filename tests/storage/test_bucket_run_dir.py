@@ -5,7 +5,8 @@ from __future__ import annotations
 import logging
 
 from olmax import storage
-from olmax.train.bucket_run import BucketRun, fetch_checkpoints
+from olmax.checkpoint import remote
+from olmax.train.bucket_run import BucketRun
 
 
 def test_uncommitted_step_is_not_a_checkpoint_and_pruning_deletes(stores, tmp_path, caplog):
@@ -30,5 +31,9 @@ def test_uncommitted_step_is_not_a_checkpoint_and_pruning_deletes(stores, tmp_pa
         assert storage.committed(f"{run}/checkpoints/4")
     finally:
         bucket.close()
-    assert fetch_checkpoints(f"{run}/checkpoints/4", tmp_path / "copy") == tmp_path / "copy" / "checkpoints" / "4"
-    assert (tmp_path / "copy" / "checkpoints" / "4" / "meta").read_text() == "4"
+    copy = tmp_path / "copy" / "checkpoints"
+    assert remote.fetch(f"{run}/checkpoints/4", tmp_path / "copy") == copy / "4"
+    assert (copy / "4" / "meta").read_text() == "4"
+    assert remote.fetch(run, tmp_path / "latest") == tmp_path / "latest" / "checkpoints" / "4"  # the latest alone
+    assert sorted(p.name for p in (tmp_path / "latest" / "checkpoints").iterdir()) == ["4"]
+    assert remote.fetch(run, tmp_path / "two", step=2) == tmp_path / "two" / "checkpoints" / "2"

@@ -22,7 +22,7 @@ numbers).
 
 Its parts: `checksums.py` (the checksums), `orbax_io.py` (Orbax quiet and one host array at a time, disk-full
 detection); here the errors, the `Checkpointer`, and the run helpers (`locate`, `read_params`,
-`check_model_compatible`, `run_meta`).
+`check_model_compatible`, `run_meta`); `remote.py` the committed steps of a checkpoint in a bucket.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
+from olmax import storage
 from olmax.errors import BadInput
 from olmax.config import CheckpointConfig, ConfigError, ModelConfig, RunConfig, upgrade, validate
 from olmax.checkpoint.checksums import CHECKSUM, checksums, meta_digest
@@ -198,7 +199,16 @@ def locate(path: str | Path) -> tuple[Path, int | None]:
 def read_params(path: str | Path, params_like, step: int | None = None) -> tuple[RunConfig, dict, int]:
     """(config, params, step) of a checkpoint (see `locate`), training or weights-only, its latest step by
     default. `params_like(cfg)` gives the tree to restore into: numpy arrays (np.empty touches no memory)
-    are filled on the host one at a time, whatever the sharding the checkpoint was written with."""
+    are filled on the host one at a time, whatever the sharding the checkpoint was written with. In a bucket,
+    only the step read is copied down (olmax.checkpoint.remote)."""
+    if storage.is_remote(path):
+        import tempfile
+
+        from olmax.checkpoint import remote
+
+        with tempfile.TemporaryDirectory(prefix="olmax-ckpt-") as local:
+            cfg, params, step = read_params(remote.fetch(str(path), Path(local), step), params_like)
+        return cfg, params, step
     directory, located = locate(path)
     checkpointer = Checkpointer(directory, CheckpointConfig(), read_only=True)
     try:

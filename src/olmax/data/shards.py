@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from olmax import storage
+from olmax import run_lock, storage
 from olmax.config import writable_dir
 from olmax.errors import BadInput
 
@@ -481,7 +481,7 @@ def new_output_dir(out: str | os.PathLike, command: str):
     parent, name = out.resolve().parent, out.resolve().name
     for stale in parent.glob(f".{name}.partial-*"):  # left by a process killed outright (kill -9, power loss)
         pid = stale.name.rpartition("-")[2]
-        if pid.isdigit() and not _alive(int(pid)):
+        if pid.isdigit() and not run_lock.alive(int(pid)):
             shutil.rmtree(stale, ignore_errors=True)
     writable_dir(parent, "--out")
     partial = parent / f".{name}.partial-{os.getpid()}"
@@ -492,16 +492,6 @@ def new_output_dir(out: str | os.PathLike, command: str):
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
         raise
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True
 
 
 def write_shard(path: str | os.PathLike, tokens: np.ndarray) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -33,18 +34,28 @@ def _reports_errors(command):
 
 def _writable(out: str | None) -> None:
     """Refuse an --out that cannot be written before the work whose results it would hold."""
+    from olmax import storage
     from olmax.config import writable_dir
 
-    if out:
+    if out and storage.is_remote(out):
+        storage.check_writable(out)
+    elif out:
         writable_dir(Path(out).absolute().parent, "--out")
 
 
 def _print_json(report: dict, out: str | None) -> None:
+    """Print the report; also write it to `out` (a path or a bucket URL) when given."""
+    from olmax import storage
+
     text = json.dumps(report, indent=2)
     if out:
-        Path(out).parent.mkdir(parents=True, exist_ok=True)
-        Path(out).write_text(text + "\n")
+        storage.write_bytes(out, (text + "\n").encode())
     print(text)
+
+
+def _stem(out: str) -> str:
+    """`out` without its suffix: the outputs OUT.json, OUT.png (OUT.tsv) are named from it."""
+    return os.path.splitext(out)[0]
 
 
 def _selection(args, model):
@@ -69,25 +80,27 @@ def _rows(args, layout) -> int:
 
 def load_model(path: str | Path):
     """An HF Olmo3 directory (config.json + safetensors), an olmax checkpoint directory (its latest
-    step), one step of it (`.../checkpoints/STEP`), or a run directory (its `checkpoints/`)."""
+    step), one step of it (`.../checkpoints/STEP`), or a run directory (its `checkpoints/`); local or in a
+    bucket (a checkpoint's step is read from there alone, an HF directory copied whole)."""
+    from olmax import storage
     from olmax.eval.models import EvalError, Model
     from olmax.interop.hf import load_hf_params, read_hf_config
     from olmax.model.weights import load_olmax
     from olmax.model import families
 
-    path = Path(path)
-    if not path.exists():
+    if not storage.exists(str(path)):
         raise EvalError(f"{path} does not exist; give an olmax checkpoint or run directory, or an HF model directory")
-    if (path / "config.json").is_file():
-        cfg = families.from_hf(read_hf_config(path), name=path.absolute().name, where=str(path / "config.json"))
-        return Model(str(path), cfg, load_hf_params(path, cfg))
-    step = None
-    if path.name.isdigit() and (path / "meta").exists():
-        path, step = path.parent, int(path.name)
-    elif (path / "checkpoints").is_dir():
-        path = path / "checkpoints"
-    cfg, params, step = load_olmax(path, step)
-    return Model(f"{path}/{step}", cfg, params)
+    if storage.exists(storage.join(path, "config.json")):
+        with storage.local_copy(path) as local:
+            cfg = families.from_hf(read_hf_config(local), name=storage.basename(path),
+                                   where=storage.join(path, "config.json"))
+            return Model(str(path), cfg, load_hf_params(local, cfg))
+    cfg, params, step = load_olmax(path)
+    name = str(path).rstrip("/")
+    if not storage.basename(name).isdigit():
+        name = storage.join(name, "checkpoints", str(step)) if storage.is_dir(storage.join(name, "checkpoints")) \
+            else storage.join(name, str(step))
+    return Model(name, cfg, params)
 
 
 @_reports_errors
@@ -119,13 +132,15 @@ def cmd_kl(args) -> None:
     values, agree = kl.token_kls(model_a, model_b, selection, layout, rows_per_batch=_rows(args, layout))
     summary = kl.summarize(values, agree)
     counts, edges = kl.histogram(values)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    kl.plot_histogram(values, summary, out.with_suffix(".png"), f"KL({model_a.name} || {model_b.name})")
+    from olmax import storage
+
+    out = _stem(args.out)
+    with storage.staged(out + ".png") as png:
+        kl.plot_histogram(values, summary, png, f"KL({model_a.name} || {model_b.name})")
     _print_json({"a": model_a.name, "b": model_b.name, "direction": "KL(A || B)", **summary,
                  "sets": [s.label for s in selection.sets], "sequence_length": selection.sequence_length,
                  "histogram": {"log10_edges": edges.tolist(), "counts": counts.tolist()},
-                 "plot": str(out.with_suffix(".png"))}, str(out.with_suffix(".json")))
+                 "plot": out + ".png"}, out + ".json")
 
 
 def _harness_results(path: str, args) -> dict:
@@ -169,22 +184,22 @@ def cmd_harness(args) -> None:
 
 @_reports_errors
 def cmd_compare(args) -> None:
+    from olmax import storage
     from olmax.eval import curves
 
-    first = Path(args.a)
-    out = Path(args.out or (first if first.is_dir() else first.parent) / "compare")
-    _writable(str(out))
+    first = args.a.rstrip("/")
+    out = _stem(args.out or storage.join(first if storage.is_dir(first) else storage.parent(first), "compare"))
+    _writable(out)
     a = curves.read_curve(args.a, args.metric)
     b = curves.read_curve(args.b, args.metric_b or args.metric)
     window = args.window or curves.default_window(a, b)
     smooth = window * (curves.SMOOTH // curves.WINDOW) if args.smooth is None else args.smooth
     result = curves.compare(a, b, window=window, smooth=smooth, ranges=curves.parse_ranges(args.ranges))
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".tsv").write_text(curves.window_table(result))
-    curves.plot(a, b, result, args.metric, out.with_suffix(".png"))
+    storage.write_bytes(out + ".tsv", curves.window_table(result).encode())
+    with storage.staged(out + ".png") as png:
+        curves.plot(a, b, result, args.metric, png)
     _print_json({k: v for k, v in result.items() if k != "windows"} | {
-        "metric": args.metric, "delta": "B - A", "table": str(out.with_suffix(".tsv")),
-        "plot": str(out.with_suffix(".png"))}, str(out.with_suffix(".json")))
+        "metric": args.metric, "delta": "B - A", "table": out + ".tsv", "plot": out + ".png"}, out + ".json")
 
 
 def _data_args(p) -> None:

@@ -19,12 +19,14 @@ the order of a permutation seeded by `seed`, until it is met.
 
 from __future__ import annotations
 
+import io
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from olmax import storage
 from olmax.data.shards import TOKEN_DTYPES, DataError, count_tokens, read_mix_file
 
 SCAN_TOKENS = 1 << 24  # tokens scanned for EOS at a time, so a large shard never sits in memory whole
@@ -78,8 +80,9 @@ class Selection:
     rows: Rows
 
 
-def sidecar_path(shard: str | os.PathLike) -> Path:
-    return Path(shard).with_suffix(".docs.npz")
+def sidecar_path(shard: str | os.PathLike) -> str:
+    """SHARD's documents sidecar: its name with the suffix replaced by `.docs.npz` (a path or a URL)."""
+    return os.path.splitext(str(shard))[0] + ".docs.npz"
 
 
 def _document_offsets(path: str, tokens: np.ndarray, eos_id: int) -> np.ndarray:
@@ -95,14 +98,18 @@ def _document_offsets(path: str, tokens: np.ndarray, eos_id: int) -> np.ndarray:
 
 def open_shard(path: str, *, token_dtype: str, eos_id: int, setting: str = "data.token_dtype") -> Shard:
     """The shard as its documents, after the checks training applies to a shard (its dtype record included);
-    `setting` is what chooses the dtype, named in the errors."""
+    `setting` is what chooses the dtype, named in the errors. A shard in a bucket is read whole into memory
+    (eval sets are small; training reads byte ranges)."""
     count_tokens(path, token_dtype, setting)
     dtype = np.dtype(TOKEN_DTYPES[token_dtype])
-    tokens = np.memmap(path, dtype=dtype, mode="r")
+    if storage.is_remote(path):
+        tokens = np.frombuffer(storage.read_bytes(path), dtype=dtype)
+    else:
+        tokens = np.memmap(path, dtype=dtype, mode="r")
     side = sidecar_path(path)
-    if not side.is_file():
+    if not storage.exists(side) or storage.is_dir(side):
         return Shard(path, tokens, _document_offsets(path, tokens, eos_id), None)
-    with np.load(side) as sidecar:
+    with np.load(io.BytesIO(storage.read_bytes(side))) as sidecar:
         offsets = sidecar["token_offsets"].astype(np.int64)
         text_bytes = sidecar["text_bytes"].astype(np.int64)
     if offsets[0] != 0 or offsets[-1] != len(tokens) or len(text_bytes) != len(offsets) - 1 or np.any(np.diff(offsets) < 1):

@@ -2,13 +2,42 @@
 
 from __future__ import annotations
 
+import contextlib
 import sys
+import tempfile
+from pathlib import Path
+
+
+@contextlib.contextmanager
+def _new_output(out: str, checkpoint: bool):
+    """A local directory to write the output `out` into: itself, or for a bucket a temporary one uploaded when
+    the block succeeds (a checkpoint step by step, each with its commit marker last). A bucket output must be
+    new, as a local one."""
+    from olmax import storage
+    from olmax.errors import InteropError
+
+    if not storage.is_remote(out):
+        yield out
+        return
+    storage.check_writable(out)
+    if storage.listdir(out):
+        raise InteropError(f"{out} exists and is not empty; choose a new output directory")
+    with tempfile.TemporaryDirectory(prefix="olmax-out-") as tmp:
+        local = Path(tmp, "out")
+        yield local
+        for part in sorted(local.iterdir()) if checkpoint else [local]:
+            if checkpoint:
+                storage.upload_committed(part, storage.join(out, part.name))
+            else:
+                storage.upload(part, out)
 
 
 def cmd_hf_to_olmax(args) -> None:
+    from olmax import storage
     from olmax.interop.hf import hf_to_olmax
 
-    cfg = hf_to_olmax(args.src, args.out)
+    with storage.local_copy(args.src) as src, _new_output(args.out, checkpoint=True) as out:
+        cfg = hf_to_olmax(src, out, origin=args.src)
     m = cfg.model
     mlp = f"MLP {m.mlp_hidden}" if m.mlp == "dense" else f"{m.moe.num_experts} experts of {m.moe.expert_hidden}, " \
         f"top-{m.moe.top_k}"
@@ -18,10 +47,13 @@ def cmd_hf_to_olmax(args) -> None:
 
 
 def cmd_olmax_to_hf(args) -> None:
+    from olmax import storage
     from olmax.interop.hf import olmax_to_hf
 
-    cfg, step = olmax_to_hf(args.ckpt, args.out, dtype=args.dtype, max_shard_bytes=int(args.max_shard_gb * 2**30),
-                            tokenizer=args.tokenizer)
+    with (storage.local_copy(args.tokenizer) if args.tokenizer else contextlib.nullcontext()) as tokenizer, \
+            _new_output(args.out, checkpoint=False) as out:
+        cfg, step = olmax_to_hf(args.ckpt, out, dtype=args.dtype, max_shard_bytes=int(args.max_shard_gb * 2**30),
+                                tokenizer=tokenizer)
     from olmax.model.families import HF_CLASSES
 
     print(f"wrote {args.out}: {HF_CLASSES[cfg.model.family]} ({args.dtype}) from {args.ckpt} step {step}, "
@@ -29,13 +61,17 @@ def cmd_olmax_to_hf(args) -> None:
 
 
 def cmd_parity(args) -> None:
+    from olmax import storage
     from olmax.interop.parity import format_report, run_parity, to_json
 
-    report = run_parity(
-        args.olmax, hf_dir=args.hf, olmo_core=args.reference == "olmo-core", dtype=args.dtype,
-        tokens=args.tokens, seq_len=args.seq_len, batches=args.batches, batch_size=args.batch_size, seed=args.seed,
-        float64_reference=not args.no_float64,
-    )
+    with storage.local_copy(args.hf) if args.hf else contextlib.nullcontext() as hf:  # a bucket's: copied whole
+        report = run_parity(
+            args.olmax, hf_dir=hf, olmo_core=args.reference == "olmo-core", dtype=args.dtype,
+            tokens=args.tokens, seq_len=args.seq_len, batches=args.batches, batch_size=args.batch_size,
+            seed=args.seed, float64_reference=not args.no_float64,
+        )
+    if args.hf:
+        report["comparisons"]["hf"]["reference"] = args.hf
     print(to_json(report) if args.json else format_report(report))
     if not report["passed"]:
         sys.exit(1)

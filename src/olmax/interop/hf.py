@@ -150,8 +150,9 @@ def load_hf_params(src: Path, cfg: RunConfig) -> dict:
 # --- conversions -----------------------------------------------------------------------------------
 
 
-def hf_to_olmax(src: str | Path, out: str | Path) -> RunConfig:
-    """Convert an HF Olmo3 / OLMoE directory into a weights-only olmax checkpoint at OUT (step 0: OUT/0/)."""
+def hf_to_olmax(src: str | Path, out: str | Path, origin: str | None = None) -> RunConfig:
+    """Convert an HF Olmo3 / OLMoE directory into a weights-only olmax checkpoint at OUT (step 0: OUT/0/);
+    `origin` is where SRC was copied from (a bucket), recorded in the meta instead of SRC."""
     src, out = Path(src), Path(out)
     if out.exists() and any(out.iterdir()):
         raise InteropError(f"{out} exists and is not empty; choose a new output directory")
@@ -160,7 +161,7 @@ def hf_to_olmax(src: str | Path, out: str | Path) -> RunConfig:
     params = load_hf_params(src, cfg)
     meta = run_meta(cfg, 0, {})
     meta["converted_from"] = {"format": "hf", "architecture": families.HF_CLASSES[cfg.model.family],
-                              "path": str(src.absolute())}
+                              "path": origin or str(src.absolute())}
     checkpointer = Checkpointer(out, CheckpointConfig())
     try:
         checkpointer.save_params(0, params, meta)

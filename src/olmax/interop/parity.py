@@ -27,6 +27,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from olmax import storage
 from olmax.config import RunConfig
 from olmax.data.shards import count_tokens
 from olmax.interop import InteropError
@@ -239,11 +240,13 @@ def random_tokens(vocab_size: int, batches: int, batch_size: int, seq_len: int, 
     return np.random.default_rng(seed).integers(0, vocab_size, (batches, batch_size, seq_len), dtype=np.int32)
 
 
-def shard_tokens(path: Path, dtype: str, vocab_size: int, batches: int, batch_size: int, seq_len: int) -> np.ndarray:
-    """The first batches x batch_size instances of seq_len tokens of a raw token shard."""
+def shard_tokens(path: str, dtype: str, vocab_size: int, batches: int, batch_size: int, seq_len: int) -> np.ndarray:
+    """The first batches x batch_size instances of seq_len tokens of a raw token shard (a path or a URL: the
+    byte range they take is read, not the shard)."""
     need = batches * batch_size * seq_len
-    count_tokens(str(path), dtype)  # the dtype check every reader of shards applies
-    tokens = np.fromfile(path, dtype=dtype, count=need)
+    available = count_tokens(path, dtype)  # the dtype check every reader of shards applies
+    itemsize = np.dtype(dtype).itemsize
+    tokens = np.frombuffer(storage.read_ranges(path, [0], [min(need, available) * itemsize])[0], dtype=dtype)
     if len(tokens) < need:
         raise InteropError(f"{path} has {len(tokens)} tokens; {batches} x {batch_size} x {seq_len} need {need}")
     if (high := int(tokens.max())) >= vocab_size:
@@ -273,7 +276,7 @@ def run_parity(ckpt: str | Path, *, hf_dir: str | Path | None = None, olmo_core:
         inputs = f"uniform random token ids, seed {seed}"
     elif isinstance(tokens, (str, Path)):
         inputs = f"token shard {tokens}"
-        tokens = shard_tokens(Path(tokens), cfg.data.token_dtype, m.vocab_size, batches, batch_size, seq_len)
+        tokens = shard_tokens(str(tokens), cfg.data.token_dtype, m.vocab_size, batches, batch_size, seq_len)
     else:
         inputs = "given tokens"
     seq_len = tokens.shape[-1]

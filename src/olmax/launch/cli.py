@@ -98,7 +98,9 @@ def _tpu_pod(args: argparse.Namespace) -> None:
 
     if not args.zone:
         raise ConfigError("olmax launch --tpu-pod: give the TPU VM's zone with --zone")
-    load_config(args.config, args.overrides)  # a bad config fails here, not on every worker
+    from olmax.launch.supervisor import launch_dir
+
+    launch_dir(load_config(args.config, args.overrides))  # a bad config fails here, not on every worker
     command = tpu_pod_command(args.tpu_pod, args.zone, args.config, args.overrides, project=args.project,
                               install=args.install)
     print(shell_line(command), flush=True)
@@ -111,8 +113,9 @@ def _tpu_pod(args: argparse.Namespace) -> None:
 def _k8s(args: argparse.Namespace) -> None:
     import yaml
 
-    from olmax.config import ConfigError, load_config, writable_dir
+    from olmax.config import ConfigError, load_config
     from olmax.launch.cloud import jobset
+    from olmax.launch.supervisor import launch_dir
     from olmax.scale.targets import parse_target
 
     if not (args.target and args.image):
@@ -121,7 +124,7 @@ def _k8s(args: argparse.Namespace) -> None:
     cfg, target = load_config(args.config, args.overrides), parse_target(args.target)
     manifest = jobset(cfg, args.config, args.overrides, image=args.image, platform=target.platform, kind=target.kind,
                       topology=target.topology, chips=target.chips, max_restarts=args.max_retries)
-    path = writable_dir(cfg.run_dir, "output_dir") / "jobset.yaml"
+    path = launch_dir(cfg) / "jobset.yaml"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(yaml.safe_dump(manifest, sort_keys=False))
     print(f"wrote {path}; start the run with: kubectl apply -f {path}")

@@ -30,7 +30,7 @@ import threading
 import time
 from pathlib import Path
 
-from olmax.config import ConfigError, RunConfig, load_config, writable_dir
+from olmax.config import ConfigError, RunConfig, load_config
 from olmax.launch.supervisor import (
     EXIT_FINISHED,
     EXIT_PREEMPTED,
@@ -38,6 +38,7 @@ from olmax.launch.supervisor import (
     RetryPolicy,
     exit_reason,
     latest_checkpoint_step,
+    launch_dir,
     previous_attempts,
 )
 from olmax.runtime import release_stop_signals
@@ -54,7 +55,7 @@ class SlurmError(ConfigError):
 
 def batch_script(cfg: RunConfig, config: str, overrides: list[str], python: str = sys.executable) -> str:
     slurm = cfg.launch.slurm
-    run_dir = cfg.run_dir.resolve()
+    run_dir = launch_dir(cfg).resolve()
     options = [f"--job-name={cfg.name}", f"--nodes={slurm.nodes}", f"--ntasks-per-node={slurm.tasks_per_node}"]
     options += [f"--gpus-per-task={slurm.gpus_per_task}"] if slurm.gpus_per_task else []
     options += [f"--{key}={getattr(slurm, key)}" for key in ("time", "partition", "account") if getattr(slurm, key)]
@@ -124,7 +125,7 @@ class SlurmLauncher:
     def __init__(self, config: str, overrides: list[str] = (), *, backoff: Backoff = Backoff(), max_retries: int = 50,
                  poll: float = POLL_SECONDS, python: str = sys.executable, sleep=None, echo=None):
         cfg = load_config(config, list(overrides))  # a bad config fails here, before anything is submitted
-        self.run_dir = writable_dir(cfg.run_dir, "output_dir")
+        self.run_dir = launch_dir(cfg)
         self.target_step = cfg.train.steps
         self.script = batch_script(cfg, config, list(overrides), python)
         self.policy = RetryPolicy(self.target_step, backoff, max_retries)

@@ -49,8 +49,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from olmax import run_lock
-from olmax.config import load_config, writable_dir
+from olmax import run_lock, storage
+from olmax.config import ConfigError, RunConfig, load_config, writable_dir
 from olmax.launch.distributed import ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID
 from olmax.runtime import release_stop_signals
 
@@ -111,6 +111,16 @@ class RetryPolicy:
                     f"(--max-retries {self.max_retries})", 0.0)
         sleep = self.backoff.delay(self.failures_in_a_row)
         return None, f"{again} in {sleep:g} s (retry {self.failures_in_a_row} of at most {self.max_retries} in a row)", sleep
+
+
+def launch_dir(cfg: RunConfig) -> Path:
+    """The run directory `olmax launch` keeps its records in (launch.jsonl, job scripts and manifests): a path
+    on a filesystem every process sees. A run in a bucket is one `olmax train` process; it is refused here."""
+    if storage.is_remote(cfg.run_location):
+        raise ConfigError(f"output_dir {cfg.run_location} is a bucket: olmax launch keeps its records in the run "
+                          "directory and runs processes that share it; set a filesystem output_dir (local or "
+                          "shared), or run `olmax train` (one process) for a run in a bucket")
+    return writable_dir(cfg.run_dir, "output_dir")
 
 
 def previous_attempts(run_dir: Path) -> int:
@@ -174,7 +184,7 @@ class Supervisor:
         if nprocs < 1 or max_retries < 0:
             raise ValueError(f"need nprocs >= 1 and max_retries >= 0, got {nprocs} and {max_retries}")
         cfg = load_config(config, list(overrides))  # a bad config fails here, before any child starts
-        self.run_dir = writable_dir(cfg.run_dir, "output_dir")
+        self.run_dir = launch_dir(cfg)
         self.target_step = cfg.train.steps
         self.argv = [*command, config, *overrides]
         self.nprocs = nprocs

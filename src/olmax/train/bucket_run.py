@@ -12,16 +12,13 @@ leaves a step that a resume would take for complete.
 
 from __future__ import annotations
 
-import logging
 import shutil
 import tempfile
 from pathlib import Path
 
 from olmax import storage
+from olmax.checkpoint.remote import CHECKPOINTS, pull_steps
 
-log = logging.getLogger(__name__)
-
-CHECKPOINTS = "checkpoints"
 METRICS = ("metrics.jsonl", "tensorboard")
 
 
@@ -52,29 +49,3 @@ class BucketRun:
 
     def close(self) -> None:
         shutil.rmtree(self.local, ignore_errors=True)
-
-
-def pull_steps(remote: str, local: Path, steps: list[str] | None = None) -> None:
-    """Copy the committed checkpoint steps of `remote` (all, or those named) into `local`."""
-    for step in steps or storage.listdir(remote):
-        if not step.isdigit():
-            continue
-        if storage.committed(storage.join(remote, step)):
-            storage.download(storage.join(remote, step), local / step)
-            (local / step / storage.COMMIT_MARKER).unlink()
-        else:
-            log.warning("%s has no commit marker (its upload was cut short); not a checkpoint, skipped",
-                        storage.join(remote, step))
-
-
-def fetch_checkpoints(url: str, local: Path) -> Path:
-    """`checkpoint.init_from` in a bucket (a run directory, its checkpoints/ or one step of it), copied into
-    `local`: the local path to read instead."""
-    url = url.rstrip("/")
-    step = storage.basename(url)
-    if step.isdigit():
-        pull_steps(storage.parent(url), local / CHECKPOINTS, [step])
-        return local / CHECKPOINTS / step
-    remote = storage.join(url, CHECKPOINTS) if CHECKPOINTS in storage.listdir(url) else url
-    pull_steps(remote, local / CHECKPOINTS)
-    return local / CHECKPOINTS

@@ -12,12 +12,12 @@ from pathlib import Path
 import jax
 
 from olmax import storage
+from olmax.checkpoint import remote
 from olmax.checkpoint import Checkpointer, CheckpointError, UnreadableCheckpoint, check_model_compatible, locate
 from olmax.config import ModelConfig, RunConfig, ScheduleConfig, upgrade
 from olmax.model import families
 from olmax.parallel.mesh import Layout
 from olmax.train.optimizer import lr_at
-from olmax.train.bucket_run import fetch_checkpoints
 from olmax.train.step import TrainState, abstract_state, create_state
 
 log = logging.getLogger(__name__)
@@ -58,7 +58,7 @@ def restore_or_init(cfg: RunConfig, layout: Layout, checkpointer: Checkpointer):
         )
     if cfg.checkpoint.init_from and storage.is_remote(cfg.checkpoint.init_from):
         with tempfile.TemporaryDirectory(prefix="olmax-init-") as local:
-            return warm_start(cfg, layout, str(fetch_checkpoints(cfg.checkpoint.init_from, Path(local)))), 0, None
+            return warm_start(cfg, layout, str(remote.fetch(cfg.checkpoint.init_from, Path(local)))), 0, None
     if cfg.checkpoint.init_from:
         return warm_start(cfg, layout, cfg.checkpoint.init_from), 0, None
     return create_state(cfg, layout, jax.random.key(cfg.train.seed)), 0, None

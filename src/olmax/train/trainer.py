@@ -114,11 +114,17 @@ def train(cfg: RunConfig, *, quiet: bool = False, make_eval=None, on_start=None)
     if storage.is_remote(cfg.run_location) and jax.process_count() > 1:
         raise ConfigError("output_dir in a bucket is written by one process; run a single process, or write to a "
                           "shared filesystem")
-    bucket = BucketRun(cfg.run_location) if storage.is_remote(cfg.run_location) else None
-    run_dir = bucket.local if bucket else cfg.run_dir
-    check_outputs(run_dir)
-    # One process of a multi-process run holds the run directory for all (they share it).
-    with run_lock.hold(run_dir) if jax.process_index() == 0 else contextlib.nullcontext():
+    remote = storage.is_remote(cfg.run_location)
+    if not remote:
+        check_outputs(cfg.run_dir)
+    # One process of a multi-process run holds the run directory for all (they share it); a bucket's is a lease,
+    # taken before anything is copied down from it.
+    with run_lock.hold(cfg.run_location if remote else cfg.run_dir) if jax.process_index() == 0 \
+            else contextlib.nullcontext():
+        bucket = BucketRun(cfg.run_location) if remote else None
+        run_dir = bucket.local if bucket else cfg.run_dir
+        if bucket:
+            check_outputs(run_dir)
         if on_start is not None:
             on_start(None if bucket else run_dir)
         return _train(cfg, quiet, make_eval, bucket, run_dir)
