@@ -9,8 +9,10 @@ Rows:
   target printed beside it is 10x what one v5p chip consumes training the 7B
   recipe at 57.4% MFU (459 TFLOP/s bf16 peak, FLOPs per token from olmax's count,
   as `olmax plan` computes them).
-- checkpoint: save and restore of a state of the model's shape (params and two
-  Adam moments, float32, host numpy arrays) with olmax's Checkpointer to disk,
+- checkpoint: save and restore of a state of the model's shape (float32 host numpy
+  arrays: the parameters; with --parts params,mu,nu also two Adam moments, which
+  for olmo3_1b is 18 GB, and a restore needs that twice on the host, more than
+  a 24 GB machine has) with olmax's Checkpointer to disk,
   and to the bucket (staged on disk and uploaded with its commit marker last,
   as a run with output_dir in a bucket does; restore = download + read).
 """
@@ -68,12 +70,11 @@ def loader_row(paths: list[str], *, length: int, batch: int, batches: int, worke
             "tokens_per_s": batches * batch * length / seconds}
 
 
-def _state(model: str) -> dict:
+def _state(model: str, parts: list[str]) -> dict:
     cfg = load_config(model, [])
     rng = np.random.default_rng(0)
     shapes = families.param_shapes(cfg.model)
-    tree = lambda: {k: rng.standard_normal(s, dtype=np.float32) for k, s in _flat(shapes).items()}
-    return {"params": tree(), "mu": tree(), "nu": tree()}
+    return {part: {k: rng.standard_normal(s, dtype=np.float32) for k, s in _flat(shapes).items()} for part in parts}
 
 
 def _flat(tree: dict, prefix: str = "") -> dict:
@@ -140,6 +141,8 @@ def main() -> None:
     parser.add_argument("--shards", type=int, default=4)
     parser.add_argument("--shard-tokens", type=int, default=1 << 24)
     parser.add_argument("--model", default="olmo3_1b", help="preset whose parameter shapes the checkpoint has")
+    parser.add_argument("--parts", default="params", help="the state's trees, comma-separated: params,mu,nu is "
+                        "a training state (three times the parameters' bytes)")
     args = parser.parse_args()
     server, endpoint = _moto()
     os.environ.update(AWS_ENDPOINT_URL=endpoint, AWS_ACCESS_KEY_ID="bench", AWS_SECRET_ACCESS_KEY="bench",
@@ -157,7 +160,7 @@ def main() -> None:
                 for workers in (0, 4):
                     print(json.dumps(loader_row(paths, length=args.sequence_length, batch=args.batch,
                                                 batches=args.batches, workers=workers)), flush=True)
-            state = _state(args.model)
+            state = _state(args.model, args.parts.split(","))
             for url in (None, "s3://bench/checkpoints"):
                 with tempfile.TemporaryDirectory() as work:
                     print(json.dumps(checkpoint_row(state, Path(work), url)), flush=True)
