@@ -19,6 +19,11 @@ SMALLEST = {
                           "--shard-gb", "0.0001", "--workdir", "{tmp}", "--json"],
     "data_loader.py": ["--dir", "{tmp}/shards", "--shards", "1", "--tokens-per-shard", "32768", "--sequence-length",
                        "256", "--global-batch", "4", "--repeats", "1", "--json"],
+    "moe_compile_scaling.py": ["--experts", "8", "--target", "tpu:v5p:2x2x2", "mesh.fsdp=1", "model.n_layers=4",
+                               "model.d_model=256", "model.n_heads=2", "model.n_kv_heads=1",
+                               "model.moe.expert_hidden=64", "model.vocab_size=512", "data.eos_id=0",
+                               "data.pad_id=1", "data.sequence_length=256",
+                               "train.global_batch_instances=8", "train.micro_batch_per_device=1"],
     "moe_scaling.py": ["--experts", "4", "--dispatch", "blocks", "--steps", "1", "--batch", "2", "--seq", "32",
                        "--layers", "1", "--d-model", "32", "--expert-hidden", "32", "--top-k", "2"],
     "step_memory.py": ["tiny", "train.micro_batch_per_device=1", "--devices", "2"],
@@ -28,7 +33,9 @@ SMALLEST = {
 
 
 def test_every_benchmark_has_a_smoke_test():
-    assert sorted(p.name for p in BENCHMARKS.glob("*.py")) == sorted([*SMALLEST, "pipeline_memory.py", "gpu_bench.py"])
+    # bucket_io.py runs at toy sizes against the test servers in tests/storage/test_bucket_bench.py
+    assert sorted(p.name for p in BENCHMARKS.glob("*.py")) == sorted([*SMALLEST, "pipeline_memory.py", "gpu_bench.py",
+                                                                      "bucket_io.py"])
 
 
 @pytest.mark.slow

@@ -247,9 +247,10 @@ class PipelineConfig(Section):
 class MoEImplConfig(Section):
     """How a mixture of experts runs (model.moe says what it computes)."""
 
-    dispatch: Literal["blocks", "ragged_dot"] = Field(
-        "blocks", description="the experts: blocks = block-padded grouped matmul (portable); ragged_dot = "
-        "jax.lax.ragged_dot (a platform kernel where there is one; XLA:CPU expands it densely)"
+    dispatch: Literal["auto", "blocks", "ragged_dot"] = Field(
+        "auto", description="the experts: blocks = block-padded grouped matmul (portable: a loop of matmuls); "
+        "ragged_dot = jax.lax.ragged_dot (the platform's grouped matmul on TPU and GPU; XLA:CPU expands it "
+        "densely); auto = ragged_dot on accelerators, blocks on CPU"
     )
     block: int | None = Field(None, gt=0, description="rows per block of the grouped matmul; None = auto")
     ep_capacity: float | None = Field(

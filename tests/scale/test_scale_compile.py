@@ -63,6 +63,28 @@ def test_tiny_as_it_is_compiles_for_a_tpu_slice_with_xla_attention(capsys):
     assert "set impl.attention.implementation=xla" in capsys.readouterr().err
 
 
+@needs_tpu
+def test_moe_experts_run_on_the_tpu_grouped_matmul_kernel(capsys):
+    """`impl.moe.dispatch` auto on TPU devices is ragged_dot, which the TPU compiler runs as its ragged-dot
+    kernels (no loop of per-block matmuls); the report names the dispatch and counts the kernels. `blocks`
+    compiles to no such kernel."""
+    assert main(["compile", "tiny_moe", "--target", "tpu:v5p:2x2x2", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["moe_dispatch"] == "ragged_dot"
+    assert report["program"]["custom_calls"]["ragged-dot-none"] >= 3  # at least the forward's three matmuls
+    assert "experts by ragged_dot" in format_compile(report)
+    assert main(["compile", "tiny_moe", "--target", "tpu:v5p:2x2x2", "impl.moe.dispatch=blocks", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["moe_dispatch"] == "blocks" and not any("ragged" in k for k in report["program"]["custom_calls"])
+
+
+def test_moe_dispatch_auto_is_blocks_on_cpu_and_ragged_dot_on_accelerators():
+    from olmax.model.moe.sublayer import dispatch_for
+
+    assert [dispatch_for("auto", p) for p in ("cpu", "gpu", "tpu")] == ["blocks", "ragged_dot", "ragged_dot"]
+    assert dispatch_for("blocks", "tpu") == "blocks" and dispatch_for("ragged_dot", "cpu") == "ragged_dot"
+
+
 @needs_gpu
 @pytest.mark.parametrize("fp8", [False, True])
 def test_tiny_step_compiles_with_cudnn_for_a_gpu_host(fp8):

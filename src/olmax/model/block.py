@@ -32,7 +32,7 @@ from olmax.model import families, fp8
 from olmax.model.mlp import DenseTraining, dense_mlp
 from olmax.model.moe import sublayer
 from olmax.model import rope as rope_lib
-from olmax.parallel.mesh import Layout, constrain
+from olmax.parallel.mesh import Layout, constrain, platform
 
 ACTIVATION = ("batch", "length", "embed")
 
@@ -65,7 +65,7 @@ def mlp_sublayer(cfg: ModelConfig, impl: ImplConfig, layout: Layout | None = Non
 
     def moe_mlp(p: dict, h: jax.Array, key: jax.Array | None = None) -> tuple[jax.Array, dict]:
         return sublayer.moe_mlp(cfg.moe, p, h, key=key, mesh=layout.mesh if layout else None,
-                                batch_axes=layout.batch_axes if layout else (), dispatch=impl.moe.dispatch,
+                                batch_axes=layout.batch_axes if layout else (), dispatch=sublayer.dispatch_for(impl.moe.dispatch, platform(layout)),
                                 block_size=impl.moe.block, ep_capacity=impl.moe.ep_capacity)
 
     return moe_mlp

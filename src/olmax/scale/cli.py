@@ -83,7 +83,8 @@ def format_compile(r: dict) -> str:
         f"{r['config']} for {r['target']}: {r['devices']} x {r['device_kind']}, mesh {mesh}",
         f"{r['instances_per_device_micro_step']} x {r['sequence_length']} tokens per device per micro-step, "
         f"{r['micro_steps']} micro-step(s) per step, {r['compute_dtype']} compute"
-        f"{' (fp8 projections)' if r['fp8'] else ''}, {r['attention']} attention, loss chunk {r['loss_chunk']}, "
+        f"{' (fp8 projections)' if r['fp8'] else ''}, {r['attention']} attention, "
+        f"{'experts by ' + r['moe_dispatch'] + ', ' if r.get('moe_dispatch') else ''}loss chunk {r['loss_chunk']}, "
         f"remat {r['remat']}",
         "",
         f"{'per device':36}{'GiB':>10}",

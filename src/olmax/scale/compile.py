@@ -8,7 +8,8 @@ figures); the GPU compiler does not check, so the peak is compared with the GPU'
 
 FLOPs come from olmax's own count, not from XLA's cost analysis, which counts a scanned layer body
 once and does not see into Pallas kernels. The report also counts what the compiled program runs: its
-attention kernels (Splash, cuDNN) and its matmuls with float8 operands (impl.fp8).
+attention kernels (Splash, cuDNN), the experts' grouped matmul kernels (`ragged-dot-*` on TPU, where
+`impl.moe.dispatch` auto takes ragged_dot) and its matmuls with float8 operands (impl.fp8).
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ import jax.numpy as jnp
 
 from olmax.config import RunConfig
 from olmax.model import attention, transformer
-from olmax.parallel.mesh import Layout, make_layout
+from olmax.model.moe import sublayer
+from olmax.parallel.mesh import Layout, make_layout, platform
 from olmax.scale.plan import plan
 from olmax.scale.targets import GiB, Target, compile_only_devices
 from olmax.train.step import abstract_state, batch_shardings, jit_train_step, micro_batch_rows
@@ -80,6 +82,15 @@ def program_ops(text: str) -> dict:
     }
 
 
+def xla_cost(compiled) -> dict:
+    """XLA's cost analysis of the compiled program, per device: FLOPs and HBM bytes accessed. It counts a
+    scanned or looped body once and a kernel (custom call) not at all: a figure to compare like with like
+    (the same config with one setting changed), not a count of the step's work."""
+    cost = compiled.cost_analysis()
+    cost = (cost[0] if cost else {}) if isinstance(cost, (list, tuple)) else (cost or {})
+    return {"flops": cost.get("flops"), "bytes_accessed": cost.get("bytes accessed")}
+
+
 def compile_train_step(cfg: RunConfig, target: Target, mfu: float) -> dict:
     """Compile the step for `target` and report per-device memory, FLOPs and time at `mfu`.
 
@@ -102,6 +113,8 @@ def compile_train_step(cfg: RunConfig, target: Target, mfu: float) -> dict:
         # `auto` settings as the model resolves them for the target's devices, not for this host
         "compute_dtype": jnp.dtype(transformer.compute_dtype(cfg.impl, layout)).name,
         "attention": attention.implementation(cfg.impl, layout, cfg.data.sequence_length),
+        "moe_dispatch": sublayer.dispatch_for(cfg.impl.moe.dispatch, platform(layout)) if cfg.model.mlp == "moe"
+        else None,
         "fp8": cfg.impl.fp8,
         "loss_chunk": cfg.impl.loss_chunk,
         "remat": cfg.impl.remat,
@@ -125,6 +138,7 @@ def compile_train_step(cfg: RunConfig, target: Target, mfu: float) -> dict:
     report["compile_seconds"] = time.perf_counter() - start
     memory = compiled.memory_analysis()
     report["program"] = program_ops(compiled.as_text())
+    report["xla_cost"] = xla_cost(compiled)
     report.update({
         # What the compiler's own out-of-memory check compares with the device: the most bytes live at
         # once, arguments included. The TPU compiler's temp_size can exceed it: not a figure to fit by.

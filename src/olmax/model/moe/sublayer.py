@@ -23,6 +23,13 @@ from olmax.model.moe import gmm, router
 from olmax.parallel import expert as expert_parallel
 
 
+def dispatch_for(chosen: str, platform: str) -> str:
+    """The experts' matmul `impl.moe.dispatch` means on `platform` ('cpu', 'gpu', 'tpu')."""
+    if chosen == "auto":
+        return "blocks" if platform == "cpu" else "ragged_dot"
+    return chosen
+
+
 def moe_mlp(
     cfg: MoEConfig,
     p: dict,
