@@ -249,8 +249,8 @@ class MoEImplConfig(Section):
 
     dispatch: Literal["auto", "blocks", "ragged_dot"] = Field(
         "auto", description="the experts: blocks = block-padded grouped matmul (portable: a loop of matmuls); "
-        "ragged_dot = jax.lax.ragged_dot (the platform's grouped matmul on TPU and GPU; XLA:CPU expands it "
-        "densely); auto = ragged_dot on accelerators, blocks on CPU"
+        "ragged_dot = jax.lax.ragged_dot (the TPU's grouped-matmul kernel; XLA:CPU and XLA:GPU expand it "
+        "densely, every expert on every row); auto = ragged_dot on TPU, blocks elsewhere"
     )
     block: int | None = Field(None, gt=0, description="rows per block of the grouped matmul; None = auto")
     ep_capacity: float | None = Field(

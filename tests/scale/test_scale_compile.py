@@ -66,23 +66,41 @@ def test_tiny_as_it_is_compiles_for_a_tpu_slice_with_xla_attention(capsys):
 @needs_tpu
 def test_moe_experts_run_on_the_tpu_grouped_matmul_kernel(capsys):
     """`impl.moe.dispatch` auto on TPU devices is ragged_dot, which the TPU compiler runs as its ragged-dot
-    kernels (no loop of per-block matmuls); the report names the dispatch and counts the kernels. `blocks`
-    compiles to no such kernel."""
+    kernels (no loop of per-block matmuls); the report names the dispatch and counts the kernels."""
     assert main(["compile", "tiny_moe", "--target", "tpu:v5p:2x2x2", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["moe_dispatch"] == "ragged_dot"
     assert report["program"]["custom_calls"]["ragged-dot-none"] >= 3  # at least the forward's three matmuls
     assert "experts by ragged_dot" in format_compile(report)
-    assert main(["compile", "tiny_moe", "--target", "tpu:v5p:2x2x2", "impl.moe.dispatch=blocks", "--json"]) == 0
-    report = json.loads(capsys.readouterr().out)
-    assert report["moe_dispatch"] == "blocks" and not any("ragged" in k for k in report["program"]["custom_calls"])
 
 
-def test_moe_dispatch_auto_is_blocks_on_cpu_and_ragged_dot_on_accelerators():
+def test_moe_dispatch_auto_is_ragged_dot_on_tpu_only():
     from olmax.model.moe.sublayer import dispatch_for
 
-    assert [dispatch_for("auto", p) for p in ("cpu", "gpu", "tpu")] == ["blocks", "ragged_dot", "ragged_dot"]
+    assert [dispatch_for("auto", p) for p in ("cpu", "gpu", "tpu")] == ["blocks", "blocks", "ragged_dot"]
     assert dispatch_for("blocks", "tpu") == "blocks" and dispatch_for("ragged_dot", "cpu") == "ragged_dot"
+
+
+@needs_gpu
+def test_xla_gpu_expands_ragged_dot_so_auto_keeps_the_blocks_on_gpu():
+    """What `auto` rests on: compiled for H100s, ragged_dot's expert matmuls become dots batched over every
+    expert, each with the same static rows (a dense expansion, no grouped-matmul kernel); the block loop has
+    none. Should XLA:GPU lower ragged_dot to a kernel, this fails and `auto` can take it there too."""
+    from olmax.parallel.mesh import make_layout
+    from olmax.scale.compile import abstract_inputs
+    from olmax.scale.targets import compile_only_devices
+    from olmax.train.step import jit_train_step, micro_batch_rows
+
+    def compiled_text(dispatch: str) -> str:
+        cfg = load_config("tiny_moe", [f"impl.moe.dispatch={dispatch}"])
+        layout = make_layout(cfg.mesh, compile_only_devices(parse_target("gpu:h100x8")))
+        rows = micro_batch_rows(cfg, layout.data_parallel_size)
+        return jit_train_step(cfg, layout, rows).lower(*abstract_inputs(cfg, layout, rows)).compile().as_text()
+
+    moe = load_config("tiny_moe").model.moe
+    batched = rf"\[{moe.num_experts},\d+,{2 * moe.expert_hidden}\]\S* dot\("
+    assert re.search(batched, compiled_text("ragged_dot"))
+    assert not re.search(batched, compiled_text("blocks"))
 
 
 @needs_gpu

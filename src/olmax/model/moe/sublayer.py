@@ -24,9 +24,13 @@ from olmax.parallel import expert as expert_parallel
 
 
 def dispatch_for(chosen: str, platform: str) -> str:
-    """The experts' matmul `impl.moe.dispatch` means on `platform` ('cpu', 'gpu', 'tpu')."""
+    """The experts' matmul `impl.moe.dispatch` means on `platform` ('cpu', 'gpu', 'tpu'). `auto` takes
+    ragged_dot where the compiler runs it as a grouped-matmul kernel: on TPU (its `ragged-dot` kernels,
+    tests/scale/test_scale_compile.py). XLA:CPU expands it densely, and so did XLA:GPU in jax 0.10.2 (a
+    compile for gpu:h100x8 made each expert matmul a batched dot over every expert and every row), so
+    `auto` keeps the block loop there."""
     if chosen == "auto":
-        return "blocks" if platform == "cpu" else "ragged_dot"
+        return "ragged_dot" if platform == "tpu" else "blocks"
     return chosen
 
 
