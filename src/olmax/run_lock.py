@@ -69,8 +69,8 @@ def hold(run_dir: str | os.PathLike, environ=None):
     """Hold the run directory's lock inside the block (creating the directory); the identity to pass to the
     processes started for this run as OLMAX_RUN_LOCK. Raises RunDirError when another process holds it or the
     directory cannot be written (read-only, permissions). A bucket URL is held by a lease (see the module's
-    doc). A directory it made that holds nothing but the lock
-    when the block ends (the run failed before writing anything) is removed."""
+    doc). A directory it made that holds nothing but the lock when the block ends (the run failed before
+    writing anything) is removed."""
     if storage.is_remote(run_dir):
         with _lease(str(run_dir)) as mine:
             yield mine
@@ -182,6 +182,10 @@ def _lease(url: str):
     def renew() -> None:
         while not stop.wait(RENEW_S):
             try:
+                if (now := _read_lease(path)) and now.get("token") != mine["token"]:
+                    log.error("lost the lease %s to %s (this process was cut off for over %.0fs); stop this run",
+                              path, _describe(json.dumps(now)), STALE_S)
+                    return
                 write()
             except storage.StorageError as err:  # the next renewal tries again; STALE_S leaves room for several
                 log.warning("could not renew the lease %s: %s", path, err)

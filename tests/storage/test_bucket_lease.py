@@ -73,3 +73,22 @@ def test_train_on_a_held_bucket_run_exits_2_before_reading_anything(stores, synt
         err = capsys.readouterr().err
         assert len(err.splitlines()) == 1 and f"output_dir {run} is in use by another run" in err
         assert storage.listdir(run) == ["run.lock"]
+
+
+def test_a_holder_that_lost_its_lease_stops_renewing_it(stores, monkeypatch, caplog):
+    """Cut off past STALE_S, the holder finds another run's lease at its next renewal: it says so and leaves
+    that lease alone (nor deletes it at the end)."""
+    monkeypatch.setattr(run_lock, "RENEW_S", 0.2)
+    run = f"s3://{stores.bucket}/run"
+    lease = f"{run}/run.lock"
+    with run_lock.hold(run):
+        storage.write_bytes(lease, json.dumps({"host": "elsewhere", "pid": 1, "token": "other",
+                                               "renewed": time.time()}).encode())
+        deadline = time.monotonic() + 60
+        while "lost the lease" not in caplog.text:
+            assert time.monotonic() < deadline, "the loss was not noticed"
+            time.sleep(0.1)
+        time.sleep(0.5)
+        assert json.loads(storage.read_text(lease))["token"] == "other"
+    assert json.loads(storage.read_text(lease))["token"] == "other"
+    assert f"lost the lease {lease} to host elsewhere, PID 1" in caplog.text
