@@ -3,8 +3,10 @@ useful FLOPs per token), side by side: per-chip peak memory, XLA's cost analysis
 accessed), the experts' dispatch and its kernels, compile time. Each row is one `olmax compile --json` in a
 fresh process; nothing runs on a TPU.
 
-    ALLOW_MULTIPLE_LIBTPU_LOAD=1 python benchmarks/moe_compile_scaling.py [--experts 8 32 128]
-        [--target tpu:v5p:4x4x4] [--dispatch auto] [extra overrides ...]
+    ALLOW_MULTIPLE_LIBTPU_LOAD=1 python benchmarks/moe_compile_scaling.py [extra overrides ...]
+        [--experts 8 32 128] [--target tpu:v5p:4x4x4] [--dispatch auto]
+
+(overrides first: --experts takes every number after it), e.g. `mesh.expert=64 mesh.fsdp=1 --experts 128`.
 
 XLA's cost analysis counts a scanned layer body once and a kernel (the TPU's ragged-dot) not at all: its
 FLOPs and bytes compare the rows' non-expert work and data movement, not the whole step.
