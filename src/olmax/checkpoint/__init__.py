@@ -202,13 +202,10 @@ def read_params(path: str | Path, params_like, step: int | None = None) -> tuple
     are filled on the host one at a time, whatever the sharding the checkpoint was written with. In a bucket,
     only the step read is copied down (olmax.checkpoint.remote)."""
     if storage.is_remote(path):
-        import tempfile
+        from olmax.checkpoint import remote  # it imports this module
 
-        from olmax.checkpoint import remote
-
-        with tempfile.TemporaryDirectory(prefix="olmax-ckpt-") as local:
-            cfg, params, step = read_params(remote.fetch(str(path), Path(local), step), params_like)
-        return cfg, params, step
+        with remote.local_step(str(path), step) as local:
+            return read_params(local, params_like)
     directory, located = locate(path)
     checkpointer = Checkpointer(directory, CheckpointConfig(), read_only=True)
     try:

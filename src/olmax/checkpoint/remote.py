@@ -9,7 +9,9 @@ from a bucket read one step: the named one or the latest committed one.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import tempfile
 from pathlib import Path
 
 from olmax import storage
@@ -62,3 +64,10 @@ def fetch(url: str, local: Path, step: int | None = None) -> Path:
                               f"{steps or 'none'}); give one of those steps")
     pull_steps(remote, local / CHECKPOINTS, [step])
     return local / CHECKPOINTS / str(step)
+
+
+@contextlib.contextmanager
+def local_step(url: str, step: int | None = None):
+    """`fetch` into a temporary directory: the local path of the step, removed after the block."""
+    with tempfile.TemporaryDirectory(prefix="olmax-ckpt-") as local:
+        yield fetch(url, Path(local), step)

@@ -25,11 +25,11 @@ def _new_output(out: str, checkpoint: bool):
     with tempfile.TemporaryDirectory(prefix="olmax-out-") as tmp:
         local = Path(tmp, "out")
         yield local
-        for part in sorted(local.iterdir()) if checkpoint else [local]:
-            if checkpoint:
-                storage.upload_committed(part, storage.join(out, part.name))
-            else:
-                storage.upload(part, out)
+        if checkpoint:
+            for step in sorted(local.iterdir()):
+                storage.upload_committed(step, storage.join(out, step.name))
+        else:
+            storage.upload(local, out)
 
 
 def cmd_hf_to_olmax(args) -> None:

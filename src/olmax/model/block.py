@@ -63,9 +63,11 @@ def mlp_sublayer(cfg: ModelConfig, impl: ImplConfig, layout: Layout | None = Non
     if (kind or cfg.mlp) == "dense":
         return functools.partial(dense_mlp, dense=dense)
 
+    dispatch = sublayer.dispatch_for(impl.moe.dispatch, platform(layout))
+
     def moe_mlp(p: dict, h: jax.Array, key: jax.Array | None = None) -> tuple[jax.Array, dict]:
         return sublayer.moe_mlp(cfg.moe, p, h, key=key, mesh=layout.mesh if layout else None,
-                                batch_axes=layout.batch_axes if layout else (), dispatch=sublayer.dispatch_for(impl.moe.dispatch, platform(layout)),
+                                batch_axes=layout.batch_axes if layout else (), dispatch=dispatch,
                                 block_size=impl.moe.block, ep_capacity=impl.moe.ep_capacity)
 
     return moe_mlp

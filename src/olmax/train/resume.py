@@ -6,8 +6,6 @@ that a checkpoint fits the model being trained.
 from __future__ import annotations
 
 import logging
-import tempfile
-from pathlib import Path
 
 import jax
 
@@ -57,8 +55,8 @@ def restore_or_init(cfg: RunConfig, layout: Layout, checkpointer: Checkpointer):
             "Move the directory away to start over, or restore it from a copy"
         )
     if cfg.checkpoint.init_from and storage.is_remote(cfg.checkpoint.init_from):
-        with tempfile.TemporaryDirectory(prefix="olmax-init-") as local:
-            return warm_start(cfg, layout, str(remote.fetch(cfg.checkpoint.init_from, Path(local)))), 0, None
+        with remote.local_step(cfg.checkpoint.init_from) as local:
+            return warm_start(cfg, layout, str(local)), 0, None
     if cfg.checkpoint.init_from:
         return warm_start(cfg, layout, cfg.checkpoint.init_from), 0, None
     return create_state(cfg, layout, jax.random.key(cfg.train.seed)), 0, None

@@ -111,10 +111,10 @@ def train(cfg: RunConfig, *, quiet: bool = False, make_eval=None, on_start=None)
         raise ConfigError("the config asks for in-loop evals (eval.every / eval.harness_every) but train() was "
                           "given no make_eval; pass olmax.eval.in_loop.make_in_loop_eval")
     storage.configure(cfg.storage.retry_seconds)
-    if storage.is_remote(cfg.run_location) and jax.process_count() > 1:
+    remote = storage.is_remote(cfg.run_location)
+    if remote and jax.process_count() > 1:
         raise ConfigError("output_dir in a bucket is written by one process; run a single process, or write to a "
                           "shared filesystem")
-    remote = storage.is_remote(cfg.run_location)
     if not remote:
         check_outputs(cfg.run_dir)
     # One process of a multi-process run holds the run directory for all (they share it); a bucket's is a lease,
