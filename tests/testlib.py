@@ -1,5 +1,15 @@
 """Helpers that tests import (`from testlib import ...`; tests/ is on the path through its conftest)."""
 
+import os
+from pathlib import Path
+
+
+def child_env(cache_dir: Path, devices: int, **extra) -> dict:
+    """The environment of training children: `devices` CPU devices (not the 8 of conftest) and a shared
+    compilation cache, so the restarted attempt does not compile again."""
+    return {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
+            "JAX_COMPILATION_CACHE_DIR": str(cache_dir), "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", **extra}
+
 
 def moe_layer_params(cfg, d_model: int, key, std: float = 0.02) -> dict:
     """One MoE layer's parameters for tests of the layer alone, from the

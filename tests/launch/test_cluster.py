@@ -7,7 +7,8 @@ import sys
 
 import numpy as np
 import pytest
-from test_launch_train import child_env, read_jsonl, shards  # noqa: F401
+from test_launch_train import read_jsonl, shards  # noqa: F401
+from testlib import child_env
 
 from olmax.config import load_config
 from olmax.launch.distributed import ClusterError, join_cluster

@@ -12,19 +12,13 @@ from olmax.eval.curves import read_events
 
 from olmax.data.synthetic import write_synthetic_shards
 from olmax.launch.supervisor import Backoff, Supervisor
+from testlib import child_env
 
 
 @pytest.fixture(scope="module")
 def shards(tmp_path_factory):
     return write_synthetic_shards(tmp_path_factory.mktemp("shards"), vocab_size=512, eos_id=0, n_tokens=200_000,
                                   n_shards=2, seed=0, token_dtype="uint16")
-
-
-def child_env(cache_dir: Path, devices: int, **extra) -> dict:
-    """The environment of training children: `devices` CPU devices (not the 8 of conftest) and a shared
-    compilation cache, so the restarted attempt does not compile again."""
-    return {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
-            "JAX_COMPILATION_CACHE_DIR": str(cache_dir), "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", **extra}
 
 
 def signal_once_after_checkpoint(run_dir: Path, step: int, sig: int, process: int = 0, watchdog: float = 180):

@@ -17,7 +17,8 @@ from olmax.config import ConfigError, load_config
 from olmax.launch.distributed import ClusterError, join_cluster
 from olmax.launch.supervisor import Backoff, Supervisor
 from olmax.train.trainer import train
-from test_launch_train import child_env, read_jsonl, shards, signal_once_after_checkpoint, tensorboard_steps  # noqa: F401
+from test_launch_train import read_jsonl, shards, signal_once_after_checkpoint, tensorboard_steps  # noqa: F401
+from testlib import child_env
 
 # `olmax train` joining the run its OLMAX_* variables describe. (Calling join_cluster is harmless when
 # `olmax train` calls it too.)

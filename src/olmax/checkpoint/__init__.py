@@ -63,18 +63,37 @@ class DiskFull(Exception):
 
 
 class Checkpointer:
-    """The checkpoints of one directory. Nothing is created on disk before the first save."""
+    """The checkpoints of one directory. Nothing is created on disk before the first save.
 
-    def __init__(self, directory: Path, cfg: CheckpointConfig, read_only: bool = False):
+    `own_copy`: each process of a multi-process run writes and reads a directory of its own, not one they
+    share (a run in a bucket stages on each host's disk): Orbax's steps across processes are off, and arrays
+    are zarr chunk files, one per shard, written by the process that holds the shard, so that the copies
+    uploaded side by side make the whole checkpoint (OCDBT's per-process files would need one process to
+    read all of them to merge them)."""
+
+    def __init__(self, directory: Path, cfg: CheckpointConfig, read_only: bool = False, own_copy: bool = False):
         self.directory = Path(directory).absolute()
+        self.own_copy = own_copy
+        processes = ocp.options.MultiprocessingOptions(
+            **({"primary_host": None, "active_processes": {jax.process_index()}} if own_copy else {}))
         options = ocp.CheckpointManagerOptions(
             max_to_keep=None if read_only else cfg.keep_last, keep_period=cfg.keep_every,
             save_interval_steps=0 if read_only else 1, create=False, read_only=read_only,
-            enable_async_checkpointing=False,
+            enable_async_checkpointing=False, multiprocessing_options=processes,
         )
+        items = {"item_names": ("params", "opt_state", "meta")}
+        if own_copy:
+            registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
+            for name in ("params", "opt_state"):
+                arrays = ocp.StandardCheckpointHandler(use_ocdbt=False, multiprocessing_options=processes)
+                registry.add(name, ocp.args.StandardSave, arrays)
+                registry.add(name, ocp.args.StandardRestore, arrays)
+            meta = ocp.JsonCheckpointHandler(multiprocessing_options=processes)
+            registry.add("meta", ocp.args.JsonSave, meta)
+            registry.add("meta", ocp.args.JsonRestore, meta)
+            items = {"handler_registry": registry}
         with quiet_absl():
-            self.manager = ocp.CheckpointManager(self.directory, options=options,
-                                                 item_names=("params", "opt_state", "meta"))
+            self.manager = ocp.CheckpointManager(self.directory, options=options, **items)
 
     def where(self, step: int) -> Path:
         return self.directory / str(step)
@@ -171,7 +190,7 @@ class Checkpointer:
     def set_aside(self, step: int) -> Path:
         """Rename an unreadable checkpoint out of the way (kept for inspection, never deleted)."""
         target = self.directory / f"{step}.unreadable-{int(time.time())}"
-        if jax.process_index() == 0:
+        if jax.process_index() == 0 or self.own_copy:
             self.where(step).rename(target)
         self.manager.reload()
         return target

@@ -112,15 +112,14 @@ def train(cfg: RunConfig, *, quiet: bool = False, make_eval=None, on_start=None)
                           "given no make_eval; pass olmax.eval.in_loop.make_in_loop_eval")
     storage.configure(cfg.storage.retry_seconds)
     remote = storage.is_remote(cfg.run_location)
-    if remote and jax.process_count() > 1:
-        raise ConfigError("output_dir in a bucket is written by one process; run a single process, or write to a "
-                          "shared filesystem")
     if not remote:
         check_outputs(cfg.run_dir)
     # One process of a multi-process run holds the run directory for all (they share it); a bucket's is a lease,
     # taken before anything is copied down from it.
     with run_lock.hold(cfg.run_location if remote else cfg.run_dir) if jax.process_index() == 0 \
             else contextlib.nullcontext():
+        if remote and jax.process_count() > 1:  # every process copies the run down once process 0 holds it
+            multihost_utils.sync_global_devices("olmax: bucket run directory held")
         bucket = BucketRun(cfg.run_location) if remote else None
         run_dir = bucket.local if bucket else cfg.run_dir
         if bucket:
@@ -147,7 +146,8 @@ def _train(cfg: RunConfig, quiet: bool, make_eval, bucket: BucketRun | None, run
     loader = build_loader(cfg.data, global_batch_instances=cfg.train.global_batch_instances,
                           vocab_size=cfg.model.vocab_size, process_index=jax.process_index(),
                           process_count=jax.process_count())
-    checkpointer = Checkpointer(run_dir / "checkpoints", cfg.checkpoint)
+    checkpointer = Checkpointer(run_dir / "checkpoints", cfg.checkpoint,
+                                own_copy=bucket is not None and jax.process_count() > 1)
     if jax.process_index() == 0:  # it holds the run directory
         for partial in checkpointer.remove_partial_writes():
             log.warning("removed %s: a checkpoint write that did not finish", partial)
