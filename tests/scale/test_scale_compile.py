@@ -46,9 +46,31 @@ def test_tiny_step_compiles_with_splash_for_a_tpu_slice(capsys):
         assert kernels[kernel] == 4  # the tiny model's 4 layers
     table = format_compile(report)
     assert "tiny for tpu:v5p:2x2x2: 8 x TPU v5, mesh data 1 x stage 1 x fsdp 8 x expert 1 x tensor 1" in table
-    assert "bfloat16 compute, splash attention, loss chunk 1024" in table
+    assert report["attention_tiles"] == {"block_q": 256, "block_kv": 256, "block_kv_compute": 256, "head_dim": 16}
+    assert "splash attention (tiles: 256 queries x 256 keys, 256 keys a step, head_dim 16), loss chunk 1024" in table
+    assert report["xla_flags"] == {} and "XLA flags" not in table  # v5p has no flag profile
     assert "splash_mha_dkv_no_residuals x4" in table
     assert re.search(r"peak \(compiler\)\s+\d+\.\d\d\s+\d+\.\d% of the device", table)
+
+
+@needs_tpu
+def test_ironwood_compiles_with_its_sparsecore_flag_profile(capsys, monkeypatch):
+    """A TPU7x target (named `ironwood` here) gets the SparseCore collective-offload profile as compile options: the
+    report lists it, the compiled step runs collectives on the SparseCores, and the compiler reads every flag (a
+    name it does not know is an error, so a profile cannot go stale unnoticed)."""
+    from olmax.scale import targets
+
+    assert main(["compile", "tiny", "--target", "tpu:ironwood:2x2x1", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["target"] == "tpu:tpu7x:2x2x1" and report["device_kind"] == "TPU7x"
+    assert report["xla_flags"] == targets.XLA_FLAGS["tpu7x"]
+    assert report["xla_flags"]["xla_tpu_enable_sparse_core_collective_offload_all_reduce"] is True
+    assert report["program"]["sparsecore_collectives"] > 0
+    table = format_compile(report)
+    assert "XLA flags (tpu7x profile): --xla_tpu_enable_async_collective_fusion_fuse_all_gather=false" in table
+    monkeypatch.setitem(targets.XLA_FLAGS, "tpu7x", {"xla_tpu_no_such_flag": True})
+    with pytest.raises(jax.errors.JaxRuntimeError, match="xla_tpu_no_such_flag"):
+        compile_train_step(load_config("tiny"), parse_target("tpu:tpu7x:2x2x1"), mfu=0.4)
 
 
 @needs_tpu

@@ -6,6 +6,7 @@ import pytest
 
 from olmax.cli import main
 from olmax.config import load_config
+from olmax.model import flops
 from olmax.scale.plan import plan
 from olmax.scale.targets import TargetError, parse_target
 
@@ -31,6 +32,7 @@ def test_ironwood_figures_match_the_published_accounting(recipe):
     assert slice256["all_global"]["chip_seconds_per_step"] == pytest.approx(published["chip_seconds_per_step"])
     assert slice64["steps"] == 1_413_814
     assert published["chip_hours"] == pytest.approx(77_000, rel=0.01)
+    assert published["chip_hours_per_trillion_tokens"] == pytest.approx(77_000 / 5.93, rel=0.01)  # 5.93T tokens
 
 
 def test_exact_window_count_is_cheaper_by_the_attention_it_skips(recipe):
@@ -61,6 +63,39 @@ def test_plan_command_prints_json(capsys):
 def test_targets(name, kind, topology, chips, devices):
     target = parse_target(name)
     assert (target.kind, target.topology, target.chips, target.devices) == (kind, topology, chips, devices)
+
+
+def test_ironwood_names_tpu7x():
+    """`tpu:ironwood:...` is the name people use; the target, and every report, names libtpu's kind."""
+    target = parse_target("tpu:ironwood:4x4x8")
+    assert target == parse_target("tpu:tpu7x:4x4x8")
+    assert (target.name, target.kind, target.devices) == ("tpu:tpu7x:4x4x8", "tpu7x", 256)
+    assert plan(load_config("tiny"), target, 0.4)["target"] == "tpu:tpu7x:4x4x8"
+
+
+def test_head_shape_preset_keeps_the_7b_parameters_and_flops(recipe):
+    """16 heads of 256 instead of 32 of 128: the same parameter and FLOP counts, the brief's 7,298,617,344."""
+    wide = load_config("olmo3_7b_hd256")
+    assert (wide.model.n_heads, wide.model.kv_heads, wide.model.head_size) == (16, 16, 256)
+    assert flops.count(wide.model, 8192) == flops.count(recipe.model, 8192)
+    assert flops.count(wide.model, 8192).params == 7_298_617_344
+    # HF interchange as for the 7B: 16 heads, no head_dim field (transformers derives 256), read back the same
+    from transformers import Olmo3Config
+
+    from olmax.model import families
+
+    hf = families.to_hf(wide)
+    assert (hf["num_attention_heads"], hf["num_key_value_heads"], "head_dim" in hf) == (16, 16, False)
+    assert families.from_hf(hf, "hd256").model.head_size == 256
+    hf_config = Olmo3Config(**{k: v for k, v in hf.items() if k not in ("architectures", "model_type")})
+    assert families.hf_signature(hf_config) == families.parity_signature(wide.model)
+
+
+def test_2t4_preset_counts():
+    """olmo_moe_1t with 384 experts: 2.38T parameters (OLMo-core 3's capacity test: 2.38T), 58.46B active."""
+    count = flops.count(load_config("olmo_moe_2t4").model, 8192)
+    assert count.params == 2_376_733_170_688
+    assert count.active_params == 58_457_463_808
 
 
 @pytest.mark.parametrize("name, says", [

@@ -72,6 +72,16 @@ def run_compile(args: argparse.Namespace) -> None:
     print(json.dumps(report, indent=2) if args.json else format_compile(report))
 
 
+def _tiles(tiles: dict | None) -> str:
+    if not tiles:
+        return ""
+    return (f" (tiles: {tiles['block_q']} queries x {tiles['block_kv']} keys, {tiles['block_kv_compute']} keys a step, "
+            f"head_dim {tiles['head_dim']})")
+
+
+FP8_NOTE = {False: "", True: " (fp8 projections)", "mxfp8": " (MXFP8 projections and experts)"}
+
+
 def format_compile(r: dict) -> str:
     device = r["memory_per_device"]
 
@@ -83,7 +93,7 @@ def format_compile(r: dict) -> str:
         f"{r['config']} for {r['target']}: {r['devices']} x {r['device_kind']}, mesh {mesh}",
         f"{r['instances_per_device_micro_step']} x {r['sequence_length']} tokens per device per micro-step, "
         f"{r['micro_steps']} micro-step(s) per step, {r['compute_dtype']} compute"
-        f"{' (fp8 projections)' if r['fp8'] else ''}, {r['attention']} attention, "
+        f"{FP8_NOTE[r['fp8']]}, {r['attention']} attention{_tiles(r.get('attention_tiles'))}, "
         f"{'experts by ' + r['moe_dispatch'] + ', ' if r.get('moe_dispatch') else ''}loss chunk {r['loss_chunk']}, "
         f"remat {r['remat']}",
         "",
@@ -114,7 +124,13 @@ def format_compile(r: dict) -> str:
     if "program" in r:
         program = r["program"]
         kernels = ", ".join(f"{name} x{n}" for name, n in program["custom_calls"].items())
-        lines += [f"compiled: {program['float8_matmuls']} of {program['matmuls']} matmuls float8; custom calls {kernels}"]
+        mxfp8 = f", {program['mxfp8_matmuls']} MXFP8 (cuDNN block-scaled)" if program.get("mxfp8_matmuls") else ""
+        lines += [f"compiled: {program['float8_matmuls']} of {program['matmuls']} matmuls float8{mxfp8}; "
+                  f"custom calls {kernels}; "
+                  f"{program['sparsecore_collectives']} collectives on the SparseCores"]
+    if r.get("xla_flags"):
+        flags = " ".join(f"--{name}={str(value).lower()}" for name, value in r["xla_flags"].items())
+        lines += [f"XLA flags ({r['target'].split(':')[1]} profile): {flags}"]
     exact, full = r["plan"]["exact_window"], r["plan"]["all_global"]
     lines += [
         "",

@@ -8,8 +8,9 @@ figures); the GPU compiler does not check, so the peak is compared with the GPU'
 
 FLOPs come from olmax's own count, not from XLA's cost analysis, which counts a scanned layer body
 once and does not see into Pallas kernels. The report also counts what the compiled program runs: its
-attention kernels (Splash, cuDNN), the experts' grouped matmul kernels (`ragged-dot-*` on TPU, where
-`impl.moe.dispatch` auto takes ragged_dot) and its matmuls with float8 operands (impl.fp8).
+attention kernels (Splash, cuDNN; Splash's tiles), the experts' grouped matmul kernels (`ragged-dot-*` on TPU,
+where `impl.moe.dispatch` auto takes ragged_dot), its matmuls with float8 operands (impl.fp8) and the collectives
+run on the SparseCores. The compiler gets the target's XLA flag profile (`targets.XLA_FLAGS`) as compile options.
 """
 
 from __future__ import annotations
@@ -69,7 +70,8 @@ def _hbm_figures(message: str) -> dict:
 
 def program_ops(text: str) -> dict:
     """What a program (its HLO text) runs: matmuls (dots; convolutions on TPU), those of them with
-    float8 operands, and the custom calls by kernel (Pallas kernels by name, the rest by target)."""
+    float8 operands, the MXFP8 ones (cuDNN's block-scaled GEMMs, impl.fp8=mxfp8 on a GPU of compute
+    capability 10.x), and the custom calls by kernel (Pallas kernels by name, the rest by target)."""
     types = dict(re.findall(r"(%?[\w.-]+) = (\w+)\[", text))
     matmuls = re.findall(r" (?:dot|convolution)\((%?[\w.-]+), (%?[\w.-]+)\)", text)
     calls = collections.Counter()
@@ -78,8 +80,18 @@ def program_ops(text: str) -> dict:
     return {
         "matmuls": len(matmuls),
         "float8_matmuls": sum(any(types.get(o, "").startswith("f8") for o in pair) for pair in matmuls),
+        "mxfp8_matmuls": calls["__cudnn$blockScaledDot"],
         "custom_calls": dict(sorted(calls.items())),
+        # collectives the TPU compiler moved onto the SparseCores (async calls on their thread)
+        "sparsecore_collectives": len(re.findall(r" call-start\(.*async_execution_thread=\"sparsecore\"", text)),
     }
+
+
+def _attention_tiles(cfg: RunConfig, layout: Layout) -> dict | None:
+    """Splash's tiles: tokens per query and key tile, each tile `head_dim` wide (the kernels' last dimension)."""
+    if attention.implementation(cfg.impl, layout, cfg.data.sequence_length) != "splash":
+        return None
+    return {**attention.splash_blocks(cfg.impl, cfg.data.sequence_length).model_dump(), "head_dim": cfg.model.head_size}
 
 
 def xla_cost(compiled) -> dict:
@@ -113,11 +125,13 @@ def compile_train_step(cfg: RunConfig, target: Target, mfu: float) -> dict:
         # `auto` settings as the model resolves them for the target's devices, not for this host
         "compute_dtype": jnp.dtype(transformer.compute_dtype(cfg.impl, layout)).name,
         "attention": attention.implementation(cfg.impl, layout, cfg.data.sequence_length),
+        "attention_tiles": _attention_tiles(cfg, layout),
         "moe_dispatch": sublayer.dispatch_for(cfg.impl.moe.dispatch, platform(layout)) if cfg.model.mlp == "moe"
         else None,
         "fp8": cfg.impl.fp8,
         "loss_chunk": cfg.impl.loss_chunk,
         "remat": cfg.impl.remat,
+        "xla_flags": target.xla_flags,
         "memory_per_device": target.accelerator.memory_per_device,
         "parameters": params,
         "optimizer_state": optimizer,
@@ -127,7 +141,7 @@ def compile_train_step(cfg: RunConfig, target: Target, mfu: float) -> dict:
     start = time.perf_counter()
     lowered = jit_train_step(cfg, layout, micro_rows).lower(state, batch)
     try:
-        compiled = lowered.compile()
+        compiled = lowered.compile(compiler_options=target.xla_flags or None)
     except jax.errors.JaxRuntimeError as err:
         if "RESOURCE_EXHAUSTED" not in str(err):
             raise

@@ -45,6 +45,7 @@ def plan(cfg: RunConfig, target: Target, mfu: float) -> dict:
             "step_seconds": chip_seconds / target.chips,
             "tokens_per_second_per_chip": tokens_per_step / chip_seconds,
             "chip_hours": chip_seconds * cfg.train.steps / 3600,
+            "chip_hours_per_trillion_tokens": chip_seconds / tokens_per_step * 1e12 / 3600,
         }
     return report
 
@@ -65,6 +66,7 @@ def format_plan(report: dict) -> str:
         ("step time (s)", "step_seconds", lambda v: f"{v:,.3f}"),
         ("tokens / s / chip", "tokens_per_second_per_chip", lambda v: f"{v:,.0f}"),
         ("chip-hours", "chip_hours", lambda v: f"{v:,.0f}"),
+        ("chip-hours / T tokens", "chip_hours_per_trillion_tokens", lambda v: f"{v:,.0f}"),
     ]
     lines = [
         f"{report['config']} on {report['target']}: {report['chips']} chips, {report['devices']} devices, "

@@ -42,6 +42,31 @@ ACCELERATORS = {
     "h200": Accelerator("gpu", 143_771 * 2**20, 989e12, target_config="h200_sxm.txtpb"),
 }
 GPUS_PER_HOST = 8
+KIND_ALIASES = {"ironwood": "tpu7x"}  # the name Google's announcements use for TPU7x
+# Compile options per chip kind, given to the compiler with every compile for that kind (it refuses a name it does not
+# know, so a stale flag fails loudly). TPU7x: SparseCore offload of all-gather, reduce-scatter and all-reduce, the
+# collectives running on the chip's SparseCores beside the TensorCores' compute, async collective fusion off (the two
+# are exclusive): MaxText's ENABLE_SPARSECORE_OFFLOADING_FOR_RS_AG_AR with its base flags
+# (https://github.com/AI-Hypercomputer/maxtext/blob/main/benchmarks/xla_flags_library.py), which MaxText's
+# performance guide recommends for v7x, less `xla_sc_disjoint_spmem` and `2a886c8_chip_config_name`: libtpu takes
+# those at start-up (LIBTPU_INIT_ARGS), not as compile options. A run on the chips passes the same flags as
+# LIBTPU_INIT_ARGS (`olmax compile` prints them in that form).
+XLA_FLAGS = {
+    "tpu7x": {
+        "xla_tpu_enable_async_collective_fusion_fuse_all_gather": False,
+        "xla_tpu_enable_async_collective_fusion_fuse_all_reduce": False,
+        "xla_tpu_enable_async_collective_fusion_fuse_reduce_scatter": False,
+        "xla_tpu_enable_sparse_core_collective_offload_all_gather": True,
+        "xla_tpu_enable_sparse_core_collective_offload_reduce_scatter": True,
+        "xla_tpu_enable_sparse_core_collective_offload_all_reduce": True,
+        "xla_tpu_enable_all_gather_offload_tracing": True,
+        "xla_tpu_enable_reduce_scatter_offload_tracing": True,
+        "xla_tpu_enable_all_reduce_offload_tracing": True,
+        "xla_tpu_use_tc_device_shape_on_sc": True,
+        "xla_sc_enable_instruction_fusion": False,
+        "xla_sc_disable_megacore_partitioning": True,
+    },
+}
 HOST_CHIPS = (2, 2)  # libtpu's compile-only topologies are made of hosts of 2x2 chips (its default host bounds)
 
 
@@ -68,13 +93,19 @@ class Target:
     def devices(self) -> int:
         return self.chips * self.accelerator.devices_per_chip
 
+    @property
+    def xla_flags(self) -> dict:
+        return XLA_FLAGS.get(self.kind, {})
+
 
 def parse_target(name: str) -> Target:
     tpus = sorted(k for k, a in ACCELERATORS.items() if a.platform == "tpu")
     gpus = sorted(k for k, a in ACCELERATORS.items() if a.platform == "gpu")
-    usage = f"a target is tpu:KIND:AxB[xC] (KIND one of {tpus}) or gpu:KINDxN (KIND one of {gpus})"
+    usage = (f"a target is tpu:KIND:AxB[xC] (KIND one of {tpus}, or {', '.join(KIND_ALIASES)}) or gpu:KINDxN "
+             f"(KIND one of {gpus})")
     if match := re.fullmatch(r"tpu:(\w+):(\d+(?:x\d+){1,2})", name):
         kind, topology = match.groups()
+        kind = KIND_ALIASES.get(kind, kind)
         if kind not in tpus:
             raise TargetError(f"unknown TPU {kind!r} in target {name!r}; {usage}")
         dims = [int(d) for d in topology.split("x")]
@@ -82,7 +113,7 @@ def parse_target(name: str) -> Target:
             raise TargetError(f"target {name!r}: a TPU slice without the hardware is whole hosts of "
                               f"{HOST_CHIPS[0]}x{HOST_CHIPS[1]} chips (its first two sizes even and not 0), as in "
                               f"tpu:{kind}:2x2, 2x4, 4x4x8")
-        return Target(name, kind, topology, math.prod(dims))
+        return Target(f"tpu:{kind}:{topology}", kind, topology, math.prod(dims))
     if match := re.fullmatch(r"gpu:(\w+?)x(\d+)", name):
         kind, count = match.group(1), int(match.group(2))
         if kind not in gpus:
