@@ -26,6 +26,15 @@ def test_tpu_pod_command_installs_and_trains_on_every_worker(capsys):
     assert len(argv) == 11
 
 
+def test_tpu_pod_trains_into_a_bucket_and_writes_nothing_here(tmp_path, capsys, monkeypatch):
+    """Every worker's `olmax train` writes the bucket run directory (each process its own shards)."""
+    monkeypatch.chdir(tmp_path)
+    assert main(["launch", "--tpu-pod", "pod", "--zone", "z", "olmo3_7b", "output_dir=gs://runs/olmo3_7b"]) == 0
+    train = shlex.split(capsys.readouterr().out)[-1].split(" && ")[1]
+    assert shlex.split(train)[-1] == "output_dir=gs://runs/olmo3_7b"
+    assert not list(tmp_path.iterdir())
+
+
 @pytest.mark.parametrize("argv, says", [
     (["--tpu-pod", "x", "olmo3_7b"], "--zone"),
     (["--tpu-pod", "x", "--zone", "z", "olmo3_7b", "train.steps=0"], "train.steps"),

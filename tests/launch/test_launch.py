@@ -201,10 +201,10 @@ def test_the_exit_code_contract_matches_olmax_train():
 
 
 @pytest.mark.parametrize("mode", [[], ["--nprocs", "2"], ["--slurm", "--dry-run"], ["--k8s", "--target",
-                                  "tpu:v5p:2x2x2", "--image", "olmax:1"], ["--tpu-pod", "pod", "--zone", "z"]])
-def test_a_bucket_output_dir_is_refused_by_every_launcher(tmp_path, capsys, monkeypatch, mode):
-    """launch keeps its records in the run directory and its processes share it: a bucket is for `olmax train`.
-    Refused with exit 2 and nothing written (no local 'gs:' folder either)."""
+                                  "tpu:v5p:2x2x2", "--image", "olmax:1"]])
+def test_a_bucket_output_dir_is_refused_by_the_launchers_that_keep_records(tmp_path, capsys, monkeypatch, mode):
+    """These keep their records (launch.jsonl, job scripts, manifests) in the run directory: a bucket run is
+    `olmax train` on every host. Refused with exit 2 and nothing written (no local 'gs:' folder either)."""
     from olmax.cli import main
 
     monkeypatch.chdir(tmp_path)

@@ -98,9 +98,12 @@ def _tpu_pod(args: argparse.Namespace) -> None:
 
     if not args.zone:
         raise ConfigError("olmax launch --tpu-pod: give the TPU VM's zone with --zone")
+    from olmax import storage
     from olmax.launch.supervisor import launch_dir
 
-    launch_dir(load_config(args.config, args.overrides))  # a bad config fails here, not on every worker
+    cfg = load_config(args.config, args.overrides)  # a bad config fails here, not on every worker
+    if not storage.is_remote(cfg.run_location):  # a bucket run directory is written by the workers' processes
+        launch_dir(cfg)
     command = tpu_pod_command(args.tpu_pod, args.zone, args.config, args.overrides, project=args.project,
                               install=args.install)
     print(shell_line(command), flush=True)

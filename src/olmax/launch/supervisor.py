@@ -115,11 +115,12 @@ class RetryPolicy:
 
 def launch_dir(cfg: RunConfig) -> Path:
     """The run directory `olmax launch` keeps its records in (launch.jsonl, job scripts and manifests): a path
-    on a filesystem. A run in a bucket is started with `olmax train` on every host; it is refused here."""
+    on a filesystem. A run in a bucket is started with `olmax train` on every host (`--tpu-pod` does that); it is
+    refused here."""
     if storage.is_remote(cfg.run_location):
         raise ConfigError(f"output_dir {cfg.run_location} is a bucket: olmax launch keeps its records in the run "
                           "directory; set a filesystem output_dir (local or shared), or start `olmax train` on "
-                          "every host (srun, or ssh --worker=all on a TPU pod) for a run in a bucket")
+                          "every host (srun, or `olmax launch --tpu-pod` on a TPU VM) for a run in a bucket")
     return writable_dir(cfg.run_dir, "output_dir")
 
 
