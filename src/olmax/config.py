@@ -228,19 +228,23 @@ class PipelineConfig(Section):
     microbatches: int | None = Field(
         None, gt=0, description="pipeline micro-batches each train micro-step is cut into; None = one per stage"
     )
-    schedule: Literal["gpipe", "circular"] = Field(
+    schedule: Literal["gpipe", "circular", "1f1b", "interleaved_1f1b"] = Field(
         "gpipe", description="gpipe: one chunk of consecutive layers per stage; circular: `repeats` chunks per stage, "
-        "the micro-batches going round the stages that many times (a smaller bubble)"
+        "the micro-batches going round the stages that many times (a smaller bubble); both keep every micro-batch's "
+        "activations for autodiff's backward pass. 1f1b / interleaved_1f1b: the same chunks, each micro-batch's "
+        "backward run as soon as its loss is known (a stage keeps a bounded number of stage inputs, not M "
+        "micro-batches' activations, and recomputes its chunk in the backward); dense models"
     )
     repeats: int | None = Field(
-        None, gt=1, description="circular: layer chunks per stage; None = the most the depth allows (one "
-        "layer_pattern period per chunk)"
+        None, gt=1, description="circular, interleaved_1f1b: layer chunks per stage; None = the most the depth "
+        "allows (one layer_pattern period per chunk)"
     )
 
     @model_validator(mode="after")
     def _repeats(self):
-        if self.schedule == "gpipe" and self.repeats is not None:
-            raise ValueError("pipeline.repeats is a circular-schedule setting; set schedule: circular or unset it")
+        if self.schedule in ("gpipe", "1f1b") and self.repeats is not None:
+            raise ValueError("pipeline.repeats is a circular-schedule setting; set schedule: circular (or "
+                             "interleaved_1f1b) or unset it")
         return self
 
 

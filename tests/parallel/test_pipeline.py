@@ -1,6 +1,7 @@
 """Pipeline parallelism over the `stage` mesh axis: the same function as the unpipelined model, on 8 fake
 devices, for GPipe and the circular schedule, with and without data parallelism."""
 
+import functools
 import json
 import math
 import re
@@ -14,8 +15,10 @@ from jax.ad_checkpoint import print_saved_residuals
 from olmax.cli import main
 from olmax.config import ConfigError, load_config
 from olmax.data.synthetic import write_synthetic_shards
+from olmax.eval import documents, heldout
+from olmax.eval.models import place, put_batch
 from olmax.model import families, transformer
-from olmax.model.loss import label_mask, loss_sums
+from olmax.model.loss import label_mask, loss_sums, target_log_probs
 from olmax.parallel import pipeline
 from olmax.parallel.mesh import make_layout
 from olmax.scale.plan import format_plan, plan
@@ -301,3 +304,152 @@ def test_plan_reports_the_bubble_and_flops_ignore_the_layout(capsys):
         main(["flops", "olmo3_32b", *overrides, "--json"])
         outputs.append(capsys.readouterr().out)
     assert outputs[0] == outputs[1]
+
+
+# --- 1F1B: the backward scheduled by hand ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("stages, microbatches, repeats, slots", [
+    (4, 8, 1, 7), (4, 16, 1, 7), (4, 3, 1, 3), (4, 8, 2, 11), (4, 16, 4, 19), (2, 4, 3, 7),
+])
+def test_1f1b_ticks_hand_each_step_to_the_next_tick_and_keep_a_bounded_number_of_inputs(stages, microbatches,
+                                                                                       repeats, slots):
+    """Every chunk of every micro-batch runs forward once and backward once, each fed by the tick before it
+    (the previous chunk's forward, the next chunk's backward; the last chunk's backward in its own forward's
+    tick); a kept input's slot is not reused before its backward reads it; the slots needed do not grow
+    with M beyond (R + 1) S - 1."""
+    S, M, R = stages, microbatches, repeats
+    table = pipeline.ticks(pipeline.Schedule(S, M, R, True))
+    fwd, bwd = {}, {}
+    for t, s in zip(*np.nonzero(table.f_mb >= 0)):
+        fwd[table.f_mb[t, s], table.f_rep[t, s] * S + s] = t, table.f_slot[t, s]
+    for t, s in zip(*np.nonzero(table.b_mb >= 0)):
+        bwd[table.b_mb[t, s], table.b_rep[t, s] * S + s] = t, table.b_slot[t, s]
+    assert set(fwd) == set(bwd) == {(m, c) for m in range(M) for c in range(S * R)}
+    for (m, c), (t, slot) in fwd.items():
+        assert c == 0 or fwd[m, c - 1][0] == t - 1
+        assert bwd[m, c][0] == (t if c == S * R - 1 else bwd[m, c + 1][0] + 1)
+        assert bwd[m, c][1] == slot
+        s, end = c % S, bwd[m, c][0]
+        assert not any(slot == other_slot and t < other_t <= end and other_c % S == s
+                       for (_, other_c), (other_t, other_slot) in fwd.items())
+    assert table.slots == slots
+    # forward work in M R + S - 1 ticks, backward work in as many: the bubble is GPipe's (circular's)
+    assert np.any(table.f_mb >= 0, axis=1).sum() == np.any(table.b_mb >= 0, axis=1).sum() == M * R + S - 1
+
+
+def _head(p, y, inputs):
+    (target,) = inputs
+    loss = ((y @ p["w"]).sum(-1) - target) ** 2
+    return loss.sum(), {"rows": jnp.float32(y.shape[0])}
+
+
+@pytest.mark.parametrize("stages, microbatches, repeats, mesh", [
+    (4, 6, 1, None), (2, 4, 3, None), (4, 8, 1, "mesh.stage=4 mesh.fsdp=2"), (4, 8, 2, "mesh.stage=4 mesh.data=2"),
+])
+def test_1f1b_loss_and_gradients_equal_autodiff_of_the_sequential_layers(stages, microbatches, repeats, mesh):
+    L, b, D = stages * repeats * 2, 8, 16
+    w = jax.random.normal(jax.random.key(0), (L, D, D)) / np.sqrt(D)
+    x = jax.random.normal(jax.random.key(1), (microbatches, b, D))
+    head = {"w": jax.random.normal(jax.random.key(2), (D, 2))}
+    target = jax.random.normal(jax.random.key(3), (microbatches, b))
+    sched = pipeline.Schedule(stages, microbatches, repeats, True)
+    layout = make_layout(load_config("tiny", mesh.split()).mesh) if mesh else None
+    layers = lambda w, x: jax.lax.scan(lambda x, w: (jnp.tanh(x @ w), {}), x, w)  # noqa: E731
+
+    def pipelined(w, x, head):
+        return pipeline.run_1f1b(layers, _head, pipeline.by_stage(layout, w, ("layers", "embed", "mlp"), sched), x,
+                                 head, (target,), ("batch", "embed"), sched, layout)
+
+    def sequential(w, x, head):
+        parts = [_head(head, layers(w, x[m])[0], (target[m],)) for m in range(microbatches)]
+        return sum(p[0] for p in parts), jax.tree.map(lambda *a: sum(a), *(p[1] for p in parts))
+
+    grad = functools.partial(jax.value_and_grad, argnums=(0, 1, 2), has_aux=True)
+    (loss, metrics), grads = jax.jit(grad(pipelined))(w, x, head)
+    (ref_loss, ref_metrics), ref_grads = jax.jit(grad(sequential))(w, x, head)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
+    assert float(metrics["rows"]) == microbatches * b  # each micro-batch's head once, none in the bubble
+    for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("overrides", [
+    "mesh.stage=2 mesh.fsdp=4 impl.pipeline.schedule=1f1b impl.pipeline.microbatches=4",
+    "mesh.stage=2 mesh.data=2 mesh.tensor=2 impl.pipeline.schedule=interleaved_1f1b impl.pipeline.microbatches=4",
+])
+def test_1f1b_model_loss_and_gradients_equal_the_unpipelined_model(overrides):
+    """The train step's loss (CE + z-loss over the label count) under the 1F1B schedules, embedding to LM head."""
+    cfg = _config(*overrides.split())
+    sched, layout = pipeline.schedule_for(cfg), make_layout(cfg.mesh)
+    params = families.init_params(cfg.model, jax.random.key(0))
+    tokens = jax.random.randint(jax.random.key(1), (16, cfg.data.sequence_length), 2, cfg.model.vocab_size)
+    rows = jnp.arange(16) != 3  # one instance masked
+    n_labels = label_mask(tokens, cfg.data.pad_id, False).sum()
+
+    def head_loss(params, hidden, inputs):
+        ids, rows = inputs
+        ce, z = loss_sums(params, hidden, ids, label_mask(ids, cfg.data.pad_id, False), rows, cfg.impl.loss_chunk)
+        return (ce + 1e-4 * z) / n_labels, (ce, z)
+
+    def pipelined(params):
+        return transformer.forward_loss(cfg.model, cfg.impl, params, tokens, rows, head_loss, layout, sched)
+
+    def unpipelined(params):
+        hidden, _ = transformer.forward(cfg.model, cfg.impl, params, tokens)
+        return head_loss(params, hidden, (tokens, rows))
+
+    (ref_loss, ref_sums), ref_grads = jax.jit(jax.value_and_grad(unpipelined, has_aux=True))(params)
+    sharded = jax.device_put(params, layout.shardings(families.param_axes(cfg.model), params))
+    (loss, sums), grads = jax.jit(jax.value_and_grad(pipelined, has_aux=True))(sharded)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
+    np.testing.assert_allclose(sums, ref_sums, rtol=1e-6)
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(ref_grads)):
+        np.testing.assert_allclose(a, b, atol=1e-5, err_msg=jax.tree_util.keystr(path))
+
+
+def test_1f1b_schedules_from_config_and_their_errors():
+    assert pipeline.schedule_for(_config("mesh.stage=4", "impl.pipeline.schedule=1f1b")) == \
+        pipeline.Schedule(4, 4, 1, True)
+    interleaved = _config("mesh.stage=2", "impl.pipeline.schedule=interleaved_1f1b", "impl.pipeline.microbatches=4")
+    assert pipeline.schedule_for(interleaved) == pipeline.Schedule(2, 4, 2, True)
+    with pytest.raises(ConfigError, match="not a multiple of mesh.stage 2"):
+        pipeline.schedule_for(_config("mesh.stage=2", "impl.pipeline.schedule=interleaved_1f1b",
+                                      "impl.pipeline.microbatches=3"))
+    with pytest.raises(ConfigError, match="runs dense models"):
+        pipeline.schedule_for(load_config("tiny_moe", [*MODEL, "mesh.stage=2", "impl.pipeline.schedule=1f1b"]))
+    with pytest.raises(ConfigError, match="repeats is a circular-schedule setting"):
+        _config("impl.pipeline.schedule=1f1b", "impl.pipeline.repeats=2")
+
+
+# --- evaluation on a stage mesh ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("overrides", [
+    "mesh.stage=2 mesh.fsdp=4 impl.pipeline.schedule=circular impl.pipeline.microbatches=2",
+    "mesh.stage=2 mesh.fsdp=4 impl.pipeline.schedule=1f1b",
+])
+def test_heldout_eval_on_a_stage_mesh_runs_pipelined_and_equals_the_unpipelined_eval(shards, overrides):
+    """The forward through the stages, each stage's layers staying on it: no all-gather of the stacked block
+    parameters (the unpipelined forward on the same mesh has them), and the losses of the unpipelined
+    evaluation."""
+    cfg = _config(*overrides.split())
+    selection = documents.select([documents.open_eval_set("a", shards, token_dtype="uint16", eos_id=0)],
+                                 sequence_length=cfg.data.sequence_length, tokens=1500, seed=0)
+    params = families.init_params(cfg.model, jax.random.key(0))
+    layout, reference = make_layout(cfg.mesh), make_layout(load_config("tiny", ["mesh.fsdp=1"]).mesh)
+    results = [heldout.evaluate(cfg, place(cfg, params, lay), selection, lay, rows_per_batch=5)
+               for lay in (layout, reference)]
+    assert results[0]["rows_per_batch"] == 8  # a multiple of the data-parallel size x the micro-batches
+    np.testing.assert_allclose(results[0]["sets"]["a"]["CE loss"], results[1]["sets"]["a"]["CE loss"], rtol=1e-6)
+    batch = put_batch(documents.read_rows(selection, slice(0, 16), eos_id=0, pad_id=cfg.data.pad_id,
+                                          vocab_size=cfg.model.vocab_size, batch_rows=16), layout)
+    # all 8 layers of a block parameter, as the unpipelined layer scan reads them: [4 periods, 2 layers, ...]
+    gathers_all_layers = re.compile(r"= f32\[4,2,[\d,]*\][^\n]* all-gather\(")
+    for sched, found in ((pipeline.eval_schedule(cfg, layout), False), (None, True)):
+        def row_losses(params, inputs, targets, weights, sched=sched):
+            hidden, _ = transformer.forward(cfg.model, cfg.impl, params, inputs, layout, None, sched)
+            return (target_log_probs(params, hidden, targets, cfg.model.vocab_size, None) * weights).sum(1)
+
+        hlo = jax.jit(row_losses).lower(place(cfg, params, layout), *batch).compile().as_text()
+        assert bool(gathers_all_layers.search(hlo)) == found

@@ -30,6 +30,7 @@ from olmax.config import RunConfig
 from olmax.eval.models import EvalError, batch_rows, put_batch
 from olmax.model import generate, transformer
 from olmax.model.loss import over_logits
+from olmax.parallel import pipeline
 from olmax.parallel.mesh import Layout
 
 MIN_BUCKET = 16
@@ -56,7 +57,8 @@ class OlmaxLM(TemplateLM):
         self.params, self.layout = params, layout
         self.text_tokenizer = tokenizer
         self.eos_id, self.max_length, self.max_gen_toks = cfg.data.eos_id, max_length, max_gen_toks
-        self.batch_size = batch_rows(batch_size, layout)
+        sched = pipeline.eval_schedule(cfg, layout)  # scoring runs pipelined on a stage mesh; generation does not
+        self.batch_size = batch_rows(batch_size, layout, sched.microbatches if sched else 1)
         model_cfg, impl, vocab = cfg.model, cfg.impl, cfg.model.vocab_size
 
         def scored(logits, targets):
@@ -65,7 +67,7 @@ class OlmaxLM(TemplateLM):
             return log_prob, jnp.argmax(logits, axis=-1) == targets
 
         def score(params, inputs, targets):
-            hidden, _ = transformer.forward(model_cfg, impl, params, inputs, layout)
+            hidden, _ = transformer.forward(model_cfg, impl, params, inputs, layout, None, sched)
             return over_logits(scored, (params,), (hidden,), (targets,), impl.loss_chunk)
 
         self._score = jax.jit(score, out_shardings=layout.replicated)

@@ -21,13 +21,17 @@ from olmax.eval.documents import Selection, read_rows
 from olmax.eval.models import batch_rows, put_batch
 from olmax.model import transformer
 from olmax.model.loss import target_log_probs
+from olmax.parallel import pipeline
 from olmax.parallel.mesh import Layout
 
 
 def make_row_losses(cfg: RunConfig, layout: Layout) -> Callable:
-    """jit (params, inputs, targets, weights) -> summed CE per row, float32 [B], replicated."""
+    """jit (params, inputs, targets, weights) -> summed CE per row, float32 [B], replicated. On a stage mesh
+    the layers run pipelined (B a multiple of the data-parallel size x the pipeline's micro-batches)."""
+    sched = pipeline.eval_schedule(cfg, layout)
+
     def row_losses(params, inputs, targets, weights):
-        hidden, _ = transformer.forward(cfg.model, cfg.impl, params, inputs, layout)
+        hidden, _ = transformer.forward(cfg.model, cfg.impl, params, inputs, layout, None, sched)
         log_probs = target_log_probs(params, hidden, targets, cfg.model.vocab_size, cfg.impl.loss_chunk)
         return -(log_probs * weights).sum(axis=1)
 
@@ -84,6 +88,8 @@ def evaluate(cfg: RunConfig, params: dict, selection: Selection, layout: Layout,
              row_losses: Callable | None = None) -> dict:
     """{"sets": label -> results, "macro": averages, "sequence_length", "rows_per_batch"}."""
     row_losses = row_losses or make_row_losses(cfg, layout)
+    sched = pipeline.eval_schedule(cfg, layout)
+    rows_per_batch = batch_rows(rows_per_batch, layout, sched.microbatches if sched else 1)
     losses = summed_losses(row_losses, params, selection, layout, rows_per_batch=rows_per_batch,
                            eos_id=cfg.data.eos_id, pad_id=cfg.data.pad_id, vocab_size=cfg.model.vocab_size)
     results = set_results(selection, losses)

@@ -33,10 +33,11 @@ def place(cfg: RunConfig, params: dict, layout: Layout) -> dict:
     return jax.device_put(params, layout.shardings(families.param_axes(cfg.model), params))
 
 
-def batch_rows(requested: int, layout: Layout) -> int:
-    """Rows per batch: `requested` rounded up to a multiple of the data-parallel size."""
-    dp = layout.data_parallel_size
-    return -(-requested // dp) * dp
+def batch_rows(requested: int, layout: Layout, microbatches: int = 1) -> int:
+    """Rows per batch: `requested` rounded up to a multiple of the data-parallel size (times the pipeline's
+    micro-batches, on a stage mesh)."""
+    multiple = layout.data_parallel_size * microbatches
+    return -(-requested // multiple) * multiple
 
 
 def put_batch(arrays: tuple, layout: Layout) -> tuple:

@@ -80,6 +80,15 @@ def _pipelined(cfg: ModelConfig, impl: ImplConfig, group, x, blocks: dict, keys:
     """The layers as a pipeline over the layout's stages (see olmax.parallel.pipeline): x [B, T, D] in
     sched.microbatches micro-batches; aux per micro-batch [M, n_layers, ...]. Per-layer routing keys travel
     with the layers' weights (as their raw bits: a stage's chunk of them, replicated within the stage)."""
+    weights, chunk = _chunks(cfg, impl, group, blocks, keys, sched, layout)
+    micro = pipeline.split_microbatches(x, sched.microbatches)
+    y, aux = pipeline.run(chunk, weights, micro, ACTIVATION, sched, layout, kept=_kept(impl))
+    return pipeline.over_stages(layout, pipeline.merge_microbatches(y), ACTIVATION), aux
+
+
+def _chunks(cfg: ModelConfig, impl: ImplConfig, group, blocks: dict, keys: jax.Array | None,
+            sched: pipeline.Schedule, layout: Layout | None):
+    """(the block weights by stage (pipeline.by_stage), chunk(weights, x) -> (x, aux) running one chunk)."""
     chunk_layers = cfg.n_layers // sched.chunks
     axes = families.param_axes(cfg)["blocks"]
     weights = {name: pipeline.by_stage(layout, w, axes[name], sched) for name, w in blocks.items()}
@@ -96,9 +105,7 @@ def _pipelined(cfg: ModelConfig, impl: ImplConfig, group, x, blocks: dict, keys:
         chunk_keys = None if key_bits is None else jax.random.wrap_key_data(key_bits)
         return _over_groups(cfg, impl, named_group, x, (w, chunk_keys), remat=False, n_layers=chunk_layers)
 
-    micro = pipeline.split_microbatches(x, sched.microbatches)
-    y, aux = pipeline.run(chunk, weights, micro, ACTIVATION, sched, layout, kept=_kept(impl))
-    return pipeline.over_stages(layout, pipeline.merge_microbatches(y), ACTIVATION), aux
+    return weights, chunk
 
 
 def _stacks(cfg: ModelConfig, impl: ImplConfig, layout: Layout | None, key: jax.Array | None,
@@ -120,17 +127,11 @@ def _with_key(mlp, keys, i):
     return mlp if keys is None else functools.partial(mlp, key=keys[i])
 
 
-def forward(cfg: ModelConfig, impl: ImplConfig, params: dict, tokens: jax.Array,
-            layout: Layout | None = None, key: jax.Array | None = None,
-            sched: pipeline.Schedule | None = None) -> tuple[jax.Array, dict]:
-    """(final-normed hidden states [B, T, d_model] in the compute dtype, aux of every layer of `blocks`
-    [n_layers, ...]) for int tokens [B, T] at positions 0..T-1; `key` drives MoE routing="random". With a
-    pipeline schedule the layers run pipelined over the layout's stages and aux is per micro-batch,
-    [microbatches, n_layers, ...]."""
-    positions = np.arange(tokens.shape[1])
+def _group_fn(cfg: ModelConfig, impl: ImplConfig, positions: np.ndarray, layout: Layout | None):
+    """stack_group(mlp) -> group(x, (group params, keys)) -> (x, aux): one layer_pattern period of blocks."""
     ropes = {kind: rope_lib.tables(cfg.rope[kind], cfg.head_size, positions) for kind in set(cfg.layer_pattern)}
     attentions = [attention_lib.make(impl, cfg.window(i), layout) for i in range(len(cfg.layer_pattern))]
-    dense = dense_for(impl)
+    dense = dense_for(impl, layout)
 
     def stack_group(mlp):
         def group(x, inputs):
@@ -145,6 +146,18 @@ def forward(cfg: ModelConfig, impl: ImplConfig, params: dict, tokens: jax.Array,
 
         return group
 
+    return stack_group, dense
+
+
+def forward(cfg: ModelConfig, impl: ImplConfig, params: dict, tokens: jax.Array,
+            layout: Layout | None = None, key: jax.Array | None = None,
+            sched: pipeline.Schedule | None = None) -> tuple[jax.Array, dict]:
+    """(final-normed hidden states [B, T, d_model] in the compute dtype, aux of every layer of `blocks`
+    [n_layers, ...]) for int tokens [B, T] at positions 0..T-1; `key` drives MoE routing="random". With a
+    pipeline schedule the layers run pipelined over the layout's stages and aux is per micro-batch,
+    [microbatches, n_layers, ...] (a 1F1B schedule's forward runs as its GPipe or circular counterpart: the
+    same chunks on the same stages)."""
+    stack_group, dense = _group_fn(cfg, impl, np.arange(tokens.shape[1]), layout)
     x = _embed(cfg, impl, params, tokens, layout)
     for name, n, mlp, keys in _stacks(cfg, impl, layout, key, dense):
         if sched is None:
@@ -152,6 +165,26 @@ def forward(cfg: ModelConfig, impl: ImplConfig, params: dict, tokens: jax.Array,
         else:  # one stack (pipeline.schedule_for refuses dense_layers)
             x, aux = _pipelined(cfg, impl, stack_group(mlp), x, params[name], keys, sched, layout)
     return rms_norm(x, params["final_norm"], cfg.norm_eps), aux
+
+
+def forward_loss(cfg: ModelConfig, impl: ImplConfig, params: dict, tokens: jax.Array, row_inputs,
+                 head_loss, layout: Layout | None, sched: pipeline.Schedule):
+    """A dense model's (loss, metrics) under a 1F1B schedule, each summed over the pipeline micro-batches:
+    head_loss(params, final-normed hidden [b, T, d_model], (tokens [b, T], row_inputs' leaves [b, ...])) ->
+    (loss, metrics) of one micro-batch (rows m, m + M, ...: see pipeline.split_microbatches). The gradient of
+    the loss comes from the schedule's own backward (pipeline.run_1f1b)."""
+    stack_group, dense = _group_fn(cfg, impl, np.arange(tokens.shape[1]), layout)
+    (_, n, mlp, _), = _stacks(cfg, impl, layout, None, dense)
+    weights, chunk = _chunks(cfg, impl, stack_group(mlp), params["blocks"], None, sched, layout)
+    x = _embed(cfg, impl, params, tokens, layout)
+    split = functools.partial(pipeline.split_microbatches, microbatches=sched.microbatches)
+    head_params = {name: p for name, p in params.items() if name not in ("embed", "blocks")}
+
+    def head(p, y, inputs):
+        return head_loss(p, rms_norm(y, p["final_norm"], cfg.norm_eps), inputs)
+
+    return pipeline.run_1f1b(chunk, head, weights, split(x), head_params, jax.tree.map(split, (tokens, row_inputs)),
+                             ACTIVATION, sched, layout)
 
 
 def logits(params: dict, hidden: jax.Array) -> jax.Array:

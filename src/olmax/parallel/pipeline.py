@@ -43,9 +43,11 @@ class Schedule:
     stages: int  # S
     microbatches: int  # M, per train micro-step
     repeats: int  # R, layer chunks per stage (1: GPipe)
+    one_f_one_b: bool = False  # the backward scheduled by hand, interleaved with the forward (see run_1f1b)
 
     @property
     def iterations(self) -> int:
+        """Forward iterations per stage (1F1B: as many backward ones again, see Ticks)."""
         return self.microbatches * self.repeats + self.stages - 1
 
     @property
@@ -57,10 +59,23 @@ class Schedule:
     def chunks(self) -> int:
         return self.stages * self.repeats
 
+    @property
+    def in_flight(self) -> int:
+        """Micro-batches whose activations a stage keeps at once: all M of them when the backward pass is
+        autodiff's (GPipe, circular); with 1F1B the most stage inputs a stage holds (see Ticks)."""
+        return ticks(self).slots if self.one_f_one_b else self.microbatches
+
+    @property
+    def name(self) -> str:
+        if self.one_f_one_b:
+            return "1F1B" if self.repeats == 1 else f"interleaved 1F1B, {self.repeats} layer chunks per stage"
+        return "GPipe" if self.repeats == 1 else f"circular, {self.repeats} layer chunks per stage"
+
     def describe(self) -> str:
-        kind = "GPipe" if self.repeats == 1 else f"circular, {self.repeats} layer chunks per stage"
-        return (f"{self.stages} stages ({kind}), {self.microbatches} micro-batches per micro-step: "
-                f"bubble {self.bubble:.1%} ({self.stages - 1} of {self.iterations} iterations per stage)")
+        kept = (f"up to {self.in_flight} stage inputs kept per stage (the backward recomputes its chunk)"
+                if self.one_f_one_b else f"all {self.microbatches} micro-batches' activations kept")
+        return (f"{self.stages} stages ({self.name}), {self.microbatches} micro-batches per micro-step: "
+                f"bubble {self.bubble:.1%} ({self.stages - 1} of {self.iterations} iterations per stage); {kept}")
 
 
 def schedule_for(cfg: RunConfig) -> Schedule | None:
@@ -73,22 +88,36 @@ def schedule_for(cfg: RunConfig) -> Schedule | None:
                           "over its stages; use dense_layers 0 with mesh.stage > 1")
     microbatches = p.microbatches or stages
     groups = cfg.model.n_layers // len(cfg.model.layer_pattern)
-    if p.schedule == "gpipe":
+    one_f_one_b = p.schedule in ("1f1b", "interleaved_1f1b")
+    if one_f_one_b and cfg.model.mlp != "dense":
+        raise ConfigError(f"impl.pipeline.schedule {p.schedule} runs dense models (a mixture of experts' per-layer "
+                          "losses are not in its hand-scheduled backward); use gpipe or circular")
+    if p.schedule in ("gpipe", "1f1b"):
         repeats = 1
     else:
         repeats = p.repeats or groups // stages
         if repeats < 2:
             raise ConfigError(
-                f"the circular schedule needs 2 or more layer chunks per stage, but model.n_layers "
-                f"{cfg.model.n_layers} is {groups} layer_pattern periods for mesh.stage {stages}; use schedule gpipe")
+                f"the {p.schedule} schedule needs 2 or more layer chunks per stage, but model.n_layers "
+                f"{cfg.model.n_layers} is {groups} layer_pattern periods for mesh.stage {stages}; use schedule "
+                f"{'1f1b' if one_f_one_b else 'gpipe'}")
         if microbatches < stages:
-            raise ConfigError(f"impl.pipeline.microbatches {microbatches} < mesh.stage {stages}: the circular "
+            raise ConfigError(f"impl.pipeline.microbatches {microbatches} < mesh.stage {stages}: the {p.schedule} "
                               "schedule needs at least one micro-batch per stage; raise it")
+        if one_f_one_b and microbatches % stages:
+            raise ConfigError(f"impl.pipeline.microbatches {microbatches} is not a multiple of mesh.stage {stages}: "
+                              "interleaved 1F1B runs the micro-batches in groups of one per stage; change it")
     if groups % (stages * repeats):
         raise ConfigError(
             f"model.n_layers {cfg.model.n_layers} is {groups} layer_pattern periods, not divisible into mesh.stage "
             f"{stages} x {repeats} layer chunks per stage; change mesh.stage or impl.pipeline.repeats")
-    return Schedule(stages, microbatches, repeats)
+    return Schedule(stages, microbatches, repeats, one_f_one_b)
+
+
+def eval_schedule(cfg: RunConfig, layout: Layout | None) -> Schedule | None:
+    """The schedule an evaluation's forward pass runs on `layout`: the config's where the layout has the stages
+    (the forward through the pipeline, each stage running its own layers), None on a layout without them."""
+    return schedule_for(cfg) if _stage_axes(layout) else None
 
 
 def _stage_axes(layout: Layout | None) -> tuple[str, ...]:
@@ -199,6 +228,185 @@ def run(stage_fn: Callable, weights, x: jax.Array, names: tuple[str, ...], sched
     m, r, s = np.meshgrid(np.arange(M), np.arange(R), np.arange(S), indexing="ij")
     aux = jax.tree.map(lambda a: a[r * M + m + s, s].reshape(M, -1, *a.shape[3:]), aux)
     return y, aux
+
+
+@dataclass(frozen=True)
+class Ticks:
+    """The 1F1B schedules as tables [ticks, S] (-1: nothing). In tick t stage s first runs the forward of
+    micro-batch f_mb[t, s] through its chunk f_rep[t, s], then the backward of micro-batch b_mb[t, s] through
+    chunk b_rep[t, s]. Micro-batches go in groups of S (m = g S + j); the forward of (g, j) on pass r reaches
+    stage s at tick g R S + r S + j + s, as in the circular schedule with M = S per group, and its backward
+    retraces the same path the other way from the tick its last chunk ran:
+
+        forward  (g, r, j) at stage s: tick g R S + r S + j + s
+        backward (g, r, j) at stage s: tick g R S + (R - 1 - r) S + j + (R + 1) S - 2 - s
+
+    so every handoff is to the next tick (never a buffer) and the last chunk's backward is in the same tick
+    as its forward. Forward work fills ticks 0 .. M R + S - 2 and backward work ticks R S - 1 .. M R + R S
+    + S - 3, each M R + S - 1 ticks with S - 1 idle per stage: GPipe's (circular's) bubble. A stage keeps
+    the input of each chunk it ran forward until that chunk's backward (which recomputes it) in one of
+    `slots` buffer slots: 2 S - 1 with R = 1 (a backward reaches stage 0 2 (S - 1) ticks after its
+    forward), (R + 1) S - 1 chunk inputs interleaved; fewer when M R is smaller."""
+
+    f_mb: np.ndarray
+    f_rep: np.ndarray
+    f_slot: np.ndarray  # where the forward's input is kept (slots: the spare slot taking idle writes)
+    b_mb: np.ndarray
+    b_rep: np.ndarray
+    b_slot: np.ndarray
+    slots: int
+
+
+@functools.cache
+def _ticks(stages: int, microbatches: int, repeats: int) -> Ticks:
+    S, M, R = stages, microbatches, repeats
+    n = M * R + R * S + S - 2
+    tables = {name: np.full((n, S), -1, np.int32) for name in ("f_mb", "f_rep", "f_slot", "b_mb", "b_rep", "b_slot")}
+    for s in range(S):
+        for u in range(M * R):
+            g, r, j = u // (R * S), u % (R * S) // S, u % S
+            tables["f_mb"][u + s, s], tables["f_rep"][u + s, s] = g * S + j, r
+            t = g * R * S + (R - 1 - r) * S + j + (R + 1) * S - 2 - s
+            tables["b_mb"][t, s], tables["b_rep"][t, s] = g * S + j, r
+    slots = 0
+    for s in range(S):  # each stage's kept inputs, a slot each from their forward to their backward tick
+        free, held = [], {}
+        for t in range(n):
+            key = (tables["f_mb"][t, s], tables["f_rep"][t, s])
+            if key[0] >= 0:
+                slot = free.pop() if free else len(held)
+                held[key], tables["f_slot"][t, s] = slot, slot
+            key = (tables["b_mb"][t, s], tables["b_rep"][t, s])
+            if key[0] >= 0:
+                tables["b_slot"][t, s] = held.pop(key)
+                free.append(tables["b_slot"][t, s])
+            slots = max(slots, len(held) + len(free))
+    tables["f_slot"][tables["f_slot"] < 0] = slots
+    tables["b_slot"][tables["b_slot"] < 0] = 0
+    return Ticks(**tables, slots=slots)
+
+
+def ticks(sched: Schedule) -> Ticks:
+    return _ticks(sched.stages, sched.microbatches, sched.repeats)
+
+
+def run_1f1b(stage_fn: Callable, head_fn: Callable, weights, x: jax.Array, head_params, head_inputs,
+             names: tuple[str, ...], sched: Schedule, layout: Layout | None):
+    """The loss of M micro-batches x [M, b, ...] through all chunks in order and then head_fn, with the
+    backward scheduled by hand (see Ticks): (loss, metrics), both summed over the micro-batches.
+
+    stage_fn(chunk_weights, x [b, ...]) -> (y [b, ...], aux) as for `run` (aux must be empty: nothing reads
+    it). head_fn(head_params, y [b, ...], inputs) -> (loss, metrics) runs on the last chunk's output of each
+    micro-batch, with that micro-batch's leaves of head_inputs [M, ...]. The gradients of loss with respect to
+    weights, x and head_params are computed with the loss, in the same scan; differentiating the result
+    scales them by the loss's cotangent (metrics get none)."""
+
+    @jax.custom_vjp
+    def loss(weights, x, head_params, head_inputs):
+        return _run_1f1b(stage_fn, head_fn, weights, x, head_params, head_inputs, names, sched, layout)[0]
+
+    def forward(weights, x, head_params, head_inputs):
+        out, grads = _run_1f1b(stage_fn, head_fn, weights, x, head_params, head_inputs, names, sched, layout)
+        return out, grads
+
+    def backward(grads, cotangents):
+        scale = cotangents[0]
+        return (*jax.tree.map(lambda g: (g * scale).astype(g.dtype), grads), None)
+
+    loss.defvjp(forward, backward)
+    return loss(weights, x, head_params, head_inputs)
+
+
+def _run_1f1b(stage_fn, head_fn, weights, x, head_params, head_inputs, names, sched, layout):
+    S, R = sched.stages, sched.repeats
+    table = ticks(sched)
+    stage_axes = _stage_axes(layout)
+    act_spec = PartitionSpec(stage_axes or None, *(layout.spec(names, x.shape[1:]) if layout else ()))
+    stage_ids = jnp.arange(S)
+    vmap = jax.vmap if not stage_axes else lambda f, **kw: jax.vmap(f, spmd_axis_name=stage_axes, **kw)
+
+    def at_stage(a):  # [S] -> broadcastable against [S, b, ...]
+        return a.reshape(S, *[1] * (x.ndim - 1))
+
+    def one_stage(a, stage):  # stage `stage`'s [b, ...] as a value every stage holds (one all-reduce)
+        return jnp.sum(jnp.where(at_stage(stage_ids == stage), a, jnp.zeros_like(a)), axis=0)
+
+    def chunks(rep):  # each stage's chunk on pass rep [S]
+        return jax.tree.map(lambda w: vmap(lambda w, r: w[r], in_axes=(1, 0))(w, rep), weights)
+
+    def chunk_forward(w, x):
+        y, aux = stage_fn(w, x)
+        if jax.tree.leaves(aux):
+            raise ValueError("the 1F1B schedules run chunks without per-layer aux")
+        return y
+
+    def chunk_backward(w, x, cotangent):
+        return jax.vjp(chunk_forward, w, x)[1](cotangent)
+
+    def head(y, m):
+        inputs = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, m, keepdims=False), head_inputs)
+        (value, metrics), pullback = jax.vjp(lambda p, y: head_fn(p, y, inputs), head_params, y)
+        return value, metrics, pullback((jnp.ones_like(value), jax.tree.map(jnp.zeros_like, metrics)))
+
+    y0 = jnp.zeros(x.shape[1:], x.dtype)
+    value0, metrics0, _ = jax.eval_shape(head, y0, 0)
+
+    def forward_part(carry, f_mb, f_rep, f_slot):
+        fwd, bwd, kept, grads, value, metrics = carry
+        # Stage s takes stage s - 1's last output (stage 0: stage S - 1's, or a new micro-batch).
+        first = jax.lax.dynamic_index_in_dim(x, jnp.maximum(f_mb[0], 0), keepdims=False)
+        shifted = jnp.concatenate([fwd[-1:], fwd[:-1]])
+        inputs = _constrain(layout, jnp.where(at_stage((stage_ids == 0) & (f_rep == 0)), first, shifted), act_spec)
+        fwd = _constrain(layout, vmap(chunk_forward)(chunks(jnp.maximum(f_rep, 0)), inputs), act_spec)
+        kept = vmap(lambda k, i, slot: jax.lax.dynamic_update_index_in_dim(k, i, slot, 0))(kept, inputs, f_slot)
+        return fwd, bwd, kept, grads, value, metrics
+
+    def head_part(carry, m):  # the loss of micro-batch m, whose last chunk just ran, and its gradient
+        fwd, bwd, kept, (d_weights, d_x, d_head), value, metrics = carry
+        v, mt, (d_params, dy) = head(over_stages(layout, one_stage(fwd, S - 1), names), m)
+        d_head = jax.tree.map(jnp.add, d_head, d_params)
+        # parked in stage S - 1's input gradient slot, where the backward part takes it from
+        bwd = jnp.where(at_stage(stage_ids == 0), dy[None].astype(bwd.dtype), bwd)
+        return fwd, bwd, kept, (d_weights, d_x, d_head), value + v, jax.tree.map(jnp.add, metrics, mt)
+
+    def backward_part(carry, b_mb, b_rep, b_slot):
+        fwd, bwd, kept, (d_weights, d_x, d_head), value, metrics = carry
+        # Stage s takes stage s + 1's last input gradient (stage S - 1: stage 0's, or the loss's gradient).
+        cotangent = _constrain(layout, jnp.concatenate([bwd[1:], bwd[:1]]), act_spec)
+        saved = vmap(lambda k, slot: jax.lax.dynamic_index_in_dim(k, slot, keepdims=False))(kept, b_slot)
+        d_chunk, bwd = vmap(chunk_backward)(chunks(jnp.maximum(b_rep, 0)), _constrain(layout, saved, act_spec),
+                                            cotangent)
+        bwd = _constrain(layout, bwd, act_spec)
+
+        def add(g, d, rep, on):
+            return g.at[rep].add(jnp.where(on, d, jnp.zeros_like(d)))
+
+        d_weights = jax.tree.map(lambda g, d: vmap(add, in_axes=(1, 0, 0, 0), out_axes=1)(
+            g, d, jnp.maximum(b_rep, 0), b_mb >= 0), d_weights, d_chunk)
+        first_mb = jnp.where(b_rep[0] == 0, b_mb[0], -1)  # stage 0's first chunk: x's gradient is done
+        done = jax.lax.dynamic_index_in_dim(d_x, jnp.maximum(first_mb, 0), keepdims=False)
+        d_x = jax.lax.dynamic_update_index_in_dim(
+            d_x, jnp.where(first_mb >= 0, one_stage(bwd, 0), done), jnp.maximum(first_mb, 0), 0)
+        return fwd, bwd, kept, (d_weights, d_x, d_head), value, metrics
+
+    def tick(carry, row):
+        f_mb, f_rep, f_slot, b_mb, b_rep, b_slot = row
+        carry = jax.lax.cond(jnp.any(f_mb >= 0), functools.partial(forward_part, f_mb=f_mb, f_rep=f_rep,
+                                                                   f_slot=f_slot), lambda c: c, carry)
+        last_mb = jnp.where(f_rep[-1] == R - 1, f_mb[-1], -1)
+        carry = jax.lax.cond(last_mb >= 0, functools.partial(head_part, m=jnp.maximum(last_mb, 0)), lambda c: c,
+                             carry)
+        carry = jax.lax.cond(jnp.any(b_mb >= 0), functools.partial(backward_part, b_mb=b_mb, b_rep=b_rep,
+                                                                   b_slot=b_slot), lambda c: c, carry)
+        return carry, None
+
+    state = _constrain(layout, jnp.zeros((S, *x.shape[1:]), x.dtype), act_spec)
+    kept = jnp.zeros((S, table.slots + 1, *x.shape[1:]), x.dtype)
+    grads = jax.tree.map(jnp.zeros_like, (weights, x, head_params))
+    zero = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), (value0, metrics0))
+    rows = tuple(jnp.asarray(getattr(table, name)) for name in ("f_mb", "f_rep", "f_slot", "b_mb", "b_rep", "b_slot"))
+    (_, _, _, grads, value, metrics), _ = jax.lax.scan(tick, (state, state, kept, grads, *zero), rows)
+    return (value, metrics), grads
 
 
 def over_stages(layout: Layout | None, x: jax.Array, names: tuple[str, ...]) -> jax.Array:

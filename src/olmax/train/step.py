@@ -9,7 +9,8 @@ layers), already divided by the same label count; its metrics; state it moves
 after the update; its key for each micro-batch of a step. The step knows no
 kind. With pipeline stages (mesh.stage > 1) each micro-batch is cut again into
 the pipeline's micro-batches, and the loss hook sees each of those as a
-micro-batch of its own.
+micro-batch of its own; a 1F1B schedule computes the loss of each inside the
+pipeline (transformer.forward_loss), its gradient scheduled by the pipeline.
 
 The optimizer gets the global gradient norm computed here, from the gradients in
 the parameters' layout; with `impl.shard_optimizer` it then updates ZeRO-1
@@ -135,7 +136,18 @@ def make_train_step(cfg: RunConfig, layout: Layout):
     hooks = training_hooks(model_cfg, cfg.train.seed)  # the MLP sublayer's: its losses, metrics, state, key
     params_sh, update_sh = param_shardings(cfg, layout), update_shardings(cfg, layout)
 
+    def head_loss(params, hidden, inputs, n_labels):  # a 1F1B schedule's loss of one pipeline micro-batch
+        input_ids, instance_mask = inputs
+        mask = label_mask(input_ids, cfg.data.pad_id, loss_cfg.mask_pad)
+        ce, z = loss_sums(params, hidden, input_ids, mask, instance_mask, impl.loss_chunk)
+        return (ce + loss_cfg.z_loss * z) / n_labels, (ce, z)
+
     def micro_loss(params, input_ids, instance_mask, n_labels, key):
+        if sched is not None and sched.one_f_one_b:
+            loss, (ce, z) = transformer.forward_loss(
+                model_cfg, impl, params, input_ids, instance_mask,
+                functools.partial(head_loss, n_labels=n_labels), layout, sched)
+            return loss, (ce, z, {})
         hidden, aux = transformer.forward(model_cfg, impl, params, input_ids, layout, key, sched)
         mask = label_mask(input_ids, cfg.data.pad_id, loss_cfg.mask_pad)
         ce, z = loss_sums(params, hidden, input_ids, mask, instance_mask, impl.loss_chunk)
