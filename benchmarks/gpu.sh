@@ -40,4 +40,18 @@ status=0
 timeout 150 "$PY" benchmarks/gpu_bench.py step --shape cpu --steps 10 --out "$OUT/step_cpu_shape.json" || status=1
 timeout 210 "$PY" benchmarks/gpu_bench.py step --shape 7b-slice --steps 5 --out "$OUT/step_7b_slice.json" || status=1
 timeout 120 "$PY" benchmarks/gpu_bench.py attention --implementation cudnn --out "$OUT/attention_cudnn.json" || status=1
+# MXFP8 (impl.fp8=mxfp8: cuDNN's block-scaled GEMMs) against the bf16 step above, on the same shape and data,
+# where the GPU has them (compute capability 10.x, Blackwell; olmax refuses mxfp8 below that): the dense
+# 7B slice, and the MoE tiny with its experts' grouped matmuls in MXFP8 too against its bf16 step.
+if "$PY" -c 'import jax, sys; sys.exit(float(jax.devices()[0].compute_capability) < 10)'; then
+  timeout 210 "$PY" benchmarks/gpu_bench.py step --shape 7b-slice --steps 5 --out "$OUT/step_7b_slice_mxfp8.json" \
+    impl.fp8=mxfp8 || status=1
+  for fp8 in false mxfp8; do
+    timeout 150 "$PY" benchmarks/gpu_bench.py step --shape cpu --steps 10 --out "$OUT/step_moe_$fp8.json" \
+      model.mlp=moe model.moe.num_experts=8 model.moe.top_k=2 model.moe.expert_hidden=768 impl.fp8=$fp8 || status=1
+  done
+else
+  echo "MXFP8 skipped: compute capability $("$PY" -c 'import jax; print(jax.devices()[0].compute_capability)') < 10" \
+    | tee -a "$OUT/gpu.txt"
+fi
 exit $status

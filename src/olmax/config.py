@@ -280,10 +280,11 @@ class ImplConfig(Section):
     loss_chunk: int | None = Field(
         1024, gt=0, description="sequence positions per chunk of LM head + loss (never all logits); null = all"
     )
-    fp8: bool = Field(
-        False, description="block projections (q, k, v, o, dense MLP) as float8 matmuls, per-tensor current scaling: "
-        "e4m3 inputs and weights, e5m2 gradients; the embedding, LM head, router, MoE experts and attention stay as "
-        "they are"
+    fp8: bool | Literal["mxfp8"] = Field(
+        False, description="true: block projections (q, k, v, o, dense MLP) as float8 matmuls, per-tensor current "
+        "scaling: e4m3 inputs and weights, e5m2 gradients; mxfp8: the block projections and the MoE experts in MXFP8 "
+        "(e4m3 in blocks of 32 along each product's contraction, e8m0 scales; cuDNN on GPUs of compute capability "
+        "10.x, emulated on CPU); the embedding, LM head, router and attention stay as they are"
     )
     pipeline: PipelineConfig = Field(default_factory=PipelineConfig)
     shard_optimizer: bool = Field(
@@ -565,6 +566,25 @@ class RunConfig(Section):
         """output_dir as given: a local path or a bucket URL (which a Path would mangle)."""
         return self.output_dir.format(name=self.name)
 
+    def _check_mxfp8(self):
+        """MXFP8 scales blocks of 32 along every contraction: the forward's and the input gradient's (the
+        projections' widths both sides), the weight gradient's (tokens, and the experts' rows per block)."""
+        m = self.model
+        widths = {"model.d_model": m.d_model, "model.n_heads x head size": m.n_heads * m.head_size,
+                  "model.kv_heads x head size": m.kv_heads * m.head_size, "data.sequence_length": self.data.sequence_length}
+        if m.mlp == "dense" or m.dense_layers:
+            widths["model.mlp_hidden"] = m.mlp_hidden
+        if m.moe is not None:
+            widths["model.moe.expert_hidden"] = m.moe.expert_hidden
+            widths["impl.moe.block"] = self.impl.moe.block or 32
+        for name, value in widths.items():
+            if value % 32:
+                raise ValueError(f"impl.fp8=mxfp8 scales blocks of 32 values along each matmul's contraction: {name} "
+                                 f"{value} is not a multiple of 32; change it or set impl.fp8 to true or false")
+        if m.moe is not None and self.impl.moe.dispatch == "ragged_dot":
+            raise ValueError("impl.fp8=mxfp8 runs the experts in the block loop (JAX has no MXFP8 ragged_dot); set "
+                             "impl.moe.dispatch=auto or blocks")
+
     @model_validator(mode="after")
     def _consistent(self):
         low = {"float32": False, "bfloat16": True}
@@ -581,6 +601,8 @@ class RunConfig(Section):
                 raise ValueError(f"data.{field} {getattr(self.data, field)} >= model.vocab_size {self.model.vocab_size}")
         if self.schedule.kind == "wsd" and self.schedule.decay_steps is None:
             raise ValueError("schedule.kind=wsd needs schedule.decay_steps")
+        if self.impl.fp8 == "mxfp8":
+            self._check_mxfp8()
         if self.model.moe is not None and self.model.moe.num_experts % self.mesh.expert:
             raise ValueError(f"model.moe.num_experts {self.model.moe.num_experts} do not divide over mesh.expert "
                              f"{self.mesh.expert}; make the experts a multiple of it")

@@ -14,7 +14,8 @@ MLP sublayer chosen by `model.mlp` (dense SwiGLU, model/mlp.py, or the mixture o
 training hooks, which the train step calls (auxiliary losses, load metrics). Matmuls run in the dtype of x;
 norms, RoPE and softmax in float32. Named activations (`qkv_proj`, `out_proj`, `mlpwi_0`, `mlpwi_1`,
 `mlpwo`, `context`) let a remat policy be a list of names. `dense` is the projections' matmul (float8
-with impl.fp8: q, k, v, o and the MLP's, never the attention's own products).
+with impl.fp8: q, k, v, o and the MLP's, never the attention's own products; with impl.fp8=mxfp8 the
+experts' grouped matmuls too).
 """
 
 from __future__ import annotations
@@ -50,8 +51,21 @@ def dense(x: jax.Array, w: jax.Array, name: str, matmul: Callable = jnp.matmul) 
     return checkpoint_name(y.reshape(*x.shape[:-1], w.shape[-1]), name)
 
 
-def dense_for(impl: ImplConfig) -> Callable:
-    """The block projections' `dense`: float8 matmuls with impl.fp8."""
+def dense_for(impl: ImplConfig, layout: Layout | None = None) -> Callable:
+    """The block projections' `dense`: float8 matmuls with impl.fp8 (MXFP8 ones for the layout's platform with
+    impl.fp8=mxfp8)."""
+    if impl.fp8 == "mxfp8":
+        fp8.check_mxfp8(layout)
+        where = platform(layout)
+
+        def mx_matmul(x, w):
+            if where == "gpu" and layout is not None:
+                # the weight whole before it is quantized: sharded, its e8m0 scales would be gathered by NCCL,
+                # which has no such type (XLA refuses the program)
+                w = jax.lax.with_sharding_constraint(w, layout.replicated)
+            return fp8.mx_matmul(x, w, where)
+
+        return functools.partial(dense, matmul=mx_matmul)
     return functools.partial(dense, matmul=fp8.matmul) if impl.fp8 else dense
 
 
@@ -59,16 +73,20 @@ def mlp_sublayer(cfg: ModelConfig, impl: ImplConfig, layout: Layout | None = Non
                  dense: Callable = dense):
     """The MLP sublayer of `kind` (default model.mlp): `mlp(p, h) -> (out, aux)`; the MoE one also takes
     `key=` (for routing="random"). With a layout, the experts run expert-parallel on its mesh. `dense` is the
-    dense MLP's matmul (the experts' grouped matmuls stay in the compute dtype)."""
+    dense MLP's matmul; the experts' grouped matmuls run in the compute dtype, or in MXFP8 with impl.fp8=mxfp8
+    (then in blocks of at least 32 rows: the weight gradient contracts them)."""
     if (kind or cfg.mlp) == "dense":
         return functools.partial(dense_mlp, dense=dense)
 
     dispatch = sublayer.dispatch_for(impl.moe.dispatch, platform(layout))
+    mx = {}
+    if impl.fp8 == "mxfp8":
+        mx = {"dot": functools.partial(fp8.mx_dot_general, platform=platform(layout)), "smallest_block": fp8.MX_BLOCK}
 
     def moe_mlp(p: dict, h: jax.Array, key: jax.Array | None = None) -> tuple[jax.Array, dict]:
         return sublayer.moe_mlp(cfg.moe, p, h, key=key, mesh=layout.mesh if layout else None,
                                 batch_axes=layout.batch_axes if layout else (), dispatch=dispatch,
-                                block_size=impl.moe.block, ep_capacity=impl.moe.ep_capacity)
+                                block_size=impl.moe.block, ep_capacity=impl.moe.ep_capacity, **mx)
 
     return moe_mlp
 

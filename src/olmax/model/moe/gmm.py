@@ -18,12 +18,12 @@ from jax.ad_checkpoint import checkpoint_name
 from olmax.model.mlp import swiglu
 from olmax.parallel.expert import rank_within
 
-def auto_block_size(expected_rows: int, groups: int) -> int:
-    """A power of two near a quarter of the mean rows per group, in [16, 128]: a group's last, partly
+def auto_block_size(expected_rows: int, groups: int, smallest: int = 16) -> int:
+    """A power of two near a quarter of the mean rows per group, in [smallest, 128]: a group's last, partly
     filled block wastes half a block on average (about an eighth of the work), and smaller blocks make
     smaller, less efficient matmuls."""
     target = max(expected_rows // (4 * groups), 1)
-    return min(max(1 << (target.bit_length() - 1), 16), 128)
+    return min(max(1 << (target.bit_length() - 1), smallest), 128)
 
 
 def _vary_like(a, *like):
@@ -37,13 +37,18 @@ def _zeros(shape, dtype, *like):
     return _vary_like(jnp.zeros(shape, dtype), *like)
 
 
-def _grouped_loop(x, w, block_starts, block: int, contract_w: int):
+def dot_f32(a: jax.Array, b: jax.Array, dimension_numbers) -> jax.Array:
+    """The grouped matmul's default product: lax.dot_general accumulated and returned in float32."""
+    return jax.lax.dot_general(a, b, dimension_numbers, preferred_element_type=jnp.float32)
+
+
+def _grouped_loop(x, w, block_starts, block: int, dot, contract_w: int):
     def group(g, out):
         wg = jax.lax.dynamic_index_in_dim(w, g, keepdims=False)  # one copy per group, not per block
 
         def one_block(b, out):
             xb = jax.lax.dynamic_slice_in_dim(x, b * block, block)
-            yb = jax.lax.dot_general(xb, wg, (((1,), (contract_w,)), ((), ())), preferred_element_type=jnp.float32)
+            yb = dot(xb, wg, (((1,), (contract_w,)), ((), ())))
             return jax.lax.dynamic_update_slice_in_dim(out, yb.astype(out.dtype), b * block, 0)
 
         return jax.lax.fori_loop(block_starts[g], block_starts[g + 1], one_block, out)
@@ -51,28 +56,30 @@ def _grouped_loop(x, w, block_starts, block: int, contract_w: int):
     return jax.lax.fori_loop(0, w.shape[0], group, _zeros((x.shape[0], w.shape[2 - contract_w]), x.dtype, x, w))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def gmm(x: jax.Array, w: jax.Array, block_starts: jax.Array, block: int) -> jax.Array:
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def gmm(x: jax.Array, w: jax.Array, block_starts: jax.Array, block: int, dot=dot_f32) -> jax.Array:
     """Grouped matmul over blocks of `block` rows: blocks block_starts[g] to block_starts[g + 1] - 1 of
     x [NB * block, D] times w[g] ([G, D, F]); rows after the last group's blocks are 0 and cost nothing
     (while loops over the used blocks only). The gradient runs the same loops: a while loop cannot be
-    differentiated, and a scan's gradient would add a full [G, D, F] buffer per block."""
-    return _grouped_loop(x, w, block_starts, block, contract_w=0)
+    differentiated, and a scan's gradient would add a full [G, D, F] buffer per block. `dot(a, b,
+    dimension_numbers)` is every product, forward and backward, in float32 (dot_f32; fp8.mx_dot_general
+    for MXFP8)."""
+    return _grouped_loop(x, w, block_starts, block, dot, contract_w=0)
 
 
-def _gmm_fwd(x, w, block_starts, block):
-    return gmm(x, w, block_starts, block), (x, w, block_starts)
+def _gmm_fwd(x, w, block_starts, block, dot):
+    return gmm(x, w, block_starts, block, dot), (x, w, block_starts)
 
 
-def _gmm_bwd(block, res, dy):
+def _gmm_bwd(block, dot, res, dy):
     x, w, block_starts = res
-    dx = _grouped_loop(dy, w, block_starts, block, contract_w=1)
+    dx = _grouped_loop(dy, w, block_starts, block, dot, contract_w=1)
 
     def group(g, dw):
         def one_block(b, acc):
             xb = jax.lax.dynamic_slice_in_dim(x, b * block, block)
             dyb = jax.lax.dynamic_slice_in_dim(dy, b * block, block)
-            return acc + jax.lax.dot_general(xb, dyb, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+            return acc + dot(xb, dyb, (((0,), (0,)), ((), ())))
 
         zeros = _zeros(w.shape[1:], jnp.float32, x, dy)
         acc = jax.lax.fori_loop(block_starts[g], block_starts[g + 1], one_block, zeros)
@@ -85,7 +92,7 @@ def _gmm_bwd(block, res, dy):
 gmm.defvjp(_gmm_fwd, _gmm_bwd)
 
 
-def _swiglu_blocks(x, groups, w1, w3, w2, block):
+def _swiglu_blocks(x, groups, w1, w3, w2, block, dot):
     M, k = groups.shape
     G, R = w1.shape[0], groups.size
     flat = groups.reshape(-1)
@@ -98,7 +105,7 @@ def _swiglu_blocks(x, groups, w1, w3, w2, block):
     source = jnp.full(n_blocks * block, R, jnp.int32).at[slot].set(jnp.arange(R, dtype=jnp.int32), mode="drop")
     xp = jnp.take(x, source // k, axis=0, mode="fill", fill_value=0)
     w1, w3, w2 = (_vary_like(w.astype(x.dtype), x) for w in (w1, w3, w2))
-    y = swiglu(xp, w1, w3, w2, lambda a, w, name: checkpoint_name(gmm(a, w, block_starts, block), name))
+    y = swiglu(xp, w1, w3, w2, lambda a, w, name: checkpoint_name(gmm(a, w, block_starts, block, dot), name))
     return jnp.take(y, slot, axis=0, mode="fill", fill_value=0).reshape(M, k, -1)
 
 
@@ -115,13 +122,15 @@ def _swiglu_ragged(x, groups, w1, w3, w2):
     return jnp.zeros_like(y).at[order].set(y).reshape(M, k, -1)
 
 
-def grouped_swiglu(x: jax.Array, groups: jax.Array, w1, w3, w2, *, dispatch: str, block: int) -> jax.Array:
+def grouped_swiglu(x: jax.Array, groups: jax.Array, w1, w3, w2, *, dispatch: str, block: int,
+                   dot=dot_f32) -> jax.Array:
     """Each row's experts on it: x [M, D], groups [M, k] ids in [0, G] (G = none) -> [M, k, D].
 
-    w1, w3 [G, D, F] and w2 [G, F, D] are cast to x's dtype; rows with id G give 0."""
+    w1, w3 [G, D, F] and w2 [G, F, D] are cast to x's dtype; rows with id G give 0. `dot` is the block
+    loop's product (see `gmm`); ragged_dot has its own."""
     if dispatch == "ragged_dot":
         return _swiglu_ragged(x, groups, w1, w3, w2)
-    return _swiglu_blocks(x, groups, w1, w3, w2, block)
+    return _swiglu_blocks(x, groups, w1, w3, w2, block, dot)
 
 
 def combine(y: jax.Array, gates: jax.Array) -> jax.Array:

@@ -45,9 +45,12 @@ def moe_mlp(
     dispatch: str = "blocks",
     block_size: int | None = None,
     ep_capacity: float | None = None,
+    dot=gmm.dot_f32,
+    smallest_block: int = 16,
 ) -> tuple[jax.Array, dict]:
     """One MoE layer on hidden states x [B, T, D] -> (out [B, T, D], aux); `key` drives routing="random".
-    `dispatch` ("blocks" or "ragged_dot") and `block_size` (None = auto) choose how the experts run;
+    `dispatch` ("blocks" or "ragged_dot") and `block_size` (None = auto, at least `smallest_block`) choose how
+    the experts run, `dot` the block loop's products (gmm.gmm);
     `ep_capacity` (None: dropless) bounds what a device sends each peer of its expert group (see
     olmax.parallel.expert), dropping, and counting, assignments beyond it.
 
@@ -86,8 +89,9 @@ def moe_mlp(
     aux["dropped_tokens"] = jnp.sum(experts == cfg.num_experts, dtype=jnp.int32)
 
     def run_experts(x_local, groups, gates, w1, w3, w2, expected_rows):
-        block = block_size or gmm.auto_block_size(expected_rows, w1.shape[0])
-        return gmm.combine(gmm.grouped_swiglu(x_local, groups, w1, w3, w2, dispatch=dispatch, block=block), gates)
+        block = block_size or gmm.auto_block_size(expected_rows, w1.shape[0], smallest_block)
+        y = gmm.grouped_swiglu(x_local, groups, w1, w3, w2, dispatch=dispatch, block=block, dot=dot)
+        return gmm.combine(y, gates)
 
     weights = (p["w1"], p["w3"], p["w2"])
     if mesh is None:

@@ -7,7 +7,10 @@ out-of-memory message (a test holds the table to it), for GPUs the total the dri
 Peak FLOP/s are dense bf16 per chip, from the vendors' pages:
 https://docs.cloud.google.com/tpu/docs/tpu7x (v5p 459, v6e 918, TPU7x 2307 TFLOP/s; TPU7x has two
 TensorCores per chip, each a JAX device), https://cloud.google.com/tpu/docs/v5e (197 TFLOP/s),
-NVIDIA's H100 and H200 datasheets (989 TFLOP/s without sparsity).
+NVIDIA's H100 and H200 datasheets (989 TFLOP/s without sparsity), NVIDIA's HGX page
+(https://www.nvidia.com/en-us/data-center/hgx/: FP16/BF16 36 PFLOP/s for 8 B200s and for 8 B300s, with
+sparsity: 2250 TFLOP/s a GPU dense; FP8 and MXFP8 twice that, 4500). B200 and B300 memory is what nvidia-smi
+reports on HGX hosts (183,359 and 275,040 MiB); their target configs cite the rest.
 """
 
 from __future__ import annotations
@@ -40,6 +43,8 @@ ACCELERATORS = {
     "tpu7x": Accelerator("tpu", round(94.75 * GiB), 2307e12, devices_per_chip=2),
     "h100": Accelerator("gpu", 81_559 * 2**20, 989e12, target_config="h100_sxm.txtpb"),
     "h200": Accelerator("gpu", 143_771 * 2**20, 989e12, target_config="h200_sxm.txtpb"),
+    "b200": Accelerator("gpu", 183_359 * 2**20, 2250e12, target_config="b200_sxm.txtpb"),
+    "b300": Accelerator("gpu", 275_040 * 2**20, 2250e12, target_config="b300_sxm.txtpb"),
 }
 GPUS_PER_HOST = 8
 KIND_ALIASES = {"ironwood": "tpu7x"}  # the name Google's announcements use for TPU7x
