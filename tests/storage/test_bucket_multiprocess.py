@@ -6,6 +6,7 @@ to step 9: the losses are a one-process run's, and one process reads the checkpo
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -26,7 +27,7 @@ STEPS = 9
 
 def _run_two_processes(stores, tmp_path, overrides: list[str], attempt: str) -> list[str]:
     """Start `olmax train tiny` as processes 0 and 1 of one run; their outputs once both exited 0."""
-    env = child_env(tmp_path / "jax-cache", 2, **stores.env, OLMAX_LOCAL_DEVICES="2",
+    env = child_env(os.environ["JAX_COMPILATION_CACHE_DIR"], 2, **stores.env, OLMAX_LOCAL_DEVICES="2",
                     OLMAX_COORDINATOR=f"127.0.0.1:{free_port()}", OLMAX_NUM_PROCESSES="2")
     logs = [tmp_path / f"{attempt}-{i}.log" for i in range(2)]
     procs = []
