@@ -26,6 +26,10 @@ LAYOUTS = {
     "4 stages, GPipe, 8 micro-batches": ["mesh.stage=4", "impl.pipeline.microbatches=8"],
     "4 stages, circular x4, 8 micro-batches": ["mesh.stage=4", "impl.pipeline.microbatches=8",
                                                "impl.pipeline.schedule=circular", "impl.pipeline.repeats=4"],
+    "4 stages, 1F1B, 8 micro-batches": ["mesh.stage=4", "impl.pipeline.microbatches=8", "impl.pipeline.schedule=1f1b"],
+    "4 stages, interleaved 1F1B x4, 8 micro-batches": ["mesh.stage=4", "impl.pipeline.microbatches=8",
+                                                       "impl.pipeline.schedule=interleaved_1f1b",
+                                                       "impl.pipeline.repeats=4"],
 }
 
 

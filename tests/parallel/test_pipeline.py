@@ -254,6 +254,7 @@ def reference(tmp_path_factory, shards):
 @pytest.mark.parametrize("overrides", [
     "mesh.stage=4 mesh.fsdp=2 impl.pipeline.microbatches=8",
     "mesh.stage=2 mesh.data=2 mesh.fsdp=2 impl.pipeline.schedule=circular impl.pipeline.microbatches=4",
+    "mesh.stage=2 mesh.fsdp=4 impl.pipeline.schedule=interleaved_1f1b impl.pipeline.microbatches=4",
 ])
 def test_pipelined_training_with_data_parallelism_matches_the_unpipelined_model(tmp_path, shards, reference,
                                                                                  overrides):

@@ -20,6 +20,11 @@ so checkpoints do not depend on the stage count. GPipe's chunks are then already
 circular schedule's chunk c = r S + s lives on stage c // R in that layout and is moved to stage
 s = c mod S inside the step (R collective permutes of one chunk per stage each micro-step, the same for
 their gradients back).
+
+`run` leaves the backward pass to autodiff of its scan, which keeps every iteration's saved activations
+until the backward: all M micro-batches'. `run_1f1b` (the 1f1b and interleaved_1f1b schedules) runs the same
+chunks on the same stages with the backward scheduled by hand, the loss inside the pipeline, and keeps only
+a bounded number of chunk inputs per stage (see Ticks).
 """
 
 from __future__ import annotations
