@@ -101,6 +101,20 @@ def test_moe_dispatch_auto_is_ragged_dot_on_tpu_only():
 
     assert [dispatch_for("auto", p) for p in ("cpu", "gpu", "tpu")] == ["blocks", "blocks", "ragged_dot"]
     assert dispatch_for("blocks", "tpu") == "blocks" and dispatch_for("ragged_dot", "cpu") == "ragged_dot"
+    assert dispatch_for("auto", "tpu", stages=2) == "blocks"
+
+
+@needs_tpu
+def test_a_pipelined_moe_compiles_for_tpu_with_auto_and_refuses_ragged_dot(capsys):
+    """The pipeline maps the layers over its stages, a batch dimension the TPU's ragged-dot kernel does not
+    take: `auto` keeps the block loop there (the compile failed with a traceback before), and ragged_dot
+    asked for is exit 2 with one line."""
+    pipelined = ["--target", "tpu:v5p:2x2x2", "mesh.stage=2", "model.n_layers=8", "--json"]
+    assert main(["compile", "tiny_moe", *pipelined]) == 0
+    assert json.loads(capsys.readouterr().out)["moe_dispatch"] == "blocks"
+    assert main(["compile", "tiny_moe", *pipelined, "impl.moe.dispatch=ragged_dot"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and "impl.moe.dispatch=auto or blocks" in err
 
 
 @needs_gpu

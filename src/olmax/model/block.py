@@ -78,7 +78,8 @@ def mlp_sublayer(cfg: ModelConfig, impl: ImplConfig, layout: Layout | None = Non
     if (kind or cfg.mlp) == "dense":
         return functools.partial(dense_mlp, dense=dense)
 
-    dispatch = sublayer.dispatch_for(impl.moe.dispatch, platform(layout))
+    stages = layout.mesh.shape.get("stage", 1) if layout else 1
+    dispatch = sublayer.dispatch_for(impl.moe.dispatch, platform(layout), stages)
     mx = {}
     if impl.fp8 == "mxfp8":
         mx = {"dot": functools.partial(fp8.mx_dot_general, platform=platform(layout)), "smallest_block": fp8.MX_BLOCK}

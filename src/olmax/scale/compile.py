@@ -126,7 +126,7 @@ def compile_train_step(cfg: RunConfig, target: Target, mfu: float) -> dict:
         "compute_dtype": jnp.dtype(transformer.compute_dtype(cfg.impl, layout)).name,
         "attention": attention.implementation(cfg.impl, layout, cfg.data.sequence_length),
         "attention_tiles": _attention_tiles(cfg, layout),
-        "moe_dispatch": sublayer.dispatch_for(cfg.impl.moe.dispatch, platform(layout)) if cfg.model.mlp == "moe"
+        "moe_dispatch": sublayer.dispatch_for(cfg.impl.moe.dispatch, platform(layout), cfg.mesh.stage) if cfg.model.mlp == "moe"
         else None,
         "fp8": cfg.impl.fp8,
         "loss_chunk": cfg.impl.loss_chunk,

@@ -17,20 +17,27 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from olmax.config import ModelConfig, MoEConfig
+from olmax.config import ConfigError, ModelConfig, MoEConfig
 from olmax.model.mlp import swiglu
 from olmax.model.moe import gmm, router
 from olmax.parallel import expert as expert_parallel
 
 
-def dispatch_for(chosen: str, platform: str) -> str:
-    """The experts' matmul `impl.moe.dispatch` means on `platform` ('cpu', 'gpu', 'tpu'). `auto` takes
-    ragged_dot where the compiler runs it as a grouped-matmul kernel: on TPU (its `ragged-dot` kernels,
-    tests/scale/test_scale_compile.py). XLA:CPU expands it densely, and so did XLA:GPU in jax 0.10.2 (a
-    compile for gpu:h100x8 made each expert matmul a batched dot over every expert and every row), so
-    `auto` keeps the block loop there."""
+def dispatch_for(chosen: str, platform: str, stages: int = 1) -> str:
+    """The experts' matmul `impl.moe.dispatch` means on `platform` ('cpu', 'gpu', 'tpu') with `stages`
+    pipeline stages. `auto` takes ragged_dot where the compiler runs it as a grouped-matmul kernel: on TPU (its
+    `ragged-dot` kernels, tests/scale/test_scale_compile.py) without pipeline stages. A pipeline maps the
+    layers over the stages, which gives ragged_dot a batch dimension, and the TPU kernel takes none (the
+    compiler stops: "Failed to create RaggedConvSpec ... number of batch dimensions should be 0"). XLA:CPU
+    expands ragged_dot densely, and so did XLA:GPU in jax 0.10.2 (a compile for gpu:h100x8 made each expert
+    matmul a batched dot over every expert and every row), so `auto` keeps the block loop there."""
+    kernel = platform == "tpu" and stages == 1
+    if chosen == "ragged_dot" and platform == "tpu" and not kernel:
+        raise ConfigError(f"impl.moe.dispatch=ragged_dot with mesh.stage {stages}: the TPU's ragged-dot kernel "
+                          "takes no batch dimension, which the pipeline's map over its stages adds; set "
+                          "impl.moe.dispatch=auto or blocks")
     if chosen == "auto":
-        return "ragged_dot" if platform == "tpu" else "blocks"
+        return "ragged_dot" if kernel else "blocks"
     return chosen
 
 
