@@ -193,13 +193,7 @@ def run(stage_fn: Callable, weights, x: jax.Array, names: tuple[str, ...], sched
     Returns (y [M, b, ...], aux [M, R S C, ...] in layer order) from real iterations only.
     """
     S, M, R = sched.stages, sched.microbatches, sched.repeats
-    stage_axes = _stage_axes(layout)
-    act_spec = PartitionSpec(stage_axes or None, *(layout.spec(names, x.shape[1:]) if layout else ()))
-    stage_ids = jnp.arange(S)
-    vmap = jax.vmap if not stage_axes else lambda f, **kw: jax.vmap(f, spmd_axis_name=stage_axes, **kw)
-
-    def at_stage(a):  # [S] -> broadcastable against [S, b, ...]
-        return a.reshape(S, *[1] * (x.ndim - 1))
+    act_spec, stage_ids, vmap, at_stage = _stage_tools(x, names, S, layout)
 
     # Each stage's chunk of the circular schedule changes with the iteration: left to autodiff, that chunk (and
     # its compute-dtype copy) would be kept for the backward pass of every iteration, the stage's weights
@@ -322,16 +316,19 @@ def run_1f1b(stage_fn: Callable, head_fn: Callable, weights, x: jax.Array, head_
     return loss(weights, x, head_params, head_inputs)
 
 
+def _stage_tools(x, names, S: int, layout):
+    """What every schedule's loop uses: the [S, b, ...] activations' spec, the stage ids, a vmap over the stages
+    (on the stage mesh axes where there are some) and `at_stage` ([S] -> broadcastable against [S, b, ...])."""
+    stage_axes = _stage_axes(layout)
+    act_spec = PartitionSpec(stage_axes or None, *(layout.spec(names, x.shape[1:]) if layout else ()))
+    vmap = jax.vmap if not stage_axes else lambda f, **kw: jax.vmap(f, spmd_axis_name=stage_axes, **kw)
+    return act_spec, jnp.arange(S), vmap, lambda a: a.reshape(S, *[1] * (x.ndim - 1))
+
+
 def _run_1f1b(stage_fn, head_fn, weights, x, head_params, head_inputs, names, sched, layout):
     S, R = sched.stages, sched.repeats
     table = ticks(sched)
-    stage_axes = _stage_axes(layout)
-    act_spec = PartitionSpec(stage_axes or None, *(layout.spec(names, x.shape[1:]) if layout else ()))
-    stage_ids = jnp.arange(S)
-    vmap = jax.vmap if not stage_axes else lambda f, **kw: jax.vmap(f, spmd_axis_name=stage_axes, **kw)
-
-    def at_stage(a):  # [S] -> broadcastable against [S, b, ...]
-        return a.reshape(S, *[1] * (x.ndim - 1))
+    act_spec, stage_ids, vmap, at_stage = _stage_tools(x, names, S, layout)
 
     def one_stage(a, stage):  # stage `stage`'s [b, ...] as a value every stage holds (one all-reduce)
         return jnp.sum(jnp.where(at_stage(stage_ids == stage), a, jnp.zeros_like(a)), axis=0)
