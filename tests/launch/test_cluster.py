@@ -11,6 +11,7 @@ from test_launch_train import read_jsonl, shards  # noqa: F401
 from testlib import child_env
 
 from olmax.config import load_config
+from olmax.config import ConfigError
 from olmax.launch.distributed import ClusterError, join_cluster
 from olmax.launch.supervisor import free_port
 from olmax.train.trainer import train
@@ -40,6 +41,14 @@ def test_a_process_of_a_job_it_cannot_join_refuses_to_train_alone(bare_env, env,
     with pytest.raises(ClusterError, match=says) as err:
         join_cluster()
     assert "OLMAX_COORDINATOR" in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_cluster_variable_that_is_not_a_number_is_one_line(bare_env):
+    """It was a ValueError traceback (libtpu once left TPU_WORKER_ID="WARNING: could not determine ...")."""
+    bare_env.setenv("TPU_WORKER_ID", "WARNING: could not determine TPU worker number")
+    with pytest.raises(ConfigError, match="TPU_WORKER_ID='WARNING: could not determine TPU worker number' must be "
+                                          "an integer"):
+        join_cluster()
 
 
 def test_one_task_or_the_first_pod_is_a_single_process_run(bare_env):

@@ -5,6 +5,7 @@ TPU targets need the aot extra (libtpu; CI installs it), GPU targets the aot-gpu
 
 import json
 import re
+import subprocess
 
 import jax
 import jax.numpy as jnp
@@ -17,7 +18,7 @@ from olmax.cli import main
 from olmax.config import load_config
 from olmax.scale.cli import format_compile
 from olmax.scale.compile import compile_train_step
-from olmax.scale.targets import ACCELERATORS, GiB, aot_missing, parse_target
+from olmax.scale.targets import ACCELERATORS, GiB, aot_missing, compile_only_devices, parse_target
 
 needs_tpu = pytest.mark.skipif(bool(aot_missing("tpu")), reason=str(aot_missing("tpu")))
 needs_gpu = pytest.mark.skipif(bool(aot_missing("gpu")), reason=str(aot_missing("gpu")))
@@ -71,6 +72,15 @@ def test_ironwood_compiles_with_its_sparsecore_flag_profile(capsys, monkeypatch)
     monkeypatch.setitem(targets.XLA_FLAGS, "tpu7x", {"xla_tpu_no_such_flag": True})
     with pytest.raises(jax.errors.JaxRuntimeError, match="xla_tpu_no_such_flag"):
         compile_train_step(load_config("tiny"), parse_target("tpu:tpu7x:2x2x1"), mfu=0.4)
+
+
+@needs_tpu
+def test_loading_libtpu_to_compile_leaves_child_processes_no_made_up_tpu_variables():
+    """libtpu without TPU hardware sets TPU_WORKER_ID and others to "WARNING: could not determine ..." in the C
+    environment, which os.environ does not show but every child inherits: they are unset again."""
+    compile_only_devices(parse_target("tpu:v5p:2x2x1"))
+    inherited = subprocess.run(["env"], capture_output=True, text=True, check=True).stdout
+    assert "WARNING: could not determine" not in inherited and "ALLOW_MULTIPLE_LIBTPU_LOAD=1" in inherited
 
 
 @needs_tpu

@@ -83,20 +83,25 @@ def _detected():
     return None
 
 
+def _env_number(name: str, default: int) -> int:
+    """A cluster's count or index variable: `default` when unset, exit 2 naming it when it is not a number."""
+    return _int_env(name, 0) if name in os.environ else default
+
+
 def _unjoinable() -> str | None:
     """Why this process is evidently one of several that no detector could join, None if it is not."""
     env = os.environ
-    if "SLURM_JOB_ID" in env and int(env.get("SLURM_NTASKS", "1")) > 1:
+    if "SLURM_JOB_ID" in env and _env_number("SLURM_NTASKS", 1) > 1:
         return (f"this is Slurm job {env['SLURM_JOB_ID']} of {env['SLURM_NTASKS']} tasks, but not one of its srun "
                 "tasks (no SLURM_STEP_NODELIST/SLURM_PROCID): start every process with `srun`, or submit with "
                 f"`olmax launch --slurm`, {JOIN_BY_HAND}")
-    if int(env.get("OMPI_COMM_WORLD_SIZE", "1")) > 1:
+    if _env_number("OMPI_COMM_WORLD_SIZE", 1) > 1:
         return ("this is an Open MPI rank without OMPI_MCA_orte_hnp_uri, from which JAX finds the coordinator "
                 f"(Open MPI 5 launches through PRRTE and does not set it): use Open MPI 4's mpirun, {JOIN_BY_HAND}")
-    if int(env.get("TPU_WORKER_ID", "0")) > 0:
+    if _env_number("TPU_WORKER_ID", 0) > 0:
         return (f"this is TPU worker {env['TPU_WORKER_ID']} but JAX finds no TPU VM or no TPU_WORKER_HOSTNAMES: "
                 f"check that libtpu is installed and the JobSet sets the TPU variables, {JOIN_BY_HAND}")
-    if int(env.get("JOB_COMPLETION_INDEX", "0")) > 0:
+    if _env_number("JOB_COMPLETION_INDEX", 0) > 0:
         return (f"this is pod {env['JOB_COMPLETION_INDEX']} of an indexed Kubernetes Job, which JAX only joins "
                 f"with the `kubernetes` package (pip install 'jax[k8s]'): set the variables in the pod spec as "
                 f"`olmax launch --k8s` writes them, {JOIN_BY_HAND}")

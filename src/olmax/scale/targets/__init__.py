@@ -15,7 +15,9 @@ reports on HGX hosts (183,359 and 275,040 MiB); their target configs cite the re
 
 from __future__ import annotations
 
+import ctypes
 import importlib.util
+import itertools
 import math
 import os
 import re
@@ -164,6 +166,8 @@ def compile_only_devices(target: Target) -> list:
             topology = topologies.get_topology_desc(topology_name=f"{target.kind}:{target.topology}", platform="tpu")
         except jax.errors.JaxRuntimeError as err:
             raise TargetError(f"target {target.name}: libtpu refuses the topology ({err})") from None
+        finally:
+            _unset_libtpu_guesses()
     else:
         config = (files(__package__) / target.accelerator.target_config).read_text()
         topology = topologies.get_topology_desc(platform="cuda", target_config=config, topology=target.topology)
@@ -171,3 +175,20 @@ def compile_only_devices(target: Target) -> list:
         raise TargetError(f"target {target.name}: the compiler gives {len(topology.devices)} devices, "
                           f"the device table expects {target.devices}")
     return topology.devices
+
+
+def _unset_libtpu_guesses() -> None:
+    """Unset what libtpu, loaded without TPU hardware, wrote into this process's environment behind os.environ's
+    back: TPU_WORKER_ID, CLOUD_TPU_TASK_ID and CLOUD_TPU_ACCELERATOR_TYPE set to "WARNING: could not determine
+    ...". Every process started afterwards inherited them (an `olmax train` took itself for TPU worker
+    "WARNING: ..." and stopped). Variables the process had before are left as they are."""
+    environ = ctypes.POINTER(ctypes.c_char_p).in_dll(ctypes.CDLL(None), "environ")
+    guessed = []
+    for i in itertools.count():
+        if not environ[i]:
+            break
+        name, _, value = environ[i].decode(errors="replace").partition("=")
+        if value.startswith("WARNING: could not determine") and name not in os.environ:
+            guessed.append(name)
+    for name in guessed:
+        os.unsetenv(name)
