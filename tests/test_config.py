@@ -1,6 +1,8 @@
+import re
+
 import pytest
 
-from olmax.config import ConfigError, dump, load_config
+from olmax.config import ConfigError, dump, load_config, target_layout
 
 
 def test_presets_resolve_and_7b_is_the_stage1_recipe():
@@ -154,3 +156,39 @@ def test_configs_that_cannot_run_are_refused_before_anything_is_written(tmp_path
     assert main(argv) == 2
     assert message.format(**fill) in capsys.readouterr().err
     assert not (tmp_path / "run").exists()
+
+
+def test_a_layout_applies_on_its_target_beneath_the_command_line(tmp_path, capsys):
+    """`layouts:` lays a preset out for given devices: on them it is the preset's settings, command-line
+    overrides still win, other targets and no target keep the preset's own; a file based on the preset inherits it."""
+    laid_out = load_config("olmo3_moe_47b", target="gpu:b300x8")
+    assert (laid_out.mesh.expert, laid_out.mesh.fsdp, laid_out.mesh.rules["embed"]) == (8, 1, ["fsdp", "expert"])
+    assert laid_out.train.micro_batch_per_device == 1 and laid_out.impl.moe.ep_capacity == 1.25
+    assert laid_out.train.global_batch_instances == load_config("olmo3_moe_47b").train.global_batch_instances
+    for target in (None, "gpu:b300x16", "gpu:b200x8", "tpu:v5p:4x4x4"):
+        assert load_config("olmo3_moe_47b", target=target).mesh.expert == 1
+    assert load_config("olmo3_moe_47b", ["mesh.expert=4", "mesh.fsdp=2"], target="gpu:b300x8").mesh.expert == 4
+    child = tmp_path / "child.yaml"
+    child.write_text("base: olmo3_moe_47b\nname: child\nlayouts:\n  gpu:b300x8: {train: {micro_batch_per_device: 2}}\n")
+    assert load_config(str(child), target="gpu:b300x8").train.micro_batch_per_device == 2
+    assert load_config(str(child), target="gpu:b300x8").mesh.expert == 8
+    assert target_layout("olmo3_moe_47b", "gpu:b300x8")[1][:2] == ["mesh.expert=8", "mesh.fsdp=1"]
+    assert target_layout("tiny", "gpu:b300x8") is None
+
+    from olmax.cli import main
+
+    assert main(["config", "show", "olmo3_moe_47b", "--target", "gpu:b300x8"]) == 0
+    assert "  expert: 8\n" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("layouts, message", [
+    ("  gpu:b300x8: {mesh: {experts: 8}}", "layouts.gpu:b300x8: unknown config key 'mesh.experts'"),
+    ("  gpu:b300x8: 8", "layouts must map a target (gpu:b300x8, tpu:v5p:*) to sections of settings"),
+    ("  gpu:*: {mesh: {data: 2}}\n  gpu:b300x*: {mesh: {data: 4}}", "layouts ['gpu:*', 'gpu:b300x*'] all match target "
+     "gpu:b300x8; narrow them to one"),
+])
+def test_bad_layouts_are_named(tmp_path, layouts, message):
+    config = tmp_path / "bad.yaml"
+    config.write_text(f"base: tiny\nlayouts:\n{layouts}\n")
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_config(str(config), target="gpu:b300x8")

@@ -23,7 +23,10 @@ def _config_args(parser: argparse.ArgumentParser) -> None:
 def cmd_config_show(args) -> None:
     from olmax.config import dump, load_config
 
-    print(dump(load_config(args.config, args.overrides)), end="")
+    from olmax.scale.targets import parse_target
+
+    target = parse_target(args.target).name if args.target else None
+    print(dump(load_config(args.config, args.overrides, target)), end="")
 
 
 def cmd_flops(args) -> None:
@@ -69,6 +72,16 @@ def cmd_train(args) -> None:
     from olmax.launch.distributed import announce, host_log, join_cluster
 
     cluster = join_cluster()  # before anything touches a device
+    import jax
+
+    from olmax.config import target_layout
+    from olmax.scale.targets import running_target
+
+    target = running_target(jax.devices())
+    if layout := target_layout(args.config, target):  # the config's settings for these devices
+        cfg = load_config(args.config, args.overrides, target)
+        if cluster.process_id == 0:
+            print(f"layout for {target} ({layout[0]} in the config): {' '.join(layout[1])}", flush=True)
     from olmax.eval.in_loop import make_in_loop_eval
     from olmax.train.trainer import train
 
@@ -154,6 +167,8 @@ def build_parser() -> argparse.ArgumentParser:
     config_sub = p.add_subparsers(dest="config_command", required=True)
     show = config_sub.add_parser("show", help="print the resolved config")
     _config_args(show)
+    show.add_argument("--target", help="with the config's layout for this target (gpu:b300x8, tpu:v5p:4x4x8), as "
+                      "a run on those devices and `olmax compile --target` take it")
     show.set_defaults(func=cmd_config_show)
 
     from olmax.data import cli as data_cli

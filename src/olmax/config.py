@@ -8,6 +8,8 @@ anything is compiled or written.
 
 from __future__ import annotations
 
+import fnmatch
+import json
 import math
 import os
 import types
@@ -713,11 +715,46 @@ def _flatten(tree: dict, prefix: str = ""):
             yield f"{prefix}{key}", value
 
 
-def load_config(name_or_path: str, overrides: list[str] = ()) -> RunConfig:
-    """A preset name or YAML path (which may name a `base:` preset), plus `a.b=value` overrides."""
+def _layouts(tree: dict, where: str) -> dict[str, dict]:
+    """Pop the config's `layouts:` section: a target (`gpu:b300x8`; a pattern, `tpu:v5p:*`) -> the settings the
+    run takes on those devices (mesh, remat, micro-batch: how the step is laid out, not what it computes)."""
+    layouts = tree.pop("layouts", None) or {}
+    if not isinstance(layouts, dict) or not all(isinstance(v, dict) for v in layouts.values()):
+        raise ConfigError(f"{where}: layouts must map a target (gpu:b300x8, tpu:v5p:*) to sections of settings")
+    for pattern, settings in layouts.items():
+        for key, _ in _flatten(settings):
+            try:
+                _known_path(key)
+            except ConfigError as err:
+                raise ConfigError(f"{where}: layouts.{pattern}: {err}") from None
+    return layouts
+
+
+def _layout_for(layouts: dict[str, dict], target: str | None, where: str) -> tuple[str, dict] | None:
+    found = [pattern for pattern in layouts if target and fnmatch.fnmatchcase(target, pattern)]
+    if len(found) > 1:
+        raise ConfigError(f"{where}: layouts {found} all match target {target}; narrow them to one")
+    return (found[0], layouts[found[0]]) if found else None
+
+
+def target_layout(name_or_path: str, target: str | None) -> tuple[str, list[str]] | None:
+    """The config's layout for `target` (a target name, as `olmax compile --target` takes): its pattern and its
+    settings as `a.b=value` lines, or None when it has none (command-line overrides still win over them)."""
     tree = _read_yaml(preset_path(name_or_path))
+    found = _layout_for(_layouts(tree, str(name_or_path)), target, str(name_or_path))
+    return found and (found[0], [f"{key}={value if isinstance(value, str) else json.dumps(value)}"
+                                 for key, value in _flatten(found[1])])
+
+
+def load_config(name_or_path: str, overrides: list[str] = (), target: str | None = None) -> RunConfig:
+    """A preset name or YAML path (which may name a `base:` preset), its layout for `target` if it has one,
+    then `a.b=value` overrides."""
+    tree = _read_yaml(preset_path(name_or_path))
+    layout = _layout_for(_layouts(tree, str(name_or_path)), target, str(name_or_path))
     for key, _ in _flatten(tree):
         _known_path(key)
+    for key, value in _flatten(layout[1] if layout else {}):
+        _set_path(tree, key, value)
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"override {item!r} must look like section.key=value")

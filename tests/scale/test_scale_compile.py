@@ -18,7 +18,7 @@ from olmax.cli import main
 from olmax.config import load_config
 from olmax.scale.cli import format_compile
 from olmax.scale.compile import compile_train_step
-from olmax.scale.targets import ACCELERATORS, GiB, aot_missing, compile_only_devices, parse_target
+from olmax.scale.targets import ACCELERATORS, GiB, aot_missing, compile_only_devices, parse_target, running_target
 
 needs_tpu = pytest.mark.skipif(bool(aot_missing("tpu")), reason=str(aot_missing("tpu")))
 needs_gpu = pytest.mark.skipif(bool(aot_missing("gpu")), reason=str(aot_missing("gpu")))
@@ -84,15 +84,33 @@ def test_loading_libtpu_to_compile_leaves_child_processes_no_made_up_tpu_variabl
 
 
 @needs_tpu
-def test_tiny_as_it_is_compiles_for_a_tpu_slice_with_xla_attention(capsys):
+def test_tiny_compiles_for_a_tpu_slice_with_xla_attention_and_the_configs_layout_for_it(capsys, tmp_path):
     """64-token sequences: no Splash tile (a multiple of 128) fits them, so `auto` takes XLA's attention and the
-    report says so; an explicit `splash` is refused with the fix."""
-    assert main(["compile", "tiny", "--target", "tpu:v5p:2x2x2", "--json"]) == 0
+    report says so; an explicit `splash` is refused with the fix. The config's layout for the target is the
+    compiled mesh, and the report names it."""
+    config = tmp_path / "tiny_laid_out.yaml"
+    config.write_text("base: tiny\nlayouts:\n  tpu:v5p:*:\n    mesh: {data: 2}\n  gpu:*: {mesh: {data: 4}}\n")
+    assert main(["compile", str(config), "--target", "tpu:v5p:2x2x2", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
+    assert report["mesh"]["data"] == 2 and report["mesh"]["fsdp"] == 4
+    assert report["layout"] == {"target": "tpu:v5p:*", "settings": ["mesh.data=2"]}
     assert report["attention"] == "xla" and not any("splash" in k for k in report["program"]["custom_calls"])
     assert "bfloat16 compute, xla attention" in format_compile(report)
+    assert "layout for tpu:v5p:* from the config: mesh.data=2" in format_compile(report)
     assert main(["compile", "tiny", "--target", "tpu:v5p:2x2x2", "impl.attention.implementation=splash"]) == 2
     assert "set impl.attention.implementation=xla" in capsys.readouterr().err
+
+
+@needs_tpu
+@pytest.mark.parametrize("target", ["tpu:v5p:2x2x2", "tpu:v5p:2x4x4", "tpu:v5e:2x4", "tpu:v6e:4x4", "tpu:tpu7x:2x2x1"])
+def test_a_slices_devices_name_their_target(target):
+    """What a run on these chips matches `layouts:` by: the devices' kind and their coordinates' extent."""
+    assert running_target(compile_only_devices(parse_target(target))) == target
+
+
+@needs_gpu
+def test_a_gpu_hosts_devices_name_their_target():
+    assert running_target(compile_only_devices(parse_target("gpu:b300x8"))) == "gpu:b300x8"
 
 
 @needs_tpu

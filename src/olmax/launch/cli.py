@@ -124,7 +124,8 @@ def _k8s(args: argparse.Namespace) -> None:
     if not (args.target and args.image):
         raise ConfigError("olmax launch --k8s: give the slice with --target (tpu:v5p:4x4x4, gpu:h100x16) and the "
                           "container image with --image")
-    cfg, target = load_config(args.config, args.overrides), parse_target(args.target)
+    target = parse_target(args.target)
+    cfg = load_config(args.config, args.overrides, target.name)
     manifest = jobset(cfg, args.config, args.overrides, image=args.image, platform=target.platform, kind=target.kind,
                       topology=target.topology, chips=target.chips, max_restarts=args.max_retries)
     path = launch_dir(cfg) / "jobset.yaml"

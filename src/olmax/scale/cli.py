@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from olmax.config import ConfigError, load_config
+from olmax.config import ConfigError, load_config, target_layout
 
 DEFAULT_MFU = 0.4  # about what OLMo-core published for its 1B (39-40%) and 7B (47-48%) on H100s
 
@@ -54,7 +54,8 @@ def run_plan(args: argparse.Namespace) -> None:
     from olmax.scale.plan import format_plan, plan
     from olmax.scale.targets import parse_target
 
-    report = plan(load_config(args.config, args.overrides), parse_target(args.target), _mfu(args.mfu))
+    target = parse_target(args.target)
+    report = plan(load_config(args.config, args.overrides, target.name), target, _mfu(args.mfu))
     print(json.dumps(report, indent=2) if args.json else format_plan(report))
 
 
@@ -62,13 +63,16 @@ def run_compile(args: argparse.Namespace) -> None:
     from olmax.scale.compile import DoesNotFit, compile_train_step
     from olmax.scale.targets import parse_target
 
-    cfg, target = load_config(args.config, args.overrides), parse_target(args.target)
+    target = parse_target(args.target)
+    cfg, layout = load_config(args.config, args.overrides, target.name), target_layout(args.config, target.name)
     try:
         report = compile_train_step(cfg, target, _mfu(args.mfu))
     except DoesNotFit as err:
+        err.report["layout"] = layout and {"target": layout[0], "settings": layout[1]}
         print(json.dumps(err.report, indent=2) if args.json else format_compile(err.report))
         print(f"olmax: DoesNotFit: {err}", file=sys.stderr)
         sys.exit(1)
+    report["layout"] = layout and {"target": layout[0], "settings": layout[1]}
     print(json.dumps(report, indent=2) if args.json else format_compile(report))
 
 
@@ -96,6 +100,8 @@ def format_compile(r: dict) -> str:
         f"{FP8_NOTE[r['fp8']]}, {r['attention']} attention{_tiles(r.get('attention_tiles'))}, "
         f"{'experts by ' + r['moe_dispatch'] + ', ' if r.get('moe_dispatch') else ''}loss chunk {r['loss_chunk']}, "
         f"remat {r['remat']}",
+        *([f"layout for {r['layout']['target']} from the config: {' '.join(r['layout']['settings'])}"]
+          if r.get("layout") else []),
         "",
         f"{'per device':36}{'GiB':>10}",
         row("device memory", device),

@@ -134,6 +134,26 @@ def parse_target(name: str) -> Target:
     raise TargetError(f"bad target {name!r}; {usage}")
 
 
+# JAX's device_kind -> the kind as targets name it (v5p chips call themselves "TPU v5")
+TPU_KINDS = {"TPU v5": "v5p", "TPU v5p": "v5p", "TPU v5 lite": "v5e", "TPU v5e": "v5e", "TPU v6 lite": "v6e",
+             "TPU v6e": "v6e", "TPU7x": "tpu7x"}
+FLAT_TPUS = ("v5e", "v6e")  # slices of two dimensions
+
+
+def running_target(devices) -> str | None:
+    """The target `devices` (all of a run's, every process's) make, as `--target` names it (gpu:b300x8,
+    tpu:v5p:4x4x8), so that a config's `layouts:` apply to a run as to a compile for its target; None for CPUs
+    and for chips the device table does not have."""
+    first = devices[0]
+    if first.platform == "gpu" and (found := re.search(r"\b([a-z]\d{3})\b", first.device_kind.lower())):
+        return f"gpu:{found.group(1)}x{len(devices)}" if found.group(1) in ACCELERATORS else None
+    kind = TPU_KINDS.get(first.device_kind) if first.platform == "tpu" else None
+    if kind is None:
+        return None
+    dims = [max(d.coords[i] for d in devices) + 1 for i in range(len(first.coords))]
+    return f"tpu:{kind}:{'x'.join(map(str, dims[:2] if kind in FLAT_TPUS else dims))}"
+
+
 def aot_missing(platform: str) -> str | None:
     """Why this environment cannot compile for `platform`, or None when it can."""
     # cuDNN's library: JAX asks it for its version when it traces cuDNN attention, even for a compile-only GPU
