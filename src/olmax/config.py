@@ -235,7 +235,7 @@ class PipelineConfig(Section):
         "the micro-batches going round the stages that many times (a smaller bubble); both keep every micro-batch's "
         "activations for autodiff's backward pass. 1f1b / interleaved_1f1b: the same chunks, each micro-batch's "
         "backward run as soon as its loss is known (a stage keeps a bounded number of stage inputs, not M "
-        "micro-batches' activations, and recomputes its chunk in the backward); dense models"
+        "micro-batches' activations, and recomputes its chunk in the backward); learned MoE routing only"
     )
     repeats: int | None = Field(
         None, gt=1, description="circular, interleaved_1f1b: layer chunks per stage; None = the most the depth "

@@ -18,6 +18,7 @@ from olmax.data.synthetic import write_synthetic_shards
 from olmax.eval import documents, heldout
 from olmax.eval.models import place, put_batch
 from olmax.model import families, transformer
+from olmax.model.block import training_hooks
 from olmax.model.loss import label_mask, loss_sums, target_log_probs
 from olmax.parallel import pipeline
 from olmax.parallel.mesh import make_layout
@@ -356,33 +357,49 @@ def test_1f1b_loss_and_gradients_equal_autodiff_of_the_sequential_layers(stages,
     target = jax.random.normal(jax.random.key(3), (microbatches, b))
     sched = pipeline.Schedule(stages, microbatches, repeats, True)
     layout = make_layout(load_config("tiny", mesh.split()).mesh) if mesh else None
-    layers = lambda w, x: jax.lax.scan(lambda x, w: (jnp.tanh(x @ w), {}), x, w)  # noqa: E731
+    # each layer's aux: a loss term (the sum of its output's squares), and its index
+    layers = lambda w, x: jax.lax.scan(lambda x, w: (jnp.tanh(x @ w), {"sq": jnp.sum(jnp.tanh(x @ w) ** 2)}), x, w)  # noqa: E731
+    layers_loss = lambda aux: 0.01 * jnp.sum(aux["sq"])  # noqa: E731
 
     def pipelined(w, x, head):
-        return pipeline.run_1f1b(layers, _head, pipeline.by_stage(layout, w, ("layers", "embed", "mlp"), sched), x,
-                                 head, (target,), ("batch", "embed"), sched, layout)
+        loss, metrics, aux = pipeline.run_1f1b(
+            layers, _head, pipeline.by_stage(layout, w, ("layers", "embed", "mlp"), sched), x, head, (target,),
+            ("batch", "embed"), sched, layout, layers_loss)
+        return loss, (metrics, aux)
 
     def sequential(w, x, head):
         parts = [_head(head, layers(w, x[m])[0], (target[m],)) for m in range(microbatches)]
-        return sum(p[0] for p in parts), jax.tree.map(lambda *a: sum(a), *(p[1] for p in parts))
+        aux = jax.tree.map(lambda *a: jnp.stack(a), *(layers(w, x[m])[1] for m in range(microbatches)))
+        loss = sum(p[0] for p in parts) + sum(layers_loss(jax.tree.map(lambda a: a[m], aux))
+                                              for m in range(microbatches))
+        return loss, (jax.tree.map(lambda *a: sum(a), *(p[1] for p in parts)), aux)
 
     grad = functools.partial(jax.value_and_grad, argnums=(0, 1, 2), has_aux=True)
-    (loss, metrics), grads = jax.jit(grad(pipelined))(w, x, head)
-    (ref_loss, ref_metrics), ref_grads = jax.jit(grad(sequential))(w, x, head)
+    (loss, (metrics, aux)), grads = jax.jit(grad(pipelined))(w, x, head)
+    (ref_loss, (ref_metrics, ref_aux)), ref_grads = jax.jit(grad(sequential))(w, x, head)
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
     assert float(metrics["rows"]) == microbatches * b  # each micro-batch's head once, none in the bubble
-    for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+    assert aux["sq"].shape == (microbatches, L)  # every layer of every micro-batch, in layer order
+    np.testing.assert_allclose(aux["sq"], ref_aux["sq"], rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):  # float32 sums of terms up to ~10 apart
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=5e-5)
 
 
-@pytest.mark.parametrize("overrides", [
-    "mesh.stage=2 mesh.fsdp=4 impl.pipeline.schedule=1f1b impl.pipeline.microbatches=4",
-    "mesh.stage=2 mesh.data=2 mesh.tensor=2 impl.pipeline.schedule=interleaved_1f1b impl.pipeline.microbatches=4",
+@pytest.mark.parametrize("preset, overrides", [
+    ("tiny", "mesh.stage=2 mesh.fsdp=4 impl.pipeline.schedule=1f1b impl.pipeline.microbatches=4"),
+    ("tiny", "mesh.stage=2 mesh.data=2 mesh.tensor=2 impl.pipeline.schedule=interleaved_1f1b "
+             "impl.pipeline.microbatches=4"),
+    ("tiny_moe", "mesh.stage=2 mesh.expert=2 mesh.fsdp=2 impl.pipeline.schedule=interleaved_1f1b "
+                 "impl.pipeline.microbatches=4"),
 ])
-def test_1f1b_model_loss_and_gradients_equal_the_unpipelined_model(overrides):
-    """The train step's loss (CE + z-loss over the label count) under the 1F1B schedules, embedding to LM head."""
-    cfg = _config(*overrides.split())
+def test_1f1b_model_loss_and_gradients_equal_the_unpipelined_model(preset, overrides):
+    """The train step's loss (CE + z-loss over the label count, and a mixture of experts' router losses) under
+    the 1F1B schedules, embedding to LM head; the experts' aux (router losses, tokens per expert) per
+    micro-batch as each micro-batch gets it unpipelined."""
+    cfg = load_config(preset, [*MODEL, *overrides.split()])
     sched, layout = pipeline.schedule_for(cfg), make_layout(cfg.mesh)
+    hooks = training_hooks(cfg.model, 0)
+    M = sched.microbatches
     params = families.init_params(cfg.model, jax.random.key(0))
     tokens = jax.random.randint(jax.random.key(1), (16, cfg.data.sequence_length), 2, cfg.model.vocab_size)
     rows = jnp.arange(16) != 3  # one instance masked
@@ -394,19 +411,51 @@ def test_1f1b_model_loss_and_gradients_equal_the_unpipelined_model(overrides):
         return (ce + 1e-4 * z) / n_labels, (ce, z)
 
     def pipelined(params):
-        return transformer.forward_loss(cfg.model, cfg.impl, params, tokens, rows, head_loss, layout, sched)
+        tokens_each = tokens.size // M
+        loss, sums, aux = transformer.forward_loss(cfg.model, cfg.impl, params, tokens, rows, head_loss, layout,
+                                                   sched, lambda aux: hooks.loss(aux, tokens_each, n_labels)[0])
+        return loss, (sums, aux)
 
-    def unpipelined(params):
-        hidden, _ = transformer.forward(cfg.model, cfg.impl, params, tokens)
-        return head_loss(params, hidden, (tokens, rows))
+    def unpipelined(params):  # each pipeline micro-batch (rows m, m + M, ...) on its own, as the MoE test above
+        loss, sums, aux = 0.0, (0.0, 0.0), []
+        for m in range(M):
+            hidden, own = transformer.forward(cfg.model, cfg.impl, params, tokens[m::M])
+            own_loss, own_sums = head_loss(params, hidden, (tokens[m::M], rows[m::M]))
+            loss += own_loss + hooks.loss(own, tokens[m::M].size, n_labels)[0]
+            sums, aux = jax.tree.map(jnp.add, sums, own_sums), [*aux, own]
+        return loss, (sums, jax.tree.map(lambda *a: jnp.stack(a), *aux))
 
-    (ref_loss, ref_sums), ref_grads = jax.jit(jax.value_and_grad(unpipelined, has_aux=True))(params)
+    (ref_loss, (ref_sums, ref_aux)), ref_grads = jax.jit(jax.value_and_grad(unpipelined, has_aux=True))(params)
     sharded = jax.device_put(params, layout.shardings(families.param_axes(cfg.model), params))
-    (loss, sums), grads = jax.jit(jax.value_and_grad(pipelined, has_aux=True))(sharded)
+    (loss, (sums, aux)), grads = jax.jit(jax.value_and_grad(pipelined, has_aux=True))(sharded)
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
     np.testing.assert_allclose(sums, ref_sums, rtol=1e-6)
+    if cfg.model.moe is not None:
+        assert aux["tokens_per_expert"].shape == (M, cfg.model.n_layers, cfg.model.moe.num_experts)
+        np.testing.assert_array_equal(aux["tokens_per_expert"], ref_aux["tokens_per_expert"])
+        for name in ("load_balancing_loss", "router_z_loss"):
+            np.testing.assert_allclose(aux[name], ref_aux[name], rtol=1e-5, err_msg=name)
     for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(ref_grads)):
         np.testing.assert_allclose(a, b, atol=1e-5, err_msg=jax.tree_util.keystr(path))
+
+
+@pytest.mark.slow
+def test_moe_training_under_interleaved_1f1b_matches_circular(tmp_path, shards):
+    """A mixture of experts (expert parallel) trained 6 steps under interleaved 1F1B and under the circular
+    schedule (the same chunks on the same stages, autodiff's backward): the same losses, router losses,
+    gradient norms and true load (tokens per expert of every layer, summed over the global batch)."""
+    runs = []
+    for schedule in ("circular", "interleaved_1f1b"):
+        cfg = load_config("tiny_moe", [*MODEL, f"data.paths={json.dumps(shards)}", f"output_dir={tmp_path}/{schedule}",
+                                       "train.steps=6", "optim.lr=3e-3", "mesh.stage=2", "mesh.expert=2",
+                                       "mesh.fsdp=2", f"impl.pipeline.schedule={schedule}",
+                                       "impl.pipeline.microbatches=4"])
+        runs.append(train(cfg))
+    for name in ("train/CE loss", "train/load balancing loss", "train/router Z loss", "optim/total grad norm"):
+        np.testing.assert_allclose(*([h[name] for h in run] for run in runs), rtol=1e-5, err_msg=name)
+    for layer in range(8):
+        name = f"train/block {layer:02d}/tokens per expert"
+        np.testing.assert_array_equal(*(np.array([h[name] for h in run]) for run in runs), err_msg=name)
 
 
 def test_1f1b_schedules_from_config_and_their_errors():
@@ -417,8 +466,10 @@ def test_1f1b_schedules_from_config_and_their_errors():
     with pytest.raises(ConfigError, match="not a multiple of mesh.stage 2"):
         pipeline.schedule_for(_config("mesh.stage=2", "impl.pipeline.schedule=interleaved_1f1b",
                                       "impl.pipeline.microbatches=3"))
-    with pytest.raises(ConfigError, match="runs dense models"):
-        pipeline.schedule_for(load_config("tiny_moe", [*MODEL, "mesh.stage=2", "impl.pipeline.schedule=1f1b"]))
+    assert pipeline.schedule_for(load_config("tiny_moe", [*MODEL, "mesh.stage=2", "impl.pipeline.schedule=1f1b"]))
+    with pytest.raises(ConfigError, match="runs learned routing"):
+        pipeline.schedule_for(load_config("tiny_moe", [*MODEL, "mesh.stage=2", "impl.pipeline.schedule=1f1b",
+                                                       "model.moe.routing=random"]))
     with pytest.raises(ConfigError, match="repeats is a circular-schedule setting"):
         _config("impl.pipeline.schedule=1f1b", "impl.pipeline.repeats=2")
 

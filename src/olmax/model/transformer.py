@@ -168,11 +168,13 @@ def forward(cfg: ModelConfig, impl: ImplConfig, params: dict, tokens: jax.Array,
 
 
 def forward_loss(cfg: ModelConfig, impl: ImplConfig, params: dict, tokens: jax.Array, row_inputs,
-                 head_loss, layout: Layout | None, sched: pipeline.Schedule):
-    """A dense model's (loss, metrics) under a 1F1B schedule, each summed over the pipeline micro-batches:
-    head_loss(params, final-normed hidden [b, T, d_model], (tokens [b, T], row_inputs' leaves [b, ...])) ->
-    (loss, metrics) of one micro-batch (rows m, m + M, ...: see pipeline.split_microbatches). The gradient of
-    the loss comes from the schedule's own backward (pipeline.run_1f1b)."""
+                 head_loss, layout: Layout | None, sched: pipeline.Schedule, layers_loss=None):
+    """(loss, metrics, aux) under a 1F1B schedule, loss and metrics summed over the pipeline micro-batches, aux
+    of every layer per micro-batch [M, n_layers, ...] as `forward` gives it: head_loss(params, final-normed
+    hidden [b, T, d_model], (tokens [b, T], row_inputs' leaves [b, ...])) -> (loss, metrics) of one micro-batch
+    (rows m, m + M, ...: see pipeline.split_microbatches); layers_loss(aux of some layers) -> what they add to
+    the loss (an MoE's router losses; linear in the layers). The gradient of the loss comes from the
+    schedule's own backward (pipeline.run_1f1b)."""
     stack_group, dense = _group_fn(cfg, impl, np.arange(tokens.shape[1]), layout)
     (_, n, mlp, _), = _stacks(cfg, impl, layout, None, dense)
     weights, chunk = _chunks(cfg, impl, stack_group(mlp), params["blocks"], None, sched, layout)
@@ -184,7 +186,7 @@ def forward_loss(cfg: ModelConfig, impl: ImplConfig, params: dict, tokens: jax.A
         return head_loss(p, rms_norm(y, p["final_norm"], cfg.norm_eps), inputs)
 
     return pipeline.run_1f1b(chunk, head, weights, split(x), head_params, jax.tree.map(split, (tokens, row_inputs)),
-                             ACTIVATION, sched, layout)
+                             ACTIVATION, sched, layout, layers_loss)
 
 
 def logits(params: dict, hidden: jax.Array) -> jax.Array:

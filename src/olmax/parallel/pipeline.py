@@ -94,9 +94,9 @@ def schedule_for(cfg: RunConfig) -> Schedule | None:
     microbatches = p.microbatches or stages
     groups = cfg.model.n_layers // len(cfg.model.layer_pattern)
     one_f_one_b = p.schedule in ("1f1b", "interleaved_1f1b")
-    if one_f_one_b and cfg.model.mlp != "dense":
-        raise ConfigError(f"impl.pipeline.schedule {p.schedule} runs dense models (a mixture of experts' per-layer "
-                          "losses are not in its hand-scheduled backward); use gpipe or circular")
+    if one_f_one_b and cfg.model.moe is not None and cfg.model.moe.routing == "random":
+        raise ConfigError(f"impl.pipeline.schedule {p.schedule} runs learned routing (model.moe.routing=random's "
+                          "per-layer keys are not in its hand-scheduled backward); use gpipe or circular")
     if p.schedule in ("gpipe", "1f1b"):
         repeats = 1
     else:
@@ -290,26 +290,28 @@ def ticks(sched: Schedule) -> Ticks:
 
 
 def run_1f1b(stage_fn: Callable, head_fn: Callable, weights, x: jax.Array, head_params, head_inputs,
-             names: tuple[str, ...], sched: Schedule, layout: Layout | None):
+             names: tuple[str, ...], sched: Schedule, layout: Layout | None, chunk_loss: Callable | None = None):
     """The loss of M micro-batches x [M, b, ...] through all chunks in order and then head_fn, with the
-    backward scheduled by hand (see Ticks): (loss, metrics), both summed over the micro-batches.
+    backward scheduled by hand (see Ticks): (loss, metrics, aux), loss and metrics summed over the
+    micro-batches, aux [M, R S C, ...] as `run` returns it.
 
-    stage_fn(chunk_weights, x [b, ...]) -> (y [b, ...], aux) as for `run` (aux must be empty: nothing reads
-    it). head_fn(head_params, y [b, ...], inputs) -> (loss, metrics) runs on the last chunk's output of each
-    micro-batch, with that micro-batch's leaves of head_inputs [M, ...]. The gradients of loss with respect to
-    weights, x and head_params are computed with the loss, in the same scan; differentiating the result
-    scales them by the loss's cotangent (metrics get none)."""
+    stage_fn(chunk_weights, x [b, ...]) -> (y [b, ...], aux) as for `run`; chunk_loss(aux) is what one chunk
+    of one micro-batch adds to the loss (a mixture of experts' router losses of its layers), differentiated
+    with the chunk. head_fn(head_params, y [b, ...], inputs) -> (loss, metrics) runs on the last chunk's
+    output of each micro-batch, with that micro-batch's leaves of head_inputs [M, ...]. The gradients of loss
+    with respect to weights, x and head_params are computed with the loss, in the same scan; differentiating
+    the result scales them by the loss's cotangent (metrics and aux get none)."""
+    args = (stage_fn, head_fn, chunk_loss, names, sched, layout)
 
     @jax.custom_vjp
     def loss(weights, x, head_params, head_inputs):
-        return _run_1f1b(stage_fn, head_fn, weights, x, head_params, head_inputs, names, sched, layout)[0]
+        return _run_1f1b(weights, x, head_params, head_inputs, *args)[0]
 
     def forward(weights, x, head_params, head_inputs):
-        out, grads = _run_1f1b(stage_fn, head_fn, weights, x, head_params, head_inputs, names, sched, layout)
-        return out, grads
+        return _run_1f1b(weights, x, head_params, head_inputs, *args)
 
     def backward(grads, cotangents):
-        scale = cotangents[0]
+        scale = cotangents[0]  # metrics and aux: no gradient
         return (*jax.tree.map(lambda g: (g * scale).astype(g.dtype), grads), None)
 
     loss.defvjp(forward, backward)
@@ -325,8 +327,8 @@ def _stage_tools(x, names, S: int, layout):
     return act_spec, jnp.arange(S), vmap, lambda a: a.reshape(S, *[1] * (x.ndim - 1))
 
 
-def _run_1f1b(stage_fn, head_fn, weights, x, head_params, head_inputs, names, sched, layout):
-    S, R = sched.stages, sched.repeats
+def _run_1f1b(weights, x, head_params, head_inputs, stage_fn, head_fn, chunk_loss, names, sched, layout):
+    S, M, R = sched.stages, sched.microbatches, sched.repeats
     table = ticks(sched)
     act_spec, stage_ids, vmap, at_stage = _stage_tools(x, names, S, layout)
 
@@ -336,14 +338,12 @@ def _run_1f1b(stage_fn, head_fn, weights, x, head_params, head_inputs, names, sc
     def chunks(rep):  # each stage's chunk on pass rep [S]
         return jax.tree.map(lambda w: vmap(lambda w, r: w[r], in_axes=(1, 0))(w, rep), weights)
 
-    def chunk_forward(w, x):
+    def chunk_forward(w, x):  # ((y, what the chunk adds to the loss), aux)
         y, aux = stage_fn(w, x)
-        if jax.tree.leaves(aux):
-            raise ValueError("the 1F1B schedules run chunks without per-layer aux")
-        return y
+        return (y, jnp.float32(0.0) if chunk_loss is None else chunk_loss(aux)), aux
 
     def chunk_backward(w, x, cotangent):
-        return jax.vjp(chunk_forward, w, x)[1](cotangent)
+        return jax.vjp(chunk_forward, w, x, has_aux=True)[1]((cotangent, jnp.float32(1.0)))
 
     def head(y, m):
         inputs = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, m, keepdims=False), head_inputs)
@@ -359,9 +359,11 @@ def _run_1f1b(stage_fn, head_fn, weights, x, head_params, head_inputs, names, sc
         first = jax.lax.dynamic_index_in_dim(x, jnp.maximum(f_mb[0], 0), keepdims=False)
         shifted = jnp.concatenate([fwd[-1:], fwd[:-1]])
         inputs = _constrain(layout, jnp.where(at_stage((stage_ids == 0) & (f_rep == 0)), first, shifted), act_spec)
-        fwd = _constrain(layout, vmap(chunk_forward)(chunks(jnp.maximum(f_rep, 0)), inputs), act_spec)
+        (fwd, added), aux = vmap(chunk_forward)(chunks(jnp.maximum(f_rep, 0)), inputs)
+        fwd = _constrain(layout, fwd, act_spec)
         kept = vmap(lambda k, i, slot: jax.lax.dynamic_update_index_in_dim(k, i, slot, 0))(kept, inputs, f_slot)
-        return fwd, bwd, kept, grads, value, metrics
+        value = value + jnp.sum(jnp.where(f_mb >= 0, added, 0.0))
+        return (fwd, bwd, kept, grads, value, metrics), aux
 
     def head_part(carry, m):  # the loss of micro-batch m, whose last chunk just ran, and its gradient
         fwd, bwd, kept, (d_weights, d_x, d_head), value, metrics = carry
@@ -391,24 +393,32 @@ def _run_1f1b(stage_fn, head_fn, weights, x, head_params, head_inputs, names, sc
             d_x, jnp.where(first_mb >= 0, one_stage(bwd, 0), done), jnp.maximum(first_mb, 0), 0)
         return fwd, bwd, kept, (d_weights, d_x, d_head), value, metrics
 
+    rows = tuple(jnp.asarray(getattr(table, name)) for name in ("f_mb", "f_rep", "f_slot", "b_mb", "b_rep", "b_slot"))
+    state = _constrain(layout, jnp.zeros((S, *x.shape[1:]), x.dtype), act_spec)
+    no_aux = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), jax.eval_shape(  # what an idle tick gives
+        lambda: vmap(chunk_forward)(chunks(jnp.zeros(S, jnp.int32)), state)[1]))
+
     def tick(carry, row):
         f_mb, f_rep, f_slot, b_mb, b_rep, b_slot = row
-        carry = jax.lax.cond(jnp.any(f_mb >= 0), functools.partial(forward_part, f_mb=f_mb, f_rep=f_rep,
-                                                                   f_slot=f_slot), lambda c: c, carry)
+        carry, aux = jax.lax.cond(jnp.any(f_mb >= 0), functools.partial(forward_part, f_mb=f_mb, f_rep=f_rep,
+                                                                        f_slot=f_slot), lambda c: (c, no_aux), carry)
         last_mb = jnp.where(f_rep[-1] == R - 1, f_mb[-1], -1)
         carry = jax.lax.cond(last_mb >= 0, functools.partial(head_part, m=jnp.maximum(last_mb, 0)), lambda c: c,
                              carry)
         carry = jax.lax.cond(jnp.any(b_mb >= 0), functools.partial(backward_part, b_mb=b_mb, b_rep=b_rep,
                                                                    b_slot=b_slot), lambda c: c, carry)
-        return carry, None
+        return carry, aux
 
-    state = _constrain(layout, jnp.zeros((S, *x.shape[1:]), x.dtype), act_spec)
     kept = jnp.zeros((S, table.slots + 1, *x.shape[1:]), x.dtype)
     grads = jax.tree.map(jnp.zeros_like, (weights, x, head_params))
     zero = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), (value0, metrics0))
-    rows = tuple(jnp.asarray(getattr(table, name)) for name in ("f_mb", "f_rep", "f_slot", "b_mb", "b_rep", "b_slot"))
-    (_, _, _, grads, value, metrics), _ = jax.lax.scan(tick, (state, state, kept, grads, *zero), rows)
-    return (value, metrics), grads
+    (_, _, _, grads, value, metrics), aux = jax.lax.scan(tick, (state, state, kept, grads, *zero), rows)
+    # aux leaves [ticks, S, C, ...]: micro-batch m's chunk r S + s ran forward in the tick the table says
+    at = {(m, r, s): t for t, s in zip(*np.nonzero(table.f_mb >= 0)) for m, r in [(table.f_mb[t, s], table.f_rep[t, s])]}
+    m, r, s = np.meshgrid(np.arange(M), np.arange(R), np.arange(S), indexing="ij")
+    tick_of = np.vectorize(lambda m, r, s: at[m, r, s])(m, r, s)
+    aux = jax.tree.map(lambda a: a[tick_of, s].reshape(M, -1, *a.shape[3:]), aux)
+    return (value, metrics, aux), grads
 
 
 def over_stages(layout: Layout | None, x: jax.Array, names: tuple[str, ...]) -> jax.Array:

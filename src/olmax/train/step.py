@@ -144,10 +144,11 @@ def make_train_step(cfg: RunConfig, layout: Layout):
 
     def micro_loss(params, input_ids, instance_mask, n_labels, key):
         if sched is not None and sched.one_f_one_b:
-            loss, (ce, z) = transformer.forward_loss(
-                model_cfg, impl, params, input_ids, instance_mask,
-                functools.partial(head_loss, n_labels=n_labels), layout, sched)
-            return loss, (ce, z, {})
+            tokens = input_ids.size // sched.microbatches  # of a pipeline micro-batch
+            loss, (ce, z), aux = transformer.forward_loss(
+                model_cfg, impl, params, input_ids, instance_mask, functools.partial(head_loss, n_labels=n_labels),
+                layout, sched, lambda aux: hooks.loss(aux, tokens, n_labels)[0])
+            return loss, (ce, z, per_microbatch_loss(hooks, aux, sched.microbatches, input_ids.size, n_labels)[1])
         hidden, aux = transformer.forward(model_cfg, impl, params, input_ids, layout, key, sched)
         mask = label_mask(input_ids, cfg.data.pad_id, loss_cfg.mask_pad)
         ce, z = loss_sums(params, hidden, input_ids, mask, instance_mask, impl.loss_chunk)
