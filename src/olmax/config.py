@@ -536,6 +536,18 @@ class SlurmConfig(Section):
 
 class LaunchConfig(Section):
     slurm: SlurmConfig = Field(default_factory=SlurmConfig)
+    records_dir: str | None = Field(
+        None, description="where `olmax launch` keeps its records (launch.jsonl, job scripts, manifests, Slurm "
+        "output): a filesystem path, {name} allowed; None = the run directory, or runs/{name} here for a run in "
+        "a bucket")
+
+    @field_validator("records_dir")
+    @classmethod
+    def _on_a_filesystem(cls, value):
+        if value is not None and "://" in value:
+            raise ValueError(f"launch.records_dir {value!r} must be a filesystem path (the launcher appends to its "
+                             "records and Slurm writes its output there), not a bucket")
+        return value
 
 
 class StorageConfig(Section):

@@ -200,15 +200,19 @@ def test_the_exit_code_contract_matches_olmax_train():
     assert EXIT_PREEMPTED == RESUMABLE_EXIT_CODE and EXIT_DIVERGED == DIVERGED_EXIT_CODE
 
 
-@pytest.mark.parametrize("mode", [[], ["--nprocs", "2"], ["--slurm", "--dry-run"], ["--k8s", "--target",
-                                  "tpu:v5p:2x2x2", "--image", "olmax:1"]])
-def test_a_bucket_output_dir_is_refused_by_the_launchers_that_keep_records(tmp_path, capsys, monkeypatch, mode):
-    """These keep their records (launch.jsonl, job scripts, manifests) in the run directory: a bucket run is
-    `olmax train` on every host. Refused with exit 2 and nothing written (no local 'gs:' folder either)."""
+def test_a_bucket_runs_launch_records_go_to_a_directory_here(tmp_path, capsys, monkeypatch):
+    """A bucket has no appending: a run there keeps launch.jsonl, job scripts, manifests and Slurm's output in
+    runs/NAME here, or launch.records_dir; a records_dir in a bucket is refused with exit 2, nothing written."""
     from olmax.cli import main
 
     monkeypatch.chdir(tmp_path)
-    assert main(["launch", "tiny", "output_dir=gs://runs/tiny", *mode]) == 2
+    assert main(["launch", "tiny", "output_dir=gs://runs/tiny", "--slurm", "--dry-run"]) == 0
+    assert f"#SBATCH --output={tmp_path}/runs/tiny/slurm/%j.out" in capsys.readouterr().out
+    assert main(["launch", "tiny", "output_dir=gs://runs/tiny", f"launch.records_dir={tmp_path}/rec/{{name}}",
+                 "--k8s", "--target", "tpu:v5p:2x2x2", "--image", "olmax:1"]) == 0
+    assert (tmp_path / "rec" / "tiny" / "jobset.yaml").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rec"]
+    assert main(["launch", "tiny", "output_dir=gs://runs/tiny", "launch.records_dir=gs://runs/records"]) == 2
     err = capsys.readouterr().err
-    assert len(err.splitlines()) == 1 and "output_dir gs://runs/tiny is a bucket" in err and "olmax train" in err
-    assert not list(tmp_path.iterdir())
+    assert "launch.records_dir 'gs://runs/records' must be a filesystem path" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rec"]

@@ -78,3 +78,51 @@ def test_two_processes_write_one_checkpoint_to_a_bucket_and_resume_from_it(store
     reference = train(load_config("tiny", [*common, "mesh.fsdp=4", f"output_dir={tmp_path / 'one'}"]), quiet=True)
     np.testing.assert_allclose([m["train/CE loss"] for m in logged], [m["train/CE loss"] for m in reference],
                                rtol=3e-7, atol=0)
+
+
+@pytest.mark.slow
+def test_olmax_launch_restarts_a_two_process_bucket_run_from_the_buckets_checkpoint(stores, tmp_path, monkeypatch):
+    """`olmax launch --nprocs 2` with output_dir in a bucket: its records go to runs/NAME here; process 1 is
+    killed once step 3 is committed in the bucket, the group restarts, resumes from the bucket and finishes; the
+    progress the launcher judges attempts by is the bucket's committed steps."""
+    import signal
+    import threading
+    import time
+
+    from olmax.launch.supervisor import Backoff, Supervisor
+
+    monkeypatch.chdir(tmp_path)
+    shards = write_synthetic_shards(tmp_path / "tokens", vocab_size=512, eos_id=0, n_tokens=60_000, n_shards=2,
+                                    seed=0, token_dtype="uint16")
+    run = f"s3://{stores.bucket}/launched"
+    step3 = storage.join(run, "checkpoints", "3")
+    attempts = []
+
+    def kill_process_1_after_step_3(procs):
+        attempts.append(procs)
+        if len(attempts) > 1:
+            return
+
+        def kill():
+            while not storage.committed(step3):
+                if any(p.poll() is not None for p in procs):
+                    return
+                time.sleep(0.2)
+            procs[1].send_signal(signal.SIGKILL)
+        threading.Thread(target=kill, daemon=True).start()
+
+    env = child_env(os.environ["JAX_COMPILATION_CACHE_DIR"], 2, **stores.env, OLMAX_LOCAL_DEVICES="2")
+    overrides = [f"data.paths={json.dumps(shards)}", "train.steps=6", "checkpoint.every=3", "mesh.fsdp=-1",
+                 f"output_dir={run}"]
+    sleeps = []
+    supervisor = Supervisor("tiny", overrides, nprocs=2, backoff=Backoff(0.1, 2, 1), max_retries=1,
+                            sleep=sleeps.append, env=env, on_start=kill_process_1_after_step_3)
+    assert supervisor.run() == 0
+    first, second = [json.loads(line) for line in (tmp_path / "runs" / "tiny" / "launch.jsonl").read_text().splitlines()]
+    assert first["reason"] == "killed by SIGKILL (process 1)" and 3 <= first["checkpoint_after"] < 6, first
+    assert second["reason"] == "finished" and second["checkpoint_after"] == 6, second
+    assert sleeps == [0.1]  # a crash, after progress: the backoff's first delay
+    logged = [json.loads(line) for line in storage.read_bytes(storage.join(run, "metrics.jsonl")).splitlines()]
+    assert [m["step"] for m in logged] == list(range(1, 7))
+    records = set(os.listdir(tmp_path / "runs" / "tiny"))  # records only: the run is in the bucket
+    assert "launch.jsonl" in records and not records & {"checkpoints", "metrics.jsonl", "tensorboard"}, records

@@ -1,6 +1,7 @@
 """`olmax launch --slurm`: the run as a Slurm batch job, submitted again until it is done.
 
-The batch script (written to RUN_DIR/slurm/job.sh) starts one `srun` task per process;
+The batch script (written to RECORDS/slurm/job.sh, RECORDS being the run directory, or
+launch.records_dir; runs/NAME for a run in a bucket) starts one `srun` task per process;
 each task is an `olmax train` that joins the others through JAX's Slurm detection. The
 job asks for `--requeue` and a SIGTERM `signal_seconds` before its time limit: on that
 signal, or a preemption's, every task checkpoints after the same step and exits 75, and
@@ -13,7 +14,7 @@ latest checkpoint runs again as soon as Slurm lets it (it holds a requeued job b
 the old run's credential expires, 2 minutes by default); one that did not is a failure and
 is held back for the backoff too (`scontrol update StartTime`); a job that ends without finishing the run is
 submitted again after the backoff; bad input (exit 2) never is. Every attempt goes to
-RUN_DIR/launch.jsonl with its job id. SIGTERM/SIGINT to the launcher cancel the job (its
+RECORDS/launch.jsonl with its job id. SIGTERM/SIGINT to the launcher cancel the job (its
 tasks checkpoint within Slurm's KillWait) and the launcher exits 75.
 """
 
@@ -55,12 +56,12 @@ class SlurmError(ConfigError):
 
 def batch_script(cfg: RunConfig, config: str, overrides: list[str], python: str = sys.executable) -> str:
     slurm = cfg.launch.slurm
-    run_dir = launch_dir(cfg).resolve()
+    records = launch_dir(cfg).resolve()
     options = [f"--job-name={cfg.name}", f"--nodes={slurm.nodes}", f"--ntasks-per-node={slurm.tasks_per_node}"]
     options += [f"--gpus-per-task={slurm.gpus_per_task}"] if slurm.gpus_per_task else []
     options += [f"--{key}={getattr(slurm, key)}" for key in ("time", "partition", "account") if getattr(slurm, key)]
     options += ["--requeue", f"--signal=TERM@{slurm.signal_seconds}", "--open-mode=append",
-                f"--output={run_dir}/slurm/%j.out", *slurm.sbatch_lines]
+                f"--output={records}/slurm/%j.out", *slurm.sbatch_lines]
     lines = ["#!/bin/bash", "# Written by `olmax launch --slurm`, which submits it with sbatch and watches the job.",
              *(f"#SBATCH {option}" for option in options)]
     if slurm.gpus_per_task:
@@ -77,8 +78,8 @@ def batch_script(cfg: RunConfig, config: str, overrides: list[str], python: str 
     return "\n".join(lines) + "\n"
 
 
-def script_path(run_dir: Path) -> Path:
-    return Path(run_dir) / "slurm" / "job.sh"
+def script_path(records: Path) -> Path:
+    return Path(records) / "slurm" / "job.sh"
 
 
 def _slurm(*argv: str) -> subprocess.CompletedProcess:
@@ -125,7 +126,7 @@ class SlurmLauncher:
     def __init__(self, config: str, overrides: list[str] = (), *, backoff: Backoff = Backoff(), max_retries: int = 50,
                  poll: float = POLL_SECONDS, python: str = sys.executable, sleep=None, echo=None):
         cfg = load_config(config, list(overrides))  # a bad config fails here, before anything is submitted
-        self.run_dir = launch_dir(cfg)
+        self.records, self.run_location = launch_dir(cfg), cfg.run_location
         self.target_step = cfg.train.steps
         self.script = batch_script(cfg, config, list(overrides), python)
         self.policy = RetryPolicy(self.target_step, backoff, max_retries)
@@ -138,7 +139,7 @@ class SlurmLauncher:
         self._attempt = 0
 
     def submit(self) -> str:
-        path = script_path(self.run_dir)
+        path = script_path(self.records)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(self.script)
         out = _slurm("sbatch", "--parsable", str(path))
@@ -166,14 +167,14 @@ class SlurmLauncher:
             handlers = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
         try:
             release_stop_signals()  # one that came while the CLI started up, holding it, stops the launcher now
-            self._attempt = previous_attempts(self.run_dir)
+            self._attempt = previous_attempts(self.records)
             while True:
                 if self._stop_signal is not None:
                     self.echo("olmax launch: stopped before the next submission")
                     return EXIT_PREEMPTED
                 self._job = self.submit()
-                self.echo(f"olmax launch: submitted Slurm job {self._job} ({script_path(self.run_dir)}); "
-                          f"its output goes to {self.run_dir / 'slurm' / (self._job + '.out')}")
+                self.echo(f"olmax launch: submitted Slurm job {self._job} ({script_path(self.records)}); "
+                          f"its output goes to {self.records / 'slurm' / (self._job + '.out')}")
                 result, sleep = self._watch(self._job)
                 if result is not None:
                     return result
@@ -185,13 +186,13 @@ class SlurmLauncher:
 
     def _watch(self, job: str) -> tuple[int | None, float]:
         """Follow one job to its end: (the launcher's exit code or None to submit again, seconds to wait first)."""
-        runs_seen, started, before = 0, time.time(), latest_checkpoint_step(self.run_dir)
+        runs_seen, started, before = 0, time.time(), latest_checkpoint_step(self.run_location)
         hold_until = None  # a backoff for the requeued job, applied once it is back in the queue
         while True:
             info = job_info(job)
             restarts = int(info.get("Restarts", runs_seen)) if info else runs_seen
             if restarts > runs_seen:  # Slurm requeued it: our script after exit 75, a preemption, `scontrol requeue`
-                after = latest_checkpoint_step(self.run_dir)
+                after = latest_checkpoint_step(self.run_location)
                 result, sleep = self._record(job, runs_seen + 1, started, EXIT_PREEMPTED, "requeued",
                                              before, after, again="run again")
                 if result is not None:
@@ -207,7 +208,7 @@ class SlurmLauncher:
                 hold_until = None
             if info is None or info["JobState"] in ENDED:
                 code, reason = _exit_code(info)
-                after = latest_checkpoint_step(self.run_dir)
+                after = latest_checkpoint_step(self.run_location)
                 result, sleep = self._record(job, runs_seen + 1, started, code, reason, before, after,
                                                 again="submit again")
                 return result, sleep
@@ -225,8 +226,8 @@ class SlurmLauncher:
             "checkpoint_before": before, "checkpoint_after": after, "target_step": self.target_step,
             "action": action, "sleep": sleep, "failures_in_a_row": self.policy.failures_in_a_row,
         }
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        with open(self.run_dir / "launch.jsonl", "a") as f:
+        self.records.mkdir(parents=True, exist_ok=True)
+        with open(self.records / "launch.jsonl", "a") as f:
             f.write(json.dumps(record) + "\n")
         self.echo(f"olmax launch: attempt {self._attempt}: Slurm job {job} run {run} {reason} after "
                   f"{record['seconds']:.1f} s (checkpoint {before} -> {after} of {self.target_step}); {action}")

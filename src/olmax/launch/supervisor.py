@@ -29,7 +29,8 @@ multi-process run (see olmax.launch.distributed): when one process fails the
 others cannot go on (their collectives wait for it), so they are killed and
 the whole group restarts.
 
-Every attempt is printed and appended to `RUN_DIR/launch.jsonl`.
+Every attempt is printed and appended to launch.jsonl in the run directory (`launch.records_dir`, or
+runs/NAME here for a run in a bucket).
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from olmax import run_lock, storage
-from olmax.config import ConfigError, RunConfig, load_config, writable_dir
+from olmax.config import RunConfig, load_config, writable_dir
 from olmax.launch.distributed import ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID
 from olmax.runtime import release_stop_signals
 
@@ -114,14 +115,13 @@ class RetryPolicy:
 
 
 def launch_dir(cfg: RunConfig) -> Path:
-    """The run directory `olmax launch` keeps its records in (launch.jsonl, job scripts and manifests): a path
-    on a filesystem. A run in a bucket is started with `olmax train` on every host (`--tpu-pod` does that); it is
-    refused here."""
-    if storage.is_remote(cfg.run_location):
-        raise ConfigError(f"output_dir {cfg.run_location} is a bucket: olmax launch keeps its records in the run "
-                          "directory; set a filesystem output_dir (local or shared), or start `olmax train` on "
-                          "every host (srun, or `olmax launch --tpu-pod` on a TPU VM) for a run in a bucket")
-    return writable_dir(cfg.run_dir, "output_dir")
+    """The directory `olmax launch` keeps its records in (launch.jsonl, job scripts and manifests, Slurm's
+    output): `launch.records_dir`, else the run directory, else (a run in a bucket, which has no appending)
+    runs/{name} on this filesystem."""
+    records = cfg.launch.records_dir or ("runs/{name}" if storage.is_remote(cfg.run_location) else None)
+    if records is None:
+        return writable_dir(cfg.run_dir, "output_dir")
+    return writable_dir(Path(records.format(name=cfg.name)), "launch.records_dir")
 
 
 def previous_attempts(run_dir: Path) -> int:
@@ -129,10 +129,16 @@ def previous_attempts(run_dir: Path) -> int:
     return len(log.read_text().splitlines()) if log.exists() else 0
 
 
-def latest_checkpoint_step(run_dir: Path) -> int:
-    """The newest committed checkpoint's step, 0 if none: Orbax writes into a temporary directory
-    (`N.orbax-checkpoint-tmp-*`) and renames it to `N` when complete."""
-    directory = Path(run_dir) / "checkpoints"
+def latest_checkpoint_step(run: str | Path) -> int:
+    """The newest committed checkpoint's step of a run directory or bucket run, 0 if none: Orbax writes into a
+    temporary directory (`N.orbax-checkpoint-tmp-*`) and renames it to `N` when complete; a bucket's step counts
+    once its commit marker is there."""
+    if storage.is_remote(run):
+        from olmax.checkpoint.remote import CHECKPOINTS, committed_steps
+
+        checkpoints = storage.join(run, CHECKPOINTS)
+        return max(committed_steps(checkpoints), default=0) if storage.is_dir(checkpoints) else 0
+    directory = Path(run) / "checkpoints"
     if not directory.is_dir():
         return 0
     return max((int(p.name) for p in directory.iterdir() if p.name.isdigit() and p.is_dir()), default=0)
@@ -185,7 +191,9 @@ class Supervisor:
         if nprocs < 1 or max_retries < 0:
             raise ValueError(f"need nprocs >= 1 and max_retries >= 0, got {nprocs} and {max_retries}")
         cfg = load_config(config, list(overrides))  # a bad config fails here, before any child starts
-        self.run_dir = launch_dir(cfg)
+        self.records, self.run_location = launch_dir(cfg), cfg.run_location
+        # held for the whole run, so that its trainers know they run for it; a bucket run's lease is its trainer's
+        self.held = self.records if storage.is_remote(self.run_location) else cfg.run_dir
         self.target_step = cfg.train.steps
         self.argv = [*command, config, *overrides]
         self.nprocs = nprocs
@@ -272,8 +280,8 @@ class Supervisor:
     # ---- the loop ----------------------------------------------------------------------------
 
     def _log(self, record: dict) -> None:
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        with open(self.run_dir / "launch.jsonl", "a") as f:
+        self.records.mkdir(parents=True, exist_ok=True)
+        with open(self.records / "launch.jsonl", "a") as f:
             f.write(json.dumps(record) + "\n")
         codes = ", ".join(f"process {i}: {exit_reason(c)}" for i, c in enumerate(record["exit_codes"]))
         self.echo(
@@ -287,7 +295,7 @@ class Supervisor:
         74 disk full, 75 stopped by a signal, 1 gave up after max_retries failures in a row)."""
         previous = self._install_signal_handlers()
         try:
-            with run_lock.hold(self.run_dir) as holder:  # for the whole run: its trainers check they run for it
+            with run_lock.hold(self.held) as holder:
                 self.env[run_lock.ENV_RUN_LOCK] = holder
                 release_stop_signals()  # one that came while the CLI started up, holding it, stops the run now
                 return self._loop()
@@ -296,18 +304,18 @@ class Supervisor:
                 signal.signal(sig, handler)
 
     def _loop(self) -> int:
-        attempt = previous_attempts(self.run_dir)  # numbered over every launch of the run
+        attempt = previous_attempts(self.records)  # numbered over every launch of the run
         while True:
             if self._stop_signal is not None:
                 self.echo("olmax launch: stopped before the next attempt")
                 return EXIT_PREEMPTED
             attempt += 1
-            before = latest_checkpoint_step(self.run_dir)
+            before = latest_checkpoint_step(self.run_location)
             self.echo(f"olmax launch: attempt {attempt} from checkpoint {before} of {self.target_step}"
                       + (f" ({self.nprocs} processes)" if self.nprocs > 1 else "") + f": {shlex.join(self.argv)}")
             started = time.time()
             codes, first = self._run_group()
-            after = latest_checkpoint_step(self.run_dir)
+            after = latest_checkpoint_step(self.run_location)
             code = codes[first]
             reason = exit_reason(code) + (f" (process {first})" if self.nprocs > 1 and code != 0 else "")
             record = {
