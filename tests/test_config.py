@@ -184,6 +184,8 @@ def test_a_layout_applies_on_its_target_beneath_the_command_line(tmp_path, capsy
 @pytest.mark.parametrize("layouts, message", [
     ("  gpu:b300x8: {mesh: {experts: 8}}", "layouts.gpu:b300x8: unknown config key 'mesh.experts'"),
     ("  gpu:b300x8: 8", "layouts must map a target (gpu:b300x8, tpu:v5p:*) to sections of settings"),
+    ("  gpu:b300x8: {optim: {lr: 0.1}}", "layouts.gpu:b300x8: optim.lr is not a layout setting (those are mesh.*, "
+     "impl.*, train.micro_batch_per_device, eval.batch_instances)"),
     ("  gpu:*: {mesh: {data: 2}}\n  gpu:b300x*: {mesh: {data: 4}}", "layouts ['gpu:*', 'gpu:b300x*'] all match target "
      "gpu:b300x8; narrow them to one"),
 ])

@@ -727,6 +727,10 @@ def _flatten(tree: dict, prefix: str = ""):
             yield f"{prefix}{key}", value
 
 
+# What a layout may set: how the step is laid out on the devices, not what it computes.
+LAYOUT_KEYS = ("mesh.", "impl.", "train.micro_batch_per_device", "eval.batch_instances")
+
+
 def _layouts(tree: dict, where: str) -> dict[str, dict]:
     """Pop the config's `layouts:` section: a target (`gpu:b300x8`; a pattern, `tpu:v5p:*`) -> the settings the
     run takes on those devices (mesh, remat, micro-batch: how the step is laid out, not what it computes)."""
@@ -739,6 +743,10 @@ def _layouts(tree: dict, where: str) -> dict[str, dict]:
                 _known_path(key)
             except ConfigError as err:
                 raise ConfigError(f"{where}: layouts.{pattern}: {err}") from None
+            if not key.startswith(LAYOUT_KEYS):
+                raise ConfigError(f"{where}: layouts.{pattern}: {key} is not a layout setting (those are "
+                                  f"{', '.join(k + '*' if k.endswith('.') else k for k in LAYOUT_KEYS)}): a run's "
+                                  "recipe is the same on every target; set it outside layouts")
     return layouts
 
 
