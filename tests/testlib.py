@@ -11,6 +11,35 @@ def child_env(cache_dir: Path, devices: int, **extra) -> dict:
             "JAX_COMPILATION_CACHE_DIR": str(cache_dir), "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", **extra}
 
 
+def signal_once_when(done, sig: int, process: int = 0, watchdog: float = 180, poll: float = 0.01):
+    """A Supervisor on_start hook: in the first attempt, send `sig` to `process` as soon as `done()` is true; if
+    the attempt has not ended `watchdog` seconds later (a hang), SIGKILL all its processes."""
+    import threading
+    import time
+
+    attempts = []
+
+    def on_start(procs):
+        attempts.append(procs)
+        if len(attempts) > 1:
+            return
+
+        def send():
+            while not done():
+                if procs[process].poll() is not None:
+                    return
+                time.sleep(poll)
+            procs[process].send_signal(sig)
+            deadline = time.monotonic() + watchdog
+            while any(p.poll() is None for p in procs):
+                if time.monotonic() > deadline:
+                    for p in procs:
+                        p.kill()
+                time.sleep(0.1)
+        threading.Thread(target=send, daemon=True).start()
+    return on_start
+
+
 def moe_layer_params(cfg, d_model: int, key, std: float = 0.02) -> dict:
     """One MoE layer's parameters for tests of the layer alone, from the
     families' MoE rows: every matrix ~ N(0, std) truncated at +-3 std, the selection bias 0."""

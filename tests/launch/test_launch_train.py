@@ -3,8 +3,6 @@
 import json
 import os
 import signal
-import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -12,7 +10,7 @@ from olmax.eval.curves import read_events
 
 from olmax.data.synthetic import write_synthetic_shards
 from olmax.launch.supervisor import Backoff, Supervisor
-from testlib import child_env
+from testlib import child_env, signal_once_when
 
 
 @pytest.fixture(scope="module")
@@ -21,30 +19,9 @@ def shards(tmp_path_factory):
                                   n_shards=2, seed=0, token_dtype="uint16")
 
 
-def signal_once_after_checkpoint(run_dir: Path, step: int, sig: int, process: int = 0, watchdog: float = 180):
-    """An on_start hook: in the first attempt, send `sig` to `process` as soon as checkpoint `step` is
-    committed; if the attempt has not ended `watchdog` seconds later (a hang), SIGKILL all its processes."""
-    attempts = []
-
-    def on_start(procs):
-        attempts.append(procs)
-        if len(attempts) > 1:
-            return
-
-        def send():
-            while not (run_dir / "checkpoints" / str(step)).is_dir():
-                if procs[process].poll() is not None:
-                    return
-                time.sleep(0.01)
-            procs[process].send_signal(sig)
-            deadline = time.monotonic() + watchdog
-            while any(p.poll() is None for p in procs):
-                if time.monotonic() > deadline:
-                    for p in procs:
-                        p.kill()
-                time.sleep(0.1)
-        threading.Thread(target=send, daemon=True).start()
-    return on_start
+def signal_once_after_checkpoint(run_dir: Path, step: int, sig: int, process: int = 0):
+    """An on_start hook: in the first attempt, send `sig` to `process` as soon as checkpoint `step` is committed."""
+    return signal_once_when(lambda: (run_dir / "checkpoints" / str(step)).is_dir(), sig, process)
 
 
 def read_jsonl(path: Path) -> list[dict]:

@@ -20,7 +20,7 @@ from olmax.config import load_config
 from olmax.data.synthetic import write_synthetic_shards
 from olmax.model.weights import load_olmax
 from olmax.train.trainer import train
-from testlib import child_env
+from testlib import child_env, signal_once_when
 
 STEPS = 9
 
@@ -86,8 +86,6 @@ def test_olmax_launch_restarts_a_two_process_bucket_run_from_the_buckets_checkpo
     killed once step 3 is committed in the bucket, the group restarts, resumes from the bucket and finishes; the
     progress the launcher judges attempts by is the bucket's committed steps."""
     import signal
-    import threading
-    import time
 
     from olmax.launch.supervisor import Backoff, Supervisor
 
@@ -96,27 +94,13 @@ def test_olmax_launch_restarts_a_two_process_bucket_run_from_the_buckets_checkpo
                                     seed=0, token_dtype="uint16")
     run = f"s3://{stores.bucket}/launched"
     step3 = storage.join(run, "checkpoints", "3")
-    attempts = []
-
-    def kill_process_1_after_step_3(procs):
-        attempts.append(procs)
-        if len(attempts) > 1:
-            return
-
-        def kill():
-            while not storage.committed(step3):
-                if any(p.poll() is not None for p in procs):
-                    return
-                time.sleep(0.2)
-            procs[1].send_signal(signal.SIGKILL)
-        threading.Thread(target=kill, daemon=True).start()
-
     env = child_env(os.environ["JAX_COMPILATION_CACHE_DIR"], 2, **stores.env, OLMAX_LOCAL_DEVICES="2")
     overrides = [f"data.paths={json.dumps(shards)}", "train.steps=6", "checkpoint.every=3", "mesh.fsdp=-1",
                  f"output_dir={run}"]
     sleeps = []
     supervisor = Supervisor("tiny", overrides, nprocs=2, backoff=Backoff(0.1, 2, 1), max_retries=1,
-                            sleep=sleeps.append, env=env, on_start=kill_process_1_after_step_3)
+                            sleep=sleeps.append, env=env,
+                            on_start=signal_once_when(lambda: storage.committed(step3), signal.SIGKILL, 1, poll=0.2))
     assert supervisor.run() == 0
     first, second = [json.loads(line) for line in (tmp_path / "runs" / "tiny" / "launch.jsonl").read_text().splitlines()]
     assert first["reason"] == "killed by SIGKILL (process 1)" and 3 <= first["checkpoint_after"] < 6, first

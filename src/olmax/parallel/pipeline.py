@@ -413,11 +413,11 @@ def _run_1f1b(weights, x, head_params, head_inputs, stage_fn, head_fn, chunk_los
     grads = jax.tree.map(jnp.zeros_like, (weights, x, head_params))
     zero = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), (value0, metrics0))
     (_, _, _, grads, value, metrics), aux = jax.lax.scan(tick, (state, state, kept, grads, *zero), rows)
-    # aux leaves [ticks, S, C, ...]: micro-batch m's chunk r S + s ran forward in the tick the table says
-    at = {(m, r, s): t for t, s in zip(*np.nonzero(table.f_mb >= 0)) for m, r in [(table.f_mb[t, s], table.f_rep[t, s])]}
-    m, r, s = np.meshgrid(np.arange(M), np.arange(R), np.arange(S), indexing="ij")
-    tick_of = np.vectorize(lambda m, r, s: at[m, r, s])(m, r, s)
-    aux = jax.tree.map(lambda a: a[tick_of, s].reshape(M, -1, *a.shape[3:]), aux)
+    # aux leaves [ticks, S, C, ...]: micro-batch m's chunk r S + s ran forward in tick tick_of[m, r, s]
+    tick_of = np.zeros((M, R, S), np.int32)
+    for t, s in zip(*np.nonzero(table.f_mb >= 0)):
+        tick_of[table.f_mb[t, s], table.f_rep[t, s], s] = t
+    aux = jax.tree.map(lambda a: a[tick_of, np.arange(S)].reshape(M, -1, *a.shape[3:]), aux)
     return (value, metrics, aux), grads
 
 

@@ -65,14 +65,15 @@ def run_compile(args: argparse.Namespace) -> None:
 
     target = parse_target(args.target)
     cfg, layout = load_config(args.config, args.overrides, target.name), target_layout(args.config, target.name)
+    layout = layout and {"target": layout[0], "settings": layout[1]}
     try:
         report = compile_train_step(cfg, target, _mfu(args.mfu))
     except DoesNotFit as err:
-        err.report["layout"] = layout and {"target": layout[0], "settings": layout[1]}
+        err.report["layout"] = layout
         print(json.dumps(err.report, indent=2) if args.json else format_compile(err.report))
         print(f"olmax: DoesNotFit: {err}", file=sys.stderr)
         sys.exit(1)
-    report["layout"] = layout and {"target": layout[0], "settings": layout[1]}
+    report["layout"] = layout
     print(json.dumps(report, indent=2) if args.json else format_compile(report))
 
 
