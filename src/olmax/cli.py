@@ -71,7 +71,9 @@ def cmd_train(args) -> None:
     cfg = load_config(args.config, args.overrides)
     from olmax.launch.distributed import announce, host_log, join_cluster
 
-    cluster = join_cluster()  # before anything touches a device
+    from olmax.train.watchdog import coordination_heartbeat
+
+    cluster = join_cluster(coordination_heartbeat(cfg.train.hang_timeout))  # before anything touches a device
     import jax
 
     from olmax.config import target_layout

@@ -405,6 +405,9 @@ class TrainConfig(Section):
     )
     seed: int = 0
     log_every: int = Field(1, gt=0)
+    hang_timeout: float = Field(
+        600.0, gt=0, description="seconds without a finished step after which a multi-process run is taken for "
+        "stopped and exits 75 (at least 5 x the slowest step so far; olmax.train.watchdog)")
 
 
 MESH_AXES = ("data", "stage", "fsdp", "expert", "tensor")  # outermost first: neighbours share the inner axes

@@ -32,6 +32,7 @@ from olmax.train.bucket_run import BucketRun
 from olmax.train.metrics import MetricsWriter, console_line, device_peak_flops
 from olmax.train.resume import restore_or_init, resume_data, schedule_change
 from olmax.train.step import batch_shardings, jit_train_step, micro_batch_rows
+from olmax.train.watchdog import watching
 
 log = logging.getLogger(__name__)
 
@@ -204,7 +205,7 @@ def _train(cfg: RunConfig, quiet: bool, make_eval, bucket: BucketRun | None, run
                 paused += time.perf_counter() - now
 
     try:
-        with preemption_signals() as stop:
+        with preemption_signals() as stop, watching(cfg.train.hang_timeout, RESUMABLE_EXIT_CODE) as watchdog:
             last = min(cfg.train.steps, cfg.train.stop_after or cfg.train.steps)
             if start >= last and not quiet and jax.process_index() == 0:
                 target = "train.steps" if last == cfg.train.steps else "train.stop_after"
@@ -221,6 +222,7 @@ def _train(cfg: RunConfig, quiet: bool, make_eval, bucket: BucketRun | None, run
                     finish(*pending)
                 pending = (step, metrics, {})
                 stopping = stop_requested(stop)
+                watchdog.beat(step)  # every process got here: a collective returned
                 save = step % cfg.checkpoint.every == 0 or step == last or stopping
                 eval_due = evaluate is not None and evaluate.due(step)
                 if eval_due or save:
