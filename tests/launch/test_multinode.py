@@ -141,7 +141,10 @@ def test_a_two_node_job_survives_a_dead_node_and_a_frozen_one_and_matches_one_pr
     assert len(attempts) == 3 and attempts[-1]["reason"] == "finished", attempts
     dead, frozen = attempts[:2]
     assert dead["checkpoint_before"] == 0 and dead["checkpoint_after"] >= 4, dead
-    assert frozen["reason"] == "requeued" and frozen["checkpoint_after"] > frozen["checkpoint_before"], frozen
+    # Process 0 exits 75; process 1, its coordinator gone, aborts (JAX): srun's code is the larger, so the script
+    # requeues the job only when process 1 was ended first, else the launcher submits it again.
+    assert frozen["reason"] in ("requeued", "crashed (exit 134)"), frozen
+    assert frozen["checkpoint_after"] > frozen["checkpoint_before"], frozen
     assert jobs.count("olmax: process 0 of 2 (slurm) on olmaxnode1") == 3, jobs[-6000:]
 
     logged = [json.loads(line) for line in storage.read_bytes(storage.join(run, "metrics.jsonl")).splitlines()]

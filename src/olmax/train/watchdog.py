@@ -8,7 +8,8 @@ the job is run again from the latest checkpoint.
 
 The timeout is max(train.hang_timeout, STEP_FACTOR x the longest interval between two beats so far): a run
 whose steps (checkpoint writes included) take long gets a longer one by itself, and the floor covers what
-comes before that is known: the start, compiling the first step included, which is no step interval.
+comes before that is known. It is armed by the first beat: restoring and compiling the first step (minutes
+for a large model, and not alike on every process) are no part of it.
 
 JAX's coordination service has a heartbeat of its own, which aborts every process (no line naming the one
 that stopped, and no exit code a requeue reads) once one process has been silent for its timeout;
@@ -56,17 +57,15 @@ class Watchdog:
     def __init__(self, floor: float, exit_code: int, *, exit=os._exit):
         self.floor, self.exit_code, self.exit = floor, exit_code, exit
         self.intervals: list[float] = []
-        self.last_beat = time.monotonic()
-        self.first = True  # the first beat ends the start and the first step's compilation: no step interval
+        self.last_beat: float | None = None  # armed by the first beat
         self.step = 0
         self.count = 0
         self._stopped = threading.Event()
 
     def beat(self, step: int) -> None:
         now = time.monotonic()
-        if not self.first:
+        if self.last_beat is not None:
             self.intervals.append(now - self.last_beat)
-        self.first = False
         self.last_beat, self.step = now, step
 
     def timeout(self) -> float:
@@ -89,6 +88,8 @@ class Watchdog:
 
     def _watch(self) -> None:
         while not self._stopped.wait(PUBLISH_S / 2):
+            if self.last_beat is None:
+                continue
             waited, timeout = time.monotonic() - self.last_beat, self.timeout()
             if waited > timeout and not self._stopped.is_set():
                 self._end(waited, timeout)
