@@ -7,12 +7,9 @@ import json
 import signal
 import sys
 
-from olmax.errors import BadInput
+from olmax.errors import ExitCode, OlmaxError
 from olmax.runtime import (LIBTPU_LOCKFILE, STOP_SIGNALS, drop_held_signals, hold_stop_signals, libtpu_lock_holder,
                            release_stop_signals, skip_absent_tpus)
-
-EXIT_BAD_INPUT = 2  # `olmax launch` does not retry it
-EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports it
 
 
 def _config_args(parser: argparse.ArgumentParser) -> None:
@@ -123,7 +120,7 @@ def cmd_resume_check(args) -> None:
     print(f"max |delta| {worst!r} over {len(rows)} steps after the resume at {args.at}; "
           f"table and plot in {out}")
     if worst != 0:
-        sys.exit(1)
+        sys.exit(ExitCode.FAILED)
 
 
 def cmd_demo(args) -> None:
@@ -197,13 +194,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def _raised(err: Exception, module: str, name: str) -> bool:
-    return module in sys.modules and isinstance(err, getattr(sys.modules[module], name))
-
-
 def main(argv: list[str] | None = None) -> int:
-    """Run one command. Bad input exits 2 with one line naming it; an interrupt never prints a traceback: train
-    and launch stop cleanly (exit 75) whenever it comes, other commands exit 130."""
+    """Run one command. An error olmax raises on purpose (olmax.errors) ends it with one line and its exit code:
+    bad input exits 2 naming it; an interrupt never prints a traceback: train and launch stop cleanly (exit 75)
+    whenever it comes, other commands exit 130."""
     previous = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
     previous_mask = signal.pthread_sigmask(signal.SIG_BLOCK, [])
     hold_stop_signals()
@@ -218,31 +212,22 @@ def main(argv: list[str] | None = None) -> int:
         args.func(args)
     except KeyboardInterrupt:
         print("olmax: interrupted", file=sys.stderr)
-        return EXIT_INTERRUPTED
+        return ExitCode.INTERRUPTED
+    except OlmaxError as err:
+        print(f"olmax: {err.line()}", file=sys.stderr)
+        return err.exit_code
     except Exception as err:
-        if _raised(err, "olmax.train.trainer", "Preempted"):
-            print(f"olmax: {err}; run the same command again to resume", file=sys.stderr)
-            return sys.modules["olmax.train.trainer"].RESUMABLE_EXIT_CODE
         if "libtpu multi-process lockfile" in str(err) and (holder := libtpu_lock_holder()):
             print(f"olmax: process {holder} is using this machine's TPU chips (it holds {LIBTPU_LOCKFILE}); run "
                   "this again when it has ended", file=sys.stderr)
-            return 1
-        if _raised(err, "olmax.train.trainer", "Diverged"):
-            print(f"olmax: {err}", file=sys.stderr)
-            return sys.modules["olmax.train.trainer"].DIVERGED_EXIT_CODE
-        if _raised(err, "olmax.checkpoint", "DiskFull"):
-            print(f"olmax: {err}", file=sys.stderr)
-            return err.exit_code
-        if not isinstance(err, BadInput):
-            raise
-        print(f"olmax: {type(err).__name__}: {err}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+            return ExitCode.FAILED
+        raise
     finally:
         drop_held_signals()
         signal.pthread_sigmask(signal.SIG_SETMASK, previous_mask)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    return 0
+    return ExitCode.FINISHED
 
 
 if __name__ == "__main__":

@@ -20,16 +20,12 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from olmax.errors import BadInput
+from olmax.errors import ConfigError
 
 PRESET_DIR = Path(__file__).parent / "configs"
 MAX_STEPS = 2**31 - 1  # the step counter (and the LR schedule's arithmetic) is int32 on the device
 REMAT_NAMES = ("qkv_proj", "out_proj", "mlpwi_0", "mlpwi_1", "mlpwo", "context")
 DType = Literal["float32", "bfloat16"]
-
-
-class ConfigError(BadInput):
-    """A config that cannot describe a run; the message names the field and the fix."""
 
 
 class Section(BaseModel):

@@ -37,7 +37,7 @@ import uuid
 from pathlib import Path
 
 from olmax import storage
-from olmax.errors import BadInput
+from olmax.errors import RunDirError
 
 log = logging.getLogger(__name__)
 
@@ -46,10 +46,6 @@ ENV_RUN_LOCK = "OLMAX_RUN_LOCK"
 RENEW_S = 10.0  # a bucket lease's holder rewrites it this often
 STALE_S = 45.0  # a lease not renewed for this long is a dead (or cut off) holder's, and is taken over
 SETTLE_S = 1.0  # a new lease is read back this long after it was written
-
-
-class RunDirError(BadInput):
-    """Another process holds the run directory, or it cannot be written; the message names the holder or the fix."""
 
 
 def identity() -> str:

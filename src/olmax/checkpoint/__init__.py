@@ -38,7 +38,7 @@ import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
 from olmax import storage
-from olmax.errors import BadInput
+from olmax.errors import CheckpointError, DiskFull, UnreadableCheckpoint
 from olmax.config import CheckpointConfig, ConfigError, ModelConfig, RunConfig, upgrade, validate
 from olmax.checkpoint.checksums import CHECKSUM, checksums, meta_digest
 from olmax.checkpoint.orbax_io import (
@@ -46,20 +46,6 @@ from olmax.checkpoint.orbax_io import (
 )
 
 log = logging.getLogger(__name__)
-
-
-class CheckpointError(BadInput):
-    """A checkpoint that cannot be used for this run; the message says why and what to do."""
-
-
-class UnreadableCheckpoint(CheckpointError):
-    """A checkpoint whose files cannot be read or do not match their checksums (a torn or corrupted write)."""
-
-
-class DiskFull(Exception):
-    """The disk filled up while a checkpoint was written; its partial write was removed."""
-
-    exit_code = 74  # EX_IOERR; `olmax launch` does not retry it: only freeing space helps
 
 
 class Checkpointer:

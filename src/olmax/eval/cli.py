@@ -5,10 +5,8 @@ Every command prints JSON on stdout; kl and compare also write a PNG (and compar
 
 from __future__ import annotations
 
-import functools
 import json
 import os
-import sys
 from pathlib import Path
 
 # The downstream suite of MaxText's OLMo 3 reproduction (https://github.com/AI-Hypercomputer/maxtext/pull/3886); needs the datasets in the HF cache.
@@ -16,20 +14,6 @@ DEFAULT_TASKS = ("mmlu:5", "hellaswag:0", "arc_easy:0", "arc_challenge:0", "open
                  "winogrande:0")
 MODEL_HELP = ("olmax checkpoint directory (latest step), a step of one (.../checkpoints/STEP), a run directory, "
               "or an HF Olmo3 directory")
-
-
-def _reports_errors(command):
-    """Bad input ends the command with a one-line error naming it, exit status 2."""
-    @functools.wraps(command)
-    def run(args) -> None:
-        from olmax.errors import BadInput
-
-        try:
-            command(args)
-        except BadInput as err:
-            print(f"olmax: {type(err).__name__}: {err}", file=sys.stderr)
-            sys.exit(2)
-    return run
 
 
 def _writable(out: str | None) -> None:
@@ -60,7 +44,7 @@ def _stem(out: str) -> str:
 
 def _selection(args, model):
     from olmax.eval.documents import select, sets_from_argument
-    from olmax.eval.models import EvalError
+    from olmax.errors import EvalError
 
     if args.tokens is not None and args.tokens < 1:
         raise EvalError(f"--tokens {args.tokens}: give a positive number of tokens per set, or leave it out for all")
@@ -83,7 +67,8 @@ def load_model(path: str | Path):
     step), one step of it (`.../checkpoints/STEP`), or a run directory (its `checkpoints/`); local or in a
     bucket (a checkpoint's step is read from there alone, an HF directory copied whole)."""
     from olmax import storage
-    from olmax.eval.models import EvalError, Model
+    from olmax.errors import EvalError
+    from olmax.eval.models import Model
     from olmax.interop.hf import load_hf_params, read_hf_config
     from olmax.model.weights import load_olmax
     from olmax.model import families
@@ -103,7 +88,6 @@ def load_model(path: str | Path):
     return Model(name, cfg, params)
 
 
-@_reports_errors
 def cmd_heldout(args) -> None:
     _writable(args.out)
     import jax
@@ -120,7 +104,6 @@ def cmd_heldout(args) -> None:
                  "token_budget_per_set": args.tokens, "devices": jax.device_count()}, args.out)
 
 
-@_reports_errors
 def cmd_kl(args) -> None:
     _writable(args.out)
     from olmax.eval import kl
@@ -145,7 +128,8 @@ def cmd_kl(args) -> None:
 
 def _harness_results(path: str, args) -> dict:
     """A results JSON of an earlier `olmax eval harness`, or a model to run the tasks on."""
-    from olmax.eval.models import EvalError, eval_layout, place
+    from olmax.errors import EvalError
+    from olmax.eval.models import eval_layout, place
 
     if path.endswith(".json") and Path(path).is_file():
         report = json.loads(Path(path).read_text())
@@ -169,7 +153,6 @@ def _harness_results(path: str, args) -> dict:
     return {"model": model.name, **results}
 
 
-@_reports_errors
 def cmd_harness(args) -> None:
     _writable(args.out)
     from olmax.eval.harness import deltas
@@ -182,7 +165,6 @@ def cmd_harness(args) -> None:
     _print_json({"a": a, "b": b, "deltas": deltas(a, b)}, args.out)
 
 
-@_reports_errors
 def cmd_compare(args) -> None:
     from olmax import storage
     from olmax.eval import curves

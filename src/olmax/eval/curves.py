@@ -23,7 +23,7 @@ import numpy as np
 
 from olmax import storage
 
-from olmax.eval.models import EvalError
+from olmax.errors import EvalError
 
 EVENT_GLOB = "events.out.tfevents.*"
 

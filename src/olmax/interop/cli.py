@@ -7,6 +7,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from olmax.errors import ExitCode
+
 
 @contextlib.contextmanager
 def _new_output(out: str, checkpoint: bool):
@@ -74,7 +76,7 @@ def cmd_parity(args) -> None:
         report["comparisons"]["hf"]["reference"] = args.hf
     print(to_json(report) if args.json else format_report(report))
     if not report["passed"]:
-        sys.exit(1)
+        sys.exit(ExitCode.FAILED)
 
 
 def add_commands(subparsers) -> None:

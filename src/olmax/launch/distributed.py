@@ -36,7 +36,8 @@ import jax
 # JAX's own cluster detection (what jax.distributed.initialize() uses); no public API says which cluster it found.
 from jax._src import clusters
 
-from olmax.config import ConfigError, writable_dir
+from olmax.config import writable_dir
+from olmax.errors import ClusterError, ConfigError
 
 ENV_COORDINATOR = "OLMAX_COORDINATOR"
 ENV_NUM_PROCESSES = "OLMAX_NUM_PROCESSES"
@@ -46,10 +47,6 @@ DISTRIBUTED_ENV = (ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID)
 JOIN_BY_HAND = f"or set {', '.join(DISTRIBUTED_ENV)} on every process"
 
 host_log = logging.getLogger("olmax.host")
-
-
-class ClusterError(ConfigError):
-    """This process belongs to a multi-process job but cannot join it."""
 
 
 @dataclass(frozen=True)

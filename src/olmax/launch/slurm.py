@@ -31,10 +31,9 @@ import threading
 import time
 from pathlib import Path
 
-from olmax.config import ConfigError, RunConfig, load_config
+from olmax.config import RunConfig, load_config
+from olmax.errors import ExitCode, SlurmError
 from olmax.launch.supervisor import (
-    EXIT_FINISHED,
-    EXIT_PREEMPTED,
     Backoff,
     RetryPolicy,
     exit_reason,
@@ -48,10 +47,6 @@ from olmax.runtime import release_stop_signals
 ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "OUT_OF_MEMORY", "BOOT_FAIL",
          "DEADLINE", "SPECIAL_EXIT"}
 POLL_SECONDS = 30.0
-
-
-class SlurmError(ConfigError):
-    """Slurm refused the job (or is not there): retrying the same submission cannot help."""
 
 
 def batch_script(cfg: RunConfig, config: str, overrides: list[str], python: str = sys.executable) -> str:
@@ -71,8 +66,9 @@ def batch_script(cfg: RunConfig, config: str, overrides: list[str], python: str 
         "# One task per process; they join one run through JAX's Slurm detection.",
         f"srun {shlex.join([python, '-m', 'olmax.cli', 'train', config, *overrides])}",
         "code=$?",
-        "# 75: every task checkpointed after a SIGTERM (the time limit is near, or a preemption): run again.",
-        'if [ "$code" -eq 75 ]; then scontrol requeue "$SLURM_JOB_ID"; fi',
+        f"# {ExitCode.PREEMPTED:d}: every task checkpointed after a SIGTERM (the time limit is near, or a preemption): "
+        "run again.",
+        f'if [ "$code" -eq {ExitCode.PREEMPTED:d} ]; then scontrol requeue "$SLURM_JOB_ID"; fi',
         'exit "$code"',
     ]
     return "\n".join(lines) + "\n"
@@ -101,15 +97,15 @@ def job_info(job_id: str) -> dict[str, str] | None:
 def _exit_code(info: dict[str, str] | None) -> tuple[int, str]:
     """(the job script's exit code as the supervisor reads a child's, the outcome in words)."""
     if info is None:
-        return 1, "unknown (Slurm no longer knows the job)"
+        return ExitCode.FAILED, "unknown (Slurm no longer knows the job)"
     state = info["JobState"]
     status, sig = (int(x) for x in info.get("ExitCode", "0:0").split(":"))
     code = -sig if sig else status
     if state == "COMPLETED":
-        return 0, "finished"
+        return ExitCode.FINISHED, ExitCode.FINISHED.words
     if state == "FAILED":
         return code, exit_reason(code)
-    return (code or 1), state.lower().replace("_", " ")  # timeout, node fail, cancelled, ...
+    return (code or ExitCode.FAILED), state.lower().replace("_", " ")  # timeout, node fail, cancelled, ...
 
 
 def _eligible(info: dict[str, str]) -> datetime.datetime:
@@ -171,7 +167,7 @@ class SlurmLauncher:
             while True:
                 if self._stop_signal is not None:
                     self.echo("olmax launch: stopped before the next submission")
-                    return EXIT_PREEMPTED
+                    return ExitCode.PREEMPTED
                 self._job = self.submit()
                 self.echo(f"olmax launch: submitted Slurm job {self._job} ({script_path(self.records)}); "
                           f"its output goes to {self.records / 'slurm' / (self._job + '.out')}")
@@ -193,7 +189,7 @@ class SlurmLauncher:
             restarts = int(info.get("Restarts", runs_seen)) if info else runs_seen
             if restarts > runs_seen:  # Slurm requeued it: our script after exit 75, a preemption, `scontrol requeue`
                 after = latest_checkpoint_step(self.run_location)
-                result, sleep = self._record(job, runs_seen + 1, started, EXIT_PREEMPTED, "requeued",
+                result, sleep = self._record(job, runs_seen + 1, started, ExitCode.PREEMPTED, "requeued",
                                              before, after, again="run again")
                 if result is not None:
                     _slurm("scancel", job)
@@ -217,7 +213,7 @@ class SlurmLauncher:
     def _record(self, job: str, run: int, started: float, code: int, reason: str, before: int, after: int,
                 again: str) -> tuple[int | None, float]:
         self._attempt += 1
-        result, action, sleep = self.policy.decide(finished=code == EXIT_FINISHED, code=code, before=before,
+        result, action, sleep = self.policy.decide(finished=code == ExitCode.FINISHED, code=code, before=before,
                                                    after=after, stopped_by=self._stop_signal, again=again)
         record = {
             "attempt": self._attempt, "job_id": job, "job_run": run,

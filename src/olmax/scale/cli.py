@@ -60,7 +60,8 @@ def run_plan(args: argparse.Namespace) -> None:
 
 
 def run_compile(args: argparse.Namespace) -> None:
-    from olmax.scale.compile import DoesNotFit, compile_train_step
+    from olmax.errors import DoesNotFit
+    from olmax.scale.compile import compile_train_step
     from olmax.scale.targets import parse_target
 
     target = parse_target(args.target)
@@ -71,8 +72,8 @@ def run_compile(args: argparse.Namespace) -> None:
     except DoesNotFit as err:
         err.report["layout"] = layout
         print(json.dumps(err.report, indent=2) if args.json else format_compile(err.report))
-        print(f"olmax: DoesNotFit: {err}", file=sys.stderr)
-        sys.exit(1)
+        print(f"olmax: {err.line()}", file=sys.stderr)
+        sys.exit(err.exit_code)
     report["layout"] = layout
     print(json.dumps(report, indent=2) if args.json else format_compile(report))
 

@@ -24,20 +24,13 @@ import jax
 import jax.numpy as jnp
 
 from olmax.config import RunConfig
+from olmax.errors import DoesNotFit
 from olmax.model import attention, transformer
 from olmax.model.moe import sublayer
 from olmax.parallel.mesh import Layout, make_layout, platform
 from olmax.scale.plan import plan
 from olmax.scale.targets import GiB, Target, compile_only_devices
 from olmax.train.step import abstract_state, batch_shardings, jit_train_step, micro_batch_rows
-
-
-class DoesNotFit(Exception):
-    """The step needs more memory per device than the target has; `report` holds what is known."""
-
-    def __init__(self, message: str, report: dict):
-        super().__init__(message)
-        self.report = report
 
 
 def device_bytes(tree) -> int:

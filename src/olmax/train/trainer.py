@@ -22,6 +22,7 @@ from jax.experimental import multihost_utils
 from olmax import run_lock, storage
 from olmax.checkpoint import Checkpointer, run_meta
 from olmax.config import ConfigError, RunConfig, writable_dir
+from olmax.errors import Diverged, Preempted
 from olmax.data import build_loader
 from olmax.model import flops
 from olmax.model.transformer import compute_dtype
@@ -34,17 +35,6 @@ from olmax.train.resume import restore_or_init, resume_data, schedule_change
 from olmax.train.step import batch_shardings, jit_train_step, micro_batch_rows
 
 log = logging.getLogger(__name__)
-
-RESUMABLE_EXIT_CODE = 75  # EX_TEMPFAIL: preempted after a checkpoint; run again to resume
-DIVERGED_EXIT_CODE = 3  # the parameters are not finite: a resume would repeat the same steps bitwise, so no retry
-
-
-class Preempted(Exception):
-    """SIGTERM/SIGINT arrived; the step in flight finished and a checkpoint was written (or nothing needed one)."""
-
-
-class Diverged(Exception):
-    """The parameters became NaN or infinite; no checkpoint of them was written."""
 
 
 @jax.jit

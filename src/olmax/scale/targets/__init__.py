@@ -24,7 +24,7 @@ import re
 from dataclasses import dataclass
 from importlib.resources import files
 
-from olmax.config import ConfigError
+from olmax.errors import TargetError
 
 GiB = 2**30
 
@@ -75,10 +75,6 @@ XLA_FLAGS = {
     },
 }
 HOST_CHIPS = (2, 2)  # libtpu's compile-only topologies are made of hosts of 2x2 chips (its default host bounds)
-
-
-class TargetError(ConfigError):
-    """A target olmax does not know, or the `aot` extra missing for it."""
 
 
 @dataclass(frozen=True)
