@@ -96,11 +96,10 @@ def cmd_train(args) -> None:
         raise
     host_log.info("finished")
     if cluster.process_id == 0:
-        from olmax.storage import join
+        from olmax.run_dir import RunDir
 
-        run = cfg.run_location
-        print(f"done: checkpoints in {join(run, 'checkpoints')}, metrics in {join(run, 'metrics.jsonl')} "
-              f"and {join(run, 'tensorboard')}")
+        run = RunDir(cfg.run_location)
+        print(f"done: checkpoints in {run.checkpoints}, metrics in {run.metrics} and {run.tensorboard}")
 
 
 def cmd_resume_check(args) -> None:

@@ -31,6 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from olmax.config import load_config
+from olmax.run_dir import RunDir
 
 DOMAINS = ("code", "prose")
 SKIP_DIRS = {"site-packages", "test", "tests", "idlelib", "lib2to3", "__pycache__"}
@@ -226,7 +227,7 @@ def run_demo(overrides: list[str], fresh: bool, moe: bool = False) -> Path:
     losses = [h["train/CE loss"] for h in history]
     same_as_previous = None if previous_losses is None else previous_losses == losses
 
-    checkpointer = Checkpointer(cfg.run_dir / "checkpoints", cfg.checkpoint)
+    checkpointer = Checkpointer(RunDir(cfg.run_dir).checkpoints, cfg.checkpoint)
     state, _, _ = restore_or_init(cfg, make_layout(cfg.mesh), checkpointer)
     checkpointer.close()
     samples = greedy_samples(cfg, state.params, data["tokenizer"],
@@ -285,7 +286,7 @@ def write_report(out: Path, cfg, data, history, baselines, scored, samples, trai
               True: "bitwise identical to the previous run's, step for step",
               False: "DIFFERENT from the previous run's (same config and seed): a determinism bug"}[same_as_previous]
     run_dir = cfg.run_dir
-    ckpt = run_dir / "checkpoints"
+    ckpt = RunDir(run_dir).checkpoints
     experts = (f", {cfg.model.moe.num_experts} experts top-{cfg.model.moe.top_k} in every layer"
                if cfg.model.mlp == "moe" else "")
     lines = [
@@ -310,8 +311,8 @@ def write_report(out: Path, cfg, data, history, baselines, scored, samples, trai
         "## Greedy samples", "",
         *[f"```\n{s}\n```\n" for s in samples],
         "## Where things are", "",
-        f"- checkpoints: `{ckpt}`", f"- metrics: `{run_dir / 'metrics.jsonl'}`, TensorBoard events in "
-        f"`{run_dir / 'tensorboard'}`", f"- tokenizer and shards: `{out / 'cache'}`", "",
+        f"- checkpoints: `{ckpt}`", f"- metrics: `{RunDir(run_dir).metrics}`, TensorBoard events in "
+        f"`{RunDir(run_dir).tensorboard}`", f"- tokenizer and shards: `{out / 'cache'}`", "",
         "## Next commands", "",
         "```bash",
         f"olmax train {cfg.name} train.steps={2 * cfg.train.steps}   # resume from the last checkpoint, train further",

@@ -72,6 +72,7 @@ def load_model(path: str | Path):
     from olmax.interop.hf import load_hf_params, read_hf_config
     from olmax.model.weights import load_olmax
     from olmax.model import families
+    from olmax.run_dir import RunDir
 
     if not storage.exists(str(path)):
         raise EvalError(f"{path} does not exist; give an olmax checkpoint or run directory, or an HF model directory")
@@ -83,8 +84,8 @@ def load_model(path: str | Path):
     cfg, params, step = load_olmax(path)
     name = str(path).rstrip("/")
     if not storage.basename(name).isdigit():
-        name = storage.join(name, "checkpoints", str(step)) if storage.is_dir(storage.join(name, "checkpoints")) \
-            else storage.join(name, str(step))
+        checkpoints = RunDir(name).checkpoints
+        name = storage.join(checkpoints, str(step)) if storage.is_dir(checkpoints) else storage.join(name, str(step))
     return Model(name, cfg, params)
 
 

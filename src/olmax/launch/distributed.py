@@ -38,6 +38,7 @@ from jax._src import clusters
 
 from olmax.config import writable_dir
 from olmax.errors import ClusterError, ConfigError
+from olmax.run_dir import RunDir
 
 ENV_COORDINATOR = "OLMAX_COORDINATOR"
 ENV_NUM_PROCESSES = "OLMAX_NUM_PROCESSES"
@@ -157,7 +158,7 @@ def announce(run_dir: Path | None, cluster: Cluster) -> str:
     host_log.setLevel(logging.INFO)
     host_log.propagate = False  # its lines go to this file only, not to whatever else handles the root logger
     if run_dir is not None:
-        path = writable_dir(Path(run_dir), "output_dir") / "logs" / f"host-{jax.process_index():02d}.log"
+        path = RunDir(writable_dir(Path(run_dir), "output_dir")).host_log(jax.process_index())
         path.parent.mkdir(parents=True, exist_ok=True)
         handler = logging.FileHandler(path)
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))

@@ -41,6 +41,7 @@ from olmax.launch.supervisor import (
     launch_dir,
     previous_attempts,
 )
+from olmax.run_dir import RunDir
 from olmax.runtime import release_stop_signals
 
 # Job states after which Slurm will not run the job again by itself (a requeued job goes back to PENDING).
@@ -56,7 +57,7 @@ def batch_script(cfg: RunConfig, config: str, overrides: list[str], python: str 
     options += [f"--gpus-per-task={slurm.gpus_per_task}"] if slurm.gpus_per_task else []
     options += [f"--{key}={getattr(slurm, key)}" for key in ("time", "partition", "account") if getattr(slurm, key)]
     options += ["--requeue", f"--signal=TERM@{slurm.signal_seconds}", "--open-mode=append",
-                f"--output={records}/slurm/%j.out", *slurm.sbatch_lines]
+                f"--output={RunDir(records).slurm_output('%j')}", *slurm.sbatch_lines]
     lines = ["#!/bin/bash", "# Written by `olmax launch --slurm`, which submits it with sbatch and watches the job.",
              *(f"#SBATCH {option}" for option in options)]
     if slurm.gpus_per_task:
@@ -75,7 +76,7 @@ def batch_script(cfg: RunConfig, config: str, overrides: list[str], python: str 
 
 
 def script_path(records: Path) -> Path:
-    return Path(records) / "slurm" / "job.sh"
+    return RunDir(records).slurm_script
 
 
 def _slurm(*argv: str) -> subprocess.CompletedProcess:
@@ -170,7 +171,7 @@ class SlurmLauncher:
                     return ExitCode.PREEMPTED
                 self._job = self.submit()
                 self.echo(f"olmax launch: submitted Slurm job {self._job} ({script_path(self.records)}); "
-                          f"its output goes to {self.records / 'slurm' / (self._job + '.out')}")
+                          f"its output goes to {RunDir(self.records).slurm_output(self._job)}")
                 result, sleep = self._watch(self._job)
                 if result is not None:
                     return result
@@ -223,7 +224,7 @@ class SlurmLauncher:
             "action": action, "sleep": sleep, "failures_in_a_row": self.policy.failures_in_a_row,
         }
         self.records.mkdir(parents=True, exist_ok=True)
-        with open(self.records / "launch.jsonl", "a") as f:
+        with open(RunDir(self.records).launch_records, "a") as f:
             f.write(json.dumps(record) + "\n")
         self.echo(f"olmax launch: attempt {self._attempt}: Slurm job {job} run {run} {reason} after "
                   f"{record['seconds']:.1f} s (checkpoint {before} -> {after} of {self.target_step}); {action}")

@@ -52,6 +52,7 @@ from olmax import run_lock, storage
 from olmax.config import RunConfig, load_config, writable_dir
 from olmax.errors import NOT_RETRIED, ExitCode
 from olmax.launch.distributed import ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID
+from olmax.run_dir import RunDir
 from olmax.runtime import release_stop_signals
 
 TRAIN_COMMAND = (sys.executable, "-m", "olmax.cli", "train")
@@ -115,24 +116,14 @@ def launch_dir(cfg: RunConfig) -> Path:
     return writable_dir(Path(records.format(name=cfg.name)), "launch.records_dir")
 
 
-def previous_attempts(run_dir: Path) -> int:
-    log = Path(run_dir) / "launch.jsonl"
+def previous_attempts(records: Path) -> int:
+    log = RunDir(records).launch_records
     return len(log.read_text().splitlines()) if log.exists() else 0
 
 
 def latest_checkpoint_step(run: str | Path) -> int:
-    """The newest committed checkpoint's step of a run directory or bucket run, 0 if none: Orbax writes into a
-    temporary directory (`N.orbax-checkpoint-tmp-*`) and renames it to `N` when complete; a bucket's step counts
-    once its commit marker is there."""
-    if storage.is_remote(run):
-        from olmax.checkpoint.remote import CHECKPOINTS, committed_steps
-
-        checkpoints = storage.join(run, CHECKPOINTS)
-        return max(committed_steps(checkpoints), default=0) if storage.is_dir(checkpoints) else 0
-    directory = Path(run) / "checkpoints"
-    if not directory.is_dir():
-        return 0
-    return max((int(p.name) for p in directory.iterdir() if p.name.isdigit() and p.is_dir()), default=0)
+    """The newest committed checkpoint's step of a run directory or bucket run, 0 if none."""
+    return RunDir(run).latest_step() or 0
 
 
 def exit_reason(returncode: int) -> str:
@@ -273,7 +264,7 @@ class Supervisor:
 
     def _log(self, record: dict) -> None:
         self.records.mkdir(parents=True, exist_ok=True)
-        with open(self.records / "launch.jsonl", "a") as f:
+        with open(RunDir(self.records).launch_records, "a") as f:
             f.write(json.dumps(record) + "\n")
         codes = ", ".join(f"process {i}: {exit_reason(c)}" for i, c in enumerate(record["exit_codes"]))
         self.echo(
