@@ -67,7 +67,8 @@ def run_compile(args: argparse.Namespace) -> None:
     cfg, layout = load_config(args.config, args.overrides, target.name), target_layout(args.config, target.name)
     layout = layout and {"target": layout[0], "settings": layout[1]}
     try:
-        report = compile_train_step(cfg, target, _mfu(args.mfu))
+        report = compile_train_step(cfg, target, _mfu(args.mfu),
+                                    progress=lambda line: print(f"olmax compile: {line}", file=sys.stderr, flush=True))
     except DoesNotFit as err:
         err.report["layout"] = layout
         print(json.dumps(err.report, indent=2) if args.json else format_compile(err.report))
