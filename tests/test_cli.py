@@ -230,3 +230,41 @@ def test_flops_names_the_attention_it_counts(capsys):
     assert _exit_code(["flops", "tiny", "model.layer_pattern=[global]"]) == 0
     out = capsys.readouterr().out
     assert "sliding" not in out and "(every layer global, seq" in out
+
+
+def _options(parser, path=()):
+    """(command path, action) of every option and argument of `parser` and its subcommands."""
+    import argparse
+
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, child in action.choices.items():
+                yield from _options(child, (*path, name))
+        elif not isinstance(action, argparse._HelpAction):
+            yield path, action
+
+
+def test_every_option_has_a_description_and_names_its_default():
+    from olmax.cli import build_parser
+
+    missing = [f"olmax {' '.join(path)} {'/'.join(action.option_strings) or action.dest}"
+               for path, action in _options(build_parser())
+               if not action.help or (action.option_strings and action.default not in (None, False)
+                                      and "default" not in action.help)]
+    assert not missing, f"options without a description or their default: {missing}"
+
+
+def test_help_lists_the_presets_and_says_where_to_read_more(capsys):
+    from olmax.cli import main
+    from olmax.config import presets
+
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    text = capsys.readouterr().out
+    assert "tiny" in presets() and all(name in text for name in presets())
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    assert "README.md" in capsys.readouterr().out.splitlines()[-1]
+    with pytest.raises(SystemExit):
+        main(["demo", "--help"])
+    assert "./runs/demo" in capsys.readouterr().out

@@ -136,14 +136,27 @@ def cmd_demo(args) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="olmax", description=__doc__)
+    from olmax.config import presets
+
+    parser = argparse.ArgumentParser(
+        prog="olmax", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="`olmax COMMAND --help` describes each command. More in README.md in olmax's source: the "
+        "commands, the configs and their keys, the exit codes, runs on Slurm, TPU pods, Kubernetes and buckets.")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("train", help="train (resumes from the latest checkpoint of the run)")
+    p = sub.add_parser(
+        "train", help="train (resumes from the latest checkpoint of the run)",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Trains CONFIG with its overrides; resumes from the run's latest checkpoint (output_dir); "
+        "SIGTERM/SIGINT save a checkpoint and exit 75.",
+        epilog=f"presets: {', '.join(presets())}\n(or a YAML file, which may start from one with `base: NAME`)")
     _config_args(p)
     p.set_defaults(func=cmd_train, handles_stop_signals=True)
 
-    p = sub.add_parser("demo", help="the whole pipeline on the Python standard library, with a report")
+    p = sub.add_parser("demo", help="the whole pipeline on the Python standard library, with a report",
+                       description="Builds a corpus from the standard library, trains a tokenizer and writes shards "
+                       "(cached in runs/demo/cache), trains the demo preset from scratch and writes "
+                       "runs/demo/report.md, all under ./runs/demo.")
     p.add_argument("overrides", nargs="*", help="section.key=value on the demo preset")
     p.add_argument("--fresh", action="store_true", help="rebuild the cached corpus, tokenizer and shards")
     p.add_argument("--moe", action="store_true",
@@ -160,7 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("flops", help="parameter count and training FLOPs")
     _config_args(p)
     p.add_argument("--instances-per-device", type=int, help="default: train.micro_batch_per_device")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print the figures as one JSON object")
     p.set_defaults(func=cmd_flops)
 
     p = sub.add_parser("config", help="config tools")

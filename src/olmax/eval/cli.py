@@ -239,7 +239,7 @@ def add_commands(subparsers) -> None:
     p.add_argument("--tokenizer", help="tokenizer.json (default: the HF directory's)")
     p.add_argument("--limit", type=int, help="examples per task (default: all)")
     p.add_argument("--include-path", help="directory of extra (local) task YAMLs")
-    p.add_argument("--batch-size", type=int, default=16, help="rows per batch")
+    p.add_argument("--batch-size", type=int, default=16, help="rows per batch (default: %(default)s)")
     p.add_argument("--max-length", type=int, help="context length (default: the model's data.sequence_length)")
     p.add_argument("--out", help="also write the JSON here")
     p.set_defaults(func=cmd_harness)
@@ -247,7 +247,7 @@ def add_commands(subparsers) -> None:
     p = subparsers.add_parser("compare", help="step-aligned comparison of a metric of two runs or published curves")
     p.add_argument("a", help="run directory, TensorBoard directory, metrics .jsonl, or a step<TAB>value .tsv")
     p.add_argument("b", help="the same kinds; deltas are B - A")
-    p.add_argument("--metric", default="train/CE loss")
+    p.add_argument("--metric", default="train/CE loss", help="the metric compared, by its name in metrics.jsonl (default: %(default)s)")
     p.add_argument("--metric-b", help="metric name in B (default: --metric)")
     p.add_argument("--window", type=int, help="steps per window of means (default 2000, less on runs shorter "
                    "than 20 windows)")
