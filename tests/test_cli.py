@@ -268,3 +268,29 @@ def test_help_lists_the_presets_and_says_where_to_read_more(capsys):
     with pytest.raises(SystemExit):
         main(["demo", "--help"])
     assert "./runs/demo" in capsys.readouterr().out
+
+
+def test_one_convention_and_the_old_spellings_for_one_release(tmp_path, capsys):
+    """CONFIG first, outputs as --out, checkpoints positional, --batch-size: the old spellings still work and
+    print one line saying what to write instead; one value given both ways is exit 2."""
+    from olmax.arguments import given
+    from olmax.cli import main, parse
+
+    assert main(["synth-data", "tiny", "--out", str(tmp_path / "new"), "--tokens", "4096", "--shards", "1"]) == 0
+    assert capsys.readouterr().err == ""
+    assert main(["synth-data", "--out", str(tmp_path / "old"), "--config", "tiny", "--tokens", "4096",
+                 "--shards", "1"]) == 0
+    assert capsys.readouterr().err.count("olmax: --config is the old spelling") == 1
+    assert [p.read_bytes() for p in sorted((tmp_path / "new").glob("*.npy"))] == \
+        [p.read_bytes() for p in sorted((tmp_path / "old").glob("*.npy"))]
+
+    pairs = [(["parity", "ckpt", "--hf", "h"], ["parity", "--olmax", "ckpt", "--hf", "h"], "checkpoint"),
+             (["convert", "olmax-to-hf", "ckpt", "--out", "o"], ["convert", "olmax-to-hf", "ckpt", "o"], "out"),
+             (["convert", "hf-to-olmax", "h", "--out", "o"], ["convert", "hf-to-olmax", "h", "o"], "out"),
+             (["eval", "heldout", "r", "--data", "d", "--batch-size", "8"],
+              ["eval", "heldout", "r", "--data", "d", "--batch-instances", "8"], "batch_size")]
+    for new, old, dest in pairs:
+        assert given(parse(new), dest, dest) == given(parse(old), dest, dest) is not None
+        assert capsys.readouterr().err.count("is the old spelling") == 1, old
+    assert main(["parity", "ckpt", "--olmax", "other", "--hf", "h"]) == 2
+    assert "given twice" in capsys.readouterr().err

@@ -47,7 +47,7 @@ def test_demo_end_to_end_twice_bitwise(tmp_path, monkeypatch, capsys):
     assert "## Greedy samples" in text and "run `olmax demo` again" in text
     assert "the likeliest next token is the one that goes round it again" in text  # why the samples repeat
     assert "olmax synth-data --out runs/synth   #" in text
-    assert "olmax convert olmax-to-hf runs/demo/run/checkpoints runs/demo/hf --tokenizer runs/demo/cache/" in text
+    assert "olmax convert olmax-to-hf runs/demo/run/checkpoints --out runs/demo/hf --tokenizer runs/demo/cache/" in text
     assert Path("runs/demo/loss_curves.png").stat().st_size > 10_000
     for domain in ("code", "prose"):
         _check_the_baseline_scores_the_documents_the_model_is_scored_on(first, domain, text, capsys)

@@ -336,7 +336,7 @@ def write_report(out: Path, cfg, data, history, baselines, scored, samples, trai
         "olmax synth-data --out runs/synth   # generated tokens for the next command",
         "olmax resume-check tiny data.mix_file=runs/synth/mix.txt --at 20 --steps 40   # exact resume A/B",
         f"olmax eval heldout {ckpt} --data code={out}/cache/shards/code-heldout/mix.txt",
-        f"olmax convert olmax-to-hf {ckpt} {out}/hf{suffix} --tokenizer {data['tokenizer']}",
+        f"olmax convert olmax-to-hf {ckpt} --out {out}/hf{suffix} --tokenizer {data['tokenizer']}",
         f"olmax compare {run_dir} runs/OTHER_RUN",
         "```", "",
     ]

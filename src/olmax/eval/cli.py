@@ -11,6 +11,8 @@ import os
 import sys
 from pathlib import Path
 
+from olmax.arguments import given, old_spelling
+
 # The downstream suite of MaxText's OLMo 3 reproduction (https://github.com/AI-Hypercomputer/maxtext/pull/3886); needs the datasets in the HF cache.
 DEFAULT_TASKS = ("mmlu:5", "hellaswag:0", "arc_easy:0", "arc_challenge:0", "openbookqa:0", "piqa:0", "boolq:0",
                  "winogrande:0")
@@ -75,7 +77,7 @@ def _selection(args, model):
 
 
 def _rows(args, layout) -> int:
-    return args.batch_instances or 4 * layout.data_parallel_size
+    return given(args, "batch_size", "--batch-size") or 4 * layout.data_parallel_size
 
 
 def load_model(path: str | Path):
@@ -209,7 +211,8 @@ def _data_args(p) -> None:
     p.add_argument("--tokens", type=int, help="tokens per set: whole documents chosen by --seed (default: all)")
     p.add_argument("--seed", type=int, default=0, help="seed of the document choice (with --tokens)")
     p.add_argument("--seq-len", type=int, help="predictions per row (default: the model's data.sequence_length)")
-    p.add_argument("--batch-instances", type=int, help="rows per batch (default: 4 per device)")
+    p.add_argument("--batch-size", type=int, help="rows per batch (default: 4 per device)")
+    old_spelling(p, "--batch-instances", "batch_size", "write --batch-size", type=int)
     p.add_argument("--token-dtype", choices=("uint16", "uint32"), help="of the shards (default: the model's)")
 
 
