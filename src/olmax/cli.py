@@ -10,7 +10,7 @@ import sys
 from olmax.arguments import config_arguments
 from olmax.errors import BadInput
 from olmax.runtime import (LIBTPU_LOCKFILE, STOP_SIGNALS, drop_held_signals, hold_stop_signals, libtpu_lock_holder,
-                           release_stop_signals, skip_absent_tpus)
+                           quiet_cuda_plugin, release_stop_signals, skip_absent_tpus)
 
 EXIT_BAD_INPUT = 2  # `olmax launch` does not retry it
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports it
@@ -217,6 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     previous_mask = signal.pthread_sigmask(signal.SIG_BLOCK, [])
     hold_stop_signals()
     skip_absent_tpus()
+    quiet_cuda_plugin()
     try:
         args = parse(argv)
         if not getattr(args, "handles_stop_signals", False):
