@@ -32,5 +32,5 @@ def test_a_coordinator_that_does_not_answer_is_named_with_its_address_and_port(t
                          env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 1
     last = out.stderr.strip().splitlines()[-1]
-    assert last.startswith("olmax.launch.distributed.CoordinatorUnreachable: process 1 of 2 (OLMAX_* variables) on "), last
+    assert last.startswith("olmax.errors.CoordinatorUnreachable: process 1 of 2 (OLMAX_* variables) on "), last
     assert f"could not reach the coordinator at address 127.0.0.1 port {port} within 2 s" in last, last

@@ -55,7 +55,7 @@ def _kv_client():
 
 class Watchdog:
     def __init__(self, floor: float, exit_code: int, *, exit=os._exit):
-        self.floor, self.exit_code, self.exit = floor, exit_code, exit
+        self.floor, self.exit_code, self.exit = floor, int(exit_code), exit
         self.intervals: list[float] = []
         self.last_beat: float | None = None  # armed by the first beat
         self.step = 0
