@@ -129,8 +129,8 @@ def _chip_picture(chips: list[dict], axis: str, size: int) -> str:
     cores = 2 if any(c["at"].get("core") for c in chips) else 1
     columns = max(p[1] for p in places) // (2 if "x" in chips[0]["at"] and cores == 1 else 1) + 1
     rows, panels = max(p[2] for p in places) + 1, max(p[0] for p in places) + 1
-    cell = max(6, min(22, 1160 // max(1, panels * (columns + 1))))
-    per_row = max(1, 1160 // ((columns + 1) * cell))
+    cell = max(6, min(22, 1060 // max(1, panels * (columns + 1))))
+    per_row = max(1, 1060 // ((columns + 1) * cell))
     width = min(panels, per_row) * (columns + 1) * cell
     height = -(-panels // per_row) * (rows * cell + 18)
     parts = []
