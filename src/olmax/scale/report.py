@@ -404,7 +404,7 @@ def comparison_rows(reports: list[dict]) -> list[tuple[str, list[str]]]:
 
     def bubble(r):
         s = _schedule_of(r)
-        return f"{s['name']}: {s['bubble_fraction']:.1%}" if s else "-"
+        return f"{s['name'].split(',')[0]}: {_bubble(s)}" if s else "-"
 
     plan = [_plan_of(r)["exact_window"] for r in reports]
     axes = sorted({c["axes"] for r in reports for c in r.get("collectives", {}).get("by_axis", [])})
@@ -425,13 +425,18 @@ def comparison_rows(reports: list[dict]) -> list[tuple[str, list[str]]]:
 
 
 def comparison_page(reports: list[dict]) -> str:
-    header = ["", *(html.escape(_label(r)) for r in reports)]
-    rows = [[html.escape(name), *(html.escape(v) for v in values)] for name, values in comparison_rows(reports)]
-    bars = "".join(f"<h3>{html.escape(_label(r))}</h3>{_memory_bar(r)}" for r in reports if "memory_stack" in r)
+    """Reports as columns A, B, ... (named in a list above the table); rows no report has a figure for left out."""
+    letters = [chr(ord("A") + i) if i < 26 else str(i + 1) for i in range(len(reports))]
+    key = "".join(f"<li><b>{k}</b>: <code>{html.escape(_label(r))}</code></li>" for k, r in zip(letters, reports))
+    rows = [[html.escape(name), *(html.escape(v) for v in values)] for name, values in comparison_rows(reports)
+            if any(v != "-" for v in values)]
+    bars = "".join(f"<h3>{k}: {html.escape(_label(r))}</h3>{_memory_bar(r)}"
+                   for k, r in zip(letters, reports) if "memory_stack" in r)
     legend = " ".join(f'<span class="swatch" style="background:{c}"></span>{n}' for n, c in SEGMENT_COLOURS.items())
-    body = (f"<h1>olmax: {len(reports)} reports side by side</h1>"
-            f'<section id="comparison"><h2>Facts</h2>{_table(header, rows, set(range(1, len(reports) + 1)))}</section>'
-            f'<section id="memory"><h2>Memory per device</h2><p>{legend}</p>{bars}</section>')
+    memory = f'<section id="memory"><h2>Memory per device</h2><p>{legend}</p>{bars}</section>' if bars else ""
+    body = (f"<h1>olmax: {len(reports)} reports side by side</h1><ul>{key}</ul>"
+            f'<section id="comparison"><h2>Facts</h2><div class="scroll">'
+            f'{_table(["", *letters], rows, set(range(1, len(reports) + 1)))}</div></section>{memory}')
     return _document("olmax: comparison", body)
 
 
