@@ -24,10 +24,10 @@ import jax.numpy as jnp
 
 from olmax.config import ConfigError, ModelConfig, RunConfig, validate
 from olmax.errors import InteropError
-from olmax.model.families import olmo3, olmoe
+from olmax.model.families import olmo3, olmoe, qwen3
 from olmax.model.families.base import Param, signature
 
-FAMILIES = {"olmo3": olmo3, "olmoe": olmoe}  # model.family (= HF model_type) -> module
+FAMILIES = {"olmo3": olmo3, "olmoe": olmoe, "qwen3": qwen3}  # model.family (= HF model_type) -> module
 HF_CLASSES = {name: family.HF_CLASS for name, family in FAMILIES.items()}
 
 
