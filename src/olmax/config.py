@@ -609,6 +609,12 @@ class RunConfig(Section):
                              "impl.moe.dispatch=auto or blocks")
 
     @model_validator(mode="after")
+    def _pipeline(self):
+        if self.mesh.stage > 1:  # the schedule's own checks of the config
+            declared_above("olmax.parallel.pipeline", "schedule_for")(self)
+        return self
+
+    @model_validator(mode="after")
     def _consistent(self):
         low = {"float32": False, "bfloat16": True}
         moments_low = low[self.optim.moment_dtype] or low[self.model.param_dtype]
