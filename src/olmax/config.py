@@ -821,6 +821,8 @@ def validate(tree: dict, source: str = "config") -> RunConfig:
             got = e.get("input")
             shown = f" (got {got!r})" if e["loc"] and not isinstance(got, dict) else ""
             lines.append(f"  {where}: {e['msg'].removeprefix('Value error, ')}{shown}")
+        if len(lines) == 2:  # one error: one line
+            raise ConfigError(f"{lines[0]}: {lines[1].strip().removeprefix('(top level): ')}") from None
         raise ConfigError("\n".join(lines)) from None
 
 
