@@ -104,7 +104,7 @@ def test_pipeline_equals_sequential_layers_and_aux_comes_from_real_microbatches_
     w = jax.random.normal(jax.random.key(0), (L, D, D)) / np.sqrt(D)
     x = jax.random.normal(jax.random.key(1), (microbatches, b, D))
     sched = (pipeline.Circular if repeats > 1 else pipeline.GPipe)(stages, microbatches, repeats)
-    layout = make_layout(load_config("tiny", mesh.split()).mesh) if mesh else None
+    layout = make_layout(_config(*mesh.split()).mesh) if mesh else None
 
     def pipelined(w, x):
         return pipeline.run(_layers, pipeline.by_stage(layout, w, ("layers", "embed", "mlp"), sched), x,
@@ -356,7 +356,7 @@ def test_1f1b_loss_and_gradients_equal_autodiff_of_the_sequential_layers(stages,
     head = {"w": jax.random.normal(jax.random.key(2), (D, 2))}
     target = jax.random.normal(jax.random.key(3), (microbatches, b))
     sched = (pipeline.InterleavedOneFOneB if repeats > 1 else pipeline.OneFOneB)(stages, microbatches, repeats)
-    layout = make_layout(load_config("tiny", mesh.split()).mesh) if mesh else None
+    layout = make_layout(_config(*mesh.split()).mesh) if mesh else None
     # each layer's aux: a loss term (the sum of its output's squares), and its index
     layers = lambda w, x: jax.lax.scan(lambda x, w: (jnp.tanh(x @ w), {"sq": jnp.sum(jnp.tanh(x @ w) ** 2)}), x, w)  # noqa: E731
     layers_loss = lambda aux: 0.01 * jnp.sum(aux["sq"])  # noqa: E731
