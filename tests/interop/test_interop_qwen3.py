@@ -63,9 +63,9 @@ def test_config_and_tensors_are_read_as_qwen3(tmp_path, tied):
 @pytest.mark.parametrize("tied", [False, True])
 def test_round_trip_is_bit_identical_and_loads_in_transformers(tmp_path, tied):
     hf_dir = make_qwen3_model(tmp_path / "hf", tied=tied)
-    args = _parser().parse_args(["convert", "hf-to-olmax", str(hf_dir), str(tmp_path / "olmax")])
+    args = _parser().parse_args(["convert", "hf-to-olmax", str(hf_dir), "--out", str(tmp_path / "olmax")])
     args.func(args)
-    args = _parser().parse_args(["convert", "olmax-to-hf", str(tmp_path / "olmax"), str(tmp_path / "back")])
+    args = _parser().parse_args(["convert", "olmax-to-hf", str(tmp_path / "olmax"), "--out", str(tmp_path / "back")])
     args.func(args)
     original, back = read_tensors(hf_dir), read_tensors(tmp_path / "back")
     assert sorted(original) == sorted(back)
