@@ -57,7 +57,7 @@ def _pipeline(cfg: RunConfig) -> dict | None:
     sched = pipeline.schedule_for(cfg)
     if sched is None:
         return None
-    return {"schedule": sched.name, "stages": sched.stages, "microbatches": sched.microbatches,
+    return {"schedule": sched.title, "stages": sched.stages, "microbatches": sched.microbatches,
             "chunks_per_stage": sched.repeats, "iterations": sched.iterations, "bubble_fraction": sched.bubble,
             "in_flight_microbatches": sched.in_flight, "summary": sched.describe()}
 
