@@ -83,6 +83,7 @@ def cmd_train(args) -> None:
         if cluster.process_id == 0:
             print(f"layout for {target} ({layout[0]} in the config): {' '.join(layout[1])}", flush=True)
     from olmax.eval.in_loop import make_in_loop_eval
+    from olmax.train.goodput import process_start_time
     from olmax.train.trainer import train
 
     def start(run_dir) -> None:
@@ -93,7 +94,7 @@ def cmd_train(args) -> None:
             print(line, flush=True)
 
     try:
-        train(cfg, make_eval=make_in_loop_eval, on_start=start)
+        train(cfg, make_eval=make_in_loop_eval, on_start=start, started=process_start_time())
     except BaseException as err:
         host_log.info("stopped: %s: %s", type(err).__name__, err)
         raise
@@ -126,6 +127,25 @@ def cmd_resume_check(args) -> None:
         sys.exit(1)
 
 
+def cmd_goodput(args) -> None:
+    from pathlib import Path
+
+    from olmax import storage
+    from olmax.train.goodput import RECORD, plot, read_record, report
+
+    path = storage.join(args.run, RECORD)
+    try:
+        record = read_record(storage.read_text(path) if storage.is_remote(path) else Path(path).read_text())
+    except (OSError, ValueError) as err:
+        raise BadInput(f"{path} cannot be read ({err}); give the run directory of an olmax train run") from None
+    if args.json:
+        print(json.dumps(record, indent=2))
+        return
+    print(report(record))
+    plot(record, Path(args.png), title=storage.basename(args.run))
+    print(f"wrote {args.png}")
+
+
 def cmd_demo(args) -> None:
     from olmax.demo import run_demo
     from olmax.runtime import restart_with_huge_pages
@@ -156,6 +176,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, required=True, help="compare up to this step")
     p.add_argument("--out", help="default: runs/NAME-resume-check")
     p.set_defaults(func=cmd_resume_check)
+
+    p = sub.add_parser("goodput", help="where a run's wall time went, by category, over its restarts")
+    p.add_argument("run", help="the run directory (output_dir), local or in a bucket")
+    p.add_argument("--png", default="goodput.png", help="the plot of its attempts (default ./goodput.png)")
+    p.add_argument("--json", action="store_true", help="print the record instead")
+    p.set_defaults(func=cmd_goodput)
 
     p = sub.add_parser("flops", help="parameter count and training FLOPs")
     _config_args(p)

@@ -21,6 +21,8 @@ def add_commands(subparsers) -> None:
     p.add_argument("overrides", nargs="*", help="section.key=value")
     p.add_argument("--target", required=True)
     _mfu_option(p)
+    p.add_argument("--goodput", type=float, help="the share of wall time that is productive steps (what `olmax "
+                   "goodput RUN` measured, e.g. 0.9): adds the chip-hours the run really costs")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=run_plan)
 
@@ -55,7 +57,9 @@ def run_plan(args: argparse.Namespace) -> None:
     from olmax.scale.targets import parse_target
 
     target = parse_target(args.target)
-    report = plan(load_config(args.config, args.overrides, target.name), target, _mfu(args.mfu))
+    if args.goodput is not None and not 0 < args.goodput <= 1:
+        raise ConfigError(f"--goodput {args.goodput}: give a fraction in (0, 1], e.g. 0.9")
+    report = plan(load_config(args.config, args.overrides, target.name), target, _mfu(args.mfu), args.goodput)
     print(json.dumps(report, indent=2) if args.json else format_plan(report))
 
 
