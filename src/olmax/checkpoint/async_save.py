@@ -9,7 +9,8 @@ its commit marker last (olmax.train.bucket_run). One save is in flight at most: 
 one is committed, and the bucket's are deleted after its upload.
 
 An error of the background work (a full disk, a store that keeps failing) is raised by the next `save` or
-by `finish`, on the training thread.
+by `finish`, on the training thread. With a synchronous Checkpointer (`checkpoint.async: false`) `save`
+writes and uploads before it returns.
 """
 
 from __future__ import annotations
@@ -33,6 +34,10 @@ class AsyncSaver:
         """Start checkpoint `step` once the one in flight is done; returns the seconds waited for that one."""
         waited = self.finish()
         self.checkpointer.save(step, state, meta)
+        if not self.checkpointer.asynchronous:  # written already: upload it now too
+            self._complete(step)
+            self.finish()
+            return waited
         self._thread = threading.Thread(target=self._complete, args=(step,), name=f"olmax-save-{step}", daemon=True)
         self._thread.start()
         return waited

@@ -222,8 +222,9 @@ def _train(cfg: RunConfig, quiet: bool, make_eval, bucket: BucketRun | None, run
                 print("compiling the train step...", flush=True)  # the first step compiles: tens of seconds
             goodput.resumed(start)
             for step in range(start + 1, last + 1):
-                batch = place_batch(next(loader), sharding, micro_rows)
+                rows = next(loader)
                 goodput.mark("data wait")
+                batch = place_batch(rows, sharding, micro_rows)
                 state, metrics = step_fn(state, batch)
                 goodput.mark("compilation" if step == start + 1 else "productive")
                 if pending:
