@@ -9,6 +9,7 @@ construction. The categories:
     productive       the steps' work (the device computing, logging)
     data wait        the loop blocked on the loader for its next batch (prefetch hides it when it keeps up)
     checkpoint       the step's stall for a checkpoint: the copy to host and the wait for a save in flight
+    shutdown         after the last step and its save: closing, and the process's exit
     evaluation       in-loop evaluations
     lost work        steps' work (productive, data wait, evaluation) after the last checkpoint an attempt
                      committed: recomputed by the next attempt
@@ -23,6 +24,8 @@ before it: their work after their snapshot at the largest step <= N becomes lost
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import json
 import os
 import time
@@ -30,7 +33,7 @@ from pathlib import Path
 
 RECORD = "goodput.json"
 WORK = ("productive", "data wait", "evaluation")  # redone after a restart when it was not checkpointed
-CATEGORIES = ("start-up", "compilation", *WORK, "checkpoint", "lost work", "between attempts")
+CATEGORIES = ("start-up", "compilation", *WORK, "checkpoint", "shutdown", "lost work", "between attempts")
 KEPT_SNAPSHOTS = 8  # a resume restores one of the last few checkpoints (one save in flight at most)
 
 
@@ -77,7 +80,7 @@ class Goodput:
             except ValueError:  # written by something else, or torn outside olmax's atomic replace
                 self.record = {"attempts": []}
         now = time.time()
-        self.last = now if started is None else started
+        self.last, self.started_with_process = now if started is None else started, started is not None
         self.attempt = {"started": self.last, "ended": now, "seconds": dict.fromkeys(CATEGORIES, 0.0),
                         "first_step": None, "last_step": None, "snapshots": []}
         self.record["attempts"].append(self.attempt)
@@ -130,6 +133,19 @@ class Goodput:
         out["goodput/goodput (%)"] = 100.0 * now["productive"] / wall if wall else 0.0
         self._logged = now
         return out
+
+    def close(self) -> None:
+        """The attempt's end: its record now, and again as the process exits when the process was started for
+        this run (`started` given), so that the run's last seconds are counted too."""
+        self.mark("shutdown")
+        self.persist()
+        if self.enabled and self.started_with_process:
+            atexit.register(self._at_exit)
+
+    def _at_exit(self) -> None:
+        self.mark("shutdown")
+        with contextlib.suppress(OSError):
+            self.persist()
 
     def persist(self) -> None:
         if not self.enabled:

@@ -263,14 +263,14 @@ def _train(cfg: RunConfig, quiet: bool, make_eval, bucket: BucketRun | None, run
                 finish(*pending)
             saver.finish()
     finally:
-        goodput.mark("checkpoint")  # the last save's write
-        goodput.persist()
         loader.close()
         writer.close()
         try:
             saver.finish()  # the save in flight when an error stopped the run
         finally:
+            goodput.mark("checkpoint")  # the last save's write
             checkpointer.close()
+            goodput.close()
         if bucket:
             bucket.close()
     return history
