@@ -66,6 +66,7 @@ def cmd_flops(args) -> None:
 def cmd_train(args) -> None:
     from olmax.config import load_config
     from olmax.runtime import restart_with_huge_pages
+    from olmax.train.goodput import process_start_time  # before jax: it records the process's exit after jax's
 
     restart_with_huge_pages()
     cfg = load_config(args.config, args.overrides)
@@ -83,7 +84,6 @@ def cmd_train(args) -> None:
         if cluster.process_id == 0:
             print(f"layout for {target} ({layout[0]} in the config): {' '.join(layout[1])}", flush=True)
     from olmax.eval.in_loop import make_in_loop_eval
-    from olmax.train.goodput import process_start_time
     from olmax.train.trainer import train
 
     def start(run_dir) -> None:

@@ -79,7 +79,7 @@ class Checkpointer:
                  asynchronous: bool = False):
         self.directory = Path(directory).absolute()
         self.own_copy, self.asynchronous = own_copy, asynchronous
-        self._writing = None  # the step of the last save
+        self._writing, self._failed = None, False  # the step of the last save; whether a save failed
         processes = ocp.options.MultiprocessingOptions(
             **({"primary_host": None, "active_processes": {jax.process_index()}} if own_copy else {}))
         options = ocp.CheckpointManagerOptions(
@@ -145,6 +145,7 @@ class Checkpointer:
         try:
             yield
         except Exception as err:
+            self._failed = True
             if not disk_full(err):
                 raise
             self.remove_partial_writes()
@@ -217,7 +218,12 @@ class Checkpointer:
         return target
 
     def close(self) -> None:
-        self.manager.close()
+        with quiet_absl(logging.CRITICAL):
+            try:
+                self.manager.close()
+            except Exception:
+                if not self._failed:  # else Orbax repeats the failed save's error, which was raised already
+                    raise
 
 
 def locate(path: str | Path) -> tuple[Path, int | None]:

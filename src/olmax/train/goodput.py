@@ -37,6 +37,15 @@ CATEGORIES = ("start-up", "compilation", *WORK, "checkpoint", "shutdown", "lost 
 KEPT_SNAPSHOTS = 8  # a resume restores one of the last few checkpoints (one save in flight at most)
 
 
+_AT_EXIT: list[Goodput] = []
+
+
+@atexit.register  # at this module's import: `olmax train` imports it before jax, so this runs after jax's own
+def _record_exit() -> None:
+    for goodput in _AT_EXIT:
+        goodput._at_exit()
+
+
 def process_start_time() -> float:
     """When this process started (Linux: /proc), else now."""
     try:
@@ -140,7 +149,7 @@ class Goodput:
         self.mark("shutdown")
         self.persist()
         if self.enabled and self.started_with_process:
-            atexit.register(self._at_exit)
+            _AT_EXIT.append(self)
 
     def _at_exit(self) -> None:
         self.mark("shutdown")
