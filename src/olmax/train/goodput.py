@@ -212,8 +212,7 @@ def plot(record: dict, path: Path, title: str) -> None:
     total = totals(record)
     wall = sum(total.values())
     ax.set_title(f"{title}: goodput {100 * total['productive'] / wall if wall else 0:.1f}% of {wall:,.0f} s")
-    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.35 if len(attempts) < 3 else -0.12), ncol=4,
-              fontsize="small")
+    ax.legend(loc="center left", bbox_to_anchor=(1.01, 0.5), fontsize="small")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
