@@ -17,6 +17,7 @@ from testlib import child_env
 from olmax import storage
 from olmax.config import load_config
 from olmax.data.synthetic import write_synthetic_shards
+from olmax.train.goodput import RECORD
 from olmax.train.trainer import train
 
 KILLS = 20
@@ -63,16 +64,26 @@ def _logged_steps(run: str) -> list[int]:
     return [json.loads(line)["step"] for line in text.splitlines() if line.strip()]
 
 
+def _attempts(run: str) -> int:
+    """The attempts the run's goodput record holds: a new one is there once it has restored its checkpoint."""
+    try:
+        return len(json.loads(storage.read_text(storage.join(run, RECORD)) if storage.is_remote(run)
+                              else Path(run, RECORD).read_text())["attempts"])
+    except (OSError, ValueError, storage.StorageError):
+        return 0
+
+
 def _kill_during_saves(run: str, overrides: list[str], env: dict, seed: int) -> list[dict]:
     """Start the run KILLS times and SIGKILL it each time at a random moment after it has trained a step or
     more, most often while a save is in flight; then let it finish. One record per kill."""
     rng, kills = random.Random(seed), []
     command = [sys.executable, "-m", "olmax.cli", "train", "tiny", *overrides]
     for _ in range(KILLS):
-        before = max(_committed(run), default=0)
+        before, attempts = max(_committed(run), default=0), _attempts(run)
         proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         wanted = before + rng.randint(1, 4)
-        while proc.poll() is None and max(_logged_steps(run), default=0) < wanted:
+        # Until this attempt has restored and logged its own steps: the files still hold the last one's at first.
+        while proc.poll() is None and (_attempts(run) == attempts or max(_logged_steps(run), default=0) < wanted):
             time.sleep(0.02)
         in_flight = False
         while proc.poll() is None and not (in_flight := _save_in_flight(run)) and rng.random() < 0.98:
