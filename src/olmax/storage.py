@@ -33,7 +33,7 @@ from pathlib import Path
 
 import fsspec
 
-from olmax.errors import BadInput
+from olmax.errors import MissingObject, StorageError
 
 REMOTE_SCHEMES = ("gs", "s3", "https", "http")
 FIRST_BACKOFF_S = 0.05
@@ -43,15 +43,6 @@ UPLOAD_THREADS = 8  # files of a tree uploaded at once
 MULTIPART_CHUNK = 16 * 2**20  # part size of S3 multipart uploads (s3fs's default, 50 MiB, leaves 100 MiB whole)
 
 log = logging.getLogger(__name__)
-
-
-class StorageError(BadInput):
-    """A store said no for good (missing object, denied, no bucket, unreachable) or kept failing past the
-    retry budget; the message names the URL and what to check."""
-
-
-class MissingObject(StorageError):
-    """No such object or bucket."""
 
 
 class _Settings:

@@ -17,7 +17,7 @@ from testlib import child_env
 from olmax import storage
 from olmax.config import load_config
 from olmax.data.synthetic import write_synthetic_shards
-from olmax.train.goodput import RECORD
+from olmax.run_dir import RunDir
 from olmax.train.trainer import train
 
 KILLS = 20
@@ -67,8 +67,7 @@ def _logged_steps(run: str) -> list[int]:
 def _attempts(run: str) -> int:
     """The attempts the run's goodput record holds: a new one is there once it has restored its checkpoint."""
     try:
-        return len(json.loads(storage.read_text(storage.join(run, RECORD)) if storage.is_remote(run)
-                              else Path(run, RECORD).read_text())["attempts"])
+        return len(json.loads(storage.read_text(str(RunDir(run).goodput)))["attempts"])
     except (OSError, ValueError, storage.StorageError):
         return 0
 

@@ -13,7 +13,8 @@ from testlib import child_env
 from olmax.cli import main
 from olmax.data.synthetic import write_synthetic_shards
 from olmax.launch.supervisor import Backoff, Supervisor
-from olmax.train.goodput import CATEGORIES, RECORD, read_record, totals
+from olmax.run_dir import RunDir
+from olmax.train.goodput import CATEGORIES, read_record, totals
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +68,7 @@ def test_a_run_killed_twice_accounts_for_its_wall_time_and_its_lost_work(tmp_pat
     assert supervisor.run() == 0
     wall = time.time() - started
 
-    record = read_record((run / RECORD).read_text())
+    record = read_record(RunDir(run).goodput.read_text())
     total = totals(record)
     assert len(record["attempts"]) == 3 and len(watcher.kills) == 2
     assert abs(sum(total.values()) - wall) <= 0.02 * wall, (total, wall)
@@ -100,7 +101,7 @@ def test_a_run_killed_twice_accounts_for_its_wall_time_and_its_lost_work(tmp_pat
 
 def test_goodput_of_a_directory_without_a_record_is_one_line_exit_2(tmp_path, capsys):
     assert main(["goodput", str(tmp_path)]) == 2
-    assert f"{tmp_path}/{RECORD} cannot be read" in capsys.readouterr().err
+    assert f"{RunDir(tmp_path).goodput} cannot be read" in capsys.readouterr().err
 
 
 def test_plan_turns_chip_hours_into_what_the_run_costs_at_a_goodput(capsys):

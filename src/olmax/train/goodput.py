@@ -16,7 +16,7 @@ construction. The categories:
     between attempts the end of an attempt's record to the start of the next process (its exit, the
                      launcher's backoff, a requeue)
 
-The record (RECORD in the run directory, rewritten atomically after every step, so a kill -9 loses at
+The record (`RunDir.goodput` in the run directory, rewritten atomically after every step, so a kill -9 loses at
 most the step in flight) lists the attempts: their start, their last update, their seconds by category and
 a snapshot of those seconds at each checkpoint. An attempt that resumes from step N settles the attempts
 before it: their work after their snapshot at the largest step <= N becomes lost work.
@@ -31,7 +31,8 @@ import os
 import time
 from pathlib import Path
 
-RECORD = "goodput.json"
+from olmax.run_dir import RunDir
+
 WORK = ("productive", "data wait", "evaluation")  # redone after a restart when it was not checkpointed
 CATEGORIES = ("start-up", "compilation", *WORK, "checkpoint", "shutdown", "lost work", "between attempts")
 KEPT_SNAPSHOTS = 8  # a resume restores one of the last few checkpoints (one save in flight at most)
@@ -81,7 +82,7 @@ class Goodput:
     """The current attempt's account; `enabled` False (all but process 0) keeps no record."""
 
     def __init__(self, run_dir: Path, started: float | None = None, enabled: bool = True):
-        self.path, self.enabled = Path(run_dir) / RECORD, enabled
+        self.path, self.enabled = RunDir(run_dir).goodput, enabled
         self.record = {"attempts": []}
         if enabled and self.path.exists():
             try:
