@@ -42,6 +42,7 @@ from olmax.checkpoint import Checkpointer  # noqa: E402
 from olmax.checkpoint.async_save import AsyncSaver  # noqa: E402
 from olmax.checkpoint.checksums import checksums  # noqa: E402
 from olmax.config import CheckpointConfig  # noqa: E402
+from olmax.run_dir import RunDir  # noqa: E402
 from olmax.train.bucket_run import BucketRun  # noqa: E402
 
 
@@ -62,7 +63,7 @@ def make_state(gigabytes: float, arrays: int = 8) -> State:
 
 def stall_row(state: State, work: Path, url: str | None, asynchronous: bool, saves: int) -> dict:
     bucket = BucketRun(url) if url else None
-    directory = (bucket.local if bucket else work) / "checkpoints"
+    directory = RunDir(bucket.local if bucket else work).checkpoints
     checkpointer = Checkpointer(directory, CheckpointConfig(keep_last=1), asynchronous=asynchronous)
     saver = AsyncSaver(checkpointer, bucket.push_checkpoint if bucket else None)
     stalls, background = [], []
