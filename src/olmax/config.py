@@ -475,7 +475,11 @@ class MeshConfig(Section):
 
 
 class CheckpointConfig(Section):
+    model_config = ConfigDict(**Section.model_config, serialize_by_alias=True)
+
     every: int = Field(1000, gt=0)
+    asynchronous: bool = Field(True, alias="async", description="the step waits only for the copy to host memory; "
+                               "the write (and upload) goes on in the background")
     keep_last: int = Field(3, gt=0)
     keep_every: int | None = Field(None, gt=0, description="also keep every step divisible by this")
     resume: bool = True
@@ -657,7 +661,7 @@ def _known_path(dotted: str) -> None:
         raise ConfigError(f"config key {dotted!r} moved: set {MOVED_KEYS[dotted]} instead")
     section: type[BaseModel] = RunConfig
     for i, key in enumerate(dotted.split(".")):
-        fields = section.model_fields
+        fields = {field.alias or name: field for name, field in section.model_fields.items()}
         if key not in fields:
             where = ".".join(dotted.split(".")[:i]) or "the top level"
             raise ConfigError(f"unknown config key {dotted!r}: {where} has {sorted(fields)}")
