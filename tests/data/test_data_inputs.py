@@ -16,12 +16,6 @@ from olmax.data.tokenize import load_tokenizer, tokenize_corpus, train_tokenizer
 from olmax.train.trainer import train
 
 
-@pytest.fixture(scope="module")
-def shards(tmp_path_factory):
-    return write_synthetic_shards(tmp_path_factory.mktemp("shards") / "mix", vocab_size=512, eos_id=0,
-                                  n_tokens=200_000, n_shards=2, seed=0, token_dtype="uint16")
-
-
 def _train(run_dir, shards, *extra):
     overrides = [f"data.paths={json.dumps(shards)}", f"output_dir={run_dir}", "mesh.fsdp=1", *extra]
     return train(load_config("tiny", overrides), quiet=True)

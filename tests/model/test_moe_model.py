@@ -13,7 +13,6 @@ import pytest
 
 from olmax.cli import main
 from olmax.config import ConfigError, load_config
-from olmax.data.synthetic import write_synthetic_shards
 from olmax.eval.curves import read_events
 from olmax.model import families, flops, transformer
 from olmax.model.moe import router
@@ -21,12 +20,6 @@ from olmax.parallel.mesh import make_layout
 from olmax.train.step import create_state, jit_train_step, make_train_step
 from olmax.train.trainer import train
 from testlib import event_histograms as _histograms
-
-
-@pytest.fixture(scope="module")
-def shards(tmp_path_factory):
-    return write_synthetic_shards(tmp_path_factory.mktemp("shards"), vocab_size=512, eos_id=0, n_tokens=200_000,
-                                  n_shards=2, seed=0, token_dtype="uint16")
 
 
 def _cfg(tmp_path, shards, name, *overrides):
