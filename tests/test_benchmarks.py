@@ -20,9 +20,10 @@ SMALLEST = {
                           "--shard-gb", "0.0001", "--workdir", "{tmp}", "--json"],
     "data_loader.py": ["--dir", "{tmp}/shards", "--shards", "1", "--tokens-per-shard", "32768", "--sequence-length",
                        "256", "--global-batch", "4", "--repeats", "1", "--json"],
-    "head_shape_compile.py": ["--target", "tpu:tpu7x:2x2x1", "model.n_layers=4", "model.d_model=512",
-                              "model.mlp_hidden=1024", "model.vocab_size=512", "data.eos_id=0", "data.pad_id=1",
-                              "data.sequence_length=256", "train.global_batch_instances=8",
+    # One row (the script compiles each config in a fresh process; a second row shows nothing more).
+    "head_shape_compile.py": ["--target", "tpu:tpu7x:2x2x1", "--configs", "olmo3_7b_hd256", "model.n_layers=4",
+                              "model.d_model=512", "model.mlp_hidden=1024", "model.vocab_size=512", "data.eos_id=0",
+                              "data.pad_id=1", "data.sequence_length=256", "train.global_batch_instances=8",
                               "train.micro_batch_per_device=1"],
     "moe_compile_scaling.py": ["--experts", "8", "--target", "tpu:v5p:2x2x2", "mesh.fsdp=1", "model.n_layers=4",
                                "model.d_model=256", "model.n_heads=2", "model.n_kv_heads=1",
