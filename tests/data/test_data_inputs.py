@@ -26,6 +26,7 @@ def _data(paths, token_dtype="uint16"):
                                 f"data.token_dtype={token_dtype}"]).data
 
 
+@pytest.mark.slow
 def test_two_resumes_after_a_global_batch_change_continue_the_data(tmp_path, shards):
     """10 steps of 16 instances, then 32 per step: resumed at 12 and again at 14, as a single resume to 14."""
     _train(tmp_path / "a", shards, "train.steps=10", "checkpoint.every=5")

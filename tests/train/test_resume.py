@@ -128,6 +128,7 @@ def test_elastic_resume_8_to_2_to_4_devices(tmp_path, shards):
     np.testing.assert_allclose(_losses(elastic), reference, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_warm_start_keeps_params_and_moments_resets_step_schedule_and_data(tmp_path, shards):
     first = _train(tmp_path, shards, "stage1", "train.steps=20", "checkpoint.every=20")
     stage2 = ["train.steps=5", "checkpoint.every=5", "schedule.kind=linear", "schedule.warmup_steps=0",

@@ -39,6 +39,7 @@ def test_resumed_run_matches_continuous_run_bitwise(tmp_path, shards):
     assert sorted(int(p.name) for p in Path(tmp_path, "b", "checkpoints").iterdir() if p.name.isdigit()) == [4, 8]
 
 
+@pytest.mark.slow
 def test_loss_decreases_on_the_generated_language(tmp_path, shards):
     history = train(_cfg(tmp_path, shards, "c", "train.steps=40", "checkpoint.every=40"), quiet=True)
     assert np.mean(_losses(history)[-5:]) < np.mean(_losses(history)[:5]) - 0.5

@@ -54,7 +54,8 @@ def _assert_same_run(history, reference):
         np.testing.assert_allclose([h[key] for h in history], [h[key] for h in reference], rtol=RTOL, err_msg=key)
 
 
-@pytest.mark.parametrize("mesh", ["mesh.data=8 mesh.fsdp=1", "mesh.data=2 mesh.fsdp=4"])
+@pytest.mark.parametrize("mesh", ["mesh.data=8 mesh.fsdp=1",
+                                  pytest.param("mesh.data=2 mesh.fsdp=4", marks=pytest.mark.slow)])
 def test_sharded_optimizer_trains_like_the_replicated_one_and_resumes_across(tmp_path, shards, mesh):
     """10 steps with and without ZeRO-1 (pure data parallelism, and data x FSDP): the same skip decisions, the
     same losses and grad norms to RTOL; a sharded run's checkpoint resumes unsharded, the same way."""
