@@ -56,6 +56,16 @@ def synth_mix32(tmp_path_factory):
     return synth_data(tmp_path_factory.mktemp("synth32") / "data32", "uint32")
 
 
+@pytest.fixture(scope="session")
+def shards(tmp_path_factory):
+    """The paths of two shards of the generated language (200,000 tokens, uint16), what most training tests read.
+    Shared: read only."""
+    from olmax.data.synthetic import write_synthetic_shards
+
+    return write_synthetic_shards(tmp_path_factory.mktemp("shards"), vocab_size=512, eos_id=0, n_tokens=200_000,
+                                  n_shards=2, seed=0, token_dtype="uint16")
+
+
 TRAIN_BASE = ("train", "tiny", "mesh.fsdp=1", "train.steps=6", "checkpoint.every=2")
 
 

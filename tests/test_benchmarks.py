@@ -3,6 +3,7 @@ hand (the figures are not checked: tests never judge time). benchmarks/gpu_bench
 sizes by tests/scale/test_scale_gpu_bench.py."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -20,9 +21,10 @@ SMALLEST = {
                           "--shard-gb", "0.0001", "--workdir", "{tmp}", "--json"],
     "data_loader.py": ["--dir", "{tmp}/shards", "--shards", "1", "--tokens-per-shard", "32768", "--sequence-length",
                        "256", "--global-batch", "4", "--repeats", "1", "--json"],
-    "head_shape_compile.py": ["--target", "tpu:tpu7x:2x2x1", "model.n_layers=4", "model.d_model=512",
-                              "model.mlp_hidden=1024", "model.vocab_size=512", "data.eos_id=0", "data.pad_id=1",
-                              "data.sequence_length=256", "train.global_batch_instances=8",
+    # One row (the script compiles each config in a fresh process; a second row shows nothing more).
+    "head_shape_compile.py": ["--target", "tpu:tpu7x:2x2x1", "--configs", "olmo3_7b_hd256", "model.n_layers=4",
+                              "model.d_model=512", "model.mlp_hidden=1024", "model.vocab_size=512", "data.eos_id=0",
+                              "data.pad_id=1", "data.sequence_length=256", "train.global_batch_instances=8",
                               "train.micro_batch_per_device=1"],
     "moe_compile_scaling.py": ["--experts", "8", "--target", "tpu:v5p:2x2x2", "mesh.fsdp=1", "model.n_layers=4",
                                "model.d_model=256", "model.n_heads=2", "model.n_kv_heads=1",
@@ -40,7 +42,7 @@ SMALLEST = {
 def test_every_benchmark_has_a_smoke_test():
     # bucket_io.py runs at toy sizes against the test servers in tests/storage/test_bucket_bench.py
     assert sorted(p.name for p in BENCHMARKS.glob("*.py")) == sorted([*SMALLEST, "pipeline_memory.py", "gpu_bench.py",
-                                                                      "bucket_io.py"])
+                                                                      "bucket_io.py", "suite_profile.py"])
 
 
 @pytest.mark.slow
@@ -69,3 +71,33 @@ def test_pipeline_memory_runs_a_pipelined_layout(monkeypatch, capsys):
     monkeypatch.setattr(sys, "argv", ["pipeline_memory.py", "--remat", "full"])
     module.main()
     assert f"| {row} |" in capsys.readouterr().out
+
+
+PROFILED_TEST = """
+import subprocess, sys, time
+import jax, jax.numpy as jnp
+
+def test_compiles_sleeps_and_starts_a_process():
+    jax.jit(lambda x: x * 2 + 1)(jnp.arange(7.0)).block_until_ready()
+    time.sleep(0.2)
+    subprocess.run([sys.executable, "-c", "import jax, jax.numpy as jnp; jax.jit(lambda x: x - 3)(jnp.ones(5))"],
+                   check=True)
+"""
+
+
+@pytest.mark.slow
+def test_suite_profile_attributes_a_tests_time(tmp_path):
+    (tmp_path / "test_profiled.py").write_text(PROFILED_TEST)
+    env = {**os.environ, "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "cache")}
+    rows = []
+    for run in ("cold", "warm"):
+        done = subprocess.run([sys.executable, str(BENCHMARKS / "suite_profile.py"), "--json", f"{run}.json", "-q",
+                               "-n", "0", "-p", "no:cacheprovider", "test_profiled.py"], cwd=tmp_path, env=env,
+                              capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        assert "compiles-missed" in done.stdout
+        rows.append(json.loads((tmp_path / f"{run}.json").read_text())["test_profiled.py"])
+    cold, warm = rows
+    assert cold["tests"] == 1 and cold["processes"] == 1 and cold["start-up"] > 0 and cold["sleep"] >= 0.2
+    assert cold["compiles-missed"] >= 2 and not cold.get("compiles-hit")  # the test's jit and its child's
+    assert warm["compiles-hit"] >= 2 and not warm.get("compiles-missed")

@@ -52,6 +52,7 @@ def test_opt_out_leaves_the_process_alone():
 
 
 @pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="needs the aot extra (libtpu)")
+@pytest.mark.slow
 @pytest.mark.skipif(any(v.read_text().strip() == GOOGLE_PCI_VENDOR for v in Path("/sys/bus/pci/devices").glob(
     "*/vendor")) or any(map(os.path.exists, NVIDIA_DEVICES)), reason="a TPU or GPU may be attached")
 def test_without_tpus_train_leaves_libtpu_alone_and_compile_runs_beside_it(tmp_path):

@@ -40,6 +40,24 @@ def signal_once_when(done, sig: int, process: int = 0, watchdog: float = 180, po
     return on_start
 
 
+def signal_once_after_checkpoint(run_dir: Path, step: int, sig: int, process: int = 0):
+    """An on_start hook: in the first attempt, send `sig` to `process` as soon as checkpoint `step` is committed."""
+    return signal_once_when(lambda: (run_dir / "checkpoints" / str(step)).is_dir(), sig, process)
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    import json
+
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def tensorboard_steps(log_dir: Path, tag: str = "train/CE loss") -> list[int]:
+    """The steps of `tag` as TensorBoard shows them (a resume's purge marker drops later steps of earlier files)."""
+    from olmax.eval.curves import read_events
+
+    return sorted(read_events(log_dir).get(tag, {}))
+
+
 def moe_layer_params(cfg, d_model: int, key, std: float = 0.02) -> dict:
     """One MoE layer's parameters for tests of the layer alone, from the
     families' MoE rows: every matrix ~ N(0, std) truncated at +-3 std, the selection bias 0."""

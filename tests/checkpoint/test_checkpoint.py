@@ -16,18 +16,11 @@ import pytest
 
 from olmax.checkpoint import CheckpointError, Checkpointer, UnreadableCheckpoint, checksums
 from olmax.config import CheckpointConfig, load_config
-from olmax.data.synthetic import write_synthetic_shards
 from olmax.interop import InteropError
 from olmax.model.weights import load_olmax
 from olmax.model import families
 from olmax.parallel.mesh import make_layout
 from olmax.train.trainer import train
-
-
-@pytest.fixture(scope="module")
-def shards(tmp_path_factory):
-    return write_synthetic_shards(tmp_path_factory.mktemp("shards") / "mix", vocab_size=512, eos_id=0,
-                                  n_tokens=200_000, n_shards=2, seed=0, token_dtype="uint16")
 
 
 def _overrides(run_dir, shards, *extra):

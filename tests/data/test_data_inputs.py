@@ -16,12 +16,6 @@ from olmax.data.tokenize import load_tokenizer, tokenize_corpus, train_tokenizer
 from olmax.train.trainer import train
 
 
-@pytest.fixture(scope="module")
-def shards(tmp_path_factory):
-    return write_synthetic_shards(tmp_path_factory.mktemp("shards") / "mix", vocab_size=512, eos_id=0,
-                                  n_tokens=200_000, n_shards=2, seed=0, token_dtype="uint16")
-
-
 def _train(run_dir, shards, *extra):
     overrides = [f"data.paths={json.dumps(shards)}", f"output_dir={run_dir}", "mesh.fsdp=1", *extra]
     return train(load_config("tiny", overrides), quiet=True)
@@ -32,6 +26,7 @@ def _data(paths, token_dtype="uint16"):
                                 f"data.token_dtype={token_dtype}"]).data
 
 
+@pytest.mark.slow
 def test_two_resumes_after_a_global_batch_change_continue_the_data(tmp_path, shards):
     """10 steps of 16 instances, then 32 per step: resumed at 12 and again at 14, as a single resume to 14."""
     _train(tmp_path / "a", shards, "train.steps=10", "checkpoint.every=5")

@@ -143,6 +143,7 @@ def test_sigterm_to_the_launcher_reaches_the_run_which_checkpoints_and_stops(tmp
     assert latest_checkpoint_step(run) == 9
 
 
+@pytest.mark.slow
 def test_children_do_not_outlive_a_launcher_killed_outright(tmp_path):
     run = tmp_path / "run"
     launcher = subprocess.Popen([sys.executable, "-c", (

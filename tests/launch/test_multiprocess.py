@@ -7,6 +7,7 @@ batch is the same whatever the process count, each process having loaded only it
 """
 
 import json
+import os
 import signal
 import sys
 
@@ -17,8 +18,7 @@ from olmax.config import ConfigError, load_config
 from olmax.launch.distributed import ClusterError, join_cluster
 from olmax.launch.supervisor import Backoff, Supervisor
 from olmax.train.trainer import train
-from test_launch_train import read_jsonl, shards, signal_once_after_checkpoint, tensorboard_steps  # noqa: F401
-from testlib import child_env
+from testlib import child_env, read_jsonl, signal_once_after_checkpoint, tensorboard_steps
 
 # `olmax train` joining the run its OLMAX_* variables describe. (Calling join_cluster is harmless when
 # `olmax train` calls it too.)
@@ -34,7 +34,7 @@ def _overrides(shards, run_dir):
 @pytest.mark.slow
 def test_two_processes_preempt_together_resume_and_match_one_process(tmp_path, shards):
     run = tmp_path / "two_processes"
-    env = child_env(tmp_path / "jax-cache", 2, OLMAX_LOCAL_DEVICES="2")
+    env = child_env(os.environ["JAX_COMPILATION_CACHE_DIR"], 2, OLMAX_LOCAL_DEVICES="2")
     sleeps = []
     supervisor = Supervisor("tiny", [*_overrides(shards, run), "mesh.fsdp=-1"], nprocs=2, command=TRAIN_COMMAND,
                             env=env, backoff=Backoff(0.1, 2, 1), max_retries=1, sleep=sleeps.append,

@@ -15,7 +15,7 @@ import sys
 import time
 
 import pytest
-from test_launch_train import read_jsonl, shards  # noqa: F401
+from testlib import read_jsonl
 
 from olmax.cli import main
 from olmax.config import load_config
@@ -153,7 +153,7 @@ def test_dry_run_prints_the_script_and_writes_nothing(tmp_path, capsys):
     assert 'quote the time limit ("1:00:00")' in capsys.readouterr().err
 
 
-STEPS, STOP_AFTER = 30, 20
+STEPS, STOP_AFTER = 20, 16  # signalled at checkpoint 4: 12 steps before the stop, room for a loaded machine
 
 
 def _overrides(shards, run_dir, *more):

@@ -13,7 +13,6 @@ import pytest
 
 from olmax.cli import main
 from olmax.config import ConfigError, load_config
-from olmax.data.synthetic import write_synthetic_shards
 from olmax.eval.curves import read_events
 from olmax.model import families, flops, transformer
 from olmax.model.moe import router
@@ -21,12 +20,6 @@ from olmax.parallel.mesh import make_layout
 from olmax.train.step import create_state, jit_train_step, make_train_step
 from olmax.train.trainer import train
 from testlib import event_histograms as _histograms
-
-
-@pytest.fixture(scope="module")
-def shards(tmp_path_factory):
-    return write_synthetic_shards(tmp_path_factory.mktemp("shards"), vocab_size=512, eos_id=0, n_tokens=200_000,
-                                  n_shards=2, seed=0, token_dtype="uint16")
 
 
 def _cfg(tmp_path, shards, name, *overrides):
@@ -127,6 +120,7 @@ def test_identical_experts_with_renormalized_gates_are_the_dense_model():
 
 # The train step.
 
+@pytest.mark.slow
 def test_losses_and_true_load_agree_across_expert_parallel_meshes(tmp_path, shards):
     """Two micro-batches of 8 instances a step, on 1 device, on EP = 8 and on EP = 4 x FSDP = 2: the same
     losses up to float reassociation, and per layer the assignments of the whole global batch (16 x 64
@@ -200,6 +194,7 @@ def test_score_bias_moves_on_every_step_and_only_by_the_load(shards, tmp_path):
             np.testing.assert_array_equal(state.params["blocks"]["w1"], before["blocks"]["w1"])
 
 
+@pytest.mark.slow
 def test_resume_is_exact_with_random_routing_and_the_selection_bias(tmp_path, shards):
     """Routing drawn from a key that is a function of the step, and a bias updated every step: 6 steps in
     one run and 3 + 3 with a resume give bitwise the same losses and the same load, step for step."""

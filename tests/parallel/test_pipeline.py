@@ -1,5 +1,6 @@
 """Pipeline parallelism over the `stage` mesh axis: the same function as the unpipelined model, on 8 fake
-devices, for GPipe and the circular schedule, with and without data parallelism."""
+devices, for every schedule (GPipe, circular, 1F1B and interleaved 1F1B), dense and MoE, with and without data
+parallelism; training, resume and held-out eval on a stage mesh."""
 
 import functools
 import json
@@ -14,7 +15,6 @@ from jax.ad_checkpoint import print_saved_residuals
 
 from olmax.cli import main
 from olmax.config import ConfigError, load_config
-from olmax.data.synthetic import write_synthetic_shards
 from olmax.eval import documents, heldout
 from olmax.eval.models import place, put_batch
 from olmax.model import families, transformer
@@ -217,17 +217,14 @@ def test_pipeline_refuses_dense_layers_before_the_experts():
 # --- training ----------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def shards(tmp_path_factory):
-    return write_synthetic_shards(tmp_path_factory.mktemp("shards"), vocab_size=512, eos_id=0, n_tokens=200_000,
-                                  n_shards=2, seed=0, token_dtype="uint16")
+STEPS, HALF = 8, 4
 
 
 def _train(tmp_path, shards, name, *overrides, quiet=True):
     # The tiny preset's LR 1e-2 turns unstable near step 20, where any two layouts (fsdp 1 and 8 too) drift
-    # apart by 1e-4; at 3e-3 they agree to a few float32 ulps for all 20 steps.
-    cfg = _config(f"data.paths={json.dumps(shards)}", f"output_dir={tmp_path}/{name}", "train.steps=20",
-                  "checkpoint.every=10", "optim.lr=3e-3", *overrides)
+    # apart by 1e-4; at 3e-3 they agree to a few float32 ulps for all 20 steps (8 are run).
+    cfg = _config(f"data.paths={json.dumps(shards)}", f"output_dir={tmp_path}/{name}", f"train.steps={STEPS}",
+                  f"checkpoint.every={HALF}", "optim.lr=3e-3", *overrides)
     return train(cfg, quiet=quiet)
 
 
@@ -247,7 +244,7 @@ STAGES_2 = ("mesh.stage=2", "mesh.fsdp=1")
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory, shards):
-    """20 steps of the unpipelined model on one device."""
+    """STEPS steps of the unpipelined model on one device."""
     return _train(tmp_path_factory.mktemp("ref"), shards, "ref", *UNPIPELINED)
 
 
@@ -264,24 +261,24 @@ def test_pipelined_training_with_data_parallelism_matches_the_unpipelined_model(
 
 @pytest.mark.slow
 def test_stages_resume_exactly_and_elastically(tmp_path, shards, reference, capsys):
-    """Two stages, no data parallelism: 20 steps match the unpipelined run; stopped at 10 and resumed they are
-    bitwise the same; the checkpoint of 10 steps with stages resumes without them, and one without stages
-    resumes with them."""
+    """Two stages, no data parallelism: STEPS steps match the unpipelined run; stopped halfway and resumed they
+    are bitwise the same; the checkpoint of half the steps with stages resumes without them, and one without
+    stages resumes with them."""
     continuous = _train(tmp_path, shards, "pp", *STAGES_2, quiet=False)
     assert "pipeline: 2 stages (GPipe), 2 micro-batches per micro-step: bubble 33.3%" in capsys.readouterr().out
     _assert_close(continuous, reference)
 
-    first = _train(tmp_path, shards, "resumed", *STAGES_2, "train.stop_after=10")
+    first = _train(tmp_path, shards, "resumed", *STAGES_2, f"train.stop_after={HALF}")
     assert _losses(first + _train(tmp_path, shards, "resumed", *STAGES_2)) == _losses(continuous)
 
-    first = _train(tmp_path, shards, "unstaged", *STAGES_2, "train.stop_after=10")
+    first = _train(tmp_path, shards, "unstaged", *STAGES_2, f"train.stop_after={HALF}")
     after = _train(tmp_path, shards, "unstaged", *UNPIPELINED)
-    assert [h["step"] for h in after] == list(range(11, 21))
+    assert [h["step"] for h in after] == list(range(HALF + 1, STEPS + 1))
     _assert_close(first + after, reference)
 
-    first = _train(tmp_path, shards, "staged", *UNPIPELINED, "train.stop_after=10")
+    first = _train(tmp_path, shards, "staged", *UNPIPELINED, f"train.stop_after={HALF}")
     after = _train(tmp_path, shards, "staged", *STAGES_2)
-    assert _losses(first) == _losses(reference)[:10]
+    assert _losses(first) == _losses(reference)[:HALF]
     _assert_close(first + after, reference)
 
 

@@ -20,12 +20,6 @@ from olmax.errors import ExitCode
 from olmax.train.trainer import train
 
 
-@pytest.fixture(scope="module")
-def shards(tmp_path_factory):
-    return write_synthetic_shards(tmp_path_factory.mktemp("shards"), vocab_size=512, eos_id=0, n_tokens=200_000,
-                                  n_shards=2, seed=0, token_dtype="uint16")
-
-
 def _overrides(tmp_path, shards, name, *extra):
     return [f"data.paths={json.dumps(shards)}", f"output_dir={tmp_path}/{name}", "mesh.fsdp=1", *extra]
 
@@ -125,16 +119,17 @@ def test_resume_with_another_model_or_data_is_refused(tmp_path, shards):
 @pytest.mark.slow
 def test_elastic_resume_8_to_2_to_4_devices(tmp_path, shards):
     """Same global batch on 8, then 2, then 4 devices: per-device batch x accumulation is recomputed."""
-    common = ["train.steps=15", "checkpoint.every=5", "train.micro_batch_per_device=2"]
+    common = ["train.steps=6", "checkpoint.every=2", "train.micro_batch_per_device=2"]
     reference = _losses(_train(tmp_path, shards, "ref8", *common, "mesh.fsdp=8"))
     elastic = []
-    for devices, stop in ((8, 5), (2, 10), (4, 15)):
+    for devices, stop in ((8, 2), (2, 4), (4, 6)):
         elastic += _train(tmp_path, shards, "elastic", *common, f"mesh.fsdp={devices}", f"train.stop_after={stop}")
-    assert [h["step"] for h in elastic] == list(range(1, 16))
+    assert [h["step"] for h in elastic] == list(range(1, 7))
     # Accumulating 4 / 2 / 1 micro-batches sums the gradient in another order: equal up to float32 rounding.
     np.testing.assert_allclose(_losses(elastic), reference, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_warm_start_keeps_params_and_moments_resets_step_schedule_and_data(tmp_path, shards):
     first = _train(tmp_path, shards, "stage1", "train.steps=20", "checkpoint.every=20")
     stage2 = ["train.steps=5", "checkpoint.every=5", "schedule.kind=linear", "schedule.warmup_steps=0",

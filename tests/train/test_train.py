@@ -7,7 +7,6 @@ import numpy as np
 import pytest
 
 from olmax.config import ConfigError, load_config
-from olmax.data.synthetic import write_synthetic_shards
 from olmax.train.trainer import train
 
 METRIC_NAMES = {
@@ -15,13 +14,6 @@ METRIC_NAMES = {
     "throughput/total tokens", "throughput/device/TPS", "throughput/device/MFU", "train/masked instances (%)",
     "io/retries",
 }
-
-
-@pytest.fixture(scope="module")
-def shards(tmp_path_factory):
-    out = tmp_path_factory.mktemp("shards")
-    return write_synthetic_shards(out, vocab_size=512, eos_id=0, n_tokens=200_000, n_shards=2, seed=0,
-                                  token_dtype="uint16")
 
 
 def _cfg(tmp_path, shards, name, *overrides):
@@ -34,19 +26,20 @@ def _losses(history):
 
 
 def test_resumed_run_matches_continuous_run_bitwise(tmp_path, shards):
-    continuous = train(_cfg(tmp_path, shards, "a", "train.steps=20", "checkpoint.every=10"), quiet=True)
-    first = train(_cfg(tmp_path, shards, "b", "train.steps=20", "train.stop_after=10", "checkpoint.every=10"),
+    continuous = train(_cfg(tmp_path, shards, "a", "train.steps=8", "checkpoint.every=4"), quiet=True)
+    first = train(_cfg(tmp_path, shards, "b", "train.steps=8", "train.stop_after=4", "checkpoint.every=4"),
                   quiet=True)
-    resumed = train(_cfg(tmp_path, shards, "b", "train.steps=20", "checkpoint.every=10"), quiet=True)
-    assert [h["step"] for h in resumed] == list(range(11, 21)), "checkpoint 10 resumes at step 11"
+    resumed = train(_cfg(tmp_path, shards, "b", "train.steps=8", "checkpoint.every=4"), quiet=True)
+    assert [h["step"] for h in resumed] == list(range(5, 9)), "checkpoint 4 resumes at step 5"
     assert _losses(first + resumed) == _losses(continuous)
     logged = [json.loads(line) for line in Path(tmp_path, "b", "metrics.jsonl").read_text().splitlines()]
-    assert [m["step"] for m in logged] == list(range(1, 21))
+    assert [m["step"] for m in logged] == list(range(1, 9))
     assert METRIC_NAMES <= set(logged[0])
     assert list(Path(tmp_path, "b", "tensorboard").glob("events.out.tfevents.*"))
-    assert sorted(int(p.name) for p in Path(tmp_path, "b", "checkpoints").iterdir() if p.name.isdigit()) == [10, 20]
+    assert sorted(int(p.name) for p in Path(tmp_path, "b", "checkpoints").iterdir() if p.name.isdigit()) == [4, 8]
 
 
+@pytest.mark.slow
 def test_loss_decreases_on_the_generated_language(tmp_path, shards):
     history = train(_cfg(tmp_path, shards, "c", "train.steps=40", "checkpoint.every=40"), quiet=True)
     assert np.mean(_losses(history)[-5:]) < np.mean(_losses(history)[:5]) - 0.5

@@ -5,16 +5,9 @@ import json
 import pytest
 
 from olmax.config import load_config
-from olmax.data.synthetic import write_synthetic_shards
 from olmax.model import flops
 from olmax.checkpoint import CheckpointError
 from olmax.train.trainer import train
-
-
-@pytest.fixture(scope="module")
-def shards(tmp_path_factory):
-    return write_synthetic_shards(tmp_path_factory.mktemp("shards"), vocab_size=512, eos_id=0, n_tokens=60_000,
-                                  n_shards=1, seed=0, token_dtype="uint16")
 
 
 def _cfg(tmp_path, shards, name, *extra):
