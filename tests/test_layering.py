@@ -16,7 +16,7 @@ LAYERS = [
     {"model", "data"},
     {"train", "eval", "interop", "launch"},
     {"scale"},  # compiles the train step ahead of time
-    {"cli", "demo"},  # and every package's cli.py: the commands
+    {"cli", "demo", "arguments"},  # and every package's cli.py: the commands, and their conventions
 ]
 ROOT = Path(olmax.__file__).parent
 

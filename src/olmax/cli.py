@@ -7,14 +7,10 @@ import json
 import signal
 import sys
 
+from olmax.arguments import config_arguments
 from olmax.errors import ExitCode, OlmaxError
 from olmax.runtime import (LIBTPU_LOCKFILE, STOP_SIGNALS, drop_held_signals, hold_stop_signals, libtpu_lock_holder,
-                           release_stop_signals, skip_absent_tpus)
-
-
-def _config_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("config", help="preset name (olmo3_7b, tiny, ...) or a YAML path")
-    parser.add_argument("overrides", nargs="*", help="section.key=value")
+                           quiet_cuda_plugin, release_stop_signals, skip_absent_tpus)
 
 
 def cmd_config_show(args) -> None:
@@ -132,14 +128,30 @@ def cmd_demo(args) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="olmax", description=__doc__)
+    from olmax.config import presets
+
+    parser = argparse.ArgumentParser(
+        prog="olmax", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="`olmax COMMAND --help` describes each command. More in README.md in olmax's source: the "
+        "commands, the configs and their keys, the exit codes, runs on Slurm, TPU pods, Kubernetes and buckets.")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("train", help="train (resumes from the latest checkpoint of the run)")
-    _config_args(p)
+    p = sub.add_parser(
+        "train", help="train (resumes from the latest checkpoint of the run)",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Trains CONFIG with its overrides; resumes from the run's latest checkpoint (output_dir); "
+        "SIGTERM/SIGINT save a checkpoint and exit 75.",
+        epilog=f"presets: {', '.join(presets())}\n(or a YAML file, which may start from one with `base: NAME`)\n\n"
+        f"exit codes: {', '.join(f'{int(code)} {code.words or code.name.lower()}' for code in ExitCode)}\n"
+        "(`olmax launch` runs the run again after "
+        f"{', '.join(str(int(code)) for code in ExitCode if code.retried)}; the README's table says what each means)")
+    config_arguments(p)
     p.set_defaults(func=cmd_train, handles_stop_signals=True)
 
-    p = sub.add_parser("demo", help="the whole pipeline on the Python standard library, with a report")
+    p = sub.add_parser("demo", help="the whole pipeline on the Python standard library, with a report",
+                       description="Builds a corpus from the standard library, trains a tokenizer and writes shards "
+                       "(cached in runs/demo/cache), trains the demo preset from scratch and writes "
+                       "runs/demo/report.md, all under ./runs/demo.")
     p.add_argument("overrides", nargs="*", help="section.key=value on the demo preset")
     p.add_argument("--fresh", action="store_true", help="rebuild the cached corpus, tokenizer and shards")
     p.add_argument("--moe", action="store_true",
@@ -147,22 +159,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_demo)
 
     p = sub.add_parser("resume-check", help="continuous run vs the same run resumed at --at: every delta must be 0")
-    _config_args(p)
+    config_arguments(p)
     p.add_argument("--at", type=int, required=True, help="stop and resume after this step")
     p.add_argument("--steps", type=int, required=True, help="compare up to this step")
     p.add_argument("--out", help="default: runs/NAME-resume-check")
     p.set_defaults(func=cmd_resume_check)
 
     p = sub.add_parser("flops", help="parameter count and training FLOPs")
-    _config_args(p)
+    config_arguments(p)
     p.add_argument("--instances-per-device", type=int, help="default: train.micro_batch_per_device")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print the figures as one JSON object")
     p.set_defaults(func=cmd_flops)
 
     p = sub.add_parser("config", help="config tools")
     config_sub = p.add_subparsers(dest="config_command", required=True)
     show = config_sub.add_parser("show", help="print the resolved config")
-    _config_args(show)
+    config_arguments(show)
     show.add_argument("--target", help="with the config's layout for this target (gpu:b300x8, tpu:v5p:4x4x8), as "
                       "a run on those devices and `olmax compile --target` take it")
     show.set_defaults(func=cmd_config_show)
@@ -201,6 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     previous_mask = signal.pthread_sigmask(signal.SIG_BLOCK, [])
     hold_stop_signals()
     skip_absent_tpus()
+    quiet_cuda_plugin()
     try:
         args = parse(argv)
         if not getattr(args, "handles_stop_signals", False):

@@ -652,6 +652,11 @@ def _known_path(dotted: str) -> None:
             return
 
 
+def presets() -> list[str]:
+    """The names of the configs that ship with olmax."""
+    return sorted(p.stem for p in PRESET_DIR.glob("*.yaml"))
+
+
 def preset_path(name_or_path: str) -> Path:
     path = Path(name_or_path)
     if path.suffix in (".yaml", ".yml"):
@@ -660,8 +665,7 @@ def preset_path(name_or_path: str) -> Path:
         return path
     path = PRESET_DIR / f"{name_or_path}.yaml"
     if not path.exists():
-        known = sorted(p.stem for p in PRESET_DIR.glob("*.yaml"))
-        raise ConfigError(f"no preset {name_or_path!r}; presets: {known}, or pass a .yaml path")
+        raise ConfigError(f"no preset {name_or_path!r}; presets: {presets()}, or pass a .yaml path")
     return path
 
 

@@ -90,18 +90,26 @@ def prepare_data(cache: Path, vocab_size: int, fresh: bool) -> dict:
         return json.loads(manifest.read_text())
     shutil.rmtree(cache, ignore_errors=True)
     started = time.perf_counter()
+
+    def stage(line: str) -> None:  # building the data takes about a minute: say what is being done
+        print(f"demo: [{time.perf_counter() - started:4.0f} s] {line}", flush=True)
+
+    stage(f"building the corpus from the standard library ({sysconfig.get_paths()['stdlib']})")
     counts = build_corpus(cache / "corpus")
-    print(f"demo: corpus from the standard library: {counts}")
+    stage(f"corpus: {', '.join(f'{name} {n:,} documents' for name, n in counts.items())}")
+    stage(f"training a byte-level BPE of {vocab_size:,} tokens on the train split")
     tokenizer = train_tokenizer([str(cache / "corpus" / f"{d}-train.jsonl") for d in DOMAINS],
                                 cache / "tokenizer.json", vocab_size=vocab_size, progress=False)
     shards = {}
     for domain in DOMAINS:
         for split in ("train", "heldout"):
-            result = tokenize_corpus([str(cache / "corpus" / f"{domain}-{split}.jsonl")],
-                                     cache / "shards" / f"{domain}-{split}", tokenizer_path=tokenizer,
-                                     label=domain, progress=False, workers=0)
-            shards[f"{domain}-{split}"] = {"paths": result.shards, "tokens": result.tokens,
-                                           "bytes": result.text_bytes, "documents": result.documents}
+            name = f"{domain}-{split}"
+            stage(f"writing token shards {len(shards) + 1} of {2 * len(DOMAINS)}: {name}")
+            result = tokenize_corpus([str(cache / "corpus" / f"{name}.jsonl")], cache / "shards" / name,
+                                     tokenizer_path=tokenizer, label=domain, progress=False, workers=0)
+            shards[name] = {"paths": result.shards, "tokens": result.tokens, "bytes": result.text_bytes,
+                            "documents": result.documents}
+    stage(f"data ready in {cache}")
     write_mix_file(cache / "train-mix.txt",
                    [Source(d, p) for d in DOMAINS for p in shards[f"{d}-train"]["paths"]])
     info = {"key": key, "tokenizer": tokenizer, "shards": shards, "documents": counts,
@@ -154,7 +162,9 @@ def greedy_samples(cfg, params, tokenizer_path: str, prompts: list[str], new_tok
     return samples
 
 
-def plot_curves(metrics: list[dict], path: Path) -> None:
+def plot_curves(metrics: list[dict], baselines: dict[str, float], path: Path) -> list[str]:
+    """Train loss, and held-out loss per domain against its unigram baseline (dashed, the domain's colour); the
+    held-out panel's legend."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -166,12 +176,15 @@ def plot_curves(metrics: list[dict], path: Path) -> None:
     train_ax.set(title="train CE loss", xlabel="step", ylabel="nats/token")
     for domain in DOMAINS:
         points = [(m["step"], m[f"eval/lm/{domain}/CE loss"]) for m in metrics if f"eval/lm/{domain}/CE loss" in m]
-        eval_ax.plot(*zip(*points), marker="o", label=domain)
+        line, = eval_ax.plot(*zip(*points), marker="o", label=domain)
+        eval_ax.axhline(baselines[domain], color=line.get_color(), ls="--", lw=0.8,
+                        label=f"{domain} unigram baseline")
     eval_ax.set(title="held-out CE loss per domain", xlabel="step", ylabel="nats/token")
-    eval_ax.legend()
+    legend = [text.get_text() for text in eval_ax.legend().get_texts()]
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+    return legend
 
 
 def plot_expert_load(cfg, metrics: list[dict], path: Path) -> None:
@@ -238,7 +251,7 @@ def run_demo(overrides: list[str], fresh: bool, moe: bool = False) -> Path:
                                      cfg.model.vocab_size, cfg.data.token_dtype) for d in DOMAINS}
     scored = {d: {"documents": selection.documents[labels.index(d)], "tokens": selection.tokens[labels.index(d)]}
               for d in DOMAINS}
-    plot_curves(history, out / f"loss_curves{suffix}.png")
+    plot_curves(history, baselines, out / f"loss_curves{suffix}.png")
     if moe:
         plot_expert_load(cfg, history, out / "expert_load_moe.png")
     report = write_report(out, cfg, data, history, baselines, scored, samples, train_seconds, same_as_previous,
@@ -309,6 +322,11 @@ def write_report(out: Path, cfg, data, history, baselines, scored, samples, trai
         f"![loss curves](loss_curves{suffix}.png)", "",
         *(moe_section(cfg, history) if cfg.model.mlp == "moe" else []),
         "## Greedy samples", "",
+        f"Greedy decoding (the most likely token every time) of a model trained on {tokens:,} tokens: such a "
+        "model knows the common short patterns of its text and little of what comes after them, so once a "
+        "continuation enters a frequent loop (an indented line, a docstring's phrase), the likeliest next token "
+        "is the one that goes round it again. The repetition is the model's size and data, not a decoding bug; "
+        "sampling with a temperature would vary the text, not make it better.", "",
         *[f"```\n{s}\n```\n" for s in samples],
         "## Where things are", "",
         f"- checkpoints: `{ckpt}`", f"- metrics: `{RunDir(run_dir).metrics}`, TensorBoard events in "
@@ -319,7 +337,7 @@ def write_report(out: Path, cfg, data, history, baselines, scored, samples, trai
         "olmax synth-data --out runs/synth   # generated tokens for the next command",
         "olmax resume-check tiny data.mix_file=runs/synth/mix.txt --at 20 --steps 40   # exact resume A/B",
         f"olmax eval heldout {ckpt} --data code={out}/cache/shards/code-heldout/mix.txt",
-        f"olmax convert olmax-to-hf {ckpt} {out}/hf{suffix} --tokenizer {data['tokenizer']}",
+        f"olmax convert olmax-to-hf {ckpt} --out {out}/hf{suffix} --tokenizer {data['tokenizer']}",
         f"olmax compare {run_dir} runs/OTHER_RUN",
         "```", "",
     ]

@@ -9,6 +9,8 @@ import json
 import os
 from pathlib import Path
 
+from olmax.arguments import given, old_spelling
+
 # The downstream suite of MaxText's OLMo 3 reproduction (https://github.com/AI-Hypercomputer/maxtext/pull/3886); needs the datasets in the HF cache.
 DEFAULT_TASKS = ("mmlu:5", "hellaswag:0", "arc_easy:0", "arc_challenge:0", "openbookqa:0", "piqa:0", "boolq:0",
                  "winogrande:0")
@@ -59,7 +61,7 @@ def _selection(args, model):
 
 
 def _rows(args, layout) -> int:
-    return args.batch_instances or 4 * layout.data_parallel_size
+    return given(args, "batch_size", "--batch-size") or 4 * layout.data_parallel_size
 
 
 def cmd_heldout(args) -> None:
@@ -168,7 +170,8 @@ def _data_args(p) -> None:
     p.add_argument("--tokens", type=int, help="tokens per set: whole documents chosen by --seed (default: all)")
     p.add_argument("--seed", type=int, default=0, help="seed of the document choice (with --tokens)")
     p.add_argument("--seq-len", type=int, help="predictions per row (default: the model's data.sequence_length)")
-    p.add_argument("--batch-instances", type=int, help="rows per batch (default: 4 per device)")
+    p.add_argument("--batch-size", type=int, help="rows per batch (default: 4 per device)")
+    old_spelling(p, "--batch-instances", "batch_size", "write --batch-size", type=int)
     p.add_argument("--token-dtype", choices=("uint16", "uint32"), help="of the shards (default: the model's)")
 
 
@@ -198,7 +201,7 @@ def add_commands(subparsers) -> None:
     p.add_argument("--tokenizer", help="tokenizer.json (default: the HF directory's)")
     p.add_argument("--limit", type=int, help="examples per task (default: all)")
     p.add_argument("--include-path", help="directory of extra (local) task YAMLs")
-    p.add_argument("--batch-size", type=int, default=16, help="rows per batch")
+    p.add_argument("--batch-size", type=int, default=16, help="rows per batch (default: %(default)s)")
     p.add_argument("--max-length", type=int, help="context length (default: the model's data.sequence_length)")
     p.add_argument("--out", help="also write the JSON here")
     p.set_defaults(func=cmd_harness)
@@ -206,7 +209,7 @@ def add_commands(subparsers) -> None:
     p = subparsers.add_parser("compare", help="step-aligned comparison of a metric of two runs or published curves")
     p.add_argument("a", help="run directory, TensorBoard directory, metrics .jsonl, or a step<TAB>value .tsv")
     p.add_argument("b", help="the same kinds; deltas are B - A")
-    p.add_argument("--metric", default="train/CE loss")
+    p.add_argument("--metric", default="train/CE loss", help="the metric compared, by its name in metrics.jsonl (default: %(default)s)")
     p.add_argument("--metric-b", help="metric name in B (default: --metric)")
     p.add_argument("--window", type=int, help="steps per window of means (default 2000, less on runs shorter "
                    "than 20 windows)")

@@ -19,9 +19,9 @@ def add_commands(subparsers) -> None:
     )
     p.add_argument("config", help="preset name (olmo3_7b, tiny, ...) or a YAML path")
     p.add_argument("overrides", nargs="*", help="section.key=value")
-    p.add_argument("--target", required=True)
+    p.add_argument("--target", required=True, help="tpu:KIND:TOPOLOGY (tpu:v5p:4x4x8) or gpu:KINDxN (gpu:h100x8)")
     _mfu_option(p)
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print the report as one JSON object")
     p.set_defaults(func=run_plan)
 
     p = subparsers.add_parser(
@@ -35,7 +35,7 @@ def add_commands(subparsers) -> None:
     p.add_argument("overrides", nargs="*", help="section.key=value")
     p.add_argument("--target", required=True, help="tpu:KIND:TOPOLOGY (tpu:v5p:4x4x8) or gpu:KINDxN (gpu:h100x8)")
     _mfu_option(p)
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print the report as one JSON object")
     p.set_defaults(func=run_compile)
 
 
@@ -68,7 +68,8 @@ def run_compile(args: argparse.Namespace) -> None:
     cfg, layout = load_config(args.config, args.overrides, target.name), target_layout(args.config, target.name)
     layout = layout and {"target": layout[0], "settings": layout[1]}
     try:
-        report = compile_train_step(cfg, target, _mfu(args.mfu))
+        report = compile_train_step(cfg, target, _mfu(args.mfu),
+                                    progress=lambda line: print(f"olmax compile: {line}", file=sys.stderr, flush=True))
     except DoesNotFit as err:
         err.report["layout"] = layout
         print(json.dumps(err.report, indent=2) if args.json else format_compile(err.report))
