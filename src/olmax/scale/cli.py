@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from olmax.config import ConfigError, load_config, target_layout
@@ -22,6 +23,7 @@ def add_commands(subparsers) -> None:
     p.add_argument("--target", required=True, help="tpu:KIND:TOPOLOGY (tpu:v5p:4x4x8) or gpu:KINDxN (gpu:h100x8)")
     _mfu_option(p)
     p.add_argument("--json", action="store_true", help="print the report as one JSON object")
+    _report_option(p)
     p.set_defaults(func=run_plan)
 
     p = subparsers.add_parser(
@@ -36,7 +38,38 @@ def add_commands(subparsers) -> None:
     p.add_argument("--target", required=True, help="tpu:KIND:TOPOLOGY (tpu:v5p:4x4x8) or gpu:KINDxN (gpu:h100x8)")
     _mfu_option(p)
     p.add_argument("--json", action="store_true", help="print the report as one JSON object")
+    _report_option(p)
     p.set_defaults(func=run_compile)
+
+    p = subparsers.add_parser(
+        "report", help="put the report.json files of several compiles or plans side by side",
+        description="Writes OUT/index.html, a comparison page of the reports (memory, pipeline bubble, collectives "
+        "per mesh axis, cost), and prints the comparison as a Markdown table in BENCHMARKS.md's form. Of one "
+        "report, OUT gets that report's own page again.",
+    )
+    p.add_argument("reports", nargs="+", help="report.json files written by --report")
+    p.add_argument("--out", required=True, help="directory for index.html and report.json")
+    p.set_defaults(func=run_report)
+
+
+def _report_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--report", metavar="DIR",
+                        help="also write DIR/index.html (a page: mesh, memory, parameters, collectives, pipeline "
+                        "ticks, cost) and DIR/report.json")
+
+
+def _report_dir(value: str | None) -> str | None:
+    """Refused before any work when the page cannot be written there."""
+    if value is not None and os.path.exists(value) and not os.path.isdir(value):
+        raise ConfigError(f"--report {value}: a file is there; give a directory (created if missing)")
+    return value
+
+
+def _write_report(report: dict, directory: str | None, overrides: list[str]) -> None:
+    if directory is not None:
+        from olmax.scale.report import write
+
+        print(f"olmax: report {write({**report, 'overrides': overrides}, directory)}", file=sys.stderr)
 
 
 def _mfu_option(parser: argparse.ArgumentParser) -> None:
@@ -54,9 +87,10 @@ def run_plan(args: argparse.Namespace) -> None:
     from olmax.scale.plan import format_plan, plan
     from olmax.scale.targets import parse_target
 
-    target = parse_target(args.target)
+    target, directory = parse_target(args.target), _report_dir(args.report)
     report = plan(load_config(args.config, args.overrides, target.name), target, _mfu(args.mfu))
     print(json.dumps(report, indent=2) if args.json else format_plan(report))
+    _write_report(report, directory, args.overrides)
 
 
 def run_compile(args: argparse.Namespace) -> None:
@@ -64,7 +98,7 @@ def run_compile(args: argparse.Namespace) -> None:
     from olmax.scale.compile import compile_train_step
     from olmax.scale.targets import parse_target
 
-    target = parse_target(args.target)
+    target, directory = parse_target(args.target), _report_dir(args.report)
     cfg, layout = load_config(args.config, args.overrides, target.name), target_layout(args.config, target.name)
     layout = layout and {"target": layout[0], "settings": layout[1]}
     try:
@@ -73,10 +107,30 @@ def run_compile(args: argparse.Namespace) -> None:
     except DoesNotFit as err:
         err.report["layout"] = layout
         print(json.dumps(err.report, indent=2) if args.json else format_compile(err.report))
+        _write_report(err.report, directory, args.overrides)
         print(f"olmax: {err.line()}", file=sys.stderr)
         sys.exit(err.exit_code)
     report["layout"] = layout
     print(json.dumps(report, indent=2) if args.json else format_compile(report))
+    _write_report(report, directory, args.overrides)
+
+
+def run_report(args: argparse.Namespace) -> None:
+    from olmax.scale.report import markdown_table, write, write_comparison
+
+    reports = []
+    for path in args.reports:
+        try:
+            reports.append(json.loads(open(path).read()))
+        except (OSError, ValueError) as err:
+            raise ConfigError(f"{path}: not a report.json olmax wrote ({err}); give the report.json of a --report")
+        if not {"config", "target"} <= set(reports[-1]):
+            raise ConfigError(f"{path}: not a report.json olmax wrote (no config or target); give the report.json "
+                              "of a --report")
+    _report_dir(args.out)
+    print(markdown_table(reports))
+    written = write(reports[0], args.out) if len(reports) == 1 else write_comparison(reports, args.out)
+    print(f"olmax: report {written}", file=sys.stderr)
 
 
 def _tiles(tiles: dict | None) -> str:

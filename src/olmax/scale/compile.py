@@ -31,6 +31,7 @@ from olmax.errors import DoesNotFit
 from olmax.model import attention, transformer
 from olmax.model.moe import sublayer
 from olmax.parallel.mesh import Layout, make_layout, platform
+from olmax.scale import anatomy
 from olmax.scale.plan import plan
 from olmax.scale.targets import GiB, Target, compile_only_devices
 from olmax.train.step import abstract_state, batch_shardings, jit_train_step, micro_batch_rows
@@ -150,6 +151,12 @@ def compile_train_step(cfg: RunConfig, target: Target, mfu: float, progress=lamb
         "optimizer_state": optimizer,
         "batch": device_bytes(batch),
         "plan": plan(cfg, target, mfu),
+        "mesh_axes": anatomy.mesh_axes(layout),
+        "chips": anatomy.chip_grid(layout),
+        "parameter_table": anatomy.parameter_table(state.params),
+        "saved_activations_estimate": anatomy.saved_activation_bytes(
+            cfg, micro_rows // layout.data_parallel_size * cfg.data.sequence_length,
+            jnp.dtype(transformer.compute_dtype(cfg.impl, layout)).itemsize),
     }
     progress(f"tracing the train step ({time.perf_counter() - start:.0f} s)")
     traced = jit_train_step(cfg, layout, micro_rows).trace(state, batch)
@@ -169,7 +176,9 @@ def compile_train_step(cfg: RunConfig, target: Target, mfu: float, progress=lamb
         raise DoesNotFit(report["compiler_error"], report) from None
     report["compile_seconds"] = time.perf_counter() - start
     memory = compiled.memory_analysis()
-    report["program"] = program_ops(compiled.as_text())
+    text = compiled.as_text()
+    report["program"] = program_ops(text)
+    report["collectives"] = anatomy.collectives(text, dict(mesh.shape))
     report["xla_cost"] = xla_cost(compiled)
     report.update({
         # What the compiler's own out-of-memory check compares with the device: the most bytes live at
@@ -180,6 +189,7 @@ def compile_train_step(cfg: RunConfig, target: Target, mfu: float, progress=lamb
         # The gradient is a float32 copy of the parameters, and the clip needs all of it at once.
         "gradients": params,
     })
+    report["memory_stack"] = anatomy.memory_stack(report)
     if report["peak"] > report["memory_per_device"]:
         raise DoesNotFit(
             f"peak {report['peak'] / GiB:.2f} GiB per device exceeds the {report['memory_per_device'] / GiB:.2f} GiB "

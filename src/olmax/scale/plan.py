@@ -12,6 +12,7 @@ from __future__ import annotations
 from olmax.config import RunConfig
 from olmax.model import flops
 from olmax.parallel import pipeline
+from olmax.scale import anatomy
 from olmax.scale.targets import Target
 
 COUNTS = {"exact_window": "sliding windows exact", "all_global": "every layer global"}
@@ -34,6 +35,8 @@ def plan(cfg: RunConfig, target: Target, mfu: float) -> dict:
         "steps": cfg.train.steps,
         "tokens": tokens_per_step * cfg.train.steps,
         "pipeline": _pipeline(cfg),
+        "schedules": anatomy.schedules(cfg),
+        "xla_flags": target.xla_flags,
     }
     per_token = {"exact_window": count.per_token, "all_global": count.per_token_all_global}
     for key, flops_per_token in per_token.items():

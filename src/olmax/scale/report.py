@@ -1,0 +1,479 @@
+"""The report of a compile or a plan as a page a person looks at: DIR/index.html (one self-contained file, inline
+SVG and CSS, no script, nothing fetched) and DIR/report.json (the same facts). Every figure on the page is in an
+element with `data-fact` (its path in report.json, dot-separated) and `data-value` (the value there), so a test
+reads the page back against the JSON. Several reports side by side make a comparison page and a Markdown table
+in the form of BENCHMARKS.md's."""
+
+from __future__ import annotations
+
+import html
+import json
+from pathlib import Path
+
+GiB = 2**30
+FAMILY_ORDER = ["embeddings", "attention projections", "MLP", "experts", "router", "norms", "LM head"]
+SEGMENT_COLOURS = {"parameters": "#4e79a7", "optimizer state": "#f28e2b", "batch and other arguments": "#9c755f",
+                   "gradients": "#e15759", "activations kept for the backward": "#76b7b2", "temporaries": "#59a14f",
+                   "free": "#f4f4f4"}
+STYLE = """
+body { font: 14px/1.45 system-ui, sans-serif; margin: 24px; max-width: 1220px; color: #222; }
+h1 { font-size: 22px; margin: 0 0 4px; } h2 { font-size: 17px; margin: 28px 0 8px; border-bottom: 1px solid #ccc; }
+h3 { font-size: 14px; margin: 14px 0 4px; }
+table { border-collapse: collapse; margin: 6px 0; } td, th { padding: 2px 10px 2px 0; text-align: left;
+  vertical-align: top; } th { border-bottom: 1px solid #999; } td.n, th.n { text-align: right; }
+code, .mono { font: 12px ui-monospace, monospace; } .note { color: #555; max-width: 1000px; }
+.swatch { display: inline-block; width: 11px; height: 11px; margin-right: 6px; border: 1px solid #888; }
+.verdict-yes { color: #1a7f37; font-weight: bold; } .verdict-no { color: #c62828; font-weight: bold; }
+svg { display: block; margin: 6px 0; } svg text { font: 11px system-ui, sans-serif; }
+.scroll { overflow-x: auto; max-width: 1220px; }
+"""
+
+
+def fact(path: str, value, text: str | None = None) -> str:
+    """A figure on the page, tied to its place in report.json."""
+    shown = text if text is not None else (f"{value:,}" if isinstance(value, int) else str(value))
+    return f'<span data-fact="{html.escape(path)}" data-value="{html.escape(json.dumps(value))}">{html.escape(shown)}</span>'
+
+
+def gib(path: str, value: int) -> str:
+    return fact(path, value, f"{value / GiB:,.2f}")
+
+
+def size(value: int) -> str:
+    """Bytes in the unit that shows them best."""
+    for unit, scale in (("GiB", GiB), ("MiB", 2**20), ("KiB", 2**10)):
+        if value >= scale:
+            return f"{value / scale:,.2f} {unit}"
+    return f"{value:,} B"
+
+
+def _table(header: list[str], rows: list[list[str]], numeric: set[int] = frozenset()) -> str:
+    th = "".join(f'<th class="{"n" if i in numeric else ""}">{h}</th>' for i, h in enumerate(header))
+    body = "".join("<tr>" + "".join(f'<td class="{"n" if i in numeric else ""}">{c}</td>' for i, c in enumerate(row))
+                   + "</tr>" for row in rows)
+    return f"<table><tr>{th}</tr>{body}</table>"
+
+
+def _plan_of(r: dict) -> dict:
+    return r["plan"] if "plan" in r else r
+
+
+def _fits(r: dict) -> bool | None:
+    if "peak" in r:
+        return r["peak"] <= r["memory_per_device"]
+    return False if "compiler_error" in r else None
+
+
+# --- sections ------------------------------------------------------------------------------------------------------
+
+def _header(r: dict) -> str:
+    plan = _plan_of(r)
+    what = "compile" if "memory_per_device" in r else "plan"
+    lines = [f"<h1>{html.escape(r['config'])} on {html.escape(r['target'])}</h1>",
+             f"<p>{fact('devices', r['devices'])} devices"
+             + (f" ({html.escape(r['device_kind'])})" if r.get("device_kind") else "")
+             + f", olmax {what}" + (f", overrides <code>{html.escape(' '.join(r['overrides']))}</code>"
+                                    if r.get("overrides") else "") + "</p>"]
+    fits = _fits(r)
+    if fits is not None:
+        figure = (f"peak {gib('peak', r['peak'])} GiB of {gib('memory_per_device', r['memory_per_device'])} GiB "
+                  f"a device ({r['peak'] / r['memory_per_device']:.1%})" if "peak" in r
+                  else html.escape(r["compiler_error"]))
+        verdict = "fits" if fits else "does not fit"
+        lines.append(f'<p>The step <span class="verdict-{"yes" if fits else "no"}">{verdict}</span>: {figure}. '
+                     f"Compiled in {fact('compile_seconds', r['compile_seconds'], format(r['compile_seconds'], ',.0f'))} s."
+                     "</p>")
+    if r.get("layout"):
+        lines.append(f"<p>Layout for {html.escape(r['layout']['target'])} from the config: "
+                     f"<code>{html.escape(' '.join(r['layout']['settings']))}</code></p>")
+    if "instances_per_device_micro_step" in r:
+        lines.append(
+            f"<p>{fact('instances_per_device_micro_step', r['instances_per_device_micro_step'])} x "
+            f"{fact('sequence_length', r['sequence_length'])} tokens a device a micro-step, "
+            f"{fact('micro_steps', r['micro_steps'])} micro-step(s) a step, {html.escape(r['compute_dtype'])} "
+            f"compute, {html.escape(r['attention'])} attention, remat <code>{html.escape(str(r['remat']))}</code>"
+            + (f", experts by {html.escape(r['moe_dispatch'])}" if r.get("moe_dispatch") else "") + ".</p>")
+    if plan.get("pipeline"):
+        lines.append(f"<p>Pipeline: {html.escape(plan['pipeline']['summary'])}.</p>")
+    return "\n".join(lines)
+
+
+def _mesh(r: dict) -> str:
+    if "mesh_axes" not in r:
+        return ""
+    rows = []
+    for i, axis in enumerate(r["mesh_axes"]):
+        spans = " x ".join(f"{dim} {n}" for dim, n in axis["spans"].items()) or ("-" if axis["size"] == 1 else "")
+        rows.append([html.escape(axis["axis"]), fact(f"mesh_axes.{i}.size", axis["size"]), html.escape(spans)])
+    out = ["<section id=\"mesh\"><h2>Mesh</h2>",
+           "<p class=\"note\">Mesh axes and the physical dimensions of the slice each one steps along. In the "
+           "pictures every device is a square at its place in the slice (one panel per z), coloured by its index "
+           "along the axis named above the panel row.</p>",
+           _table(["axis", "size", "physical dimensions it spans"], rows, {1})]
+    for axis in r["mesh_axes"]:
+        if axis["size"] > 1:
+            out.append(f"<h3>{html.escape(axis['axis'])} ({axis['size']}): devices coloured by their "
+                       f"{html.escape(axis['axis'])} index</h3>" + _chip_picture(r["chips"], axis["axis"], axis["size"]))
+    return "\n".join(out) + "</section>"
+
+
+def _place(at: dict) -> tuple[int, int, int]:
+    """(panel, column, row) of a device in the slice picture."""
+    if "x" in at:
+        return at.get("z", 0), at["x"] * 2 + at.get("core", 0), at["y"]
+    return 0, at["device"] % 8, at["host"]
+
+
+def _chip_picture(chips: list[dict], axis: str, size: int) -> str:
+    places = [_place(c["at"]) for c in chips]
+    cores = 2 if any(c["at"].get("core") for c in chips) else 1
+    columns = max(p[1] for p in places) // (2 if "x" in chips[0]["at"] and cores == 1 else 1) + 1
+    rows, panels = max(p[2] for p in places) + 1, max(p[0] for p in places) + 1
+    cell = max(6, min(22, 1060 // max(1, panels * (columns + 1))))
+    per_row = max(1, 1060 // ((columns + 1) * cell))
+    width = min(panels, per_row) * (columns + 1) * cell
+    height = -(-panels // per_row) * (rows * cell + 18)
+    parts = []
+    for chip, (panel, column, row) in zip(chips, places):
+        if "x" in chip["at"] and cores == 1:
+            column //= 2
+        px, py = panel % per_row * (columns + 1) * cell, panel // per_row * (rows * cell + 18) + 14
+        hue = round(300 * chip["index"][axis] / max(1, size - 1))
+        parts.append(f'<rect x="{px + column * cell}" y="{py + row * cell}" width="{cell - 1}" height="{cell - 1}" '
+                     f'fill="hsl({hue},65%,55%)"><title>{html.escape(str(chip["at"]))}: {axis} '
+                     f'{chip["index"][axis]}</title></rect>')
+    for panel in range(panels):
+        if panels > 1:
+            px, py = panel % per_row * (columns + 1) * cell, panel // per_row * (rows * cell + 18)
+            parts.append(f'<text x="{px}" y="{py + 11}">z {panel}</text>')
+    legend = (f'<text x="{width + 8}" y="26">{axis} 0</text><rect x="{width + 8}" y="32" width="80" height="8" '
+              f'fill="url(#hue)"/><text x="{width + 8}" y="54">{axis} {size - 1}</text>')
+    gradient = ('<defs><linearGradient id="hue">' + "".join(
+        f'<stop offset="{k / 4}" stop-color="hsl({75 * k},65%,55%)"/>' for k in range(5)) + "</linearGradient></defs>")
+    return (f'<svg width="{width + 100}" height="{max(height, 60)}" role="img" aria-label="{axis} on the slice">'
+            f'{gradient}{"".join(parts)}{legend}</svg>')
+
+
+def _memory_bar(r: dict, width: int = 900, whole: bool = True) -> str:
+    """The stacked bar of one device's memory: its whole memory (`whole`), or the peak at full width."""
+    stack = r["memory_stack"] if whole else r["memory_stack"][:-1]
+    device = r["memory_per_device"] if whole else r["peak"]
+    x, parts = 0.0, []
+    for segment in stack:
+        w = segment["bytes"] / device * width
+        parts.append(f'<rect x="{x:.2f}" y="0" width="{max(w, 0):.2f}" height="26" '
+                     f'fill="{SEGMENT_COLOURS[segment["segment"]]}" stroke="#fff" stroke-width="0.5">'
+                     f'<title>{segment["segment"]}: {segment["bytes"] / GiB:.2f} GiB</title></rect>')
+        x += w
+    peak_x = r["peak"] / device * width
+    parts.append(f'<line x1="{peak_x:.2f}" x2="{peak_x:.2f}" y1="-4" y2="30" stroke="#000" stroke-width="1.5"/>')
+    parts.append(f'<rect x="0" y="0" width="{width}" height="26" fill="none" stroke="#555"/>')
+    parts.append(f'<text x="0" y="42">0</text><text x="{width}" y="42" text-anchor="end">{device / GiB:,.2f} GiB'
+                 f'{"" if whole else " (peak)"}</text>')
+    if whole and 60 < peak_x < width - 120:
+        parts.append(f'<text x="{peak_x:.0f}" y="42" text-anchor="middle">peak {r["peak"] / GiB:,.2f}</text>')
+    return f'<svg width="{width + 10}" height="52" viewBox="-2 -6 {width + 10} 52">{"".join(parts)}</svg>'
+
+
+def _memory(r: dict) -> str:
+    if "memory_per_device" not in r:
+        return ""
+    if "memory_stack" not in r:
+        needed = r.get("required")
+        text = (f"The compiler needs {gib('required', needed)} GiB of temporaries on top of the arguments"
+                if needed else "The compiler gave no figures")
+        return (f'<section id="memory"><h2>Memory per device</h2><p>{text}; the device has '
+                f"{gib('memory_per_device', r['memory_per_device'])} GiB ({html.escape(r['compiler_error'])}). "
+                f"Arguments: parameters {gib('parameters', r['parameters'])}, optimizer state "
+                f"{gib('optimizer_state', r['optimizer_state'])}, batch {gib('batch', r['batch'])} GiB.</p></section>")
+    rows = [[f'<span class="swatch" style="background:{SEGMENT_COLOURS[s["segment"]]}"></span>{s["segment"]}',
+             gib(f"memory_stack.{i}.bytes", s["bytes"]), f"{s['bytes'] / r['memory_per_device']:.1%}"]
+            for i, s in enumerate(r["memory_stack"])]
+    added = sum(s["bytes"] for s in r["memory_stack"][:-1])
+    return (
+        '<section id="memory"><h2>Memory per device</h2>'
+        f"<p class=\"note\">One program runs on every device (SPMD), so every device holds the same: the bar is "
+        f"the {gib('memory_per_device', r['memory_per_device'])} GiB of one device, the black line the compiler's "
+        f"peak ({gib('peak', r['peak'])} GiB, from the compiled program's memory analysis). Parameters, optimizer "
+        f"state and batch are the program's arguments ({gib('arguments', r['arguments'])} GiB); gradients are a "
+        "float32 copy of the parameters; the activations kept for the backward are estimated from the remat "
+        "policy and the shapes (the compiler does not label its buffers); temporaries are the rest of the "
+        f"peak (the compiler's total of temporaries, counted over the whole program, is "
+        f"{gib('temporaries', r['temporaries'])} GiB).</p>"
+        + "<h3>The device</h3>" + _memory_bar(r) + "<h3>The peak, at full width</h3>" + _memory_bar(r, whole=False)
+        + _table(["segment", "GiB", "of the device"], rows, {1, 2})
+        + f'<p>Segments below the peak add up to <span id="memory-sum">{added / GiB:,.2f}</span> GiB, the '
+        f"compiler's peak is {r['peak'] / GiB:,.2f} GiB.</p></section>")
+
+
+def _parameters(r: dict) -> str:
+    if "parameter_table" not in r:
+        return ""
+    rows = []
+    order = sorted(range(len(r["parameter_table"])),
+                   key=lambda i: (FAMILY_ORDER.index(r["parameter_table"][i]["family"])
+                                  if r["parameter_table"][i]["family"] in FAMILY_ORDER else len(FAMILY_ORDER), i))
+    for i in order:
+        p = r["parameter_table"][i]
+        spec = ", ".join(s or "-" for s in p["spec"])
+        rows.append([html.escape(p["family"]), f"<code>{html.escape(p['name'])}</code>",
+                     fact(f"parameter_table.{i}.shape", p["shape"], " x ".join(map(str, p["shape"]))),
+                     f"<code>({html.escape(spec)})</code>",
+                     fact(f"parameter_table.{i}.bytes_per_device", p["bytes_per_device"], size(p["bytes_per_device"]))])
+    total = sum(p["bytes_per_device"] for p in r["parameter_table"])
+    return ('<section id="parameters"><h2>Parameters</h2><p class="note">Every parameter (stacked over layers), its '
+            "global shape, its partition spec (the mesh axes that split each dimension, - for none) and what one "
+            f"device holds, {r['parameter_table'][0]['dtype']}. Total {total / GiB:,.2f} GiB a device.</p>"
+            + _table(["family", "parameter", "global shape", "partition spec", "a device"], rows, {4})
+            + "</section>")
+
+
+def _collectives(r: dict) -> str:
+    if "collectives" not in r:
+        return ""
+    found = r["collectives"]
+    largest = max([c["bytes_per_step"] for c in found["by_axis"]] + [1])
+    rows = []
+    for i, c in enumerate(found["by_axis"]):
+        bar = (f'<svg width="210" height="12"><rect width="{200 * c["bytes_per_step"] / largest:.1f}" height="10" '
+               f'fill="#4e79a7"/></svg>')
+        rows.append([html.escape(c["axes"]), html.escape(c["kind"]), fact(f"collectives.by_axis.{i}.count", c["count"]),
+                     fact(f"collectives.by_axis.{i}.bytes_per_step", c["bytes_per_step"], size(c["bytes_per_step"])),
+                     bar])
+    unknown = found["loops_without_trip_count"]
+    return ('<section id="collectives"><h2>Collectives per mesh axis</h2><p class="note">From the compiled '
+            "program (HLO): each collective by the mesh axes its device groups span, how many run a step and the "
+            "bytes a device sends or receives in them a step (the larger of input and output). A loop body counts "
+            "as often as its loop runs where that is a constant"
+            + (f"; {fact('collectives.loops_without_trip_count', unknown)} loop runs bounded by data (the "
+               "experts' block loops) count once" if unknown else "") + ".</p>"
+            + _table(["mesh axes", "kind", "count a step", "bytes a step", ""], rows, {2, 3}) + "</section>")
+
+
+def _phases(s: dict) -> dict:
+    """The ticks each kind of work spans (see pipeline.Ticks): an empty slot inside its span is the bubble."""
+    S, M, R = s["stages"], s["microbatches"], s["chunks_per_stage"]
+    if s["schedule"] in ("gpipe", "circular"):
+        return {"F": range(M * R + S - 1)}
+    return {"F": range(M * R + S - 1), "B": range(R * S - 1, M * R + R * S + S - 2)}
+
+
+def _schedule_grid(s: dict, index: int, path: str) -> str:
+    ticks, stages, phases = s["ticks"], s["stages"], _phases(s)
+    cell_w = max(14, min(34, 1100 // len(ticks)))
+    half = 14 if len(phases) == 2 else 18
+    cell_h = half * len(phases)
+    left, top = 58, 16
+    parts = [f'<text x="0" y="{top - 4}">stage</text>']
+    for s_i in range(stages):
+        parts.append(f'<text x="0" y="{top + s_i * cell_h + cell_h * 0.6:.0f}">{s_i}</text>')
+    for t, row in enumerate(ticks):
+        for s_i, cell in enumerate(row):
+            x = left + t * cell_w
+            for j, kind in enumerate(phases):
+                y = top + s_i * cell_h + j * half
+                if t not in phases[kind]:
+                    continue
+                if kind not in (cell or {}):
+                    parts.append(f'<rect x="{x}" y="{y}" width="{cell_w - 1}" height="{half - 1}" fill="url(#idle)" '
+                                 f'class="idle"><title>tick {t}, stage {s_i}: idle</title></rect>')
+                    continue
+                mb, chunk = cell[kind], cell["chunk" if kind == "F" else "b_chunk"]
+                colour = f"hsl({(mb * 47) % 360},{60 if kind == 'F' else 35}%,{62 if kind == 'F' else 42}%)"
+                parts.append(f'<rect x="{x}" y="{y}" width="{cell_w - 1}" height="{half - 1}" fill="{colour}" '
+                             f'class="busy"><title>tick {t}, stage {s_i}: {"forward" if kind == "F" else "backward"} '
+                             f"of micro-batch {mb} through chunk {chunk}</title></rect>")
+                if cell_w >= 16:
+                    label = f"{kind}{mb}" if cell_w >= 26 else str(mb)
+                    parts.append(f'<text x="{x + 2}" y="{y + half * 0.72:.1f}" fill="#fff">{label}</text>')
+    width, height = left + len(ticks) * cell_w + 10, top + stages * cell_h + 20
+    parts.append(f'<text x="{left}" y="{height - 4}">tick 0 .. {len(ticks) - 1}</text>')
+    idle = ('<defs><pattern id="idle" width="6" height="6" patternUnits="userSpaceOnUse" '
+            'patternTransform="rotate(45)"><rect width="6" height="6" fill="#ddd"/><line x1="0" y1="0" x2="0" y2="6" '
+            'stroke="#999" stroke-width="2"/></pattern></defs>')
+    return (f'<h3 data-schedule="{html.escape(s["schedule"])}">{html.escape(s["name"])}'
+            f'{" (configured)" if s["configured"] else ""}: bubble '
+            f"{fact(f'{path}.{index}.bubble_fraction', s['bubble_fraction'], format(s['bubble_fraction'], '.1%'))}, "
+            f"{s['microbatches']} micro-batches, up to {s['in_flight_microbatches']} kept per stage</h3>"
+            f'<div class="scroll"><svg width="{width}" height="{height}">{idle}{"".join(parts)}</svg></div>')
+
+
+def _pipeline(r: dict) -> str:
+    plan = _plan_of(r)
+    if not plan.get("schedules"):
+        return ""
+    path = "plan.schedules" if "plan" in r else "schedules"
+    grids, refused = [], []
+    for i, s in enumerate(plan["schedules"]):
+        if s["allowed"]:
+            grids.append(_schedule_grid(s, i, path))
+        else:
+            refused.append(f"<li>{html.escape(s['schedule'])}: {html.escape(s['why'])}</li>")
+    return ('<section id="pipeline"><h2>Pipeline schedules</h2><p class="note">Each schedule the config\'s stages '
+            "allow, as ticks (left to right) by stages (top to bottom): a coloured cell is a micro-batch's forward "
+            "(F, light; its number) or backward (B, dark, the lower half of a 1F1B tick) through one layer chunk, a "
+            "hatched cell is the bubble, where the stage idles while others work. GPipe and circular show the "
+            "forward iterations; autodiff runs their backward the same way in reverse.</p>" + "".join(grids)
+            + (f"<p>Not allowed here:</p><ul>{''.join(refused)}</ul>" if refused else "") + "</section>")
+
+
+PLAN_ROWS = [("train GFLOP / token", "train_flops_per_token", lambda v: f"{v / 1e9:,.2f}"),
+             ("TFLOP / device-step", "tflop_per_device_step", lambda v: f"{v:,.1f}"),
+             ("chip-seconds / step", "chip_seconds_per_step", lambda v: f"{v:,.1f}"),
+             ("step time (s)", "step_seconds", lambda v: f"{v:,.3f}"),
+             ("tokens / s / chip", "tokens_per_second_per_chip", lambda v: f"{v:,.0f}"),
+             ("chip-hours", "chip_hours", lambda v: f"{v:,.0f}"),
+             ("chip-hours / T tokens", "chip_hours_per_trillion_tokens", lambda v: f"{v:,.0f}")]
+
+
+def _plan(r: dict) -> str:
+    plan, prefix = _plan_of(r), "plan." if "plan" in r else ""
+    rows = [[label] + [fact(f"{prefix}{count}.{key}", plan[count][key], fmt(plan[count][key]))
+                       for count in ("exact_window", "all_global")] for label, key, fmt in PLAN_ROWS]
+    return (f'<section id="plan"><h2>Plan: cost at {fact(prefix + "mfu", plan["mfu"], format(plan["mfu"], ".1%"))} MFU'
+            f"</h2><p>{fact(prefix + 'chips', plan['chips'])} chips at "
+            f"{plan['peak_tflops_per_chip']:,.0f} TFLOP/s peak each; {fact(prefix + 'steps', plan['steps'])} steps "
+            f"of {fact(prefix + 'tokens_per_step', plan['tokens_per_step'])} tokens.</p>"
+            + _table(["", "sliding windows exact", "every layer global"], rows, {1, 2}) + "</section>")
+
+
+def _target(r: dict) -> str:
+    flags = r.get("xla_flags")
+    tiles = r.get("attention_tiles")
+    flag_text = (_table(["XLA flag", "value"], [[f"<code>{html.escape(k)}</code>", fact(f"xla_flags.{k}", v)]
+                                                for k, v in flags.items()])
+                 + "<p>As <code>LIBTPU_INIT_ARGS</code>: <code>"
+                 + html.escape(" ".join(f"--{k}={str(v).lower()}" for k, v in flags.items())) + "</code></p>"
+                 if flags else "<p>No XLA flag profile for this chip kind: the compiler's defaults.</p>")
+    tile_text = (_table(["tile", "size"], [[html.escape(k), fact(f"attention_tiles.{k}", v)] for k, v in tiles.items()])
+                 if tiles else f"<p>{html.escape(str(r.get('attention', 'attention')))}: no kernel tiles.</p>")
+    program = r.get("program")
+    kernels = ("<p>Custom calls in the compiled program: "
+               + html.escape(", ".join(f"{k} x{n}" for k, n in program["custom_calls"].items()) or "none")
+               + f"; {program['float8_matmuls']} of {program['matmuls']} matmuls float8.</p>" if program else "")
+    return (f'<section id="target"><h2>Target {html.escape(r["target"])}</h2><h3>Flag profile</h3>{flag_text}'
+            f"<h3>Attention kernel tiles</h3>{tile_text}{kernels}</section>")
+
+
+def page(r: dict) -> str:
+    body = "\n".join(s for s in (_header(r), _mesh(r), _memory(r), _parameters(r), _collectives(r), _pipeline(r),
+                                 _plan(r), _target(r)) if s)
+    return _document(f"olmax: {r['config']} on {r['target']}", body)
+
+
+def _document(title: str, body: str) -> str:
+    return (f'<!DOCTYPE html><html lang="en"><head><meta charset="utf-8"><title>{html.escape(title)}</title>'
+            f"<style>{STYLE}</style></head><body>{body}</body></html>\n")
+
+
+def write(report: dict, directory: str | Path) -> Path:
+    """DIR/report.json and DIR/index.html; returns the page's path."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "report.json").write_text(json.dumps(report, indent=1) + "\n")
+    (directory / "index.html").write_text(page(report))
+    return directory / "index.html"
+
+
+# --- several reports -----------------------------------------------------------------------------------------------
+
+def _label(r: dict) -> str:
+    return " ".join([r["config"], *r.get("overrides", []), "on", r["target"]])
+
+
+def _schedule_of(r: dict) -> dict | None:
+    return next((s for s in _plan_of(r).get("schedules", []) if s.get("configured")), None)
+
+
+def _per_device(r: dict) -> str:
+    if "peak" in r:
+        return f"peak {r['peak'] / GiB:.2f} ({r['peak'] / r['memory_per_device']:.1%})"
+    if "required" in r:
+        return f"needs {r['required'] / GiB:.2f} (compiler) + arguments {(r['parameters'] + r['optimizer_state'] + r['batch']) / GiB:.2f}"
+    return "-"
+
+
+def comparison_rows(reports: list[dict]) -> list[tuple[str, list[str]]]:
+    """The facts compared, one row each, one column a report."""
+    def each(f):
+        return [f(r) for r in reports]
+
+    def stack(name):
+        return each(lambda r: next((f"{s['bytes'] / GiB:.2f}" for s in r.get("memory_stack", [])
+                                    if s["segment"] == name), "-"))
+
+    def bubble(r):
+        s = _schedule_of(r)
+        return f"{s['name'].split(',')[0]}: {_bubble(s)}" if s else "-"
+
+    plan = [_plan_of(r)["exact_window"] for r in reports]
+    axes = sorted({c["axes"] for r in reports for c in r.get("collectives", {}).get("by_axis", [])})
+    return [
+        ("mesh", each(lambda r: " x ".join(f"{a} {n}" for a, n in r.get("mesh", {}).items() if n > 1) or "-")),
+        ("fits", each(lambda r: {True: "yes", False: "no", None: "-"}[_fits(r)])),
+        ("per device (GiB)", each(_per_device)),
+        ("device (GiB)", each(lambda r: f"{r['memory_per_device'] / GiB:.2f}" if "memory_per_device" in r else "-")),
+        *[(f"  {name}", stack(name)) for name in SEGMENT_COLOURS],
+        ("pipeline bubble", each(bubble)),
+        *[(f"collectives over {a} (MiB a step)", each(lambda r, a=a: f"{sum(c['bytes_per_step'] for c in r.get('collectives', {}).get('by_axis', []) if c['axes'] == a) / 2**20:,.1f}"))
+          for a in axes],
+        ("chip-seconds / step", [f"{p['chip_seconds_per_step']:,.1f}" for p in plan]),
+        ("step time (s)", [f"{p['step_seconds']:,.3f}" for p in plan]),
+        ("chip-hours", [f"{p['chip_hours']:,.0f}" for p in plan]),
+        ("compile s", each(lambda r: f"{r['compile_seconds']:,.0f}" if "compile_seconds" in r else "-")),
+    ]
+
+
+def comparison_page(reports: list[dict]) -> str:
+    """Reports as columns A, B, ... (named in a list above the table); rows no report has a figure for left out."""
+    letters = [chr(ord("A") + i) if i < 26 else str(i + 1) for i in range(len(reports))]
+    key = "".join(f"<li><b>{k}</b>: <code>{html.escape(_label(r))}</code></li>" for k, r in zip(letters, reports))
+    rows = [[html.escape(name), *(html.escape(v) for v in values)] for name, values in comparison_rows(reports)
+            if any(v != "-" for v in values)]
+    bars = "".join(f"<h3>{k}: {html.escape(_label(r))}</h3>{_memory_bar(r)}"
+                   for k, r in zip(letters, reports) if "memory_stack" in r)
+    legend = " ".join(f'<span class="swatch" style="background:{c}"></span>{n}' for n, c in SEGMENT_COLOURS.items())
+    memory = f'<section id="memory"><h2>Memory per device</h2><p>{legend}</p>{bars}</section>' if bars else ""
+    body = (f"<h1>olmax: {len(reports)} reports side by side</h1><ul>{key}</ul>"
+            f'<section id="comparison"><h2>Facts</h2><div class="scroll">'
+            f'{_table(["", *letters], rows, set(range(1, len(reports) + 1)))}</div></section>{memory}')
+    return _document("olmax: comparison", body)
+
+
+def _bubble(s: dict) -> str:
+    iterations = s["microbatches"] * s["chunks_per_stage"] + s["stages"] - 1
+    return f"{s['bubble_fraction']:.1%} ({s['stages'] - 1} of {iterations})"
+
+
+MARKDOWN_COLUMNS = [  # (header, right-aligned, the cell of a report and its configured schedule; "-": none)
+    ("config", False, lambda r, s: r["config"]),
+    ("overrides", False, lambda r, s: " ".join(f"`{o}`" for o in r.get("overrides", [])) or "(the preset)"),
+    ("target", False, lambda r, s: r["target"]),
+    ("schedule", False, lambda r, s: s["name"] if s else "-"),
+    ("bubble", True, lambda r, s: _bubble(s) if s else "-"),
+    ("mb x tokens, micro-steps", False, lambda r, s: f"{r['instances_per_device_micro_step']} x "
+     f"{r['sequence_length']}, {r['micro_steps']}" if "micro_steps" in r else "-"),
+    ("per device (GiB)", False, lambda r, s: _per_device(r)),
+    ("device (GiB)", True, lambda r, s: f"{r['memory_per_device'] / GiB:.2f}" if "memory_per_device" in r else "-"),
+    ("fits", False, lambda r, s: {True: "yes", False: "**no**", None: "-"}[_fits(r)]),
+    ("step s at the MFU", True, lambda r, s: f"{_plan_of(r)['exact_window']['step_seconds']:,.3f}"),
+    ("compile s", True, lambda r, s: f"{r['compile_seconds']:,.0f}" if "compile_seconds" in r else "-"),
+]
+
+
+def markdown_table(reports: list[dict]) -> str:
+    """The comparison as BENCHMARKS.md's tables are written; a column no report has a figure for is left out."""
+    rows = [[cell(r, _schedule_of(r)) for _, _, cell in MARKDOWN_COLUMNS] for r in reports]
+    kept = [i for i in range(len(MARKDOWN_COLUMNS)) if any(row[i] != "-" for row in rows)]
+    lines = ["| " + " | ".join(MARKDOWN_COLUMNS[i][0] for i in kept) + " |",
+             "| " + " | ".join("---:" if MARKDOWN_COLUMNS[i][1] else "---" for i in kept) + " |"]
+    lines += ["| " + " | ".join(row[i] for i in kept) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def write_comparison(reports: list[dict], directory: str | Path) -> Path:
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "report.json").write_text(json.dumps({"reports": reports}, indent=1) + "\n")
+    (directory / "index.html").write_text(comparison_page(reports))
+    return directory / "index.html"
