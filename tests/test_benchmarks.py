@@ -14,6 +14,7 @@ TOY_MODEL = ["model.vocab_size=512", "model.d_model=64", "model.n_layers=4", "mo
              "model.mlp_hidden=128", "model.sliding_window=32", "data.sequence_length=64", "impl.attention.block=32"]
 
 SMALLEST = {
+    "checkpoint_stall.py": ["--gb", "0.002", "--saves", "1"],
     "checkpoint_checksum.py": ["--arrays", "1", "--mb", "1", "--repeats", "1"],
     "convert_memory.py": ["--layers", "4", "--d-model", "64", "--heads", "4", "--mlp-hidden", "128",
                           "--shard-gb", "0.0001", "--workdir", "{tmp}", "--json"],

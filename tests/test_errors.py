@@ -32,7 +32,8 @@ def test_the_exit_codes():
         "FINISHED": 0, "FAILED": 1, "BAD_INPUT": 2, "DIVERGED": 3, "DISK_FULL": 74, "PREEMPTED": 75, "INTERRUPTED": 130}
     assert errors.NOT_RETRIED == (2, 3, 74)
     assert {cls.__name__: cls.exit_code for cls in _error_classes() if not issubclass(cls, BadInput)} == {
-        "OlmaxError": 1, "Preempted": 75, "Diverged": 3, "DiskFull": 74, "DoesNotFit": 1}
+        "OlmaxError": 1, "Preempted": 75, "Diverged": 3, "DiskFull": 74, "DoesNotFit": 1,
+        "CoordinatorUnreachable": 1}
     assert all(isinstance(cls.exit_code, ExitCode) for cls in _error_classes())
 
 

@@ -59,12 +59,15 @@ def cmd_flops(args) -> None:
 def cmd_train(args) -> None:
     from olmax.config import load_config
     from olmax.runtime import restart_with_huge_pages
+    from olmax.train.goodput import process_start_time  # before jax: it records the process's exit after jax's
 
     restart_with_huge_pages()
     cfg = load_config(args.config, args.overrides)
     from olmax.launch.distributed import announce, host_log, join_cluster
 
-    cluster = join_cluster()  # before anything touches a device
+    from olmax.train.watchdog import coordination_heartbeat
+
+    cluster = join_cluster(coordination_heartbeat(cfg.train.hang_timeout))  # before anything touches a device
     import jax
 
     from olmax.config import target_layout
@@ -86,7 +89,7 @@ def cmd_train(args) -> None:
             print(line, flush=True)
 
     try:
-        train(cfg, make_eval=make_in_loop_eval, on_start=start)
+        train(cfg, make_eval=make_in_loop_eval, on_start=start, started=process_start_time())
     except BaseException as err:
         host_log.info("stopped: %s: %s", type(err).__name__, err)
         raise
@@ -116,6 +119,27 @@ def cmd_resume_check(args) -> None:
           f"table and plot in {out}")
     if worst != 0:
         sys.exit(ExitCode.FAILED)
+
+
+def cmd_goodput(args) -> None:
+    from pathlib import Path
+
+    from olmax import storage
+    from olmax.errors import BadInput
+    from olmax.run_dir import RunDir
+    from olmax.train.goodput import plot, read_record, report
+
+    path = RunDir(args.run).goodput
+    try:
+        record = read_record(storage.read_text(str(path)))
+    except (OSError, ValueError) as err:  # a StorageError is a ValueError
+        raise BadInput(f"{path} cannot be read ({err}); give the run directory of an olmax train run") from None
+    if args.json:
+        print(json.dumps(record, indent=2))
+        return
+    print(report(record))
+    plot(record, Path(args.png), title=storage.basename(args.run))
+    print(f"wrote {args.png}")
 
 
 def cmd_demo(args) -> None:
@@ -164,6 +188,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, required=True, help="compare up to this step")
     p.add_argument("--out", help="default: runs/NAME-resume-check")
     p.set_defaults(func=cmd_resume_check)
+
+    p = sub.add_parser("goodput", help="where a run's wall time went, by category, over its restarts")
+    p.add_argument("run", help="the run directory (output_dir), local or in a bucket")
+    p.add_argument("--png", default="goodput.png", help="the plot of its attempts (default ./goodput.png)")
+    p.add_argument("--json", action="store_true", help="print the record instead")
+    p.set_defaults(func=cmd_goodput)
 
     p = sub.add_parser("flops", help="parameter count and training FLOPs")
     config_arguments(p)

@@ -9,6 +9,7 @@ anything is compiled or written.
 from __future__ import annotations
 
 import fnmatch
+import importlib
 import json
 import math
 import os
@@ -26,6 +27,14 @@ PRESET_DIR = Path(__file__).parent / "configs"
 MAX_STEPS = 2**31 - 1  # the step counter (and the LR schedule's arithmetic) is int32 on the device
 REMAT_NAMES = ("qkv_proj", "out_proj", "mlpwi_0", "mlpwi_1", "mlpwo", "context")
 DType = Literal["float32", "bfloat16"]
+
+
+def declared_above(module: str, check: str):
+    """A config check declared where what it checks is defined, in a package above this one: a model family's
+    rules in its module (olmax.model.families), a pipeline schedule's in olmax.parallel.pipeline. Looked up by
+    name when a config is validated, so every config is checked whatever was imported first, and those packages
+    import this one, not the other way round."""
+    return getattr(importlib.import_module(module), check)
 
 
 class Section(BaseModel):
@@ -111,9 +120,9 @@ class MoEConfig(Section):
 class ModelConfig(Section):
     """The architecture: every field changes the function the parameters compute (checked on resume)."""
 
-    family: Literal["olmo3", "olmoe"] = Field(
-        "olmo3", description="block structure and parameter names: olmo3 (HF Olmo3: reordered norm), olmoe (HF "
-        "OlmoeForCausalLM: pre-norm, MoE, every layer global)"
+    family: str = Field(
+        "olmo3", description="block structure and parameter names: a module of olmax.model.families (olmo3, olmoe, "
+        "...), which checks the fields below for what its architecture allows"
     )
     vocab_size: int = Field(100278, gt=0, description="tokenizer vocabulary size")
     vocab_pad_multiple: int = Field(128, gt=0, description="embedding rows are padded to a multiple of this")
@@ -136,6 +145,7 @@ class ModelConfig(Section):
         default_factory=lambda: ["sliding", "sliding", "sliding", "global"],
         description="attention kind of consecutive layers, repeated over the depth",
     )
+    tie_embeddings: bool = Field(False, description="the LM head is the embedding's transpose (no lm_head weight)")
     init_std: float = Field(0.02, gt=0)
     param_dtype: DType = "float32"
 
@@ -186,12 +196,11 @@ class ModelConfig(Section):
         if self.dense_layers >= self.n_layers or self.dense_layers % len(self.layer_pattern):
             raise ValueError(f"dense_layers {self.dense_layers} must be a multiple of the layer_pattern length "
                              f"{len(self.layer_pattern)} below n_layers {self.n_layers}")
-        if self.family == "olmoe":
-            if self.mlp != "moe" or self.dense_layers or "sliding" in self.layer_pattern:
-                raise ValueError("family olmoe (HF OlmoeForCausalLM) has MoE MLPs in every layer and global attention "
-                                 "only: set mlp: moe, dense_layers: 0, layer_pattern: [global]")
-            if self.head_dim not in (None, self.d_model // self.n_heads):
-                raise ValueError("family olmoe: head_dim must be d_model / n_heads (OLMoE's q_norm is d_model wide)")
+        return self
+
+    @model_validator(mode="after")
+    def _family(self):
+        declared_above("olmax.model.families", "check_config")(self)
         return self
 
 
@@ -401,6 +410,9 @@ class TrainConfig(Section):
     )
     seed: int = 0
     log_every: int = Field(1, gt=0)
+    hang_timeout: float = Field(
+        600.0, gt=0, description="seconds without a finished step after which a multi-process run is taken for "
+        "stopped and exits 75 (at least 5 x the slowest step so far; olmax.train.watchdog)")
 
 
 MESH_AXES = ("data", "stage", "fsdp", "expert", "tensor")  # outermost first: neighbours share the inner axes
@@ -463,7 +475,11 @@ class MeshConfig(Section):
 
 
 class CheckpointConfig(Section):
+    model_config = ConfigDict(**Section.model_config, serialize_by_alias=True)
+
     every: int = Field(1000, gt=0)
+    asynchronous: bool = Field(True, alias="async", description="the step waits only for the copy to host memory; "
+                               "the write (and upload) goes on in the background")
     keep_last: int = Field(3, gt=0)
     keep_every: int | None = Field(None, gt=0, description="also keep every step divisible by this")
     resume: bool = True
@@ -596,6 +612,12 @@ class RunConfig(Section):
                              "impl.moe.dispatch=auto or blocks")
 
     @model_validator(mode="after")
+    def _pipeline(self):
+        if self.mesh.stage > 1:  # the schedule's own checks of the config
+            declared_above("olmax.parallel.pipeline", "schedule_for")(self)
+        return self
+
+    @model_validator(mode="after")
     def _consistent(self):
         low = {"float32": False, "bfloat16": True}
         moments_low = low[self.optim.moment_dtype] or low[self.model.param_dtype]
@@ -639,7 +661,7 @@ def _known_path(dotted: str) -> None:
         raise ConfigError(f"config key {dotted!r} moved: set {MOVED_KEYS[dotted]} instead")
     section: type[BaseModel] = RunConfig
     for i, key in enumerate(dotted.split(".")):
-        fields = section.model_fields
+        fields = {field.alias or name: field for name, field in section.model_fields.items()}
         if key not in fields:
             where = ".".join(dotted.split(".")[:i]) or "the top level"
             raise ConfigError(f"unknown config key {dotted!r}: {where} has {sorted(fields)}")
@@ -806,6 +828,8 @@ def validate(tree: dict, source: str = "config") -> RunConfig:
             got = e.get("input")
             shown = f" (got {got!r})" if e["loc"] and not isinstance(got, dict) else ""
             lines.append(f"  {where}: {e['msg'].removeprefix('Value error, ')}{shown}")
+        if len(lines) == 2:  # one error: one line
+            raise ConfigError(f"{lines[0]}: {lines[1].strip().removeprefix('(top level): ')}") from None
         raise ConfigError("\n".join(lines)) from None
 
 

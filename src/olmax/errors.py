@@ -99,6 +99,10 @@ class ClusterError(ConfigError):
     """This process belongs to a multi-process job but cannot join it."""
 
 
+class CoordinatorUnreachable(OlmaxError):
+    """Process 0's coordinator did not answer: it may not be up yet, or its node is gone; worth a retry (exit 1)."""
+
+
 class SlurmError(ConfigError):
     """Slurm refused the job (or is not there): retrying the same submission cannot help."""
 

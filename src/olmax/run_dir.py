@@ -4,6 +4,7 @@
       checkpoints/N/       the state after step N (olmax.checkpoint); in a bucket, committed by its marker
       metrics.jsonl        one JSON record per logged step (olmax.train.metrics)
       tensorboard/events*  the same metrics as TensorBoard event files
+      goodput.json         the run's wall time by category, over its attempts (olmax.train.goodput)
       run.lock             the lock of the process that holds the run, or a bucket run's lease (olmax.run_lock)
       logs/host-NN.log     each process's log (olmax.launch.distributed)
       launch.jsonl         `olmax launch`'s attempts (olmax.launch); with the two below, in
@@ -46,6 +47,7 @@ class RunDir:
     checkpoints = File("checkpoints")
     metrics = File("metrics.jsonl")
     tensorboard = File("tensorboard")
+    goodput = File("goodput.json")
     events = File("tensorboard/events")  # the event files' prefix
     lock = File("run.lock")
     logs = File("logs")
@@ -53,7 +55,7 @@ class RunDir:
     slurm_script = File("slurm/job.sh")
     jobset = File("jobset.yaml")
 
-    METRIC_FILES = (metrics.name, tensorboard.name)  # what a bucket run uploads as it goes and `compare` reads
+    METRIC_FILES = (metrics.name, tensorboard.name, goodput.name)  # what a bucket run uploads as it goes and `compare` reads
 
     def __init__(self, location: str | os.PathLike):
         self.remote = storage.is_remote(location)

@@ -56,17 +56,17 @@ PartitionName=test Nodes={host} Default=YES MaxTime=INFINITE State=UP
 DAEMON_START_SECONDS = 120
 
 
-def _install_slurm() -> None:
+def apt_install(*packages: str) -> None:
     """Debian's packages, as the README's test command gets them on a fresh machine."""
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    install = ["apt-get", "install", "-y", "-q", "--no-install-recommends", "slurm-wlm", "munge"]
+    install = ["apt-get", "install", "-y", "-q", "--no-install-recommends", *packages]
     if subprocess.run(install, env=env, capture_output=True, timeout=900).returncode != 0:
         subprocess.run(["apt-get", "update", "-q"], env=env, capture_output=True, timeout=900, check=True)
         out = subprocess.run(install, env=env, capture_output=True, text=True, timeout=900)
-        assert out.returncode == 0, f"could not install slurm-wlm and munge: {out.stderr[-2000:]}"
+        assert out.returncode == 0, f"could not install {' '.join(packages)}: {out.stderr[-2000:]}"
 
 
-def _wait_for(what: str, ready, daemons: list, logs: list, timeout: float = DAEMON_START_SECONDS):
+def wait_for(what: str, ready, daemons: list, logs: list, timeout: float = DAEMON_START_SECONDS):
     deadline = time.monotonic() + timeout
     while not (result := ready()):
         dead = [d.args[0] for d in daemons if d.poll() is not None]
@@ -83,7 +83,7 @@ def slurm(tmp_path_factory):
     if os.geteuid() != 0:
         pytest.skip("the real-Slurm tests install slurm-wlm and run its daemons as root; this process is not root")
     if shutil.which("slurmctld") is None:
-        _install_slurm()
+        apt_install("slurm-wlm", "munge")
     scratch = tmp_path_factory.mktemp("slurm")
     for d in ("state", "spool"):
         (scratch / d).mkdir()
@@ -102,7 +102,7 @@ def slurm(tmp_path_factory):
             ["munged", "-F", "--force", f"--socket={scratch}/munge.socket", f"--key-file={key}",
              f"--pid-file={scratch}/munged.pid", f"--log-file={logs[0]}", f"--seed-file={scratch}/munge.seed"],
             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
-        _wait_for("munged", lambda: (scratch / "munge.socket").exists(), daemons, logs)
+        wait_for("munged", lambda: (scratch / "munge.socket").exists(), daemons, logs)
         for daemon in ("slurmctld", "slurmd"):
             daemons.append(subprocess.Popen([daemon, "-D", "-f", str(conf)], env=env, stdout=subprocess.DEVNULL,
                                             stderr=subprocess.DEVNULL))
@@ -110,7 +110,7 @@ def slurm(tmp_path_factory):
         def idle():
             out = subprocess.run(["sinfo", "-h", "-o", "%T"], env=env, capture_output=True, text=True)
             return out.stdout.strip() == "idle"
-        _wait_for("the Slurm node to be idle", idle, daemons, logs)
+        wait_for("the Slurm node to be idle", idle, daemons, logs)
         yield env
     finally:
         if len(daemons) == 3:  # no job outlives the cluster (slurmstepd would keep its tasks running)
@@ -138,7 +138,7 @@ def test_the_batch_script_asks_for_requeue_a_warning_signal_and_one_srun_task_pe
                        "--time=2-00:00:00", "--partition=gpu", "--account=lab", "--requeue", "--signal=TERM@300",
                        "--open-mode=append", f"--output={tmp_path}/run/slurm/%j.out", "--qos=high", "--exclusive"]
     assert "export JAX_LOCAL_DEVICE_IDS=0\n" in script
-    assert "\nsrun /venv/bin/python -m olmax.cli train olmo3_7b output_dir=" in script
+    assert "\nsrun --kill-on-bad-exit=1 /venv/bin/python -m olmax.cli train olmo3_7b output_dir=" in script
     assert 'if [ "$code" -eq 75 ]; then scontrol requeue "$SLURM_JOB_ID"; fi\nexit "$code"\n' in script
 
 

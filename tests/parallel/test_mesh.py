@@ -24,14 +24,14 @@ def test_batch_spans_data_fsdp_and_expert():
 def test_rules_from_config_place_layers_on_stages_and_can_be_partial():
     """Rules given in the config replace those entries of the default table (here: the vocabulary on fsdp, the
     embedding dimension nowhere); the rest stay the defaults (the layers on the stages, the MLP on tensor)."""
-    cfg = load_config("tiny", ["mesh.stage=2", "mesh.fsdp=4", "mesh.rules.vocab=[fsdp]", "mesh.rules.embed=[]"])
+    cfg = load_config("tiny", ["model.n_layers=8", "mesh.stage=2", "mesh.fsdp=4", "mesh.rules.vocab=[fsdp]", "mesh.rules.embed=[]"])
     assert cfg.mesh.rules["vocab"] == ["fsdp"] and cfg.mesh.rules["embed"] == []
     assert cfg.mesh.rules["layers"] == ["stage"] and cfg.mesh.rules["mlp"] == ["tensor"]  # the rest: defaults
     layout = make_layout(cfg.mesh)
     shardings = layout.shardings(families.param_axes(cfg.model), families.param_shapes(cfg.model))
     assert shardings["blocks"]["w1"].spec == P("stage", None, None)  # the default puts embed on fsdp
     assert shardings["embed"].spec == P("fsdp", None)  # the default: P(None, "fsdp")
-    default = make_layout(load_config("tiny", ["mesh.stage=2", "mesh.fsdp=4"]).mesh)
+    default = make_layout(load_config("tiny", ["model.n_layers=8", "mesh.stage=2", "mesh.fsdp=4"]).mesh)
     assert default.sharding(("vocab", "embed"), (512, 64)).spec == P(None, "fsdp")
 
 

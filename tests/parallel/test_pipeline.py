@@ -41,24 +41,24 @@ def _config(*overrides):
     (4, 8, 1, 3 / 11), (4, 16, 1, 3 / 19), (4, 8, 2, 3 / 19), (4, 16, 2, 3 / 35), (4, 8, 4, 3 / 35), (2, 2, 1, 1 / 3),
 ])
 def test_bubble_is_idle_iterations_over_all_iterations(stages, microbatches, repeats, bubble):
-    sched = pipeline.Schedule(stages, microbatches, repeats)
+    sched = (pipeline.Circular if repeats > 1 else pipeline.GPipe)(stages, microbatches, repeats)
     assert sched.iterations == microbatches * repeats + stages - 1
     assert sched.bubble == pytest.approx(bubble)
 
 
 def test_schedule_from_config_and_its_errors():
     assert pipeline.schedule_for(_config()) is None
-    assert pipeline.schedule_for(_config("mesh.stage=2")) == pipeline.Schedule(2, 2, 1)  # one micro-batch per stage
+    assert pipeline.schedule_for(_config("mesh.stage=2")) == pipeline.GPipe(2, 2, 1)  # one micro-batch per stage
     circular = _config("mesh.stage=2", "impl.pipeline.schedule=circular", "impl.pipeline.microbatches=4")
-    assert pipeline.schedule_for(circular) == pipeline.Schedule(2, 4, 2)  # as many chunks as the depth allows
+    assert pipeline.schedule_for(circular) == pipeline.Circular(2, 4, 2)  # as many chunks as the depth allows
+    # refused when the config is loaded
     with pytest.raises(ConfigError, match="needs 2 or more layer chunks per stage"):
-        pipeline.schedule_for(_config("mesh.stage=4", "impl.pipeline.schedule=circular"))
+        _config("mesh.stage=4", "impl.pipeline.schedule=circular")
     with pytest.raises(ConfigError, match="not divisible into mesh.stage 2 x 3 layer chunks"):
-        pipeline.schedule_for(_config("mesh.stage=2", "impl.pipeline.schedule=circular", "impl.pipeline.repeats=3"))
+        _config("mesh.stage=2", "impl.pipeline.schedule=circular", "impl.pipeline.repeats=3")
     with pytest.raises(ConfigError, match="microbatches 2 < mesh.stage 4"):
-        pipeline.schedule_for(load_config("tiny", ["model.n_layers=16", "model.layer_pattern=[sliding,global]",
-                                                   "mesh.stage=4", "impl.pipeline.schedule=circular",
-                                                   "impl.pipeline.microbatches=2"]))
+        load_config("tiny", ["model.n_layers=16", "model.layer_pattern=[sliding,global]", "mesh.stage=4",
+                             "impl.pipeline.schedule=circular", "impl.pipeline.microbatches=2"])
     with pytest.raises(ConfigError, match="repeats is a circular-schedule setting"):
         _config("impl.pipeline.repeats=2")
     with pytest.raises(ConfigError, match="mesh.rules.layers must be \\[stage\\]"):
@@ -103,8 +103,8 @@ def test_pipeline_equals_sequential_layers_and_aux_comes_from_real_microbatches_
     L, b, D = stages * repeats * 2, 8, 16
     w = jax.random.normal(jax.random.key(0), (L, D, D)) / np.sqrt(D)
     x = jax.random.normal(jax.random.key(1), (microbatches, b, D))
-    sched = pipeline.Schedule(stages, microbatches, repeats)
-    layout = make_layout(load_config("tiny", mesh.split()).mesh) if mesh else None
+    sched = (pipeline.Circular if repeats > 1 else pipeline.GPipe)(stages, microbatches, repeats)
+    layout = make_layout(_config(*mesh.split()).mesh) if mesh else None
 
     def pipelined(w, x):
         return pipeline.run(_layers, pipeline.by_stage(layout, w, ("layers", "embed", "mlp"), sched), x,
@@ -121,7 +121,7 @@ def test_pipeline_equals_sequential_layers_and_aux_comes_from_real_microbatches_
 def test_circular_schedule_keeps_the_weights_once_not_per_iteration(capsys):
     """The chunk a stage runs changes with the iteration; its copies (gathered, cast to the compute dtype)
     are recomputed in the backward pass, not kept for each of the M R + S - 1 iterations."""
-    sched = pipeline.Schedule(4, 8, 4)
+    sched = pipeline.Circular(4, 8, 4)
     L, D = sched.chunks * 2, 32
     w, x = jnp.ones((L, D, D)), jnp.ones((8, 4, D), jnp.bfloat16)
 
@@ -211,7 +211,7 @@ def test_pipelined_moe_equals_the_unpipelined_model_per_microbatch(overrides):
 
 def test_pipeline_refuses_dense_layers_before_the_experts():
     with pytest.raises(ConfigError, match="use dense_layers 0 with mesh.stage > 1"):
-        pipeline.schedule_for(load_config("tiny_moe", [*MODEL, "model.dense_layers=2", "mesh.stage=2"]))
+        load_config("tiny_moe", [*MODEL, "model.dense_layers=2", "mesh.stage=2"])
 
 
 # --- training ----------------------------------------------------------------------------------------
@@ -321,7 +321,7 @@ def test_1f1b_ticks_hand_each_step_to_the_next_tick_and_keep_a_bounded_number_of
     tick); a kept input's slot is not reused before its backward reads it; the slots needed do not grow
     with M beyond (R + 1) S - 1."""
     S, M, R = stages, microbatches, repeats
-    table = pipeline.ticks(pipeline.Schedule(S, M, R, True))
+    table = (pipeline.InterleavedOneFOneB if R > 1 else pipeline.OneFOneB)(S, M, R).ticks()
     fwd, bwd = {}, {}
     for t, s in zip(*np.nonzero(table.f_mb >= 0)):
         fwd[table.f_mb[t, s], table.f_rep[t, s] * S + s] = t, table.f_slot[t, s]
@@ -355,8 +355,8 @@ def test_1f1b_loss_and_gradients_equal_autodiff_of_the_sequential_layers(stages,
     x = jax.random.normal(jax.random.key(1), (microbatches, b, D))
     head = {"w": jax.random.normal(jax.random.key(2), (D, 2))}
     target = jax.random.normal(jax.random.key(3), (microbatches, b))
-    sched = pipeline.Schedule(stages, microbatches, repeats, True)
-    layout = make_layout(load_config("tiny", mesh.split()).mesh) if mesh else None
+    sched = (pipeline.InterleavedOneFOneB if repeats > 1 else pipeline.OneFOneB)(stages, microbatches, repeats)
+    layout = make_layout(_config(*mesh.split()).mesh) if mesh else None
     # each layer's aux: a loss term (the sum of its output's squares), and its index
     layers = lambda w, x: jax.lax.scan(lambda x, w: (jnp.tanh(x @ w), {"sq": jnp.sum(jnp.tanh(x @ w) ** 2)}), x, w)  # noqa: E731
     layers_loss = lambda aux: 0.01 * jnp.sum(aux["sq"])  # noqa: E731
@@ -460,16 +460,14 @@ def test_moe_training_under_interleaved_1f1b_matches_circular(tmp_path, shards):
 
 def test_1f1b_schedules_from_config_and_their_errors():
     assert pipeline.schedule_for(_config("mesh.stage=4", "impl.pipeline.schedule=1f1b")) == \
-        pipeline.Schedule(4, 4, 1, True)
+        pipeline.OneFOneB(4, 4, 1)
     interleaved = _config("mesh.stage=2", "impl.pipeline.schedule=interleaved_1f1b", "impl.pipeline.microbatches=4")
-    assert pipeline.schedule_for(interleaved) == pipeline.Schedule(2, 4, 2, True)
+    assert pipeline.schedule_for(interleaved) == pipeline.InterleavedOneFOneB(2, 4, 2)
     with pytest.raises(ConfigError, match="not a multiple of mesh.stage 2"):
-        pipeline.schedule_for(_config("mesh.stage=2", "impl.pipeline.schedule=interleaved_1f1b",
-                                      "impl.pipeline.microbatches=3"))
+        _config("mesh.stage=2", "impl.pipeline.schedule=interleaved_1f1b", "impl.pipeline.microbatches=3")
     assert pipeline.schedule_for(load_config("tiny_moe", [*MODEL, "mesh.stage=2", "impl.pipeline.schedule=1f1b"]))
     with pytest.raises(ConfigError, match="runs learned routing"):
-        pipeline.schedule_for(load_config("tiny_moe", [*MODEL, "mesh.stage=2", "impl.pipeline.schedule=1f1b",
-                                                       "model.moe.routing=random"]))
+        load_config("tiny_moe", [*MODEL, "mesh.stage=2", "impl.pipeline.schedule=1f1b", "model.moe.routing=random"])
     with pytest.raises(ConfigError, match="repeats is a circular-schedule setting"):
         _config("impl.pipeline.schedule=1f1b", "impl.pipeline.repeats=2")
 

@@ -56,17 +56,23 @@ class Checkpointer:
     share (a run in a bucket stages on each host's disk): Orbax's steps across processes are off, and arrays
     are zarr chunk files, one per shard, written by the process that holds the shard, so that the copies
     uploaded side by side make the whole checkpoint (OCDBT's per-process files would need one process to
-    read all of them to merge them)."""
+    read all of them to merge them).
 
-    def __init__(self, directory: Path, cfg: CheckpointConfig, read_only: bool = False, own_copy: bool = False):
+
+    `asynchronous`: `save` returns once the state is copied to host memory and Orbax writes it in the
+    background; `finish` waits for that write (olmax.checkpoint.async_save drives it)."""
+
+    def __init__(self, directory: Path, cfg: CheckpointConfig, read_only: bool = False, own_copy: bool = False,
+                 asynchronous: bool = False):
         self.directory = Path(directory).absolute()
-        self.own_copy = own_copy
+        self.own_copy, self.asynchronous = own_copy, asynchronous
+        self._writing, self._failed = None, False  # the step of the last save; whether a save failed
         processes = ocp.options.MultiprocessingOptions(
             **({"primary_host": None, "active_processes": {jax.process_index()}} if own_copy else {}))
         options = ocp.CheckpointManagerOptions(
             max_to_keep=None if read_only else cfg.keep_last, keep_period=cfg.keep_every,
             save_interval_steps=0 if read_only else 1, create=False, read_only=read_only,
-            enable_async_checkpointing=False, multiprocessing_options=processes,
+            enable_async_checkpointing=asynchronous, multiprocessing_options=processes,
         )
         items = {"item_names": ("params", "opt_state", "meta")}
         if own_copy:
@@ -92,12 +98,16 @@ class Checkpointer:
         return committed_steps(self.directory)
 
     def save(self, step: int, state, meta: dict) -> None:
-        """A training checkpoint: params, optimizer state and meta (the step lives in meta)."""
+        """A training checkpoint: params, optimizer state and meta (the step lives in meta). Asynchronous: it
+        returns once the arrays are on the host; `finish` waits for the write."""
         self._save(step, meta, params=state.params, opt_state=state.opt_state)
+        if not self.asynchronous:
+            self.finish()
 
     def save_params(self, step: int, params, meta: dict) -> None:
         """A weights-only checkpoint (e.g. converted from HF), usable as `checkpoint.init_from`."""
         self._save(step, meta, params=params)
+        self.finish()
 
     def _save(self, step: int, meta: dict, **arrays) -> None:
         sums = {name: checksums(tree) for name, tree in arrays.items()}
@@ -105,16 +115,28 @@ class Checkpointer:
         items = {name: ocp.args.StandardSave(tree) for name, tree in arrays.items()}
         host = numpy_one_array_at_a_time() if on_host(arrays) else contextlib.nullcontext()
         ignore_abandoned_io()
-        try:
+        self._writing = step
+        with self._disk_full_named():
             # Orbax's threads log each failed write as an absl ERROR; the exception below says it once.
             with host, quiet_absl(logging.CRITICAL):
                 self.manager.save(step, args=ocp.args.Composite(**items, meta=ocp.args.JsonSave(meta)), force=True)
-                self.manager.wait_until_finished()
+
+    def finish(self) -> None:
+        """Wait until the last save is written and committed (at once for a synchronous one); its error if
+        it failed (DiskFull, its partial write removed, for a full disk)."""
+        with self._disk_full_named(), quiet_absl(logging.CRITICAL):
+            self.manager.wait_until_finished()
+
+    @contextlib.contextmanager
+    def _disk_full_named(self):
+        try:
+            yield
         except Exception as err:
+            self._failed = True
             if not disk_full(err):
                 raise
             self.remove_partial_writes()
-            raise DiskFull(f"disk full writing checkpoint {step} in {self.directory}: free space and run "
+            raise DiskFull(f"disk full writing checkpoint {self._writing} in {self.directory}: free space and run "
                            "again") from None
 
     def remove_partial_writes(self) -> list[Path]:
@@ -183,7 +205,12 @@ class Checkpointer:
         return target
 
     def close(self) -> None:
-        self.manager.close()
+        with quiet_absl(logging.CRITICAL):
+            try:
+                self.manager.close()
+            except Exception:
+                if not self._failed:  # else Orbax repeats the failed save's error, which was raised already
+                    raise
 
 
 def locate(path: str | Path) -> tuple[Path, int | None]:

@@ -8,6 +8,7 @@ import contextlib
 import errno
 import logging
 import sys
+import threading
 import warnings
 
 import jax
@@ -90,17 +91,28 @@ class _SequentialNumpyHandler(ocp.type_handlers.NumpyHandler):
         return arrays
 
 
+_quiet = {"depth": 0, "previous": logging.NOTSET}
+_quiet_lock = threading.Lock()
+
+
 @contextlib.contextmanager
 def quiet_absl(level: int = logging.ERROR):
     """Orbax logs absl WARNINGs about settings it was asked for (read-only options, handler overrides): inside,
-    only `level` and above pass."""
+    only `level` and above pass. Threads may overlap (an asynchronous save finishes on its own thread): the
+    level goes back when the last of them leaves."""
     absl = logging.getLogger("absl")
-    previous = absl.level
-    absl.setLevel(level)
+    with _quiet_lock:
+        if not _quiet["depth"]:
+            _quiet["previous"] = absl.level
+        _quiet["depth"] += 1
+        absl.setLevel(max(absl.level, level))
     try:
         yield
     finally:
-        absl.setLevel(previous)
+        with _quiet_lock:
+            _quiet["depth"] -= 1
+            if not _quiet["depth"]:
+                absl.setLevel(_quiet["previous"])
 
 
 @contextlib.contextmanager

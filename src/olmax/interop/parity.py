@@ -1,7 +1,7 @@
 """Logit parity: the olmax model against a float32 reference on identical inputs.
 
-References are HF transformers' `Olmo3ForCausalLM` or `OlmoeForCausalLM` loaded from
-an HF directory, and OLMo-core's own OLMo 3 transformer built with the olmax weights. Per token,
+References are the model family's HF transformers class (`Olmo3ForCausalLM`, `OlmoeForCausalLM`, ...)
+loaded from an HF directory, and OLMo-core's own transformer (OLMo 3) built with the olmax weights. Per token,
 over the real (unpadded) vocabulary: KL(reference || olmax) in float64, top-1
 agreement, the overlap of the top-10 sets, and the largest |delta logit|.
 
@@ -187,32 +187,18 @@ def olmo_core_state(cfg: RunConfig, params: dict) -> dict:
 
 
 def olmo_core_reference(cfg: RunConfig, params: dict, dtype: str = "float32"):
-    """OLMo-core's OLMo 3 transformer (reordered norm, QK-norm, sliding pattern) with the olmax weights."""
+    """OLMo-core's own transformer of the model's family (its olmo_core_config) with the olmax weights."""
+    m = cfg.model
+    family = families.of(m)
+    if family.olmo_core_config is None:
+        raise InteropError(f"the olmo-core reference builds dense OLMo 3 models; compare family {m.family} with the "
+                           f"HF reference ({family.HF_CLASS})")
     try:
         import torch
-        from olmo_core.nn.attention import AttentionBackendName, SlidingWindowAttentionConfig
-        from olmo_core.nn.feed_forward import FeedForwardConfig
-        from olmo_core.nn.transformer import TransformerBlockType, TransformerConfig
+
+        config = family.olmo_core_config(m)
     except ImportError as err:
         raise InteropError(f"--reference olmo-core needs ai2-olmo-core and torch ({err})") from None
-
-    m = cfg.model
-    if m.family != "olmo3" or m.mlp != "dense":
-        raise InteropError("the olmo-core reference builds dense OLMo 3 models; compare a mixture of experts with "
-                           "the HF reference (OlmoeForCausalLM)")
-    if len({(r.type, r.theta) for r in m.rope.values()}) > 1 or any(r.type != "default" for r in m.rope.values()):
-        raise InteropError("the olmo-core reference builds unscaled RoPE with one theta for every layer; this model "
-                           f"has {dict(m.rope)}: compare it with the HF reference")
-    pattern = [-1 if m.is_global(i) else m.sliding_window for i in range(len(m.layer_pattern))]
-    sliding = None if all(w == -1 for w in pattern) else SlidingWindowAttentionConfig(
-        pattern=pattern, force_full_attention_on_first_layer=False, force_full_attention_on_last_layer=False)
-    config = TransformerConfig.llama_like(
-        d_model=m.d_model, vocab_size=m.padded_vocab, n_layers=m.n_layers, n_heads=m.n_heads,
-        n_kv_heads=m.kv_heads, head_dim=m.head_dim, block_name=TransformerBlockType.reordered_norm, qk_norm=True,
-        rope_theta=m.rope["global"].theta, layer_norm_eps=m.norm_eps,
-        feed_forward=FeedForwardConfig(hidden_size=m.mlp_hidden, bias=False),
-        attn_backend=AttentionBackendName.torch, sliding_window=sliding,
-    )
     model = config.build(init_device="cpu")
     model.load_state_dict(olmo_core_state(cfg, params), strict=True)
     model = model.to(getattr(torch, dtype)).eval()

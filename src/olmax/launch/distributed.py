@@ -18,6 +18,13 @@ script of N tasks run without `srun`, the second pod of an indexed Kubernetes Jo
 worker other than 0 without its peers' addresses) stops with ClusterError (exit 2) rather
 than train alone on a run directory its peers share.
 
+For a detected cluster the coordinator's host (Slurm: the first node of the step's node list) is
+resolved on each node as that node resolves it (/etc/hosts, DNS), and JAX is given the address:
+an unresolvable name is a ClusterError naming it, and a coordinator that does not answer within
+OLMAX_COORDINATOR_TIMEOUT seconds (300 by default) is CoordinatorUnreachable naming its address
+and port (exit 1: the launcher retries, as process 0 may still be starting or its node be gone; JAX
+itself would abort the process without saying either).
+
 OLMAX_LOCAL_DEVICES=D makes this process fake D CPU devices (a CPU stand-in for the
 accelerators of one host; ignored by GPU/TPU backends). On CPU the processes exchange
 collectives with gloo over TCP.
@@ -28,6 +35,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,13 +45,15 @@ import jax
 from jax._src import clusters
 
 from olmax.config import writable_dir
-from olmax.errors import ClusterError, ConfigError
+from olmax.errors import ClusterError, ConfigError, CoordinatorUnreachable
 from olmax.run_dir import RunDir
 
 ENV_COORDINATOR = "OLMAX_COORDINATOR"
 ENV_NUM_PROCESSES = "OLMAX_NUM_PROCESSES"
 ENV_PROCESS_ID = "OLMAX_PROCESS_ID"
 ENV_LOCAL_DEVICES = "OLMAX_LOCAL_DEVICES"
+ENV_COORDINATOR_TIMEOUT = "OLMAX_COORDINATOR_TIMEOUT"
+JAX_HEARTBEAT_SECONDS = 100  # jax.distributed.initialize's default
 DISTRIBUTED_ENV = (ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID)
 JOIN_BY_HAND = f"or set {', '.join(DISTRIBUTED_ENV)} on every process"
 
@@ -106,8 +116,9 @@ def _unjoinable() -> str | None:
     return None
 
 
-def join_cluster() -> Cluster:
-    """Join the run this process belongs to (see the module's docstring) and describe it.
+def join_cluster(heartbeat_seconds: int = JAX_HEARTBEAT_SECONDS) -> Cluster:
+    """Join the run this process belongs to (see the module's docstring) and describe it. JAX's coordination
+    service aborts every process once one has not sent a heartbeat for `heartbeat_seconds`.
 
     Calling it again once joined is harmless. Must run before anything touches a JAX device.
     """
@@ -125,7 +136,7 @@ def join_cluster() -> Cluster:
             raise ClusterError(f"{ENV_PROCESS_ID}={process_id} must be below {ENV_NUM_PROCESSES}={num_processes}")
         cluster = Cluster("OLMAX_* variables", num_processes, process_id)
         # The variables say everything: no Slurm/MPI/TPU detection guessing otherwise.
-        _initialize(cluster, coordinator_address=os.environ[ENV_COORDINATOR], num_processes=num_processes,
+        _initialize(cluster, os.environ[ENV_COORDINATOR], heartbeat_seconds, num_processes=num_processes,
                     process_id=process_id, cluster_detection_method="deactivate")
         return cluster
     env = _detected()
@@ -138,15 +149,57 @@ def join_cluster() -> Cluster:
     except Exception as err:
         raise ClusterError(f"cannot read the {env.name} cluster's process count and id ({err}); {JOIN_BY_HAND}") from None
     if cluster.process_count > 1:
-        _initialize(cluster, cluster_detection_method=env.name)
+        _initialize(cluster, coordinator_address(env), heartbeat_seconds, cluster_detection_method=env.name)
     return cluster
 
 
-def _initialize(cluster: Cluster, **kwargs) -> None:
+def coordinator_address(env) -> str:
+    """ip:port of process 0's coordinator: the host JAX's detection names (JAX_COORDINATOR_ADDRESS when set),
+    resolved here, so that every node reaches it at the address it resolves the name to itself."""
+    timeout = _coordinator_timeout()
+    address = os.environ.get("JAX_COORDINATOR_ADDRESS") or env.get_coordinator_address(
+        timeout_secs=timeout, override_coordinator_port=os.environ.get("JAX_COORDINATOR_PORT"))
+    host, port = address.rsplit(":", 1)
+    try:
+        ip = socket.getaddrinfo(host.strip("[]"), int(port), type=socket.SOCK_STREAM)[0][4][0]
+    except (socket.gaierror, ValueError) as err:
+        raise ClusterError(f"the {env.name} coordinator's address {address!r} does not resolve on "
+                           f"{socket.gethostname()} ({err}): make its host name resolvable on every node, "
+                           f"{JOIN_BY_HAND}") from None
+    return f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
+
+
+def _coordinator_timeout() -> int:
+    return _int_env(ENV_COORDINATOR_TIMEOUT, 1) if ENV_COORDINATOR_TIMEOUT in os.environ else 300
+
+
+def _initialize(cluster: Cluster, coordinator_address: str, heartbeat_seconds: int, **kwargs) -> None:
     if jax.distributed.is_initialized():
         return
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(**kwargs)
+    timeout = _coordinator_timeout()
+    if cluster.process_id != 0:  # JAX aborts the process (no exception) when the coordinator never answers
+        _wait_for_coordinator(cluster, coordinator_address, timeout)
+    jax.distributed.initialize(coordinator_address=coordinator_address, initialization_timeout=timeout,
+                               heartbeat_timeout_seconds=heartbeat_seconds, **kwargs)
+
+
+def _wait_for_coordinator(cluster: Cluster, address: str, timeout: int) -> None:
+    """Until process 0's coordinator accepts a connection; CoordinatorUnreachable, naming it, after `timeout` s."""
+    host, port = address.rsplit(":", 1)
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            socket.create_connection((host.strip("[]"), int(port)), timeout=max(1.0, deadline - time.monotonic())).close()
+            return
+        except OSError as err:
+            if time.monotonic() >= deadline:
+                raise CoordinatorUnreachable(
+                    f"process {cluster.process_id} of {cluster.process_count} ({cluster.kind}) on "
+                    f"{socket.gethostname()} could not reach the coordinator at address {host} port {port} within "
+                    f"{timeout} s ({err.strerror or err}): check that process 0 is running and that port {port} is "
+                    "open between the nodes") from None
+            time.sleep(0.2)
 
 
 def announce(run_dir: Path | None, cluster: Cluster) -> str:

@@ -64,8 +64,9 @@ def batch_script(cfg: RunConfig, config: str, overrides: list[str], python: str 
         lines += ["# Each task sees its own GPUs as 0..G-1; JAX would otherwise take only the one numbered SLURM_LOCALID.",
                   f"export JAX_LOCAL_DEVICE_IDS={','.join(str(i) for i in range(slurm.gpus_per_task))}"]
     lines += [
-        "# One task per process; they join one run through JAX's Slurm detection.",
-        f"srun {shlex.join([python, '-m', 'olmax.cli', 'train', config, *overrides])}",
+        "# One task per process; they join one run through JAX's Slurm detection. A task that exits non-zero",
+        "# (a crash, or 75 from the watchdog when a peer froze) ends the others, which would wait for it for ever.",
+        f"srun --kill-on-bad-exit=1 {shlex.join([python, '-m', 'olmax.cli', 'train', config, *overrides])}",
         "code=$?",
         f"# {ExitCode.PREEMPTED:d}: every task checkpointed after a SIGTERM (the time limit is near, or a preemption): "
         "run again.",

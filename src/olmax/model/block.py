@@ -5,7 +5,8 @@
     h   = x + attn(norm(x))          pre-norm (OLMoE, model.family olmoe)
     out = h + mlp(norm(h))
 (each family module's NORM_PLACEMENT says which)
-    attn: q = rope(norm(x Wq)), k = rope(norm(x Wk)), v = x Wv   (QK-norm over the whole projection)
+    attn: q = rope(norm(x Wq)), k = rope(norm(x Wk)), v = x Wv
+the QK-norm over the whole projection (OLMo 3, OLMoE), over each head (Qwen 3), or none: the family's QK_NORM.
 
 `attention(q, k, v) -> (context, state)` is the layer's attention: blocked over the sequence in
 training, over a KV cache in decoding (its state is the updated cache). `mlp(p, h) -> (out, aux)` is the
@@ -103,13 +104,17 @@ def block(cfg: ModelConfig, p: dict, x: jax.Array, *, rope: tuple, attention: Ca
     """x [B, T, D] -> (out [B, T, D], mlp aux, attention state); rope = (cos, sin) at the tokens' positions."""
     B, T, _ = x.shape
     Dh = cfg.head_size
-    pre = families.of(cfg).NORM_PLACEMENT == "pre"
+    family = families.of(cfg)
+    pre = family.NORM_PLACEMENT == "pre"
     a = rms_norm(x, p["attn_norm"], cfg.norm_eps) if pre else x
-    q = rms_norm(dense(a, p["q_proj"], "qkv_proj"), p["q_norm"], cfg.norm_eps)
-    k = rms_norm(dense(a, p["k_proj"], "qkv_proj"), p["k_norm"], cfg.norm_eps)
+    q, k = dense(a, p["q_proj"], "qkv_proj"), dense(a, p["k_proj"], "qkv_proj")
+    if family.QK_NORM == "projection":
+        q, k = rms_norm(q, p["q_norm"], cfg.norm_eps), rms_norm(k, p["k_norm"], cfg.norm_eps)
+    q, k = q.reshape(B, T, cfg.n_heads, Dh), k.reshape(B, T, cfg.kv_heads, Dh)
+    if family.QK_NORM == "head":
+        q, k = rms_norm(q, p["q_norm"], cfg.norm_eps), rms_norm(k, p["k_norm"], cfg.norm_eps)
     v = dense(a, p["v_proj"], "qkv_proj").reshape(B, T, cfg.kv_heads, Dh)
-    q = rope_lib.apply(q.reshape(B, T, cfg.n_heads, Dh), *rope)
-    k = rope_lib.apply(k.reshape(B, T, cfg.kv_heads, Dh), *rope)
+    q, k = rope_lib.apply(q, *rope), rope_lib.apply(k, *rope)
     q = q * jnp.asarray(1 / math.sqrt(Dh), q.dtype)  # on q in the compute dtype, for every implementation
     context, state = attention(q, k, v)
     context = checkpoint_name(context, "context")

@@ -6,7 +6,7 @@ Training FLOPs per token (forward + backward = 3 x forward, 2 FLOPs per multiply
 
 N_active_nonembed counts the parameters a token's forward pass multiplies with
 (a mixture of experts' top_k of n_experts expert weights), except the input
-embedding (the LM head is a matmul, the embedding a lookup). A_layer is the number of keys a query attends
+embedding (the LM head is a matmul, the embedding a lookup; a tied embedding is the LM head's matmul too). A_layer is the number of keys a query attends
 to, averaged over the positions of a sequence of length T: (T + 1) / 2 for a
 causal global layer, and sum_i min(i + 1, w) / T for a window of w keys. The
 attention term is 2 matmuls (QK^T and PV) x 2 FLOPs x 3 for the backward.
@@ -46,7 +46,7 @@ class FlopCount:
 
 def count(cfg: ModelConfig, seq_len: int) -> FlopCount:
     params, active = param_count(cfg), active_param_count(cfg)
-    matmuls = 6 * (active - embedding_params(cfg))
+    matmuls = 6 * (active - (0 if cfg.tie_embeddings else embedding_params(cfg)))
     per_position = 12 * cfg.n_heads * cfg.head_size
     attention = per_position * sum(attended_positions(seq_len, cfg.window(i)) for i in range(cfg.n_layers))
     attention_all_global = per_position * cfg.n_layers * attended_positions(seq_len, None)

@@ -1,4 +1,4 @@
-"""The decoder-only transformer (OLMo 3, OLMoE), as pure functions over a parameter pytree.
+"""The decoder-only transformer (every family of olmax.model.families), as pure functions over a parameter pytree.
 
 Layers repeat `layer_pattern` (3 sliding, 1 global in OLMo 3). Block parameters are stacked on a
 leading `layers` axis and the model scans over groups of one pattern period, so the compiled program
@@ -180,7 +180,9 @@ def forward_loss(cfg: ModelConfig, impl: ImplConfig, params: dict, tokens: jax.A
     weights, chunk = _chunks(cfg, impl, stack_group(mlp), params["blocks"], None, sched, layout)
     x = _embed(cfg, impl, params, tokens, layout)
     split = functools.partial(pipeline.split_microbatches, microbatches=sched.microbatches)
-    head_params = {name: p for name, p in params.items() if name not in ("embed", "blocks")}
+    # the embedding is a head parameter too where it computes the logits (tie_embeddings)
+    head_params = {name: p for name, p in params.items()
+                   if name != "blocks" and (name != "embed" or cfg.tie_embeddings)}
 
     def head(p, y, inputs):
         return head_loss(p, rms_norm(y, p["final_norm"], cfg.norm_eps), inputs)
@@ -190,8 +192,10 @@ def forward_loss(cfg: ModelConfig, impl: ImplConfig, params: dict, tokens: jax.A
 
 
 def logits(params: dict, hidden: jax.Array) -> jax.Array:
-    """Float32 logits [..., padded_vocab] of hidden states."""
-    return jnp.dot(hidden, params["lm_head"].astype(hidden.dtype), preferred_element_type=jnp.float32)
+    """Float32 logits [..., padded_vocab] of hidden states (by the embedding's transpose in a model without an
+    LM head of its own: model.tie_embeddings)."""
+    head = params["lm_head"] if "lm_head" in params else params["embed"].T
+    return jnp.dot(hidden, head.astype(hidden.dtype), preferred_element_type=jnp.float32)
 
 
 def forward_logits(cfg: ModelConfig, impl: ImplConfig, params: dict, tokens: jax.Array,

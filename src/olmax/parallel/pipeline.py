@@ -32,7 +32,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -45,10 +45,18 @@ from olmax.parallel.mesh import Layout, spec_axes
 
 @dataclass(frozen=True)
 class Schedule:
+    """A pipeline schedule over S stages of M micro-batches per train micro-step, each stage holding R layer
+    chunks. Each named schedule below says when a stage runs which chunk on which micro-batch (`ticks`), what
+    a stage keeps for the backward pass (`in_flight`), what it needs of the config (`for_config`, run when a
+    config is validated) and whether it computes each micro-batch's loss inside the pipeline (`loss_inside`:
+    then the train step asks it for the loss and its gradient, `run_1f1b`; else the layers' outputs come back,
+    `run`, and autodiff does the backward)."""
+
     stages: int  # S
     microbatches: int  # M, per train micro-step
-    repeats: int  # R, layer chunks per stage (1: GPipe)
-    one_f_one_b: bool = False  # the backward scheduled by hand, interleaved with the forward (see run_1f1b)
+    repeats: int = 1  # R, layer chunks per stage
+    name: ClassVar[str]  # impl.pipeline.schedule
+    loss_inside: ClassVar[bool] = False
 
     @property
     def iterations(self) -> int:
@@ -67,56 +75,135 @@ class Schedule:
     @property
     def in_flight(self) -> int:
         """Micro-batches whose activations a stage keeps at once: all M of them when the backward pass is
-        autodiff's (GPipe, circular); with 1F1B the most stage inputs a stage holds (see Ticks)."""
-        return ticks(self).slots if self.one_f_one_b else self.microbatches
+        autodiff's."""
+        return self.microbatches
 
     @property
-    def name(self) -> str:
-        if self.one_f_one_b:
-            return "1F1B" if self.repeats == 1 else f"interleaved 1F1B, {self.repeats} layer chunks per stage"
-        return "GPipe" if self.repeats == 1 else f"circular, {self.repeats} layer chunks per stage"
+    def title(self) -> str:
+        return "GPipe"
+
+    def kept(self) -> str:
+        return f"all {self.microbatches} micro-batches' activations kept"
+
+    def ticks(self) -> Ticks:
+        """The tick table: stage s runs micro-batch m's pass r at tick r M + m + s; no backward ticks (autodiff's)."""
+        return _forward_ticks(self.stages, self.microbatches, self.repeats)
 
     def describe(self) -> str:
-        kept = (f"up to {self.in_flight} stage inputs kept per stage (the backward recomputes its chunk)"
-                if self.one_f_one_b else f"all {self.microbatches} micro-batches' activations kept")
-        return (f"{self.stages} stages ({self.name}), {self.microbatches} micro-batches per micro-step: "
-                f"bubble {self.bubble:.1%} ({self.stages - 1} of {self.iterations} iterations per stage); {kept}")
+        return (f"{self.stages} stages ({self.title}), {self.microbatches} micro-batches per micro-step: "
+                f"bubble {self.bubble:.1%} ({self.stages - 1} of {self.iterations} iterations per stage); "
+                f"{self.kept()}")
+
+    @classmethod
+    def repeats_for(cls, cfg: RunConfig, groups: int, microbatches: int) -> int:
+        """R for the config (`groups` layer_pattern periods), after the schedule's own checks."""
+        return 1
+
+    @classmethod
+    def for_config(cls, cfg: RunConfig) -> Schedule:
+        """The config's schedule; ConfigError naming the field and the fix when the config cannot run it."""
+        stages, microbatches = cfg.mesh.stage, cfg.impl.pipeline.microbatches or cfg.mesh.stage
+        if cfg.model.dense_layers:
+            raise ConfigError(f"model.dense_layers {cfg.model.dense_layers}: a pipeline runs one stack of like "
+                              "layers over its stages; use dense_layers 0 with mesh.stage > 1")
+        groups = cfg.model.n_layers // len(cfg.model.layer_pattern)
+        repeats = cls.repeats_for(cfg, groups, microbatches)
+        if groups % (stages * repeats):
+            raise ConfigError(
+                f"model.n_layers {cfg.model.n_layers} is {groups} layer_pattern periods, not divisible into mesh.stage "
+                f"{stages} x {repeats} layer chunks per stage; change mesh.stage or impl.pipeline.repeats")
+        return cls(stages, microbatches, repeats)
+
+
+class GPipe(Schedule):
+    """One chunk of consecutive layers per stage."""
+
+    name = "gpipe"
+
+
+class Circular(Schedule):
+    """R chunks per stage, the micro-batches going round the stages R times: a bubble R times smaller."""
+
+    name = "circular"
+    single_chunk: ClassVar[str] = "gpipe"  # the schedule of one chunk per stage with the same backward
+
+    @property
+    def title(self) -> str:
+        return f"circular, {self.repeats} layer chunks per stage"
+
+    @classmethod
+    def repeats_for(cls, cfg: RunConfig, groups: int, microbatches: int) -> int:
+        stages, repeats = cfg.mesh.stage, cfg.impl.pipeline.repeats or groups // cfg.mesh.stage
+        if repeats < 2:
+            raise ConfigError(
+                f"the {cls.name} schedule needs 2 or more layer chunks per stage, but model.n_layers "
+                f"{cfg.model.n_layers} is {groups} layer_pattern periods for mesh.stage {stages}; use schedule "
+                f"{cls.single_chunk}")
+        if microbatches < stages:
+            raise ConfigError(f"impl.pipeline.microbatches {microbatches} < mesh.stage {stages}: the {cls.name} "
+                              "schedule needs at least one micro-batch per stage; raise it")
+        return repeats
+
+
+class OneFOneB(Schedule):
+    """GPipe's chunks with each micro-batch's backward run as soon as its loss is known: a stage keeps a bounded
+    number of stage inputs, not M micro-batches' activations, and recomputes its chunk in the backward."""
+
+    name = "1f1b"
+    loss_inside = True
+
+    @property
+    def title(self) -> str:
+        return "1F1B"
+
+    @property
+    def in_flight(self) -> int:
+        """The most stage inputs a stage holds (see Ticks)."""
+        return self.ticks().slots
+
+    def kept(self) -> str:
+        return f"up to {self.in_flight} stage inputs kept per stage (the backward recomputes its chunk)"
+
+    def ticks(self) -> Ticks:
+        return _ticks(self.stages, self.microbatches, self.repeats)
+
+    @classmethod
+    def repeats_for(cls, cfg: RunConfig, groups: int, microbatches: int) -> int:
+        if cfg.model.moe is not None and cfg.model.moe.routing == "random":
+            raise ConfigError(f"impl.pipeline.schedule {cls.name} runs learned routing (model.moe.routing=random's "
+                              "per-layer keys are not in its hand-scheduled backward); use gpipe or circular")
+        return super().repeats_for(cfg, groups, microbatches)
+
+
+class InterleavedOneFOneB(OneFOneB, Circular):
+    """The circular schedule's chunks with 1F1B's backward, the micro-batches in groups of one per stage."""
+
+    name = "interleaved_1f1b"
+    single_chunk = "1f1b"
+
+    @property
+    def title(self) -> str:
+        return f"interleaved 1F1B, {self.repeats} layer chunks per stage"
+
+    @classmethod
+    def repeats_for(cls, cfg: RunConfig, groups: int, microbatches: int) -> int:
+        repeats = super().repeats_for(cfg, groups, microbatches)  # 1F1B's checks, then the circular schedule's
+        if microbatches % cfg.mesh.stage:
+            raise ConfigError(f"impl.pipeline.microbatches {microbatches} is not a multiple of mesh.stage "
+                              f"{cfg.mesh.stage}: interleaved 1F1B runs the micro-batches in groups of one per "
+                              "stage; change it")
+        return repeats
+
+
+SCHEDULES = {kind.name: kind for kind in (GPipe, Circular, OneFOneB, InterleavedOneFOneB)}  # impl.pipeline.schedule
 
 
 def schedule_for(cfg: RunConfig) -> Schedule | None:
-    """The config's pipeline schedule; None without pipeline stages (mesh.stage 1)."""
-    stages, p = cfg.mesh.stage, cfg.impl.pipeline
-    if stages == 1:
+    """The config's pipeline schedule; None without pipeline stages (mesh.stage 1). Run when a config is
+    validated too, so a config its schedule cannot run is refused at load."""
+    if cfg.mesh.stage == 1:
         return None
-    if cfg.model.dense_layers:
-        raise ConfigError(f"model.dense_layers {cfg.model.dense_layers}: a pipeline runs one stack of like layers "
-                          "over its stages; use dense_layers 0 with mesh.stage > 1")
-    microbatches = p.microbatches or stages
-    groups = cfg.model.n_layers // len(cfg.model.layer_pattern)
-    one_f_one_b = p.schedule in ("1f1b", "interleaved_1f1b")
-    if one_f_one_b and cfg.model.moe is not None and cfg.model.moe.routing == "random":
-        raise ConfigError(f"impl.pipeline.schedule {p.schedule} runs learned routing (model.moe.routing=random's "
-                          "per-layer keys are not in its hand-scheduled backward); use gpipe or circular")
-    if p.schedule in ("gpipe", "1f1b"):
-        repeats = 1
-    else:
-        repeats = p.repeats or groups // stages
-        if repeats < 2:
-            raise ConfigError(
-                f"the {p.schedule} schedule needs 2 or more layer chunks per stage, but model.n_layers "
-                f"{cfg.model.n_layers} is {groups} layer_pattern periods for mesh.stage {stages}; use schedule "
-                f"{'1f1b' if one_f_one_b else 'gpipe'}")
-        if microbatches < stages:
-            raise ConfigError(f"impl.pipeline.microbatches {microbatches} < mesh.stage {stages}: the {p.schedule} "
-                              "schedule needs at least one micro-batch per stage; raise it")
-        if one_f_one_b and microbatches % stages:
-            raise ConfigError(f"impl.pipeline.microbatches {microbatches} is not a multiple of mesh.stage {stages}: "
-                              "interleaved 1F1B runs the micro-batches in groups of one per stage; change it")
-    if groups % (stages * repeats):
-        raise ConfigError(
-            f"model.n_layers {cfg.model.n_layers} is {groups} layer_pattern periods, not divisible into mesh.stage "
-            f"{stages} x {repeats} layer chunks per stage; change mesh.stage or impl.pipeline.repeats")
-    return Schedule(stages, microbatches, repeats, one_f_one_b)
+    return SCHEDULES[cfg.impl.pipeline.schedule].for_config(cfg)
 
 
 def eval_schedule(cfg: RunConfig, layout: Layout | None) -> Schedule | None:
@@ -223,17 +310,15 @@ def run(stage_fn: Callable, weights, x: jax.Array, names: tuple[str, ...], sched
 
     state = _constrain(layout, jnp.zeros((S, *x.shape[1:]), x.dtype), act_spec)
     (_, y), aux = jax.lax.scan(iteration, (state, x), jnp.arange(sched.iterations))
-    # aux leaves [iterations, S, C, ...]: micro-batch m's pass r on stage s ran at iteration r M + m + s.
-    m, r, s = np.meshgrid(np.arange(M), np.arange(R), np.arange(S), indexing="ij")
-    aux = jax.tree.map(lambda a: a[r * M + m + s, s].reshape(M, -1, *a.shape[3:]), aux)
-    return y, aux
+    return y, _by_microbatch(aux, sched)
 
 
 @dataclass(frozen=True)
 class Ticks:
-    """The 1F1B schedules as tables [ticks, S] (-1: nothing). In tick t stage s first runs the forward of
-    micro-batch f_mb[t, s] through its chunk f_rep[t, s], then the backward of micro-batch b_mb[t, s] through
-    chunk b_rep[t, s]. Micro-batches go in groups of S (m = g S + j); the forward of (g, j) on pass r reaches
+    """A schedule as tables [ticks, S] (-1: nothing): in tick t stage s first runs the forward of micro-batch
+    f_mb[t, s] through its chunk f_rep[t, s], then the backward of micro-batch b_mb[t, s] through chunk
+    b_rep[t, s]. GPipe's and the circular schedule's tables have forward ticks only (autodiff runs their
+    backward, keeping all `slots` = M micro-batches' activations); the 1F1B schedules' as follows. Micro-batches go in groups of S (m = g S + j); the forward of (g, j) on pass r reaches
     stage s at tick g R S + r S + j + s, as in the circular schedule with M = S per group, and its backward
     retraces the same path the other way from the tick its last chunk ran:
 
@@ -285,8 +370,15 @@ def _ticks(stages: int, microbatches: int, repeats: int) -> Ticks:
     return Ticks(**tables, slots=slots)
 
 
-def ticks(sched: Schedule) -> Ticks:
-    return _ticks(sched.stages, sched.microbatches, sched.repeats)
+@functools.cache
+def _forward_ticks(stages: int, microbatches: int, repeats: int) -> Ticks:
+    """GPipe's and the circular schedule's table: micro-batch m's pass r at stage s in tick r M + m + s."""
+    S, M, R = stages, microbatches, repeats
+    f_mb, f_rep, none = (np.full((M * R + S - 1, S), -1, np.int32) for _ in range(3))
+    for s in range(S):
+        for u in range(M * R):
+            f_mb[u + s, s], f_rep[u + s, s] = u % M, u // M
+    return Ticks(f_mb, f_rep, none, none, none, none, slots=M)
 
 
 def run_1f1b(stage_fn: Callable, head_fn: Callable, weights, x: jax.Array, head_params, head_inputs,
@@ -328,8 +420,8 @@ def _stage_tools(x, names, S: int, layout):
 
 
 def _run_1f1b(weights, x, head_params, head_inputs, stage_fn, head_fn, chunk_loss, names, sched, layout):
-    S, M, R = sched.stages, sched.microbatches, sched.repeats
-    table = ticks(sched)
+    S, R = sched.stages, sched.repeats
+    table = sched.ticks()
     act_spec, stage_ids, vmap, at_stage = _stage_tools(x, names, S, layout)
 
     def one_stage(a, stage):  # stage `stage`'s [b, ...] as a value every stage holds (one all-reduce)
@@ -413,12 +505,17 @@ def _run_1f1b(weights, x, head_params, head_inputs, stage_fn, head_fn, chunk_los
     grads = jax.tree.map(jnp.zeros_like, (weights, x, head_params))
     zero = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), (value0, metrics0))
     (_, _, _, grads, value, metrics), aux = jax.lax.scan(tick, (state, state, kept, grads, *zero), rows)
-    # aux leaves [ticks, S, C, ...]: micro-batch m's chunk r S + s ran forward in tick tick_of[m, r, s]
-    tick_of = np.zeros((M, R, S), np.int32)
+    return (value, metrics, _by_microbatch(aux, sched)), grads
+
+
+def _by_microbatch(aux, sched: Schedule):
+    """Per-tick aux leaves [ticks, S, C, ...] -> [M, R S C, ...] in layer order, from the ticks that ran a chunk
+    forward: micro-batch m's chunk r S + s ran in tick tick_of[m, r, s] of the schedule's table."""
+    table, S = sched.ticks(), sched.stages
+    tick_of = np.zeros((sched.microbatches, sched.repeats, S), np.int32)
     for t, s in zip(*np.nonzero(table.f_mb >= 0)):
         tick_of[table.f_mb[t, s], table.f_rep[t, s], s] = t
-    aux = jax.tree.map(lambda a: a[tick_of, np.arange(S)].reshape(M, -1, *a.shape[3:]), aux)
-    return (value, metrics, aux), grads
+    return jax.tree.map(lambda a: a[tick_of, np.arange(S)].reshape(sched.microbatches, -1, *a.shape[3:]), aux)
 
 
 def over_stages(layout: Layout | None, x: jax.Array, names: tuple[str, ...]) -> jax.Array:

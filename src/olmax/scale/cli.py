@@ -22,6 +22,8 @@ def add_commands(subparsers) -> None:
     p.add_argument("overrides", nargs="*", help="section.key=value")
     p.add_argument("--target", required=True, help="tpu:KIND:TOPOLOGY (tpu:v5p:4x4x8) or gpu:KINDxN (gpu:h100x8)")
     _mfu_option(p)
+    p.add_argument("--goodput", type=float, help="the share of wall time that is productive steps (what `olmax "
+                   "goodput RUN` measured, e.g. 0.9): adds the chip-hours the run really costs")
     p.add_argument("--json", action="store_true", help="print the report as one JSON object")
     _report_option(p)
     p.set_defaults(func=run_plan)
@@ -88,7 +90,9 @@ def run_plan(args: argparse.Namespace) -> None:
     from olmax.scale.targets import parse_target
 
     target, directory = parse_target(args.target), _report_dir(args.report)
-    report = plan(load_config(args.config, args.overrides, target.name), target, _mfu(args.mfu))
+    if args.goodput is not None and not 0 < args.goodput <= 1:
+        raise ConfigError(f"--goodput {args.goodput}: give a fraction in (0, 1], e.g. 0.9")
+    report = plan(load_config(args.config, args.overrides, target.name), target, _mfu(args.mfu), args.goodput)
     print(json.dumps(report, indent=2) if args.json else format_plan(report))
     _write_report(report, directory, args.overrides)
 

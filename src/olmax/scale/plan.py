@@ -18,7 +18,9 @@ from olmax.scale.targets import Target
 COUNTS = {"exact_window": "sliding windows exact", "all_global": "every layer global"}
 
 
-def plan(cfg: RunConfig, target: Target, mfu: float) -> dict:
+def plan(cfg: RunConfig, target: Target, mfu: float, goodput: float | None = None) -> dict:
+    """`goodput`: the share of wall time spent on productive steps (`olmax goodput` measures it); the chip-hours
+    the run really costs are the steps' chip-hours over it."""
     seq = cfg.data.sequence_length
     count = flops.count(cfg.model, seq)
     tokens_per_step = cfg.train.global_batch_instances * seq
@@ -35,6 +37,7 @@ def plan(cfg: RunConfig, target: Target, mfu: float) -> dict:
         "steps": cfg.train.steps,
         "tokens": tokens_per_step * cfg.train.steps,
         "pipeline": _pipeline(cfg),
+        "goodput": goodput,
         "schedules": anatomy.schedules(cfg),
         "xla_flags": target.xla_flags,
     }
@@ -48,6 +51,7 @@ def plan(cfg: RunConfig, target: Target, mfu: float) -> dict:
             "step_seconds": chip_seconds / target.chips,
             "tokens_per_second_per_chip": tokens_per_step / chip_seconds,
             "chip_hours": chip_seconds * cfg.train.steps / 3600,
+            "chip_hours_at_goodput": chip_seconds * cfg.train.steps / 3600 / goodput if goodput else None,
             "chip_hours_per_trillion_tokens": chip_seconds / tokens_per_step * 1e12 / 3600,
         }
     return report
@@ -57,7 +61,7 @@ def _pipeline(cfg: RunConfig) -> dict | None:
     sched = pipeline.schedule_for(cfg)
     if sched is None:
         return None
-    return {"schedule": sched.name, "stages": sched.stages, "microbatches": sched.microbatches,
+    return {"schedule": sched.title, "stages": sched.stages, "microbatches": sched.microbatches,
             "chunks_per_stage": sched.repeats, "iterations": sched.iterations, "bubble_fraction": sched.bubble,
             "in_flight_microbatches": sched.in_flight, "summary": sched.describe()}
 
@@ -93,6 +97,8 @@ def format_plan(report: dict) -> str:
         ("chip-hours", "chip_hours", _figure),
         ("chip-hours / T tokens", "chip_hours_per_trillion_tokens", _figure),
     ]
+    if report["goodput"]:
+        rows.append((f"chip-h at {report['goodput']:.0%} goodput", "chip_hours_at_goodput", _figure))
     token_scale, token_prefix = _prefix(report["tokens"], 1e12)
     lines = [
         f"{report['config']} on {report['target']}: {report['chips']} chips, {report['devices']} devices, "

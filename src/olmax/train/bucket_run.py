@@ -3,8 +3,9 @@
 On start the bucket's run directory is copied down (metrics.jsonl, TensorBoard
 events, every checkpoint step that carries its commit marker; a step without
 one is an upload cut short and is left out, with one line saying so). Then
-metrics and events go up at every log interval and before each checkpoint, and
-each checkpoint step goes up file by file with its commit marker last; steps
+metrics, events and the goodput record go up at every log interval and before
+each checkpoint, and each checkpoint step goes up (in the background, see
+olmax.checkpoint.async_save) file by file with its commit marker last; steps
 the checkpointer no longer keeps (keep_last / keep_every) are deleted from the
 bucket. A host that dies loses at most one log interval of metrics, and never
 leaves a step that a resume would take for complete.
@@ -24,11 +25,17 @@ import tempfile
 from pathlib import Path
 
 import jax
-from jax.experimental import multihost_utils
+import orbax.checkpoint as ocp
 
 from olmax import storage
 from olmax.checkpoint.remote import pull_steps
 from olmax.run_dir import RunDir
+
+
+def barrier(name: str) -> None:
+    """Wait until every process gets here, through the coordination service rather than a collective on the
+    devices: the upload runs on a background thread while the training thread runs the steps' collectives."""
+    ocp.multihost.sync_global_processes(name, processes=set(range(jax.process_count())))
 
 
 class BucketRun:
@@ -59,10 +66,10 @@ class BucketRun:
             first = jax.process_index() == 0
             if first and storage.exists(target):  # an upload cut short
                 storage.remove_committed(target)
-            multihost_utils.sync_global_devices(f"olmax: upload checkpoint {step}")
+            barrier(f"olmax: upload checkpoint {step}")
             if not first:
                 storage.upload(local, target)
-            multihost_utils.sync_global_devices(f"olmax: checkpoint {step} uploaded by every other process")
+            barrier(f"olmax: checkpoint {step} uploaded by every other process")
             if not first:
                 return
             storage.upload(local, target)

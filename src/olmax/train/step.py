@@ -143,7 +143,7 @@ def make_train_step(cfg: RunConfig, layout: Layout):
         return (ce + loss_cfg.z_loss * z) / n_labels, (ce, z)
 
     def micro_loss(params, input_ids, instance_mask, n_labels, key):
-        if sched is not None and sched.one_f_one_b:
+        if sched is not None and sched.loss_inside:
             tokens = input_ids.size // sched.microbatches  # of a pipeline micro-batch
             loss, (ce, z), aux = transformer.forward_loss(
                 model_cfg, impl, params, input_ids, instance_mask, functools.partial(head_loss, n_labels=n_labels),

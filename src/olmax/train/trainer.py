@@ -21,8 +21,9 @@ from jax.experimental import multihost_utils
 
 from olmax import run_lock, storage
 from olmax.checkpoint import Checkpointer, run_meta
+from olmax.checkpoint.async_save import AsyncSaver
 from olmax.config import ConfigError, RunConfig, writable_dir
-from olmax.errors import Diverged, Preempted
+from olmax.errors import Diverged, ExitCode, Preempted
 from olmax.data import build_loader
 from olmax.model import flops
 from olmax.model.transformer import compute_dtype
@@ -31,9 +32,11 @@ from olmax.parallel.mesh import make_layout
 from olmax.run_dir import RunDir
 from olmax.runtime import release_stop_signals
 from olmax.train.bucket_run import BucketRun
+from olmax.train.goodput import Goodput
 from olmax.train.metrics import MetricsWriter, console_line, device_peak_flops
 from olmax.train.resume import restore_or_init, resume_data, schedule_change
 from olmax.train.step import batch_shardings, jit_train_step, micro_batch_rows
+from olmax.train.watchdog import watching
 
 log = logging.getLogger(__name__)
 
@@ -92,13 +95,15 @@ def place_batch(batch: dict, sharding: dict, micro_rows: int) -> dict:
     return out
 
 
-def train(cfg: RunConfig, *, quiet: bool = False, make_eval=None, on_start=None) -> list[dict]:
+def train(cfg: RunConfig, *, quiet: bool = False, make_eval=None, on_start=None, started: float | None = None
+          ) -> list[dict]:
     """Train to cfg.train.steps; returns the metrics of the steps this call ran.
 
     `make_eval(cfg, layout)` builds the in-loop evaluator (`due(step)`, `(step, params) -> metrics`) when the
     config asks for evaluations (olmax.eval.in_loop.make_in_loop_eval). `on_start(run_dir)` is called once the
     run directory is checked and held, before the model is built, with the local run directory, or None for a
-    run in a bucket (`olmax train` starts its host log in a local one)."""
+    run in a bucket (`olmax train` starts its host log in a local one). `started`: when the process started, for
+    the goodput record's start-up time (default: now)."""
     if (cfg.eval.every or cfg.eval.harness_every) and make_eval is None:
         raise ConfigError("the config asks for in-loop evals (eval.every / eval.harness_every) but train() was "
                           "given no make_eval; pass olmax.eval.in_loop.make_in_loop_eval")
@@ -118,7 +123,7 @@ def train(cfg: RunConfig, *, quiet: bool = False, make_eval=None, on_start=None)
             check_outputs(run_dir)
         if on_start is not None:
             on_start(None if bucket else run_dir)
-        return _train(cfg, quiet, make_eval, bucket, run_dir)
+        return _train(cfg, quiet, make_eval, bucket, run_dir, started)
 
 
 def check_outputs(run_dir) -> None:
@@ -131,15 +136,17 @@ def check_outputs(run_dir) -> None:
                               f"{'directory' if directory else 'file'} there: move it away or set another output_dir")
 
 
-def _train(cfg: RunConfig, quiet: bool, make_eval, bucket: BucketRun | None, run_dir: Path) -> list[dict]:
+def _train(cfg: RunConfig, quiet: bool, make_eval, bucket: BucketRun | None, run_dir: Path, started) -> list[dict]:
+    goodput = Goodput(run_dir, started, enabled=jax.process_index() == 0)
     layout = make_layout(cfg.mesh)
     micro_rows = micro_batch_rows(cfg, layout.data_parallel_size)
     # Bad data fails first, before the model is built.
     loader = build_loader(cfg.data, global_batch_instances=cfg.train.global_batch_instances,
                           vocab_size=cfg.model.vocab_size, process_index=jax.process_index(),
                           process_count=jax.process_count())
-    checkpointer = Checkpointer(RunDir(run_dir).checkpoints, cfg.checkpoint,
+    checkpointer = Checkpointer(RunDir(run_dir).checkpoints, cfg.checkpoint, asynchronous=cfg.checkpoint.asynchronous,
                                 own_copy=bucket is not None and jax.process_count() > 1)
+    saver = AsyncSaver(checkpointer, bucket.push_checkpoint if bucket else None)
     if jax.process_index() == 0:  # it holds the run directory
         for partial in checkpointer.remove_partial_writes():
             log.warning("removed %s: a checkpoint write that did not finish", partial)
@@ -182,7 +189,7 @@ def _train(cfg: RunConfig, quiet: bool, make_eval, bucket: BucketRun | None, run
             "throughput/device/TPS": tps,
             "throughput/device/MFU": 100.0 * tps * flops_per_token / peak,
             "io/retries": storage.retries(),  # transient bucket faults retried so far (0 on local disk)
-        })
+        } | goodput.metrics())
         writer.write(step, values)
         history.append({"step": step, **values})
         if not np.isfinite(values["train/CE loss"]):  # a skipped spike, or parameters gone for good
@@ -196,7 +203,7 @@ def _train(cfg: RunConfig, quiet: bool, make_eval, bucket: BucketRun | None, run
                 paused += time.perf_counter() - now
 
     try:
-        with preemption_signals() as stop:
+        with preemption_signals() as stop, watching(cfg.train.hang_timeout, ExitCode.PREEMPTED) as watchdog:
             last = min(cfg.train.steps, cfg.train.stop_after or cfg.train.steps)
             if start >= last and not quiet and jax.process_index() == 0:
                 target = "train.steps" if last == cfg.train.steps else "train.stop_after"
@@ -206,20 +213,27 @@ def _train(cfg: RunConfig, quiet: bool, make_eval, bucket: BucketRun | None, run
                 raise Preempted(f"stopped by a signal before step {start + 1}; nothing needed writing")
             if start < last and not quiet and jax.process_index() == 0:
                 print("compiling the train step...", flush=True)  # the first step compiles: tens of seconds
+            goodput.resumed(start)
             for step in range(start + 1, last + 1):
-                batch = place_batch(next(loader), sharding, micro_rows)
+                rows = next(loader)
+                goodput.mark("data wait")
+                batch = place_batch(rows, sharding, micro_rows)
                 state, metrics = step_fn(state, batch)
+                goodput.mark("compilation" if step == start + 1 else "productive")
                 if pending:
                     finish(*pending)
                 pending = (step, metrics, {})
                 stopping = stop_requested(stop)
+                watchdog.beat(step)  # every process got here: a collective returned
                 save = step % cfg.checkpoint.every == 0 or step == last or stopping
                 eval_due = evaluate is not None and evaluate.due(step)
                 if eval_due or save:
                     jax.block_until_ready(metrics)
                     side_work_start = time.perf_counter()
                     if eval_due:
+                        goodput.mark("productive")
                         pending[2].update(evaluate(step, state.params))
+                        goodput.mark("evaluation")
                     if save:
                         # Step N is logged and on disk before checkpoint N exists: a resume at N keeps steps <= N.
                         paused += time.perf_counter() - side_work_start
@@ -227,21 +241,30 @@ def _train(cfg: RunConfig, quiet: bool, make_eval, bucket: BucketRun | None, run
                         pending = None
                         writer.flush()
                         side_work_start = time.perf_counter()
-                        check_finite(state.params, f"checked before writing checkpoint {step}", checkpointer)
-                        checkpointer.save(step, state, run_meta(cfg, step, loader.state_dict(), tokens_after(step),
-                                                                data_offset))
-                        if bucket:
+                        if bucket:  # the metrics up to step N are in the bucket before checkpoint N is
                             bucket.push_metrics()
-                            bucket.push_checkpoint(step, checkpointer.all_steps())
+                        goodput.mark("productive")
+                        check_finite(state.params, f"checked before writing checkpoint {step}", checkpointer)
+                        saver.save(step, state, run_meta(cfg, step, loader.state_dict(), tokens_after(step),
+                                                         data_offset))
+                        goodput.saved(step)
                     paused += time.perf_counter() - side_work_start
                 if stopping:
+                    saver.finish()
                     raise Preempted(f"stopped by a signal after step {step}; checkpoint {step} written")
+                goodput.step_done(step)
             if pending:
                 finish(*pending)
+            saver.finish()
     finally:
         loader.close()
         writer.close()
-        checkpointer.close()
+        try:
+            saver.finish()  # the save in flight when an error stopped the run
+        finally:
+            goodput.mark("checkpoint")  # the last save's write
+            checkpointer.close()
+            goodput.close()
         if bucket:
             bucket.close()
     return history

@@ -1,8 +1,17 @@
-"""Model families, one module each: its parameter table (each parameter's shape, logical axes, init, and its
-name in HF transformers and OLMo-core checkpoints, MoE parameters included), its norm placement, its HF class,
-`from_hf`/`to_hf` (config.json <-> olmax model fields), its exportability check and its parity signature.
+"""Model families, one module each, declaring:
+
+    HF_CLASS, HF_LOAD_ARGS   its transformers class (= its parity reference) and how to load it
+    NORM_PLACEMENT           "reordered" (h = x + norm(attn(x))) or "pre" (h = x + attn(norm(x)))
+    QK_NORM                  "projection" (one norm over all heads' q, and k), "head" (per head), "none"
+    EMBEDDINGS               ("untied",) or ("untied", "tied"): whether model.tie_embeddings may be set
+    check_config(m)          what else its architecture allows of the model config (ValueError naming the fix)
+    table(m)                 its parameters: shape, logical axes, init, names in HF (and OLMo-core) checkpoints
+    check_exportable(m), from_hf(hf, where), to_hf(cfg), hf_signature(hf config)
+    olmo_core_config(m)      OLMo-core's TransformerConfig of the model, or None (no OLMo-core reference)
+
 Shapes, sharding, init, HF import/export and the parity mapping all derive from the tables; adding a family
-is one module here (and its tests). This module holds what every family shares.
+is one module here, its line in FAMILIES (the only list of families) and its tests. This module holds what
+every family shares.
 """
 
 from __future__ import annotations
@@ -15,16 +24,28 @@ import jax.numpy as jnp
 
 from olmax.config import ConfigError, ModelConfig, RunConfig, validate
 from olmax.errors import InteropError
-from olmax.model.families import olmo3, olmoe
+from olmax.model.families import olmo3, olmoe, qwen3
 from olmax.model.families.base import Param, signature
 
-FAMILIES = {"olmo3": olmo3, "olmoe": olmoe}  # model.family (= HF model_type) -> module
+FAMILIES = {"olmo3": olmo3, "olmoe": olmoe, "qwen3": qwen3}  # model.family (= HF model_type) -> module
 HF_CLASSES = {name: family.HF_CLASS for name, family in FAMILIES.items()}
 
 
 def of(cfg: ModelConfig):
     """The family module of a model."""
     return FAMILIES[cfg.family]
+
+
+def check_config(m: ModelConfig) -> None:
+    """The model config's family rules (run by ModelConfig's validation): a known family, its embeddings, and
+    what its module's check_config says."""
+    if m.family not in FAMILIES:
+        raise ValueError(f"family {m.family!r} is not a model family; families: {sorted(FAMILIES)}")
+    family = FAMILIES[m.family]
+    if m.tie_embeddings and "tied" not in family.EMBEDDINGS:
+        raise ValueError(f"family {m.family} ({family.HF_CLASS}) has an LM head of its own: set tie_embeddings "
+                         "false (HF tie_word_embeddings)")
+    family.check_config(m)
 
 
 def table(cfg: ModelConfig) -> list[Param]:
@@ -122,11 +143,9 @@ def from_hf(hf: dict, name: str, where: str = "config.json") -> RunConfig:
     unsupported = {
         "attention_bias": (hf.get("attention_bias", False), False),
         "hidden_act": (hf.get("hidden_act", "silu"), "silu"),
-        "tie_word_embeddings": (hf.get("tie_word_embeddings", False), False),
     }
     if bad := {k: got for k, (got, want) in unsupported.items() if got != want}:
-        raise InteropError(f"{where}: unsupported settings {bad} (OLMo 3 and OLMoE: no biases, SiLU MLP, "
-                           "untied LM head)")
+        raise InteropError(f"{where}: unsupported settings {bad} (olmax's families have no biases and a SiLU MLP)")
     missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                            "num_attention_heads") if k not in hf]
     if missing:
@@ -143,8 +162,10 @@ def from_hf(hf: dict, name: str, where: str = "config.json") -> RunConfig:
         "norm_eps": hf.get("rms_norm_eps", 1e-5),
         "init_std": hf.get("initializer_range", 0.02),
         "param_dtype": "float32",
+        "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
     }
-    model |= FAMILIES.get(hf.get("model_type"), olmo3).from_hf(hf, where)
+    family = hf.get("model_type") if hf.get("model_type") in FAMILIES else "olmo3"
+    model |= {"family": family} | FAMILIES[family].from_hf(hf, where)
     eos = _token_id(hf, "eos_token_id", hf["vocab_size"], where)
     pad = _token_id(hf, "pad_token_id", hf["vocab_size"], where)
     if eos is None:
@@ -164,7 +185,7 @@ def check_exportable(m: ModelConfig) -> None:
 
 
 def to_hf(cfg: RunConfig, dtype: str = "float32") -> dict:
-    """config.json for the family's transformers class (Olmo3ForCausalLM, OlmoeForCausalLM)."""
+    """config.json for the family's transformers class (its HF_CLASS)."""
     m = cfg.model
     check_exportable(m)
     return {
@@ -181,7 +202,7 @@ def to_hf(cfg: RunConfig, dtype: str = "float32") -> dict:
         "rms_norm_eps": m.norm_eps,
         "attention_bias": False,
         "attention_dropout": 0.0,
-        "tie_word_embeddings": False,
+        "tie_word_embeddings": m.tie_embeddings,
         "bos_token_id": None,
         "eos_token_id": cfg.data.eos_id,
         "pad_token_id": cfg.data.pad_id,
@@ -201,7 +222,7 @@ def parity_signature(m: ModelConfig) -> dict:
     if m.mlp == "moe":
         mlp, experts = m.moe.expert_hidden, (m.moe.num_experts, m.moe.top_k, m.moe.normalize_gates)
     return signature(m.family, m.vocab_size, m.d_model, m.n_layers, m.n_heads, m.kv_heads, m.head_size, mlp,
-                     m.norm_eps, rope, m.sliding_window, kinds, experts)
+                     m.norm_eps, rope, m.sliding_window, kinds, m.tie_embeddings, experts)
 
 
 def hf_signature(config) -> dict:

@@ -1,5 +1,5 @@
-"""What every family's parameter table is made of: the `Param` row, the attention, dense-MLP and MoE rows of
-a stack of blocks, and the ends (embedding, final norm, LM head).
+"""What every family's parameter table is made of: the `Param` row, the attention (with its QK-norm variant),
+dense-MLP and MoE rows of a stack of blocks, and the ends (embedding, final norm, LM head unless tied).
 
 Matrices are stored [in, out] (HF and OLMo-core store torch Linear weights [out, in]: `hf_transpose`);
 block parameters are stacked over layers on a leading `layers` axis (`{layer}` in the names). The
@@ -56,16 +56,24 @@ def moe_shapes(e: MoEConfig, D: int) -> dict:
     return shapes
 
 
-def block_rows(cfg: ModelConfig, stack: str, first: int, n: int, mlp: str, names: dict) -> list[Param]:
+QKNorm = Literal["projection", "head", "none"]
+
+
+def block_rows(cfg: ModelConfig, stack: str, first: int, n: int, mlp: str, names: dict,
+               qk_norm: QKNorm) -> list[Param]:
     """Parameters of layers first..first+n-1, stacked under `stack`; `names` maps each to its (HF, OLMo-core)
-    names in a layer, without `.weight` (HF names of expert weights hold `{expert}`)."""
+    names in a layer, without `.weight` (HF names of expert weights hold `{expert}`). The QK-norm gains span
+    the whole projection (`projection`: all heads' q, and k), one head (`head`: shared by the heads), or are
+    absent (`none`)."""
     D, q, kv = cfg.d_model, cfg.n_heads * cfg.head_size, cfg.kv_heads * cfg.head_size
     shapes = {
         "q_proj": ((D, q), ("embed", "q_heads")), "k_proj": ((D, kv), ("embed", "kv_heads")),
         "v_proj": ((D, kv), ("embed", "kv_heads")), "o_proj": ((q, D), ("q_heads", "embed")),
-        "q_norm": ((q,), ("norm",)), "k_norm": ((kv,), ("norm",)),
-        "attn_norm": ((D,), ("norm",)), "mlp_norm": ((D,), ("norm",)),
     }
+    if qk_norm != "none":
+        widths = (q, kv) if qk_norm == "projection" else (cfg.head_size, cfg.head_size)
+        shapes |= {"q_norm": ((widths[0],), ("norm",)), "k_norm": ((widths[1],), ("norm",))}
+    shapes |= {"attn_norm": ((D,), ("norm",)), "mlp_norm": ((D,), ("norm",))}
     if mlp == "dense":
         F = cfg.mlp_hidden
         shapes |= {"w1": ((D, F), ("embed", "mlp")), "w3": ((D, F), ("embed", "mlp")), "w2": ((F, D), ("mlp", "embed"))}
@@ -95,17 +103,20 @@ DENSE_MLP_NAMES = {"w1": ("mlp.gate_proj", "feed_forward.w1"), "w3": ("mlp.up_pr
 
 
 def ends(cfg: ModelConfig) -> list[Param]:
-    """The embedding, final norm and LM head (the same names in every family)."""
+    """The embedding, final norm and LM head (the same names in every family; no LM head of its own with
+    tie_embeddings: the embedding's transpose computes the logits)."""
     D, V = cfg.d_model, cfg.padded_vocab
-    return [
+    rows = [
         Param(("embed",), (V, D), ("vocab", "embed"), hf="model.embed_tokens.weight", olmo_core="embeddings.weight"),
         Param(("final_norm",), (D,), ("norm",), "ones", hf="model.norm.weight", olmo_core="lm_head.norm.weight"),
-        Param(("lm_head",), (D, V), ("embed", "vocab"), hf="lm_head.weight", hf_transpose=True,
-              olmo_core="lm_head.w_out.weight"),
     ]
+    if not cfg.tie_embeddings:
+        rows.append(Param(("lm_head",), (D, V), ("embed", "vocab"), hf="lm_head.weight", hf_transpose=True,
+                          olmo_core="lm_head.w_out.weight"))
+    return rows
 
 
-def signature(family, vocab, d_model, n_layers, heads, kv_heads, head_dim, mlp, eps, rope, window, kinds,
+def signature(family, vocab, d_model, n_layers, heads, kv_heads, head_dim, mlp, eps, rope, window, kinds, tied,
               experts=None) -> dict:
     """What fixes a model's forward pass, comparable across config formats (logit parity checks that the
     reference is the same model); experts = (count, top-k, renormalized gates) of a mixture of experts, whose
@@ -115,4 +126,5 @@ def signature(family, vocab, d_model, n_layers, heads, kv_heads, head_dim, mlp, 
         "num_attention_heads": heads, "num_key_value_heads": kv_heads, "head_dim": head_dim,
         "intermediate_size": mlp, "rms_norm_eps": eps, "rope": rope,
         "sliding_window": window if "sliding" in kinds else None, "layer_types": kinds, "experts": experts,
+        "tie_word_embeddings": bool(tied),
     }

@@ -12,20 +12,26 @@ from olmax.model.families.base import ATTENTION_NAMES, DENSE_MLP_NAMES, Param, b
 HF_CLASS = "Olmo3ForCausalLM"
 HF_LOAD_ARGS: dict = {}
 NORM_PLACEMENT = "reordered"  # h = x + norm(attn(x)), out = h + norm(mlp(h)): no input norms
+QK_NORM = "projection"
+EMBEDDINGS = ("untied",)
 LAYER_KINDS = {"sliding_attention": "sliding", "full_attention": "global"}  # HF layer type -> olmax kind
 HF_LAYER_TYPES = {kind: name for name, kind in LAYER_KINDS.items()}
 ROPE_KEYS = {"rope_type", "rope_theta", "factor", "original_max_position_embeddings", "beta_fast", "beta_slow",
              "attention_factor", "truncate"}
 
 
+def check_config(m: ModelConfig) -> None:
+    """Every OLMo 3 variant olmax builds is allowed (an MoE one is not exportable: check_exportable)."""
+
+
 def table(cfg: ModelConfig) -> list[Param]:
     names = ATTENTION_NAMES | DENSE_MLP_NAMES | {"attn_norm": ("post_attention_layernorm", "attention_norm"),
                                                  "mlp_norm": ("post_feedforward_layernorm", "feed_forward_norm")}
     if cfg.mlp == "dense":
-        return ends(cfg) + block_rows(cfg, "blocks", 0, cfg.n_layers, "dense", names)
-    blocks = block_rows(cfg, "dense_blocks", 0, cfg.dense_layers, "dense", names) if cfg.dense_layers else []
+        return ends(cfg) + block_rows(cfg, "blocks", 0, cfg.n_layers, "dense", names, QK_NORM)
+    blocks = block_rows(cfg, "dense_blocks", 0, cfg.dense_layers, "dense", names, QK_NORM) if cfg.dense_layers else []
     shared = {k: (None, olmo_core) for k, (_, olmo_core) in names.items() if k not in DENSE_MLP_NAMES}
-    blocks += block_rows(cfg, "blocks", cfg.dense_layers, cfg.n_layers - cfg.dense_layers, "moe", shared)
+    blocks += block_rows(cfg, "blocks", cfg.dense_layers, cfg.n_layers - cfg.dense_layers, "moe", shared, QK_NORM)
     return ends(cfg) + blocks
 
 
@@ -135,6 +141,31 @@ def to_hf(cfg: RunConfig) -> dict:
     return config
 
 
+def olmo_core_config(m: ModelConfig):
+    """OLMo-core's own OLMo 3 transformer config of a dense model with one unscaled RoPE (the parity reference
+    built with the olmax weights)."""
+    from olmo_core.nn.attention import AttentionBackendName, SlidingWindowAttentionConfig
+    from olmo_core.nn.feed_forward import FeedForwardConfig
+    from olmo_core.nn.transformer import TransformerBlockType, TransformerConfig
+
+    if m.mlp != "dense":
+        raise InteropError("the olmo-core reference builds dense OLMo 3 models; compare a mixture of experts with "
+                           "the HF reference")
+    if len({(r.type, r.theta) for r in m.rope.values()}) > 1 or any(r.type != "default" for r in m.rope.values()):
+        raise InteropError("the olmo-core reference builds unscaled RoPE with one theta for every layer; this model "
+                           f"has {dict(m.rope)}: compare it with the HF reference")
+    pattern = [-1 if m.is_global(i) else m.sliding_window for i in range(len(m.layer_pattern))]
+    sliding = None if all(w == -1 for w in pattern) else SlidingWindowAttentionConfig(
+        pattern=pattern, force_full_attention_on_first_layer=False, force_full_attention_on_last_layer=False)
+    return TransformerConfig.llama_like(
+        d_model=m.d_model, vocab_size=m.padded_vocab, n_layers=m.n_layers, n_heads=m.n_heads,
+        n_kv_heads=m.kv_heads, head_dim=m.head_dim, block_name=TransformerBlockType.reordered_norm, qk_norm=True,
+        rope_theta=m.rope["global"].theta, layer_norm_eps=m.norm_eps,
+        feed_forward=FeedForwardConfig(hidden_size=m.mlp_hidden, bias=False),
+        attn_backend=AttentionBackendName.torch, sliding_window=sliding,
+    )
+
+
 def hf_signature(config) -> dict:
     """The parity signature of a transformers Olmo3Config, as transformers itself resolved config.json (it may
     read a field differently from olmax)."""
@@ -146,4 +177,4 @@ def hf_signature(config) -> dict:
     rope = {kind: RopeConfig(**resolved[kind]).model_dump() for kind in sorted(set(kinds))}
     return signature(config.model_type, config.vocab_size, config.hidden_size, config.num_hidden_layers,
                      config.num_attention_heads, config.num_key_value_heads, head_dim, config.intermediate_size,
-                     config.rms_norm_eps, rope, config.sliding_window, kinds)
+                     config.rms_norm_eps, rope, config.sliding_window, kinds, config.tie_word_embeddings)

@@ -12,14 +12,25 @@ from olmax.model.families.base import ATTENTION_NAMES, Param, block_rows, ends, 
 HF_CLASS = "OlmoeForCausalLM"
 HF_LOAD_ARGS = {"experts_implementation": "eager"}  # transformers' grouped expert kernels have no float64
 NORM_PLACEMENT = "pre"  # h = x + attn(norm(x)), out = h + mlp(norm(h))
+QK_NORM = "projection"
+EMBEDDINGS = ("untied",)
+olmo_core_config = None  # compared with the HF reference only
 EXPERT_NAMES = {"router": "mlp.gate", "w1": "mlp.experts.{expert}.gate_proj",
                 "w3": "mlp.experts.{expert}.up_proj", "w2": "mlp.experts.{expert}.down_proj"}
+
+
+def check_config(m: ModelConfig) -> None:
+    if m.mlp != "moe" or m.dense_layers or "sliding" in m.layer_pattern:
+        raise ValueError("family olmoe (HF OlmoeForCausalLM) has MoE MLPs in every layer and global attention "
+                         "only: set mlp: moe, dense_layers: 0, layer_pattern: [global]")
+    if m.head_dim not in (None, m.d_model // m.n_heads):
+        raise ValueError("family olmoe: head_dim must be d_model / n_heads (OLMoE's q_norm is d_model wide)")
 
 
 def table(cfg: ModelConfig) -> list[Param]:
     names = {k: hf for k, (hf, _) in ATTENTION_NAMES.items()}
     names |= {"attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm"} | EXPERT_NAMES
-    return ends(cfg) + block_rows(cfg, "blocks", 0, cfg.n_layers, "moe", {k: (hf, None) for k, hf in names.items()})
+    return ends(cfg) + block_rows(cfg, "blocks", 0, cfg.n_layers, "moe", {k: (hf, None) for k, hf in names.items()}, QK_NORM)
 
 
 def check_exportable(m: ModelConfig) -> None:
@@ -43,7 +54,7 @@ def from_hf(hf: dict, where: str) -> dict:
         raise InteropError(f"{where}: RoPE scaling {rope} is not implemented for OLMoE (olmax reads default RoPE)")
     theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
     return {
-        "family": "olmoe", "mlp": "moe", "layer_pattern": ["global"], "rope": {"global": {"theta": float(theta)}},
+        "mlp": "moe", "layer_pattern": ["global"], "rope": {"global": {"theta": float(theta)}},
         "moe": {"num_experts": hf.get("num_experts", 64), "top_k": hf.get("num_experts_per_tok", 8),
                 "expert_hidden": hf["intermediate_size"], "normalize_gates": hf.get("norm_topk_prob", False),
                 "load_balancing_loss": hf.get("router_aux_loss_coef", 0.01)},
@@ -69,4 +80,4 @@ def hf_signature(config) -> dict:
     experts = (config.num_experts, config.num_experts_per_tok, config.norm_topk_prob)
     return signature(config.model_type, config.vocab_size, config.hidden_size, config.num_hidden_layers,
                      config.num_attention_heads, config.num_key_value_heads, head_dim, config.intermediate_size,
-                     config.rms_norm_eps, rope, None, kinds, experts)
+                     config.rms_norm_eps, rope, None, kinds, config.tie_word_embeddings, experts)

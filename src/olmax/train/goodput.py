@@ -1,0 +1,219 @@
+"""Goodput: where every second of a run's wall time went, kept across the run's restarts.
+
+The trainer marks the end of each piece of work with its category (`mark`): the wall time since the
+previous mark goes to that category, so the categories of an attempt add up to its wall time by
+construction. The categories:
+
+    start-up         process start to the first step: imports, data, restore, building the step
+    compilation      the first step's call: tracing and compiling the step
+    productive       the steps' work (the device computing, logging)
+    data wait        the loop blocked on the loader for its next batch (prefetch hides it when it keeps up)
+    checkpoint       the step's stall for a checkpoint: the copy to host and the wait for a save in flight
+    shutdown         after the last step and its save: closing, and the process's exit
+    evaluation       in-loop evaluations
+    lost work        steps' work (productive, data wait, evaluation) after the last checkpoint an attempt
+                     committed: recomputed by the next attempt
+    between attempts the end of an attempt's record to the start of the next process (its exit, the
+                     launcher's backoff, a requeue)
+
+The record (`RunDir.goodput` in the run directory, rewritten atomically after every step, so a kill -9 loses at
+most the step in flight) lists the attempts: their start, their last update, their seconds by category and
+a snapshot of those seconds at each checkpoint. An attempt that resumes from step N settles the attempts
+before it: their work after their snapshot at the largest step <= N becomes lost work.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import json
+import os
+import time
+from pathlib import Path
+
+from olmax.run_dir import RunDir
+
+WORK = ("productive", "data wait", "evaluation")  # redone after a restart when it was not checkpointed
+CATEGORIES = ("start-up", "compilation", *WORK, "checkpoint", "shutdown", "lost work", "between attempts")
+KEPT_SNAPSHOTS = 8  # a resume restores one of the last few checkpoints (one save in flight at most)
+
+
+_AT_EXIT: list[Goodput] = []
+
+
+@atexit.register  # at this module's import: `olmax train` imports it before jax, so this runs after jax's own
+def _record_exit() -> None:
+    for goodput in _AT_EXIT:
+        goodput._at_exit()
+
+
+def process_start_time() -> float:
+    """When this process started (Linux: /proc), else now."""
+    try:
+        ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        boot = next(float(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
+                    if line.startswith("btime"))
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return time.time()
+
+
+def read_record(text: str) -> dict:
+    record = json.loads(text)
+    if not isinstance(record, dict) or not isinstance(record.get("attempts"), list):
+        raise ValueError("not a goodput record (no attempts)")
+    return record
+
+
+def totals(record: dict) -> dict[str, float]:
+    """Seconds by category over the run's lifetime (every attempt and the time between them)."""
+    out = dict.fromkeys(CATEGORIES, 0.0)
+    previous_end = None
+    for attempt in record["attempts"]:
+        for category, seconds in attempt["seconds"].items():
+            out[category] += seconds
+        if previous_end is not None:
+            out["between attempts"] += max(0.0, attempt["started"] - previous_end)
+        previous_end = attempt["ended"]
+    return out
+
+
+class Goodput:
+    """The current attempt's account; `enabled` False (all but process 0) keeps no record."""
+
+    def __init__(self, run_dir: Path, started: float | None = None, enabled: bool = True):
+        self.path, self.enabled = RunDir(run_dir).goodput, enabled
+        self.record = {"attempts": []}
+        if enabled and self.path.exists():
+            try:
+                self.record = read_record(self.path.read_text())
+            except ValueError:  # written by something else, or torn outside olmax's atomic replace
+                self.record = {"attempts": []}
+        now = time.time()
+        self.last, self.started_with_process = now if started is None else started, started is not None
+        self.attempt = {"started": self.last, "ended": now, "seconds": dict.fromkeys(CATEGORIES, 0.0),
+                        "first_step": None, "last_step": None, "snapshots": []}
+        self.record["attempts"].append(self.attempt)
+        self._logged = totals(self.record)
+
+    def mark(self, category: str) -> None:
+        """The wall time since the previous mark went to `category`."""
+        now = time.time()
+        self.attempt["seconds"][category] += now - self.last
+        self.last = self.attempt["ended"] = now
+
+    def resumed(self, step: int) -> None:
+        """The loop starts after `step` (restored, or 0): start-up ends, and earlier attempts' work after
+        their last checkpoint at or before `step` is lost work."""
+        self.mark("start-up")
+        for attempt in self.record["attempts"][:-1]:
+            if attempt.get("settled"):
+                continue
+            snapshots = [s for s in attempt["snapshots"] if s["step"] <= step]
+            if snapshots:
+                kept = snapshots[-1]
+                for category in WORK:
+                    lost = attempt["seconds"][category] - kept["seconds"][category]
+                    attempt["seconds"][category] -= lost
+                    attempt["seconds"]["lost work"] += lost
+                attempt["lost_steps"] = max(0, (attempt["last_step"] or kept["step"]) - kept["step"])
+            attempt["settled"] = True
+        self.attempt["first_step"] = step
+        self.saved(step)
+
+    def saved(self, step: int) -> None:
+        """A checkpoint of `step` was started (the step's stall for it ends now)."""
+        self.mark("checkpoint")
+        snapshots = self.attempt["snapshots"] + [{"step": step, "seconds": dict(self.attempt["seconds"])}]
+        # the first (where the attempt started) and the latest few
+        self.attempt["snapshots"] = snapshots[:1] + snapshots[1:][-(KEPT_SNAPSHOTS - 1):]
+
+    def step_done(self, step: int) -> None:
+        self.mark("productive")
+        self.attempt["last_step"] = step
+        self.persist()
+
+    def metrics(self) -> dict[str, float]:
+        """`goodput/{category} (s)` over the run's lifetime, `goodput/step/{category} (s)` since the previous
+        call, and `goodput/goodput (%)`: productive seconds over wall seconds."""
+        now = totals(self.record)
+        wall = sum(now.values())
+        out = {f"goodput/{c} (s)": now[c] for c in CATEGORIES}
+        out |= {f"goodput/step/{c} (s)": now[c] - self._logged[c] for c in CATEGORIES}
+        out["goodput/goodput (%)"] = 100.0 * now["productive"] / wall if wall else 0.0
+        self._logged = now
+        return out
+
+    def close(self) -> None:
+        """The attempt's end: its record now, and again as the process exits when the process was started for
+        this run (`started` given), so that the run's last seconds are counted too."""
+        self.mark("shutdown")
+        self.persist()
+        if self.enabled and self.started_with_process:
+            _AT_EXIT.append(self)
+
+    def _at_exit(self) -> None:
+        self.mark("shutdown")
+        with contextlib.suppress(OSError):
+            self.persist()
+
+    def persist(self) -> None:
+        if not self.enabled:
+            return
+        partial = self.path.with_name(self.path.name + ".partial")
+        partial.write_text(json.dumps(self.record))
+        os.replace(partial, self.path)  # a crash leaves the old record or the new one
+
+
+def report(record: dict) -> str:
+    """The table `olmax goodput` prints: the lifetime's seconds by category, then one line per attempt."""
+    total = totals(record)
+    wall = sum(total.values())
+    lines = [f"{'category':18}{'seconds':>12}{'share':>9}"]
+    lines += [f"{c:18}{total[c]:12,.1f}{100 * total[c] / wall if wall else 0:8.1f}%" for c in CATEGORIES]
+    lines += [f"{'wall time':18}{wall:12,.1f}", "", f"{'attempt':>7}{'steps':>14}{'seconds':>12}{'productive':>12}"
+              f"{'lost':>10}{'steps redone':>14}"]
+    for number, attempt in enumerate(record["attempts"], start=1):
+        steps = f"{attempt['first_step']}-{attempt['last_step']}" if attempt["last_step"] is not None else "-"
+        lines.append(f"{number:7}{steps:>14}{sum(attempt['seconds'].values()):12,.1f}"
+                     f"{attempt['seconds']['productive']:12,.1f}{attempt['seconds']['lost work']:10,.1f}"
+                     f"{attempt.get('lost_steps', 0):14}")
+    return "\n".join(lines)
+
+
+def plot(record: dict, path: Path, title: str) -> None:
+    """A PNG of the run's lifetime: each attempt (and the gap before it) as a bar split by category."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    attempts = record["attempts"]
+    fig, ax = plt.subplots(figsize=(10, 1.2 + 0.45 * len(attempts)))
+    colors = dict(zip(CATEGORIES, plt.get_cmap("tab10").colors))
+    origin = attempts[0]["started"] if attempts else 0.0
+    drawn = set()
+    for row, attempt in enumerate(attempts):
+        left = attempt["started"] - origin
+        if row:
+            gap = max(0.0, attempt["started"] - attempts[row - 1]["ended"])
+            segments = [("between attempts", gap)] + list(attempt["seconds"].items())
+            left -= gap
+        else:
+            segments = list(attempt["seconds"].items())
+        for category, seconds in segments:
+            if seconds > 0:
+                ax.barh(row, seconds, left=left, color=colors[category],
+                        label=None if category in drawn else category)
+                drawn.add(category)
+                left += seconds
+    ax.set_yticks(range(len(attempts)), [f"attempt {i}" for i in range(1, len(attempts) + 1)])
+    ax.invert_yaxis()
+    ax.set_xlabel("seconds since the run started")
+    total = totals(record)
+    wall = sum(total.values())
+    ax.set_title(f"{title}: goodput {100 * total['productive'] / wall if wall else 0:.1f}% of {wall:,.0f} s")
+    ax.legend(loc="center left", bbox_to_anchor=(1.01, 0.5), fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,113 @@
+"""Goodput: a supervised run killed twice accounts for its wall time by category, and its lost work is the
+work of the steps the next attempts recomputed; `olmax goodput` shows it; `olmax plan --goodput`."""
+
+import json
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from testlib import child_env
+
+from olmax.cli import main
+from olmax.data.synthetic import write_synthetic_shards
+from olmax.launch.supervisor import Backoff, Supervisor
+from olmax.run_dir import RunDir
+from olmax.train.goodput import CATEGORIES, read_record, totals
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+    return write_synthetic_shards(tmp_path_factory.mktemp("shards"), vocab_size=512, eos_id=0, n_tokens=120_000,
+                                  n_shards=2, seed=0, token_dtype="uint16")
+
+
+class StepWatcher:
+    """SIGKILLs attempt n once step kill_at[n] appears in metrics.jsonl, noting when each step of that attempt
+    first appeared there."""
+
+    def __init__(self, run: Path, kill_at: dict[int, int]):
+        self.run, self.kill_at, self.kills, self.attempts = run, kill_at, [], 0
+
+    def steps(self) -> list[int]:
+        try:
+            return [json.loads(line)["step"] for line in (self.run / "metrics.jsonl").read_text().splitlines()]
+        except (OSError, ValueError):
+            return []
+
+    def on_start(self, procs) -> None:
+        self.attempts += 1
+        if self.attempts in self.kill_at:
+            threading.Thread(target=self._kill, args=(procs[0], self.kill_at[self.attempts]), daemon=True).start()
+
+    def _kill(self, proc, kill_at: int) -> None:
+        before, seen = set(self.steps()), {}
+        while proc.poll() is None and kill_at not in seen:
+            now = time.time()
+            for step in self.steps():
+                if step not in before:
+                    seen.setdefault(step, now)
+            time.sleep(0.01)
+        proc.send_signal(signal.SIGKILL)
+        killed = time.time()
+        proc.wait()
+        committed = max((int(p.name) for p in (self.run / "checkpoints").iterdir() if p.name.isdigit()), default=0)
+        self.kills.append({"time": killed, "seen": seen, "last_logged": max(self.steps()), "committed": committed})
+
+
+@pytest.mark.slow
+def test_a_run_killed_twice_accounts_for_its_wall_time_and_its_lost_work(tmp_path, shards, capsys):
+    run = tmp_path / "run"
+    overrides = [f"data.paths={json.dumps(shards)}", f"output_dir={run}", "train.steps=30", "checkpoint.every=10",
+                 "train.log_every=1", "mesh.fsdp=1"]
+    watcher = StepWatcher(run, {1: 15, 2: 27})
+    supervisor = Supervisor("tiny", overrides, backoff=Backoff(0.5, 1, 0.5), max_retries=3,
+                            env=child_env(tmp_path / "jax-cache", 8), on_start=watcher.on_start)
+    started = time.time()
+    assert supervisor.run() == 0
+    wall = time.time() - started
+
+    record = read_record(RunDir(run).goodput.read_text())
+    total = totals(record)
+    assert len(record["attempts"]) == 3 and len(watcher.kills) == 2
+    assert abs(sum(total.values()) - wall) <= 0.02 * wall, (total, wall)
+    slack = 1.0  # seconds: when the watcher saw a step is late by its polling, on a loaded machine more
+    for attempt, kill in zip(record["attempts"], watcher.kills):
+        redone = kill["last_logged"] - kill["committed"]
+        # The step after the last one logged may have finished (and been recorded) before the kill.
+        assert attempt["lost_steps"] in (redone, redone + 1)
+        lost, seen = attempt["seconds"]["lost work"], kill["seen"]
+        committed = kill["committed"]
+        if committed + 1 in seen:  # committed in this attempt: lost is the work of the steps after it
+            # From step c + 1 logged (its successor running) to the last one logged, only steps ran; from step c
+            # logged to the kill, the save of c too.
+            assert seen[kill["last_logged"]] - seen[committed + 1] - slack <= lost
+            assert lost <= kill["time"] - seen[committed] + slack
+    assert total["lost work"] == pytest.approx(sum(a["seconds"]["lost work"] for a in record["attempts"]))
+    assert total["productive"] > 0 and total["compilation"] > 0 and total["between attempts"] > 0
+
+    logged = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in logged] == list(range(1, 31))
+    assert logged[-1]["goodput/lost work (s)"] == pytest.approx(total["lost work"])
+    assert {f"goodput/{c} (s)" for c in CATEGORIES} | {"goodput/goodput (%)"} <= set(logged[-1])
+
+    capsys.readouterr()
+    png = tmp_path / "goodput.png"
+    assert main(["goodput", str(run), "--png", str(png)]) == 0
+    table = capsys.readouterr().out
+    assert "lost work" in table and "wall time" in table and png.stat().st_size > 0
+
+
+def test_goodput_of_a_directory_without_a_record_is_one_line_exit_2(tmp_path, capsys):
+    assert main(["goodput", str(tmp_path)]) == 2
+    assert f"{RunDir(tmp_path).goodput} cannot be read" in capsys.readouterr().err
+
+
+def test_plan_turns_chip_hours_into_what_the_run_costs_at_a_goodput(capsys):
+    assert main(["plan", "olmo3_7b", "--target", "tpu:v5p:4x4x8", "--json"]) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert main(["plan", "olmo3_7b", "--target", "tpu:v5p:4x4x8", "--goodput", "0.8", "--json"]) == 0
+    at_goodput = json.loads(capsys.readouterr().out)["exact_window"]
+    assert at_goodput["chip_hours_at_goodput"] == pytest.approx(plain["exact_window"]["chip_hours"] / 0.8)
+    assert main(["plan", "olmo3_7b", "--target", "tpu:v5p:4x4x8", "--goodput", "1.5"]) == 2
