@@ -13,7 +13,7 @@ first batch on (worker startup and shuffle apart). Rows:
 - olmax: in-process (data.num_workers=0) and with 2 prefetch threads.
 - olmax via Grain: the same batch function behind Grain's `mp_prefetch` with 2
   worker processes: the alternative the loader's thread prefetch is measured
-  against.
+  against (Grain comes with the `bench` extra: `pip install -e '.[bench]'`).
 """
 
 from __future__ import annotations

@@ -22,11 +22,11 @@ SMALLEST = {
     "data_loader.py": ["--dir", "{tmp}/shards", "--shards", "1", "--tokens-per-shard", "32768", "--sequence-length",
                        "256", "--global-batch", "4", "--repeats", "1", "--json"],
     # One row (the script compiles each config in a fresh process; a second row shows nothing more).
-    "head_shape_compile.py": ["--target", "tpu:tpu7x:2x2x1", "--configs", "olmo3_7b_hd256", "model.n_layers=4",
-                              "model.d_model=512", "model.mlp_hidden=1024", "model.vocab_size=512", "data.eos_id=0",
-                              "data.pad_id=1", "data.sequence_length=256", "train.global_batch_instances=8",
+    "compile_compare.py heads": ["--target", "tpu:tpu7x:2x2x1", "--configs", "olmo3_7b_hd256", "model.n_layers=4",
+                                 "model.d_model=512", "model.mlp_hidden=1024", "model.vocab_size=512", "data.eos_id=0",
+                                 "data.pad_id=1", "data.sequence_length=256", "train.global_batch_instances=8",
                               "train.micro_batch_per_device=1"],
-    "moe_compile_scaling.py": ["--experts", "8", "--target", "tpu:v5p:2x2x2", "mesh.fsdp=1", "model.n_layers=4",
+    "compile_compare.py experts": ["--experts", "8", "--target", "tpu:v5p:2x2x2", "mesh.fsdp=1", "model.n_layers=4",
                                "model.d_model=256", "model.n_heads=2", "model.n_kv_heads=1",
                                "model.moe.expert_hidden=64", "model.vocab_size=512", "data.eos_id=0",
                                "data.pad_id=1", "data.sequence_length=256",
@@ -41,7 +41,8 @@ SMALLEST = {
 
 def test_every_benchmark_has_a_smoke_test():
     # bucket_io.py runs at toy sizes against the test servers in tests/storage/test_bucket_bench.py
-    assert sorted(p.name for p in BENCHMARKS.glob("*.py")) == sorted([*SMALLEST, "pipeline_memory.py", "gpu_bench.py",
+    scripts = {case.split()[0] for case in SMALLEST}  # a key is the script and the arguments it starts with
+    assert sorted(p.name for p in BENCHMARKS.glob("*.py")) == sorted([*scripts, "pipeline_memory.py", "gpu_bench.py",
                                                                       "bucket_io.py", "suite_profile.py"])
 
 
@@ -49,7 +50,8 @@ def test_every_benchmark_has_a_smoke_test():
 @pytest.mark.parametrize("script", sorted(SMALLEST))
 def test_benchmark_runs_its_smallest_case(script, tmp_path):
     args = [a.replace("{tmp}", str(tmp_path)) for a in SMALLEST[script]]
-    run = subprocess.run([sys.executable, str(BENCHMARKS / script), *args], cwd=tmp_path, capture_output=True,
+    script, *first = script.split()
+    run = subprocess.run([sys.executable, str(BENCHMARKS / script), *first, *args], cwd=tmp_path, capture_output=True,
                          text=True, timeout=900)
     assert run.returncode == 0, run.stderr[-3000:]
     assert run.stdout.strip()

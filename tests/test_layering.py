@@ -11,7 +11,7 @@ LAYERS = [
     {"storage"},  # URLs and local paths alike: every reader and writer of files goes through it
     {"run_dir"},  # the files of a run directory: everything else asks it for their paths
     {"config", "runtime", "run_lock"},
-    {"checkpoint"},  # checksums, Orbax I/O, the Checkpointer: train, eval and interop use it
+    {"checkpoint", "outputs"},  # the Checkpointer (train, eval and interop use it); new output directories
     {"parallel"},
     {"model", "data"},
     {"train", "eval", "interop", "launch"},

@@ -15,8 +15,9 @@ from olmax.data import DataError
 from olmax.data.synthetic import write_synthetic_shards
 from olmax.data.tokenize import tokenize_corpus, train_tokenizer
 from olmax.eval import documents, heldout, kl
-from olmax.eval.cli import load_model
-from olmax.eval.models import Model, eval_layout, place
+from olmax.eval.models import eval_layout, place
+from olmax.interop.hf import load_model
+from olmax.model.weights import Model
 from olmax.model import transformer
 from olmax.parallel.mesh import Layout, make_layout
 

@@ -14,12 +14,10 @@ replaced object is named on resume.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import hashlib
 import json
 import os
-import shutil
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -27,8 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from olmax import run_lock, storage
-from olmax.config import writable_dir
+from olmax import storage
 from olmax.errors import DataError
 
 TOKEN_DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
@@ -461,33 +458,6 @@ def write_shards_record(directory: str | os.PathLike, shards: list[str], *, toke
     record = {"token_dtype": token_dtype, "vocab_size": vocab_size, "eos_id": eos_id,
               "shards": [os.path.basename(s) for s in shards]}
     (Path(directory) / SHARDS_RECORD).write_text(json.dumps(record, indent=1) + "\n")
-
-
-@contextlib.contextmanager
-def new_output_dir(out: str | os.PathLike, command: str):
-    """A temporary directory beside `out` to write into, renamed to `out` when the block succeeds and removed
-    when it fails, so that a failed or interrupted command leaves nothing half-written behind. `out` must not
-    exist or be an empty directory."""
-    out = Path(out)
-    if out.exists() and not out.is_dir():
-        raise DataError(f"{out} is a file; {command} writes a new directory: choose another path")
-    if out.is_dir() and any(out.iterdir()):
-        raise DataError(f"{out} is not empty (shards of an earlier run?); {command} writes into a new or empty "
-                        "directory: choose another, or delete this one")
-    parent, name = out.resolve().parent, out.resolve().name
-    for stale in parent.glob(f".{name}.partial-*"):  # left by a process killed outright (kill -9, power loss)
-        pid = stale.name.rpartition("-")[2]
-        if pid.isdigit() and not run_lock.alive(int(pid)):
-            shutil.rmtree(stale, ignore_errors=True)
-    writable_dir(parent, "--out")
-    partial = parent / f".{name}.partial-{os.getpid()}"
-    partial.mkdir(parents=True)
-    try:
-        yield partial
-        os.replace(partial, out)  # replaces an empty directory
-    except BaseException:
-        shutil.rmtree(partial, ignore_errors=True)
-        raise
 
 
 def write_shard(path: str | os.PathLike, tokens: np.ndarray) -> None:

@@ -17,8 +17,9 @@ from pathlib import Path
 import numpy as np
 
 from olmax.data.shards import (
-    TOKEN_DTYPES, DataError, Source, new_output_dir, write_mix_file, write_shard, write_shards_record,
+    TOKEN_DTYPES, DataError, Source, write_mix_file, write_shard, write_shards_record,
 )
+from olmax.outputs import new_output_dir
 
 BRANCHING = 4
 MEAN_DOCUMENT_TOKENS = 128
@@ -73,7 +74,7 @@ def write_synthetic_shards(
     if np.any(np.diff(bounds) == 0):
         raise DataError(f"{n_tokens} tokens are too few for {n_shards} shards of whole documents; ask for more tokens")
     names = [f"part-{index:05d}.npy" for index in range(n_shards)]
-    with new_output_dir(out_dir, "synth-data") as partial:
+    with new_output_dir(out_dir, "synth-data", DataError) as partial:
         for name, start, end in zip(names, bounds[:-1], bounds[1:]):
             write_shard(partial / name, stream[start:end].astype(TOKEN_DTYPES[token_dtype]))
         write_mix_file(partial / "mix.txt", [Source("synthetic", str(partial / name)) for name in names])

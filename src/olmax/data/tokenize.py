@@ -33,7 +33,8 @@ from typing import Iterator
 
 import numpy as np
 
-from olmax.data.shards import DataError, Source, new_output_dir, write_mix_file, write_shards_record
+from olmax.data.shards import DataError, Source, write_mix_file, write_shards_record
+from olmax.outputs import new_output_dir
 
 TEXT_KINDS = {".jsonl": "jsonl", ".json": "jsonl", ".txt": "txt"}
 COMPRESSIONS = ("", ".gz", ".zst")
@@ -255,7 +256,7 @@ def tokenize_corpus(
     dtype = "uint16" if vocab_size <= 1 << 16 else "uint32"
     out = Path(out_dir)
     workers = os.cpu_count() if workers is None else workers
-    with new_output_dir(out, "tokenize") as partial:
+    with new_output_dir(out, "tokenize", DataError) as partial:
         names, documents, tokens, text_bytes = _write_shards(files, partial, str(tokenizer_path), eos_id, dtype,
                                                              shard_tokens, workers, progress)
         if not names:

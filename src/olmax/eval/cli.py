@@ -64,39 +64,13 @@ def _rows(args, layout) -> int:
     return given(args, "batch_size", "--batch-size") or 4 * layout.data_parallel_size
 
 
-def load_model(path: str | Path):
-    """An HF Olmo3 directory (config.json + safetensors), an olmax checkpoint directory (its latest
-    step), one step of it (`.../checkpoints/STEP`), or a run directory (its `checkpoints/`); local or in a
-    bucket (a checkpoint's step is read from there alone, an HF directory copied whole)."""
-    from olmax import storage
-    from olmax.errors import EvalError
-    from olmax.eval.models import Model
-    from olmax.interop.hf import load_hf_params, read_hf_config
-    from olmax.model.weights import load_olmax
-    from olmax.model import families
-    from olmax.run_dir import RunDir
-
-    if not storage.exists(str(path)):
-        raise EvalError(f"{path} does not exist; give an olmax checkpoint or run directory, or an HF model directory")
-    if storage.exists(storage.join(path, "config.json")):
-        with storage.local_copy(path) as local:
-            cfg = families.from_hf(read_hf_config(local), name=storage.basename(path),
-                                   where=storage.join(path, "config.json"))
-            return Model(str(path), cfg, load_hf_params(local, cfg))
-    cfg, params, step = load_olmax(path)
-    name = str(path).rstrip("/")
-    if not storage.basename(name).isdigit():
-        checkpoints = RunDir(name).checkpoints
-        name = storage.join(checkpoints, str(step)) if storage.is_dir(checkpoints) else storage.join(name, str(step))
-    return Model(name, cfg, params)
-
-
 def cmd_heldout(args) -> None:
     _writable(args.out)
     import jax
 
     from olmax.eval.heldout import evaluate
     from olmax.eval.models import eval_layout, place
+    from olmax.interop.hf import load_model
 
     model = load_model(args.model)
     selection = _selection(args, model)
@@ -111,6 +85,7 @@ def cmd_kl(args) -> None:
     _writable(args.out)
     from olmax.eval import kl
     from olmax.eval.models import eval_layout
+    from olmax.interop.hf import load_model
 
     model_a, model_b = load_model(args.a), load_model(args.b)
     selection = _selection(args, model_a)
@@ -133,6 +108,7 @@ def _harness_results(path: str, args) -> dict:
     """A results JSON of an earlier `olmax eval harness`, or a model to run the tasks on."""
     from olmax.errors import EvalError
     from olmax.eval.models import eval_layout, place
+    from olmax.interop.hf import load_model
 
     if path.endswith(".json") and Path(path).is_file():
         report = json.loads(Path(path).read_text())

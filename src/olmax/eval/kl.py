@@ -21,9 +21,10 @@ import numpy as np
 from olmax.config import RunConfig
 from olmax.eval.documents import Selection, read_rows
 from olmax.errors import EvalError
-from olmax.eval.models import Model, batch_rows, place, put_batch
+from olmax.eval.models import batch_rows, place, put_batch
 from olmax.model import transformer
 from olmax.model.loss import over_logits
+from olmax.model.weights import Model
 from olmax.parallel.mesh import Layout
 
 QUANTILES = (0.5, 0.9, 0.99, 0.999)

@@ -1,22 +1,13 @@
-"""The models an evaluation reads (olmax checkpoints or HF directories: `olmax.eval.cli.load_model`), placed on
-a mesh."""
+"""The models an evaluation reads (olmax checkpoints or HF directories: `olmax.interop.hf.load_model`), placed
+on a mesh."""
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import jax
 
 from olmax.config import MeshConfig, RunConfig
 from olmax.model import families
 from olmax.parallel.mesh import Layout, make_layout
-
-
-@dataclass
-class Model:
-    name: str  # what was loaded, for reports: a path, with the step of an olmax checkpoint
-    cfg: RunConfig
-    params: dict
 
 
 def eval_layout() -> Layout:

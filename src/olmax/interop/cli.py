@@ -4,35 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import sys
-import tempfile
-from pathlib import Path
 
 from olmax.arguments import given, old_spelling
 from olmax.errors import ExitCode
-
-
-@contextlib.contextmanager
-def _new_output(out: str, checkpoint: bool):
-    """A local directory to write the output `out` into: itself, or for a bucket a temporary one uploaded when
-    the block succeeds (a checkpoint step by step, each with its commit marker last). A bucket output must be
-    new, as a local one."""
-    from olmax import storage
-    from olmax.errors import InteropError
-
-    if not storage.is_remote(out):
-        yield out
-        return
-    storage.check_writable(out)
-    if storage.listdir(out):
-        raise InteropError(f"{out} exists and is not empty; choose a new output directory")
-    with tempfile.TemporaryDirectory(prefix="olmax-out-") as tmp:
-        local = Path(tmp, "out")
-        yield local
-        if checkpoint:
-            for step in sorted(local.iterdir()):
-                storage.upload_committed(step, storage.join(out, step.name))
-        else:
-            storage.upload(local, out)
 
 
 def cmd_hf_to_olmax(args) -> None:
@@ -40,8 +14,8 @@ def cmd_hf_to_olmax(args) -> None:
     from olmax.interop.hf import hf_to_olmax
 
     target = given(args, "out", "the output directory (--out OUT)", required=True)
-    with storage.local_copy(args.src) as src, _new_output(target, checkpoint=True) as out:
-        cfg = hf_to_olmax(src, out, origin=args.src)
+    with storage.local_copy(args.src) as src:
+        cfg = hf_to_olmax(src, target, origin=args.src)
     m = cfg.model
     mlp = f"MLP {m.mlp_hidden}" if m.mlp == "dense" else f"{m.moe.num_experts} experts of {m.moe.expert_hidden}, " \
         f"top-{m.moe.top_k}"
@@ -54,10 +28,9 @@ def cmd_olmax_to_hf(args) -> None:
     from olmax import storage
     from olmax.interop.hf import olmax_to_hf
 
-    with (storage.local_copy(args.tokenizer) if args.tokenizer else contextlib.nullcontext()) as tokenizer, \
-            _new_output(target := given(args, "out", "the output directory (--out OUT)", required=True),
-                        checkpoint=False) as out:
-        cfg, step = olmax_to_hf(args.ckpt, out, dtype=args.dtype, max_shard_bytes=int(args.max_shard_gb * 2**30),
+    target = given(args, "out", "the output directory (--out OUT)", required=True)
+    with storage.local_copy(args.tokenizer) if args.tokenizer else contextlib.nullcontext() as tokenizer:
+        cfg, step = olmax_to_hf(args.ckpt, target, dtype=args.dtype, max_shard_bytes=int(args.max_shard_gb * 2**30),
                                 tokenizer=tokenizer)
     from olmax.model.families import HF_CLASSES
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
 import shutil
 from pathlib import Path
@@ -26,11 +25,15 @@ import jax
 import ml_dtypes
 import numpy as np
 
+from olmax import storage
 from olmax.checkpoint import Checkpointer, run_meta
-from olmax.config import CheckpointConfig, ModelConfig, RunConfig, writable_dir
+from olmax.config import CheckpointConfig, ModelConfig, RunConfig
+from olmax.errors import EvalError
 from olmax.interop import InteropError, stream
 from olmax.model import families
-from olmax.model.weights import load_olmax
+from olmax.model.weights import Model, load_olmax
+from olmax.outputs import check_new_output, new_output_dir
+from olmax.run_dir import RunDir
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -147,26 +150,44 @@ def load_hf_params(src: Path, cfg: RunConfig) -> dict:
     return params
 
 
+def load_model(path: str | Path) -> Model:
+    """An HF Olmo3 directory (config.json + safetensors), an olmax checkpoint directory (its latest
+    step), one step of it (`.../checkpoints/STEP`), or a run directory (its `checkpoints/`); local or in a
+    bucket (a checkpoint's step is read from there alone, an HF directory copied whole)."""
+    if not storage.exists(str(path)):
+        raise EvalError(f"{path} does not exist; give an olmax checkpoint or run directory, or an HF model directory")
+    if storage.exists(storage.join(path, "config.json")):
+        with storage.local_copy(path) as local:
+            cfg = families.from_hf(read_hf_config(local), name=storage.basename(path),
+                                   where=storage.join(path, "config.json"))
+            return Model(str(path), cfg, load_hf_params(local, cfg))
+    cfg, params, step = load_olmax(path)
+    name = str(path).rstrip("/")
+    if not storage.basename(name).isdigit():
+        checkpoints = RunDir(name).checkpoints
+        name = storage.join(checkpoints, str(step)) if storage.is_dir(checkpoints) else storage.join(name, str(step))
+    return Model(name, cfg, params)
+
+
 # --- conversions -----------------------------------------------------------------------------------
 
 
 def hf_to_olmax(src: str | Path, out: str | Path, origin: str | None = None) -> RunConfig:
-    """Convert an HF Olmo3 / OLMoE directory into a weights-only olmax checkpoint at OUT (step 0: OUT/0/);
-    `origin` is where SRC was copied from (a bucket), recorded in the meta instead of SRC."""
-    src, out = Path(src), Path(out)
-    if out.exists() and any(out.iterdir()):
-        raise InteropError(f"{out} exists and is not empty; choose a new output directory")
-    writable_dir(out, "output directory")
-    cfg = families.from_hf(read_hf_config(src), name=src.absolute().name, where=str(src / "config.json"))
-    params = load_hf_params(src, cfg)
-    meta = run_meta(cfg, 0, {})
-    meta["converted_from"] = {"format": "hf", "architecture": families.HF_CLASSES[cfg.model.family],
-                              "path": origin or str(src.absolute())}
-    checkpointer = Checkpointer(out, CheckpointConfig())
-    try:
-        checkpointer.save_params(0, params, meta)
-    finally:
-        checkpointer.close()
+    """Convert an HF Olmo3 / OLMoE directory into a weights-only olmax checkpoint at OUT (step 0: OUT/0/), a new
+    directory or bucket prefix; `origin` is where SRC was copied from (a bucket), recorded in the meta instead of
+    SRC."""
+    src = Path(src)
+    with new_output_dir(out, "convert hf-to-olmax", InteropError, checkpoint=True) as partial:
+        cfg = families.from_hf(read_hf_config(src), name=src.absolute().name, where=str(src / "config.json"))
+        params = load_hf_params(src, cfg)
+        meta = run_meta(cfg, 0, {})
+        meta["converted_from"] = {"format": "hf", "architecture": families.HF_CLASSES[cfg.model.family],
+                                  "path": origin or str(src.absolute())}
+        checkpointer = Checkpointer(partial, CheckpointConfig())
+        try:
+            checkpointer.save_params(0, params, meta)
+        finally:
+            checkpointer.close()
     return cfg
 
 
@@ -185,27 +206,19 @@ def _plan_shards(cfg: RunConfig, itemsize: int, max_shard_bytes: int) -> list[li
 def write_hf(cfg: RunConfig, params: dict, out: str | Path, dtype: str = "float32",
              max_shard_bytes: int = 5 * 2**30, tokenizer: str | Path | None = None) -> Path:
     """safetensors (one file, or shards + index) and config.json for the family's transformers class
-    (`Olmo3ForCausalLM` / `OlmoeForCausalLM`.from_pretrained), and a copy of `tokenizer` (a tokenizer.json)."""
-    out = Path(out)
+    (`Olmo3ForCausalLM` / `OlmoeForCausalLM`.from_pretrained), and a copy of `tokenizer` (a tokenizer.json), in
+    `out`, a new directory or bucket prefix."""
     families.check_exportable(cfg.model)
     if tokenizer is not None and not Path(tokenizer).is_file():
         raise InteropError(f"tokenizer {tokenizer} is not a file; give the run's tokenizer.json")
-    if out.exists() and any(out.iterdir()):
-        raise InteropError(f"{out} exists and is not empty; choose a new output directory")
+    check_new_output(out, "convert olmax-to-hf", InteropError)
     if dtype not in EXPORT_DTYPES:
         raise InteropError(f"export dtype {dtype!r} is not one of {sorted(EXPORT_DTYPES)}")
     np_dtype = np.dtype(EXPORT_DTYPES[dtype])
-    out.parent.mkdir(parents=True, exist_ok=True)
-    partial = out.parent / f".{out.name}.partial-{os.getpid()}"
-    partial.mkdir()
-    try:
+    with new_output_dir(out, "convert olmax-to-hf", InteropError) as partial:
         _write_hf_files(cfg, params, partial, dtype, np_dtype, max_shard_bytes)
         if tokenizer is not None:
             shutil.copyfile(tokenizer, partial / "tokenizer.json")
-        os.replace(partial, out)  # the directory appears complete or not at all
-    except BaseException:
-        shutil.rmtree(partial, ignore_errors=True)
-        raise
     return out
 
 
@@ -231,10 +244,7 @@ def olmax_to_hf(ckpt: str | Path, out: str | Path, dtype: str = "float32",
                 max_shard_bytes: int = 5 * 2**30, tokenizer: str | Path | None = None) -> tuple[RunConfig, int]:
     """Export the latest step of an olmax checkpoint as an HF Olmo3 / OLMoE directory (with a copy of
     `tokenizer`); (config, step)."""
-    out = Path(out)
-    if out.exists() and any(out.iterdir()):
-        raise InteropError(f"{out} exists and is not empty; choose a new output directory")
-    writable_dir(out, "output directory")
+    check_new_output(out, "convert olmax-to-hf", InteropError)  # before the checkpoint is read
     cfg, params, step = load_olmax(ckpt)
     write_hf(cfg, params, out, dtype, max_shard_bytes, tokenizer)
     return cfg, step

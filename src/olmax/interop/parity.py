@@ -44,7 +44,6 @@ THRESHOLDS = {
     "float32": {"max_abs_logit_delta": ("<=", 1e-4), "kl_mean": ("<=", 1e-9), "top1_agreement": (">=", 1.0)},
     "bfloat16": {"kl_mean": ("<=", 1.5e-3), "top1_agreement": (">=", 0.9875)},
 }
-REFERENCES = ("hf", "olmo-core")
 
 
 @dataclass

@@ -3,6 +3,7 @@ conversion, logit parity and evaluation read."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import jax
@@ -11,6 +12,15 @@ import numpy as np
 from olmax.checkpoint import read_params
 from olmax.config import RunConfig
 from olmax.model import families
+
+
+@dataclass
+class Model:
+    """Weights with their config (olmax.interop.hf.load_model reads one from an olmax checkpoint or HF directory)."""
+
+    name: str  # what was loaded, for reports: a path, with the step of an olmax checkpoint
+    cfg: RunConfig
+    params: dict
 
 
 def load_olmax(ckpt: str | Path, step: int | None = None) -> tuple[RunConfig, dict, int]:

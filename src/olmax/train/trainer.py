@@ -101,8 +101,9 @@ def train(cfg: RunConfig, *, quiet: bool = False, make_eval=None, on_start=None,
 
     `make_eval(cfg, layout)` builds the in-loop evaluator (`due(step)`, `(step, params) -> metrics`) when the
     config asks for evaluations (olmax.eval.in_loop.make_in_loop_eval). `on_start(run_dir)` is called once the
-    run directory is checked and held, before the model is built (`olmax train` starts its host log there).
-    `started`: when the process started, for the goodput record's start-up time (default: now)."""
+    run directory is checked and held, before the model is built, with the local run directory, or None for a
+    run in a bucket (`olmax train` starts its host log in a local one). `started`: when the process started, for
+    the goodput record's start-up time (default: now)."""
     if (cfg.eval.every or cfg.eval.harness_every) and make_eval is None:
         raise ConfigError("the config asks for in-loop evals (eval.every / eval.harness_every) but train() was "
                           "given no make_eval; pass olmax.eval.in_loop.make_in_loop_eval")
