@@ -236,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
         if not isinstance(err, BadInput):
             raise
         print(f"olmax: {type(err).__name__}: {err}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        return getattr(err, "exit_code", EXIT_BAD_INPUT)  # a storage outage has its own, retried
     finally:
         drop_held_signals()
         signal.pthread_sigmask(signal.SIG_SETMASK, previous_mask)

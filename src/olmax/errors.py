@@ -11,3 +11,6 @@ class BadInput(ValueError):
 
 class InteropError(BadInput):
     """Input that cannot be converted or compared; the message names the file, field or tensors."""
+
+
+EXIT_STORAGE_UNAVAILABLE = 69  # EX_UNAVAILABLE: a store kept failing past storage.retry_seconds; retried later

@@ -139,9 +139,11 @@ def alive(pid: int) -> bool:
 
 def _read_lease(path: str) -> dict | None:
     try:
-        record = json.loads(storage.read_text(path))
+        text = storage.read_text(path)
     except storage.MissingObject:
         return None
+    try:
+        record = json.loads(text)
     except ValueError:  # a torn or foreign object: no holder can be named, so it is nobody's lease
         return None
     return record if isinstance(record, dict) else None

@@ -10,10 +10,12 @@ olmax reads no setting of its own for either and never logs a credential.
 
 Retries are olmax's, not the libraries' (theirs are turned off), so that each is
 counted (`io/retries`) and bounded: a transient fault (HTTP 5xx or 429, a reset
-connection, a timeout) is retried with exponential backoff and full jitter
-until `storage.retry_seconds` have passed since the first failure; a permanent
-one (403, 404, no such bucket, an endpoint that refuses connections) raises
-`StorageError` at once, naming the URL and what to check.
+connection, a timeout, a body cut short or failing its checksum) is retried with
+exponential backoff and full jitter until `storage.retry_seconds` have passed
+since the first failure, then raises `StorageUnavailable` (its own exit code,
+which launchers retry later); a permanent one (403, 404, no such bucket, an
+endpoint that refuses connections) raises `StorageError` at once (exit 2),
+naming the URL and what to check.
 """
 
 from __future__ import annotations
@@ -32,12 +34,13 @@ from pathlib import Path
 
 import fsspec
 
-from olmax.errors import BadInput
+from olmax.errors import EXIT_STORAGE_UNAVAILABLE, BadInput
 
 REMOTE_SCHEMES = ("gs", "s3", "https", "http")
 FIRST_BACKOFF_S = 0.05
 MAX_BACKOFF_S = 10.0
 TRANSIENT_STATUS = {408, 429, 500, 502, 503, 504}
+READ_TIMEOUT_S = 60.0  # a response that sends no byte for this long has stalled: a transient fault, retried
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +54,13 @@ class MissingObject(StorageError):
     """No such object or bucket."""
 
 
+class StorageUnavailable(StorageError):
+    """Transient faults outlasted storage.retry_seconds: an outage, not bad input, so it has its own exit code
+    and `olmax launch`, Slurm jobs and JobSets run the command again after a backoff."""
+
+    exit_code = EXIT_STORAGE_UNAVAILABLE
+
+
 class _Settings:
     retry_seconds = 120.0
     retries = 0
@@ -60,6 +70,11 @@ class _Settings:
 def configure(retry_seconds: float) -> None:
     """How long transient faults of one request are retried (from `storage.retry_seconds`)."""
     _Settings.retry_seconds = retry_seconds
+
+
+def retry_seconds() -> float:
+    """How long transient faults are retried (storage.retry_seconds)."""
+    return _Settings.retry_seconds
 
 
 def retries() -> int:
@@ -104,8 +119,8 @@ def _filesystem(kind: str, emulator: str | None, endpoint: str | None):
     if kind == "s3":
         import s3fs
 
-        fs = s3fs.S3FileSystem(config_kwargs={"retries": {"total_max_attempts": 1}}, skip_instance_cache=True,
-                               use_listings_cache=False)
+        fs = s3fs.S3FileSystem(config_kwargs={"retries": {"total_max_attempts": 1}, "read_timeout": READ_TIMEOUT_S},
+                               skip_instance_cache=True, use_listings_cache=False)
         fs.retries = 1  # s3fs's own loop: one attempt
         return fs
     if kind == "gs":
@@ -116,7 +131,10 @@ def _filesystem(kind: str, emulator: str | None, endpoint: str | None):
             _request = GCSFileSystem._request.__wrapped__
 
         logging.getLogger("gcsfs").setLevel(logging.CRITICAL)  # it logs whole tracebacks for errors it raises
-        return OneAttemptGCS(token="anon" if emulator else None, skip_instance_cache=True, use_listings_cache=False)
+        import aiohttp
+
+        return OneAttemptGCS(token="anon" if emulator else None, skip_instance_cache=True, use_listings_cache=False,
+                             requests_timeout=aiohttp.ClientTimeout(sock_read=READ_TIMEOUT_S))
     if kind in ("http", "https"):
         return fsspec.filesystem("http", skip_instance_cache=True)
     return fsspec.filesystem("file")
@@ -162,10 +180,21 @@ def _status(err: BaseException) -> int | None:
     return None
 
 
+# Transient by what they are, matched against every class an error derives from (so that a library's subclass,
+# aiobotocore's AioReadTimeoutError, fsspec's FSTimeoutError, counts as what it derives from): builtin timeouts and
+# dropped connections, botocore's HTTP client errors (timeouts, closed connections, streams cut short), a body
+# shorter than its Content-Length or failing its checksum, aiohttp's server and payload errors, urllib3's and
+# http.client's protocol errors.
+TRANSIENT_CLASSES = {"TimeoutError", "ConnectionResetError", "ConnectionAbortedError", "BrokenPipeError",
+                     "HTTPClientError", "IncompleteReadError", "FlexibleChecksumError", "ServerConnectionError",
+                     "ClientPayloadError", "ClientOSError", "ContentLengthError", "TransferEncodingError",
+                     "ConnectTimeoutError", "ProtocolError", "IncompleteRead"}
+
+
 def _kind(err: BaseException) -> str:
     """'missing', 'denied', 'unreachable', 'transient' or 'other'."""
     status = _status(err)
-    names = {type(e).__name__ for e in _chain(err)}
+    names = {cls.__name__ for e in _chain(err) for cls in type(e).__mro__}
     if isinstance(err, FileNotFoundError) or status == 404 or "NoSuchBucket" in str(err):
         return "missing"
     # gcsfs raises a bare OSError("Forbidden: URL") for 403
@@ -178,10 +207,7 @@ def _kind(err: BaseException) -> str:
     if refused or names & {"ClientConnectorDNSError", "EndpointConnectionError"} and not names & {
             "ConnectionResetError", "ServerDisconnectedError"}:
         return "unreachable"
-    if names & {"ConnectionResetError", "ServerDisconnectedError", "ClientPayloadError", "ClientOSError",
-                "TimeoutError", "ReadTimeoutError", "ConnectTimeoutError", "ConnectionClosedError",
-                "ResponseStreamingError", "IncompleteReadError", "ProtocolError", "ServerTimeoutError",
-                "ContentLengthError", "TransferEncodingError", "BrokenPipeError"}:
+    if names & TRANSIENT_CLASSES:
         return "transient"
     if isinstance(err, OSError) and err.errno in (errno.EIO, getattr(errno, "EREMOTEIO", errno.EIO), errno.EAGAIN):
         return "transient"  # s3fs's translation of a 5xx it has no name for
@@ -218,7 +244,7 @@ class _Retries:
         if kind != "transient":
             raise _named(err, self.path, kind) from None
         if now - self.first_failure >= _Settings.retry_seconds:
-            raise StorageError(
+            raise StorageUnavailable(
                 f"{self.path}: still failing after {self.attempt} retries over {now - self.first_failure:.0f}s "
                 f"({_named(err, self.path, kind)}); check {_endpoint(self.path)}, or raise storage.retry_seconds"
             ) from None

@@ -7,6 +7,7 @@ happens next (`olmax train`'s exit code contract):
     0           finished: the step target is reached; stop.
     2           bad input (config, data, checkpoint): retrying cannot help; stop.
     3           diverged (the parameters became NaN/inf): a retry would repeat it bitwise; stop.
+    69          a store kept failing past storage.retry_seconds (an outage): restart after a backoff.
     74          disk full writing a checkpoint: a retry cannot help until space is freed; stop.
     75          preempted after writing a checkpoint: restart at once, not a failure.
     other/signal  crashed: restart after a backoff.

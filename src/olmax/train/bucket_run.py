@@ -15,34 +15,80 @@ checkpoint (olmax.checkpoint.Checkpointer's `own_copy`) and uploads them into
 the step's prefix; after a barrier process 0 uploads its copy (its metadata is
 the one kept) and then the commit marker. Process 0 alone writes metrics and
 deletes the steps no longer kept.
+
+A listing can be stale (an S3-compatible store, a cache in between) and a run
+that believed one would start over and delete what it had. So after each
+commit the run records its latest committed step in OUTPUT_DIR/committed.json,
+read at start by name, not through a listing; a listing that shows an older
+latest step, or no metrics.jsonl where the object exists, is listed again with
+backoff for storage.retry_seconds, then the run stops with exit 2 naming both.
+Nor does a run ever delete a step newer than the one it copied down, unless it
+wrote that step itself.
 """
 
 from __future__ import annotations
 
+import json
+import logging
 import shutil
 import tempfile
+import time
 from pathlib import Path
 
 import jax
 from jax.experimental import multihost_utils
 
 from olmax import storage
-from olmax.checkpoint.remote import CHECKPOINTS, pull_steps
+from olmax.checkpoint.remote import CHECKPOINTS, committed_steps, pull_steps
+
+log = logging.getLogger(__name__)
 
 METRICS = ("metrics.jsonl", "tensorboard")
+RECORD = "committed.json"  # {"latest_step": N}: the run's own record of its newest committed checkpoint
+FIRST_RELIST_S = 0.5
 
 
 class BucketRun:
     def __init__(self, url: str):
         self.url = url.rstrip("/")
         self.local = Path(tempfile.mkdtemp(prefix="olmax-run-"))
+        self.pulled_step = 0  # the newest step copied down: older ones may be deleted, newer ones are not ours
+        self.pushed: set[int] = set()
         self.pull()
 
     def pull(self) -> None:
-        for name in storage.listdir(self.url) if jax.process_index() == 0 else []:  # it writes the metrics
-            if name != CHECKPOINTS:
+        names, steps = self._listing()
+        for name in names if jax.process_index() == 0 else []:  # it writes the metrics
+            if name not in (CHECKPOINTS, RECORD):
                 storage.download(storage.join(self.url, name), self.local / name)
-        pull_steps(storage.join(self.url, CHECKPOINTS), self.local / CHECKPOINTS)
+        pull_steps(storage.join(self.url, CHECKPOINTS), self.local / CHECKPOINTS, steps)
+        self.pulled_step = max(steps, default=0)
+
+    def _listing(self) -> tuple[list[str], list[int]]:
+        """The run directory's names and committed steps, listed again while they disagree with the run's record
+        or with the objects themselves (see the module's doc)."""
+        record_path = storage.join(self.url, RECORD)
+        recorded = json.loads(storage.read_text(record_path))["latest_step"] if storage.exists(record_path) else 0
+        first, wait = time.monotonic(), FIRST_RELIST_S
+        while True:
+            names = storage.listdir(self.url)
+            steps = committed_steps(storage.join(self.url, CHECKPOINTS))
+            wrong = []
+            if max(steps, default=0) < recorded:
+                wrong.append(f"its newest committed checkpoint is {max(steps, default='none')} but {record_path} "
+                             f"records step {recorded} as committed")
+            if "metrics.jsonl" not in names and storage.exists(storage.join(self.url, "metrics.jsonl")):
+                wrong.append(f"it has no metrics.jsonl but {storage.join(self.url, 'metrics.jsonl')} exists")
+            if not wrong:
+                return names, steps
+            if time.monotonic() - first >= storage.retry_seconds():
+                raise storage.StorageError(
+                    f"{self.url}: the store's listing disagrees with the run ({'; '.join(wrong)}) after "
+                    f"{time.monotonic() - first:.0f}s of listing again; nothing was changed. The listing is stale "
+                    "or objects were lost: check the store, then run again")
+            log.warning("%s: the listing looks stale (%s); listing again in %.1fs", self.url, "; ".join(wrong), wait)
+            time.sleep(wait)
+            wait = min(2 * wait, storage.MAX_BACKOFF_S)
 
     def push_metrics(self) -> None:
         for name in METRICS if jax.process_index() == 0 else []:
@@ -67,9 +113,11 @@ class BucketRun:
                 return
             storage.upload(local, target)
             storage.write_bytes(storage.join(target, storage.COMMIT_MARKER), b"")
+        self.pushed.add(step)
         for name in storage.listdir(remote):
-            if name.isdigit() and int(name) not in kept:
+            if name.isdigit() and int(name) not in kept and (int(name) <= self.pulled_step or int(name) in self.pushed):
                 storage.remove_committed(storage.join(remote, name))
+        storage.write_bytes(storage.join(self.url, RECORD), json.dumps({"latest_step": step}).encode())
 
     def close(self) -> None:
         shutil.rmtree(self.local, ignore_errors=True)
