@@ -23,6 +23,7 @@ def _logged_steps(run: str) -> list[int]:
     return [json.loads(line)["step"] for line in storage.read_text(f"{run}/metrics.jsonl").splitlines()]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("listing", [RUN_LISTING, CHECKPOINTS_LISTING])
 def test_a_stale_listing_at_resume_is_listed_again(stores, synth_mix, listing, capsys):
     run = f"s3://{stores.bucket}/run"
@@ -35,6 +36,7 @@ def test_a_stale_listing_at_resume_is_listed_again(stores, synth_mix, listing, c
     assert storage.listdir(f"{run}/checkpoints") == ["6"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("listing", [RUN_LISTING, CHECKPOINTS_LISTING])
 def test_a_listing_that_stays_stale_stops_the_run_naming_both(stores, synth_mix, listing, capsys):
     run = f"s3://{stores.bucket}/run"
