@@ -11,7 +11,6 @@ import contextlib
 import logging
 import signal
 import threading
-import time
 from pathlib import Path
 
 import jax
@@ -31,6 +30,7 @@ from olmax.runtime import release_stop_signals
 from olmax.train.bucket_run import BucketRun
 from olmax.train.metrics import MetricsWriter, console_line, device_peak_flops
 from olmax.train.resume import restore_or_init, resume_data, schedule_change
+from olmax.train.step_clock import StepClock
 from olmax.train.step import batch_shardings, jit_train_step, micro_batch_rows
 
 log = logging.getLogger(__name__)
@@ -172,19 +172,16 @@ def _train(cfg: RunConfig, quiet: bool, make_eval, bucket: BucketRun | None, run
     flops_per_token = flops.count(cfg.model, cfg.data.sequence_length).per_token
     peak = device_peak_flops(np.dtype(compute_dtype(cfg.impl, layout)).name)
     history, pending = [], None
-    last_done = time.perf_counter()
-
-    paused = 0.0  # seconds of evals and checkpoint writes since the last step was logged: not step time
+    clock = StepClock()
 
     def tokens_after(step: int) -> int:
         return tokens_before + (step - start) * tokens_per_step
 
-    def finish(step: int, metrics, eval_metrics: dict) -> None:
-        nonlocal last_done, paused
+    def finish(step: int, metrics, eval_metrics: dict, in_flight=None) -> None:
+        """Log step `step`; `in_flight` is (step, metrics) of the step dispatched after it, if any."""
         values = {k: v.tolist() if np.ndim(v) else float(v) for k, v in jax.device_get(metrics).items()} | eval_metrics
-        now = time.perf_counter()
-        tps = tokens_per_step / (now - last_done - paused) / jax.device_count()
-        last_done, paused = now, 0.0
+        clock.done(step)
+        tps = tokens_per_step / clock.seconds(step) / jax.device_count()
         values.update({
             "throughput/total tokens": tokens_after(step),
             "throughput/device/TPS": tps,
@@ -198,10 +195,12 @@ def _train(cfg: RunConfig, quiet: bool, make_eval, bucket: BucketRun | None, run
         if step % cfg.train.log_every == 0 or step == cfg.train.steps:
             if not quiet and jax.process_index() == 0:
                 print(console_line(step, cfg.train.steps, values), flush=True)
-            if bucket:  # upload time is not step time
+            if bucket:  # uploaded once the step in flight is done, so that the upload is in no step's time
+                if in_flight:
+                    jax.block_until_ready(in_flight[1])
+                    clock.done(in_flight[0])
                 writer.flush()
                 bucket.push_metrics()
-                paused += time.perf_counter() - now
 
     try:
         with preemption_signals() as stop:
@@ -216,32 +215,30 @@ def _train(cfg: RunConfig, quiet: bool, make_eval, bucket: BucketRun | None, run
                 print("compiling the train step...", flush=True)  # the first step compiles: tens of seconds
             for step in range(start + 1, last + 1):
                 batch = place_batch(next(loader), sharding, micro_rows)
+                clock.dispatching(step)
                 state, metrics = step_fn(state, batch)
                 if pending:
-                    finish(*pending)
+                    finish(*pending, in_flight=(step, metrics))
                 pending = (step, metrics, {})
                 stopping = stop_requested(stop)
                 save = step % cfg.checkpoint.every == 0 or step == last or stopping
                 eval_due = evaluate is not None and evaluate.due(step)
                 if eval_due or save:
                     jax.block_until_ready(metrics)
-                    side_work_start = time.perf_counter()
+                    clock.done(step)
                     if eval_due:
                         pending[2].update(evaluate(step, state.params))
                     if save:
                         # Step N is logged and on disk before checkpoint N exists: a resume at N keeps steps <= N.
-                        paused += time.perf_counter() - side_work_start
                         finish(*pending)
                         pending = None
                         writer.flush()
-                        side_work_start = time.perf_counter()
                         check_finite(state.params, f"checked before writing checkpoint {step}", checkpointer)
                         checkpointer.save(step, state, run_meta(cfg, step, loader.state_dict(), tokens_after(step),
                                                                 data_offset))
                         if bucket:
                             bucket.push_metrics()
                             bucket.push_checkpoint(step, checkpointer.all_steps())
-                    paused += time.perf_counter() - side_work_start
                 if stopping:
                     raise Preempted(f"stopped by a signal after step {step}; checkpoint {step} written")
             if pending:
