@@ -227,6 +227,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"olmax: process {holder} is using this machine's TPU chips (it holds {LIBTPU_LOCKFILE}); run "
                   "this again when it has ended", file=sys.stderr)
             return 1
+        if _raised(err, "olmax.run_lock", "LeaseLost"):
+            print(f"olmax: {err}", file=sys.stderr)
+            return err.exit_code
         if _raised(err, "olmax.train.trainer", "Diverged"):
             print(f"olmax: {err}", file=sys.stderr)
             return sys.modules["olmax.train.trainer"].DIVERGED_EXIT_CODE

@@ -54,6 +54,10 @@ class MissingObject(StorageError):
     """No such object or bucket."""
 
 
+class AlreadyExists(StorageError):
+    """An exclusive write found the object there."""
+
+
 class StorageUnavailable(StorageError):
     """Transient faults outlasted storage.retry_seconds: an outage, not bad input, so it has its own exit code
     and `olmax launch`, Slurm jobs and JobSets run the command again after a backoff."""
@@ -192,9 +196,11 @@ TRANSIENT_CLASSES = {"TimeoutError", "ConnectionResetError", "ConnectionAbortedE
 
 
 def _kind(err: BaseException) -> str:
-    """'missing', 'denied', 'unreachable', 'transient' or 'other'."""
+    """'missing', 'exists', 'denied', 'unreachable', 'transient' or 'other'."""
     status = _status(err)
     names = {cls.__name__ for e in _chain(err) for cls in type(e).__mro__}
+    if isinstance(err, FileExistsError) or status == 412:  # s3fs and gcsfs say so for a failed exclusive write
+        return "exists"
     if isinstance(err, FileNotFoundError) or status == 404 or "NoSuchBucket" in str(err):
         return "missing"
     # gcsfs raises a bare OSError("Forbidden: URL") for 403
@@ -217,6 +223,8 @@ def _kind(err: BaseException) -> str:
 def _named(err: BaseException, path: str, kind: str) -> StorageError:
     what = f"{type(err).__name__}: {str(err).strip().splitlines()[0][:200] if str(err).strip() else ''}"
     endpoint = _endpoint(path)
+    if kind == "exists":
+        return AlreadyExists(f"{path} exists already ({what})")
     if kind == "missing":
         return MissingObject(f"{path} does not exist ({what}); check the bucket and object names")
     if kind == "denied":
@@ -320,11 +328,13 @@ def check_writable(path: str) -> None:
         raise StorageError(f"{path}: http(s) URLs are read-only; write to gs://, s3:// or a local path")
 
 
-def write_bytes(path: str, data: bytes) -> None:
+def write_bytes(path: str, data: bytes, exclusive: bool = False) -> None:
+    """Write the object; `exclusive`: only if there is none (a conditional write where the store offers one:
+    S3's If-None-Match, GCS's ifGenerationMatch=0), else AlreadyExists."""
     check_writable(path)
     if not is_remote(path):
         Path(path).parent.mkdir(parents=True, exist_ok=True)
-    _call(path, _fs(path).pipe_file, path, data)
+    _call(path, _fs(path).pipe_file, path, data, **({"mode": "create"} if exclusive else {}))
 
 
 def upload(local: str | os.PathLike, path: str) -> None:

@@ -38,7 +38,7 @@ from pathlib import Path
 import jax
 from jax.experimental import multihost_utils
 
-from olmax import storage
+from olmax import run_lock, storage
 from olmax.checkpoint.remote import CHECKPOINTS, committed_steps, pull_steps
 
 log = logging.getLogger(__name__)
@@ -91,12 +91,14 @@ class BucketRun:
             wait = min(2 * wait, storage.MAX_BACKOFF_S)
 
     def push_metrics(self) -> None:
+        run_lock.check_lease(self.url)  # a run that another has taken over writes nothing more
         for name in METRICS if jax.process_index() == 0 else []:
             if (self.local / name).exists():
                 storage.upload(self.local / name, storage.join(self.url, name))
 
     def push_checkpoint(self, step: int, kept: list[int]) -> None:
         """Upload checkpoint `step` (marker last), then delete the bucket's steps not in `kept`."""
+        run_lock.check_lease(self.url)
         remote = storage.join(self.url, CHECKPOINTS)
         local, target = self.local / CHECKPOINTS / str(step), storage.join(remote, str(step))
         if jax.process_count() == 1:
