@@ -225,6 +225,10 @@ def _named(err: BaseException, path: str, kind: str) -> StorageError:
     endpoint = _endpoint(path)
     if kind == "exists":
         return AlreadyExists(f"{path} exists already ({what})")
+    if kind == "missing" and _no_bucket(err, path):
+        bucket = "/".join(str(path).split("/", 3)[:3])
+        return MissingObject(f"bucket {bucket} does not exist (for {path}); check the bucket name and the endpoint "
+                             f"({endpoint})")
     if kind == "missing":
         return MissingObject(f"{path} does not exist ({what}); check the bucket and object names")
     if kind == "denied":
@@ -235,6 +239,18 @@ def _named(err: BaseException, path: str, kind: str) -> StorageError:
         return StorageError(f"{path}: cannot reach {endpoint} ({what}); check the endpoint (AWS_ENDPOINT_URL, "
                             "STORAGE_EMULATOR_HOST) and the network")
     return StorageError(f"{path}: {what}")
+
+
+def _no_bucket(err: BaseException, path: str) -> bool:
+    """Whether a 'missing' error is the bucket's: S3 says so; gcsfs's 404 does not, so the bucket is looked up."""
+    if "bucket does not exist" in str(err) or "NoSuchBucket" in str(err):
+        return True
+    if scheme(path) != "gs":
+        return False
+    try:
+        return not _fs(path).exists(str(path).split("/", 3)[2])
+    except Exception:  # the lookup is only to name the bucket; the error being named is the original one
+        return False
 
 
 class _Retries:

@@ -31,7 +31,7 @@ def test_a_stale_listing_at_resume_is_listed_again(stores, synth_mix, listing, c
     stale = stores.s3.add("stale", path=listing, times=1)
     assert _train(synth_mix, run) == 0
     assert stale.hits == 1
-    assert "resuming from step 4" in capsys.readouterr().out
+    assert f"resuming from step 4 (checkpoint {run}/checkpoints/4)" in capsys.readouterr().out
     assert _logged_steps(run) == [1, 2, 3, 4, 5, 6]
     assert storage.listdir(f"{run}/checkpoints") == ["6"]
 

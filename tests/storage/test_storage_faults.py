@@ -105,3 +105,10 @@ def test_a_bit_flipped_in_a_hashed_range_read_is_not_the_data_record(stores, syn
         assert flip.hits == flipped
         stores.s3.remove(flip)
     assert "resuming from step 3" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("kind", ["s3", "gs"])
+def test_a_missing_bucket_is_named(stores, kind):
+    with pytest.raises(storage.MissingObject, match=f"bucket {kind}://nosuch does not exist") as err:
+        storage.read_bytes(f"{kind}://nosuch/tiny/run.lock")
+    assert f"{kind}://nosuch/tiny/run.lock" in str(err.value)

@@ -90,6 +90,9 @@ class BucketRun:
             time.sleep(wait)
             wait = min(2 * wait, storage.MAX_BACKOFF_S)
 
+    def remote_step(self, step: int) -> str:
+        return storage.join(self.url, CHECKPOINTS, str(step))
+
     def push_metrics(self) -> None:
         run_lock.check_lease(self.url)  # a run that another has taken over writes nothing more
         for name in METRICS if jax.process_index() == 0 else []:

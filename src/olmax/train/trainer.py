@@ -158,9 +158,10 @@ def _train(cfg: RunConfig, quiet: bool, make_eval, bucket: BucketRun | None, run
         raise
     tokens_per_step = cfg.train.global_batch_instances * cfg.data.sequence_length
     # tokens trained up to step `start`; loader position - step
-    tokens_before, data_offset = resume_data(cfg, loader, restored, start, f"checkpoint {checkpointer.where(start)}")
+    where = bucket.remote_step(start) if bucket else checkpointer.where(start)  # not the local staging copy
+    tokens_before, data_offset = resume_data(cfg, loader, restored, start, f"checkpoint {where}")
     if restored is not None and not quiet and jax.process_index() == 0:
-        print(f"resuming from step {start} (checkpoint {checkpointer.where(start)})", flush=True)
+        print(f"resuming from step {start} (checkpoint {where})", flush=True)
         if change := schedule_change(restored["config"], cfg, start):
             print(change, flush=True)
     step_fn = jit_train_step(cfg, layout, micro_rows)
