@@ -182,7 +182,11 @@ def _fresh(record: dict | None) -> bool:
         return False
     if record.get("host") == socket.gethostname() and isinstance(record.get("pid"), int) and not alive(record["pid"]):
         return False  # its holder ran here and has ended
-    return time.time() - float(record.get("renewed", 0)) < STALE_S
+    renewed = record.get("renewed")
+    if not isinstance(renewed, (int, float)) or isinstance(renewed, bool):
+        return False  # no time a holder wrote: nobody's lease
+    # One stamped further ahead than a lease lasts is no clock's skew; it would block a takeover for that long.
+    return abs(time.time() - renewed) < STALE_S
 
 
 @contextlib.contextmanager

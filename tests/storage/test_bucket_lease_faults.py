@@ -60,3 +60,14 @@ def test_a_run_whose_lease_is_taken_over_stops_writing_and_exits_75(stores, synt
     assert f"lost the lease {run}/run.lock to host elsewhere, PID 1" in err and len(err.splitlines()) == 1, err
     assert max(int(s) for s in storage.listdir(f"{run}/checkpoints")) <= 4
     assert storage.read_bytes(f"{run}/run.lock") == other  # the other run's lease, left alone
+
+
+@pytest.mark.parametrize("renewed", ["soon", None, True, time.time() + 10 * run_lock.STALE_S],
+                         ids=["text", "null", "bool", "future"])
+def test_a_lease_with_no_time_or_one_in_the_future_is_taken_over(stores, renewed, caplog):
+    run = f"s3://{stores.bucket}/run"
+    storage.write_bytes(f"{run}/run.lock", json.dumps({"host": "elsewhere", "pid": 1, "token": "x",
+                                                       "renewed": renewed}).encode())
+    with run_lock.hold(run):
+        assert json.loads(storage.read_text(f"{run}/run.lock"))["token"] != "x"
+    assert "its holder (host elsewhere, PID 1) stopped renewing it" in caplog.text
