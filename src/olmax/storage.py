@@ -387,10 +387,23 @@ def listdir(path: str) -> list[str]:
     try:
         entries = _call(path, fs.ls, path, detail=False, refresh=True)
     except MissingObject:
-        if exists("/".join(str(path).split("/", 3)[:3])):  # an empty prefix, in a bucket that exists
+        if _bucket_exists(path):  # an empty prefix, in a bucket that exists
             return []
         raise
     return sorted(basename(e) for e in entries)
+
+
+def _bucket_exists(path: str) -> bool:
+    """Whether the bucket of `path` exists. s3fs's own probe (HEAD, then ?location) answers False for any error,
+    a 503 or a denial too, so S3's is asked as a listing of one key, whose faults are retried or named."""
+    bucket = "/".join(str(path).split("/", 3)[:3])
+    if scheme(path) != "s3":
+        return exists(bucket)
+    try:
+        _call(bucket, _fs(path).call_s3, "list_objects_v2", Bucket=basename(bucket), MaxKeys=1)
+    except MissingObject:
+        return False
+    return True
 
 
 def remove(path: str) -> None:

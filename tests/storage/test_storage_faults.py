@@ -112,3 +112,11 @@ def test_a_missing_bucket_is_named(stores, kind):
     with pytest.raises(storage.MissingObject, match=f"bucket {kind}://nosuch does not exist") as err:
         storage.read_bytes(f"{kind}://nosuch/tiny/run.lock")
     assert f"{kind}://nosuch/tiny/run.lock" in str(err.value)
+
+
+@pytest.mark.parametrize("status", [503, 403])
+def test_a_failing_bucket_probe_is_not_a_missing_bucket(stores, status):
+    """s3fs probes a bucket with HEAD and ?location and takes any failure for "no such bucket"."""
+    stores.s3.add("status", method="HEAD", path=rf"^/{stores.bucket}/?$", status=status)
+    stores.s3.add("status", path=r"[?&]location", status=status)
+    assert storage.listdir(f"s3://{stores.bucket}/empty/checkpoints") == []
