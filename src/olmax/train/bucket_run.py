@@ -22,8 +22,8 @@ commit the run records its latest committed step in OUTPUT_DIR/committed.json,
 read at start by name, not through a listing; a listing that shows an older
 latest step, or no metrics.jsonl where the object exists, is listed again with
 backoff for storage.retry_seconds, then the run stops with exit 2 naming both.
-Nor does a run ever delete a step newer than the one it copied down, unless it
-wrote that step itself.
+Nor does a run ever delete a committed step newer than the one it copied down,
+unless it wrote that step itself.
 """
 
 from __future__ import annotations
@@ -120,8 +120,12 @@ class BucketRun:
             storage.write_bytes(storage.join(target, storage.COMMIT_MARKER), b"")
         self.pushed.add(step)
         for name in storage.listdir(remote):
-            if name.isdigit() and int(name) not in kept and (int(name) <= self.pulled_step or int(name) in self.pushed):
-                storage.remove_committed(storage.join(remote, name))
+            if not name.isdigit() or int(name) in kept:
+                continue
+            path = storage.join(remote, name)
+            # A committed step newer than the one copied down that this run did not write is no step to drop.
+            if int(name) <= self.pulled_step or int(name) in self.pushed or not storage.committed(path):
+                storage.remove_committed(path)
         storage.write_bytes(storage.join(self.url, RECORD), json.dumps({"latest_step": step}).encode())
 
     def close(self) -> None:
