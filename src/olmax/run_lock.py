@@ -41,21 +41,15 @@ import uuid
 from pathlib import Path
 
 from olmax import storage
-from olmax.errors import BadInput
+from olmax.errors import LeaseLost, RunDirError
+from olmax.run_dir import RunDir
 
 log = logging.getLogger(__name__)
 
-LOCK_FILE = "run.lock"
 ENV_RUN_LOCK = "OLMAX_RUN_LOCK"
 RENEW_S = 10.0  # a bucket lease's holder rewrites it this often
 STALE_S = 45.0  # a lease not renewed for this long is a dead (or cut off) holder's, and is taken over
 SETTLE_S = 1.0  # a new lease is read back this long after it was written
-
-
-class LeaseLost(Exception):
-    """Another run took this run's bucket lease over; this one stops, writing nothing more."""
-
-    exit_code = 75  # EX_TEMPFAIL, as a preemption: the other run goes on, or this one is run again later
 
 
 _HELD: dict[str, str] = {}  # bucket run directory URL -> the token of this process's lease
@@ -67,16 +61,12 @@ def check_lease(url: str) -> None:
     (one read; nothing when this process holds none there): call it before writing to the directory."""
     url = str(url).rstrip("/")
     if url in _HELD and url not in _LOST:
-        path = storage.join(url, LOCK_FILE)
+        path = RunDir(url).lock
         if (now := _read_lease(path)) and now.get("token") != _HELD[url]:
             _LOST[url] = (f"lost the lease {path} to {_describe(json.dumps(now))}: this process was cut off from "
                           f"the store for over {STALE_S:.0f}s and another run took the run over")
     if url in _LOST:
         raise LeaseLost(f"{_LOST[url]}; stopped without writing anything more")
-
-
-class RunDirError(BadInput):
-    """Another process holds the run directory, or it cannot be written; the message names the holder or the fix."""
 
 
 def identity() -> str:
@@ -104,7 +94,7 @@ def hold(run_dir: str | os.PathLike, environ=None):
         return
     environ = os.environ if environ is None else environ
     run_dir = Path(run_dir)
-    path = run_dir / LOCK_FILE
+    path = RunDir(run_dir).lock
     made = not run_dir.exists()
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -129,7 +119,7 @@ def hold(run_dir: str | os.PathLike, environ=None):
         os.pwrite(fd, mine.encode(), 0)
         yield mine
     finally:
-        if made and os.listdir(run_dir) == [LOCK_FILE]:
+        if made and os.listdir(run_dir) == [path.name]:
             path.unlink()
             run_dir.rmdir()
         os.close(fd)  # releases the lock
@@ -191,7 +181,7 @@ def _fresh(record: dict | None) -> bool:
 
 @contextlib.contextmanager
 def _lease(url: str):
-    path = storage.join(url, LOCK_FILE)
+    path = RunDir(url).lock
     held = _read_lease(path)
     if _fresh(held):
         raise RunDirError(f"output_dir {url} is in use by another run ({_describe(json.dumps(held))}, per {path}, "

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import fsspec
 
-from olmax.errors import EXIT_STORAGE_UNAVAILABLE, BadInput
+from olmax.errors import AlreadyExists, MissingObject, StorageError, StorageUnavailable
 
 REMOTE_SCHEMES = ("gs", "s3", "https", "http")
 FIRST_BACKOFF_S = 0.05
@@ -43,26 +43,6 @@ TRANSIENT_STATUS = {408, 429, 500, 502, 503, 504}
 READ_TIMEOUT_S = 60.0  # a response that sends no byte for this long has stalled: a transient fault, retried
 
 log = logging.getLogger(__name__)
-
-
-class StorageError(BadInput):
-    """A store said no for good (missing object, denied, no bucket, unreachable) or kept failing past the
-    retry budget; the message names the URL and what to check."""
-
-
-class MissingObject(StorageError):
-    """No such object or bucket."""
-
-
-class AlreadyExists(StorageError):
-    """An exclusive write found the object there."""
-
-
-class StorageUnavailable(StorageError):
-    """Transient faults outlasted storage.retry_seconds: an outage, not bad input, so it has its own exit code
-    and `olmax launch`, Slurm jobs and JobSets run the command again after a backoff."""
-
-    exit_code = EXIT_STORAGE_UNAVAILABLE
 
 
 class _Settings:

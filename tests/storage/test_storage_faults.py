@@ -8,7 +8,7 @@ import pytest
 from fsspec.exceptions import FSTimeoutError
 
 from olmax import storage
-from olmax.errors import EXIT_STORAGE_UNAVAILABLE
+from olmax.errors import ExitCode
 
 DATA = bytes(range(256)) * 64
 
@@ -51,7 +51,7 @@ def test_a_checksum_that_keeps_failing_is_named_as_an_outage(stores, monkeypatch
     stores.s3.add("flip", method="GET", path=r"f\.bin")
     with pytest.raises(storage.StorageUnavailable, match=f"{url}: still failing after .*FlexibleChecksumError") as err:
         storage.read_bytes(url)
-    assert err.value.exit_code == EXIT_STORAGE_UNAVAILABLE and len(str(err.value).splitlines()) == 1
+    assert err.value.exit_code == ExitCode.STORAGE_UNAVAILABLE and len(str(err.value).splitlines()) == 1
 
 
 def test_timeouts_are_transient_by_what_they_derive_from():
@@ -75,7 +75,7 @@ def test_an_outage_past_the_budget_exits_69_naming_the_object(stores, synth_mix,
     code = main(["train", "tiny", "mesh.fsdp=1", "train.steps=2", "storage.retry_seconds=1",
                  f"data.mix_file={synth_mix}", f"output_dir=s3://{stores.bucket}/run"])
     err = capsys.readouterr().err
-    assert code == EXIT_STORAGE_UNAVAILABLE, err
+    assert code == ExitCode.STORAGE_UNAVAILABLE, err
     assert len(err.splitlines()) == 1 and f"s3://{stores.bucket}/run" in err and "still failing after" in err
 
 
@@ -85,9 +85,9 @@ def test_launchers_retry_an_outage_after_their_backoff():
     from olmax.launch.supervisor import NOT_RETRIED, Backoff, RetryPolicy
 
     policy = RetryPolicy(target_step=10, backoff=Backoff(300.0), max_retries=3)
-    assert policy.decide(finished=False, code=EXIT_STORAGE_UNAVAILABLE, before=4, after=4) == \
+    assert policy.decide(finished=False, code=ExitCode.STORAGE_UNAVAILABLE, before=4, after=4) == \
         (None, "restart in 300 s (retry 1 of at most 3 in a row)", 300.0)
-    assert EXIT_STORAGE_UNAVAILABLE not in NOT_RETRIED
+    assert ExitCode.STORAGE_UNAVAILABLE not in NOT_RETRIED
 
 
 @pytest.mark.slow

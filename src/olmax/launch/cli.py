@@ -119,6 +119,7 @@ def _k8s(args: argparse.Namespace) -> None:
     from olmax.config import ConfigError, load_config
     from olmax.launch.cloud import jobset
     from olmax.launch.supervisor import launch_dir
+    from olmax.run_dir import RunDir
     from olmax.scale.targets import parse_target
 
     if not (args.target and args.image):
@@ -128,7 +129,7 @@ def _k8s(args: argparse.Namespace) -> None:
     cfg = load_config(args.config, args.overrides, target.name)
     manifest = jobset(cfg, args.config, args.overrides, image=args.image, platform=target.platform, kind=target.kind,
                       topology=target.topology, chips=target.chips, max_restarts=args.max_retries)
-    path = launch_dir(cfg) / "jobset.yaml"
+    path = RunDir(launch_dir(cfg)).jobset
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(yaml.safe_dump(manifest, sort_keys=False))
     print(f"wrote {path}; start the run with: kubectl apply -f {path}")

@@ -19,8 +19,8 @@ import re
 import shlex
 
 from olmax.config import ConfigError, RunConfig
+from olmax.errors import NOT_RETRIED
 from olmax.launch.distributed import ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID
-from olmax.launch.supervisor import NOT_RETRIED
 
 # GKE node labels of TPU slices (cloud.google.com/gke-tpu-accelerator) and chips per TPU VM of a multi-host slice.
 GKE_TPUS = {"v5e": "tpu-v5-lite-podslice", "v5p": "tpu-v5p-slice", "v6e": "tpu-v6e-slice"}

@@ -31,10 +31,9 @@ import threading
 import time
 from pathlib import Path
 
-from olmax.config import ConfigError, RunConfig, load_config
+from olmax.config import RunConfig, load_config
+from olmax.errors import ExitCode, SlurmError
 from olmax.launch.supervisor import (
-    EXIT_FINISHED,
-    EXIT_PREEMPTED,
     Backoff,
     RetryPolicy,
     exit_reason,
@@ -42,16 +41,13 @@ from olmax.launch.supervisor import (
     launch_dir,
     previous_attempts,
 )
+from olmax.run_dir import RunDir
 from olmax.runtime import release_stop_signals
 
 # Job states after which Slurm will not run the job again by itself (a requeued job goes back to PENDING).
 ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "OUT_OF_MEMORY", "BOOT_FAIL",
          "DEADLINE", "SPECIAL_EXIT"}
 POLL_SECONDS = 30.0
-
-
-class SlurmError(ConfigError):
-    """Slurm refused the job (or is not there): retrying the same submission cannot help."""
 
 
 def batch_script(cfg: RunConfig, config: str, overrides: list[str], python: str = sys.executable) -> str:
@@ -61,7 +57,7 @@ def batch_script(cfg: RunConfig, config: str, overrides: list[str], python: str 
     options += [f"--gpus-per-task={slurm.gpus_per_task}"] if slurm.gpus_per_task else []
     options += [f"--{key}={getattr(slurm, key)}" for key in ("time", "partition", "account") if getattr(slurm, key)]
     options += ["--requeue", f"--signal=TERM@{slurm.signal_seconds}", "--open-mode=append",
-                f"--output={records}/slurm/%j.out", *slurm.sbatch_lines]
+                f"--output={RunDir(records).slurm_output('%j')}", *slurm.sbatch_lines]
     lines = ["#!/bin/bash", "# Written by `olmax launch --slurm`, which submits it with sbatch and watches the job.",
              *(f"#SBATCH {option}" for option in options)]
     if slurm.gpus_per_task:
@@ -71,15 +67,16 @@ def batch_script(cfg: RunConfig, config: str, overrides: list[str], python: str 
         "# One task per process; they join one run through JAX's Slurm detection.",
         f"srun {shlex.join([python, '-m', 'olmax.cli', 'train', config, *overrides])}",
         "code=$?",
-        "# 75: every task checkpointed after a SIGTERM (the time limit is near, or a preemption): run again.",
-        'if [ "$code" -eq 75 ]; then scontrol requeue "$SLURM_JOB_ID"; fi',
+        f"# {ExitCode.PREEMPTED:d}: every task checkpointed after a SIGTERM (the time limit is near, or a preemption): "
+        "run again.",
+        f'if [ "$code" -eq {ExitCode.PREEMPTED:d} ]; then scontrol requeue "$SLURM_JOB_ID"; fi',
         'exit "$code"',
     ]
     return "\n".join(lines) + "\n"
 
 
 def script_path(records: Path) -> Path:
-    return Path(records) / "slurm" / "job.sh"
+    return RunDir(records).slurm_script
 
 
 def _slurm(*argv: str) -> subprocess.CompletedProcess:
@@ -101,15 +98,15 @@ def job_info(job_id: str) -> dict[str, str] | None:
 def _exit_code(info: dict[str, str] | None) -> tuple[int, str]:
     """(the job script's exit code as the supervisor reads a child's, the outcome in words)."""
     if info is None:
-        return 1, "unknown (Slurm no longer knows the job)"
+        return ExitCode.FAILED, "unknown (Slurm no longer knows the job)"
     state = info["JobState"]
     status, sig = (int(x) for x in info.get("ExitCode", "0:0").split(":"))
     code = -sig if sig else status
     if state == "COMPLETED":
-        return 0, "finished"
+        return ExitCode.FINISHED, ExitCode.FINISHED.words
     if state == "FAILED":
         return code, exit_reason(code)
-    return (code or 1), state.lower().replace("_", " ")  # timeout, node fail, cancelled, ...
+    return (code or ExitCode.FAILED), state.lower().replace("_", " ")  # timeout, node fail, cancelled, ...
 
 
 def _eligible(info: dict[str, str]) -> datetime.datetime:
@@ -171,10 +168,10 @@ class SlurmLauncher:
             while True:
                 if self._stop_signal is not None:
                     self.echo("olmax launch: stopped before the next submission")
-                    return EXIT_PREEMPTED
+                    return ExitCode.PREEMPTED
                 self._job = self.submit()
                 self.echo(f"olmax launch: submitted Slurm job {self._job} ({script_path(self.records)}); "
-                          f"its output goes to {self.records / 'slurm' / (self._job + '.out')}")
+                          f"its output goes to {RunDir(self.records).slurm_output(self._job)}")
                 result, sleep = self._watch(self._job)
                 if result is not None:
                     return result
@@ -193,7 +190,7 @@ class SlurmLauncher:
             restarts = int(info.get("Restarts", runs_seen)) if info else runs_seen
             if restarts > runs_seen:  # Slurm requeued it: our script after exit 75, a preemption, `scontrol requeue`
                 after = latest_checkpoint_step(self.run_location)
-                result, sleep = self._record(job, runs_seen + 1, started, EXIT_PREEMPTED, "requeued",
+                result, sleep = self._record(job, runs_seen + 1, started, ExitCode.PREEMPTED, "requeued",
                                              before, after, again="run again")
                 if result is not None:
                     _slurm("scancel", job)
@@ -217,7 +214,7 @@ class SlurmLauncher:
     def _record(self, job: str, run: int, started: float, code: int, reason: str, before: int, after: int,
                 again: str) -> tuple[int | None, float]:
         self._attempt += 1
-        result, action, sleep = self.policy.decide(finished=code == EXIT_FINISHED, code=code, before=before,
+        result, action, sleep = self.policy.decide(finished=code == ExitCode.FINISHED, code=code, before=before,
                                                    after=after, stopped_by=self._stop_signal, again=again)
         record = {
             "attempt": self._attempt, "job_id": job, "job_run": run,
@@ -227,7 +224,7 @@ class SlurmLauncher:
             "action": action, "sleep": sleep, "failures_in_a_row": self.policy.failures_in_a_row,
         }
         self.records.mkdir(parents=True, exist_ok=True)
-        with open(self.records / "launch.jsonl", "a") as f:
+        with open(RunDir(self.records).launch_records, "a") as f:
             f.write(json.dumps(record) + "\n")
         self.echo(f"olmax launch: attempt {self._attempt}: Slurm job {job} run {run} {reason} after "
                   f"{record['seconds']:.1f} s (checkpoint {before} -> {after} of {self.target_step}); {action}")

@@ -2,15 +2,12 @@
 
 The trainer resumes from the run's latest checkpoint by itself, so a restart
 is just running the same command again. What the exit says decides what
-happens next (`olmax train`'s exit code contract):
+happens next (`olmax train`'s exit codes, olmax.errors.ExitCode):
 
-    0           finished: the step target is reached; stop.
-    2           bad input (config, data, checkpoint): retrying cannot help; stop.
-    3           diverged (the parameters became NaN/inf): a retry would repeat it bitwise; stop.
-    69          a store kept failing past storage.retry_seconds (an outage): restart after a backoff.
-    74          disk full writing a checkpoint: a retry cannot help until space is freed; stop.
-    75          preempted after writing a checkpoint: restart at once, not a failure.
-    other/signal  crashed: restart after a backoff.
+    FINISHED (0)      the step target is reached; stop.
+    not `retried`     bad input (2), diverged (3), disk full (74): retrying cannot help; stop.
+    PREEMPTED (75)    stopped by a signal after writing a checkpoint: restart at once, not a failure.
+    other/signal      crashed, or a storage outage (69): restart after a backoff.
 
 A failure is a crash, or a "preemption" that wrote no new checkpoint (a child
 that exits 75 in a loop must not spin for ever). The n-th failure in a row
@@ -53,20 +50,14 @@ from pathlib import Path
 
 from olmax import run_lock, storage
 from olmax.config import RunConfig, load_config, writable_dir
+from olmax.errors import NOT_RETRIED, ExitCode
 from olmax.launch.distributed import ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID
+from olmax.run_dir import RunDir
 from olmax.runtime import release_stop_signals
-
-EXIT_FINISHED = 0
-EXIT_BAD_INPUT = 2
-EXIT_DIVERGED = 3
-EXIT_DISK_FULL = 74  # EX_IOERR
-EXIT_PREEMPTED = 75  # EX_TEMPFAIL
-EXIT_GAVE_UP = 1
-NOT_RETRIED = (EXIT_BAD_INPUT, EXIT_DIVERGED, EXIT_DISK_FULL)
 
 TRAIN_COMMAND = (sys.executable, "-m", "olmax.cli", "train")
 # How long the other processes of a group may take to exit on their own once one has exited cleanly
-# (0, 2 or 75: the others are finishing the same checkpoint or error) before they are killed.
+# (finished, not retried or preempted: the others are finishing the same checkpoint or error) before they are killed.
 STOP_GRACE_SECONDS = 60.0
 POLL_SECONDS = 0.05
 
@@ -98,18 +89,18 @@ class RetryPolicy:
         if progressed:
             self.failures_in_a_row = 0
         if finished:
-            return EXIT_FINISHED, "done", 0.0
+            return ExitCode.FINISHED, "done", 0.0
         if code in NOT_RETRIED:
             return code, f"stop: {exit_reason(code)} is not retried (see the error above)", 0.0
         if after >= self.target_step:
-            return EXIT_FINISHED, f"done: the final checkpoint {after} was written", 0.0
+            return ExitCode.FINISHED, f"done: the final checkpoint {after} was written", 0.0
         if stopped_by is not None:
-            return EXIT_PREEMPTED, f"stop: the launcher got {signal.Signals(stopped_by).name}", 0.0
-        if code == EXIT_PREEMPTED and progressed:
+            return ExitCode.PREEMPTED, f"stop: the launcher got {signal.Signals(stopped_by).name}", 0.0
+        if code == ExitCode.PREEMPTED and progressed:
             return None, f"{again} now", 0.0
         self.failures_in_a_row += 1
         if self.failures_in_a_row > self.max_retries:
-            return (EXIT_GAVE_UP, f"give up: {self.failures_in_a_row} failures in a row "
+            return (ExitCode.FAILED, f"give up: {self.failures_in_a_row} failures in a row "
                     f"(--max-retries {self.max_retries})", 0.0)
         sleep = self.backoff.delay(self.failures_in_a_row)
         return None, f"{again} in {sleep:g} s (retry {self.failures_in_a_row} of at most {self.max_retries} in a row)", sleep
@@ -125,24 +116,14 @@ def launch_dir(cfg: RunConfig) -> Path:
     return writable_dir(Path(records.format(name=cfg.name)), "launch.records_dir")
 
 
-def previous_attempts(run_dir: Path) -> int:
-    log = Path(run_dir) / "launch.jsonl"
+def previous_attempts(records: Path) -> int:
+    log = RunDir(records).launch_records
     return len(log.read_text().splitlines()) if log.exists() else 0
 
 
 def latest_checkpoint_step(run: str | Path) -> int:
-    """The newest committed checkpoint's step of a run directory or bucket run, 0 if none: Orbax writes into a
-    temporary directory (`N.orbax-checkpoint-tmp-*`) and renames it to `N` when complete; a bucket's step counts
-    once its commit marker is there."""
-    if storage.is_remote(run):
-        from olmax.checkpoint.remote import CHECKPOINTS, committed_steps
-
-        checkpoints = storage.join(run, CHECKPOINTS)
-        return max(committed_steps(checkpoints), default=0) if storage.is_dir(checkpoints) else 0
-    directory = Path(run) / "checkpoints"
-    if not directory.is_dir():
-        return 0
-    return max((int(p.name) for p in directory.iterdir() if p.name.isdigit() and p.is_dir()), default=0)
+    """The newest committed checkpoint's step of a run directory or bucket run, 0 if none."""
+    return RunDir(run).latest_step() or 0
 
 
 def exit_reason(returncode: int) -> str:
@@ -151,10 +132,11 @@ def exit_reason(returncode: int) -> str:
             return f"killed by {signal.Signals(-returncode).name}"
         except ValueError:
             return f"killed by signal {-returncode}"
-    return {EXIT_FINISHED: "finished", EXIT_BAD_INPUT: "bad input", EXIT_DIVERGED: "diverged",
-            EXIT_DISK_FULL: "disk full", EXIT_PREEMPTED: "preempted"}.get(
-        returncode, f"crashed (exit {returncode})"
-    )
+    try:
+        words = ExitCode(returncode).words
+    except ValueError:
+        words = None
+    return words or f"crashed (exit {returncode})"
 
 
 def _exit_with(launcher_pid: int, libc) -> None:
@@ -243,7 +225,7 @@ class Supervisor:
             if None not in codes:
                 break
             if exit_order and deadline is None:
-                if any(codes[i] not in (EXIT_FINISHED, *NOT_RETRIED, EXIT_PREEMPTED) for i in exit_order):
+                if any(codes[i] not in (ExitCode.FINISHED, *NOT_RETRIED, ExitCode.PREEMPTED) for i in exit_order):
                     deadline = time.monotonic()  # a crash: the others are stuck waiting for it in a collective
                 else:
                     deadline = time.monotonic() + self.stop_grace
@@ -254,7 +236,7 @@ class Supervisor:
                 deadline = float("inf")
             time.sleep(POLL_SECONDS)
         self._procs = []
-        return codes, next((i for i in exit_order if codes[i] != EXIT_FINISHED), exit_order[0])
+        return codes, next((i for i in exit_order if codes[i] != ExitCode.FINISHED), exit_order[0])
 
     # ---- signals -----------------------------------------------------------------------------
 
@@ -282,7 +264,7 @@ class Supervisor:
 
     def _log(self, record: dict) -> None:
         self.records.mkdir(parents=True, exist_ok=True)
-        with open(self.records / "launch.jsonl", "a") as f:
+        with open(RunDir(self.records).launch_records, "a") as f:
             f.write(json.dumps(record) + "\n")
         codes = ", ".join(f"process {i}: {exit_reason(c)}" for i, c in enumerate(record["exit_codes"]))
         self.echo(
@@ -309,7 +291,7 @@ class Supervisor:
         while True:
             if self._stop_signal is not None:
                 self.echo("olmax launch: stopped before the next attempt")
-                return EXIT_PREEMPTED
+                return ExitCode.PREEMPTED
             attempt += 1
             before = latest_checkpoint_step(self.run_location)
             self.echo(f"olmax launch: attempt {attempt} from checkpoint {before} of {self.target_step}"
@@ -326,7 +308,7 @@ class Supervisor:
                 "target_step": self.target_step,
             }
             result, record["action"], record["sleep"] = self.policy.decide(
-                finished=all(c == EXIT_FINISHED for c in codes), code=code, before=before, after=after,
+                finished=all(c == ExitCode.FINISHED for c in codes), code=code, before=before, after=after,
                 stopped_by=self._stop_signal)
             record["failures_in_a_row"] = self.policy.failures_in_a_row
             self._log(record)

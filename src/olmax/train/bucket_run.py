@@ -39,19 +39,19 @@ import jax
 from jax.experimental import multihost_utils
 
 from olmax import run_lock, storage
-from olmax.checkpoint.remote import CHECKPOINTS, committed_steps, pull_steps
+from olmax.checkpoint.remote import pull_steps
+from olmax.run_dir import RunDir, committed_steps
 
 log = logging.getLogger(__name__)
 
-METRICS = ("metrics.jsonl", "tensorboard")
-RECORD = "committed.json"  # {"latest_step": N}: the run's own record of its newest committed checkpoint
 FIRST_RELIST_S = 0.5
 
 
 class BucketRun:
     def __init__(self, url: str):
-        self.url = url.rstrip("/")
+        self.run = RunDir(url)
         self.local = Path(tempfile.mkdtemp(prefix="olmax-run-"))
+        self.staged = RunDir(self.local)
         self.pulled_step = 0  # the newest step copied down: older ones may be deleted, newer ones are not ours
         self.pushed: set[int] = set()
         self.pull()
@@ -59,51 +59,52 @@ class BucketRun:
     def pull(self) -> None:
         names, steps = self._listing()
         for name in names if jax.process_index() == 0 else []:  # it writes the metrics
-            if name not in (CHECKPOINTS, RECORD):
-                storage.download(storage.join(self.url, name), self.local / name)
-        pull_steps(storage.join(self.url, CHECKPOINTS), self.local / CHECKPOINTS, steps)
+            if name not in (RunDir.checkpoints.name, RunDir.committed_record.name):
+                storage.download(self.run.path(name), self.staged.path(name))
+        pull_steps(self.run.checkpoints, self.staged.checkpoints, steps)
         self.pulled_step = max(steps, default=0)
 
     def _listing(self) -> tuple[list[str], list[int]]:
         """The run directory's names and committed steps, listed again while they disagree with the run's record
         or with the objects themselves (see the module's doc)."""
-        record_path = storage.join(self.url, RECORD)
-        recorded = json.loads(storage.read_text(record_path))["latest_step"] if storage.exists(record_path) else 0
+        record = self.run.committed_record
+        recorded = json.loads(storage.read_text(record))["latest_step"] if storage.exists(record) else 0
         first, wait = time.monotonic(), FIRST_RELIST_S
         while True:
-            names = storage.listdir(self.url)
-            steps = committed_steps(storage.join(self.url, CHECKPOINTS))
+            names = storage.listdir(self.run.location)
+            steps = committed_steps(self.run.checkpoints)
             wrong = []
             if max(steps, default=0) < recorded:
-                wrong.append(f"its newest committed checkpoint is {max(steps, default='none')} but {record_path} "
+                wrong.append(f"its newest committed checkpoint is {max(steps, default='none')} but {record} "
                              f"records step {recorded} as committed")
-            if "metrics.jsonl" not in names and storage.exists(storage.join(self.url, "metrics.jsonl")):
-                wrong.append(f"it has no metrics.jsonl but {storage.join(self.url, 'metrics.jsonl')} exists")
+            if RunDir.metrics.name not in names and storage.exists(self.run.metrics):
+                wrong.append(f"it has no {RunDir.metrics.name} but {self.run.metrics} exists")
             if not wrong:
                 return names, steps
             if time.monotonic() - first >= storage.retry_seconds():
                 raise storage.StorageError(
-                    f"{self.url}: the store's listing disagrees with the run ({'; '.join(wrong)}) after "
+                    f"{self.run.location}: the store's listing disagrees with the run ({'; '.join(wrong)}) after "
                     f"{time.monotonic() - first:.0f}s of listing again; nothing was changed. The listing is stale "
                     "or objects were lost: check the store, then run again")
-            log.warning("%s: the listing looks stale (%s); listing again in %.1fs", self.url, "; ".join(wrong), wait)
+            log.warning("%s: the listing looks stale (%s); listing again in %.1fs", self.run.location,
+                        "; ".join(wrong), wait)
             time.sleep(wait)
             wait = min(2 * wait, storage.MAX_BACKOFF_S)
 
     def remote_step(self, step: int) -> str:
-        return storage.join(self.url, CHECKPOINTS, str(step))
+        return storage.join(self.run.checkpoints, str(step))
 
     def push_metrics(self) -> None:
-        run_lock.check_lease(self.url)  # a run that another has taken over writes nothing more
-        for name in METRICS if jax.process_index() == 0 else []:
-            if (self.local / name).exists():
-                storage.upload(self.local / name, storage.join(self.url, name))
+        run_lock.check_lease(self.run.location)  # a run that another has taken over writes nothing more
+        for name in RunDir.METRIC_FILES if jax.process_index() == 0 else []:
+            if self.staged.path(name).exists():
+                storage.upload(self.staged.path(name), self.run.path(name))
 
     def push_checkpoint(self, step: int, kept: list[int]) -> None:
         """Upload checkpoint `step` (marker last), then delete the bucket's steps not in `kept`."""
-        run_lock.check_lease(self.url)
-        remote = storage.join(self.url, CHECKPOINTS)
-        local, target = self.local / CHECKPOINTS / str(step), storage.join(remote, str(step))
+        run_lock.check_lease(self.run.location)
+        remote = self.run.checkpoints
+        local, target = self.staged.checkpoints / str(step), storage.join(remote, str(step))
         if jax.process_count() == 1:
             storage.upload_committed(local, target)
         else:
@@ -126,7 +127,7 @@ class BucketRun:
             # A committed step newer than the one copied down that this run did not write is no step to drop.
             if int(name) <= self.pulled_step or int(name) in self.pushed or not storage.committed(path):
                 storage.remove_committed(path)
-        storage.write_bytes(storage.join(self.url, RECORD), json.dumps({"latest_step": step}).encode())
+        storage.write_bytes(self.run.committed_record, json.dumps({"latest_step": step}).encode())
 
     def close(self) -> None:
         shutil.rmtree(self.local, ignore_errors=True)
