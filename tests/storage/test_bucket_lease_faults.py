@@ -47,15 +47,22 @@ def test_a_run_whose_lease_is_taken_over_stops_writing_and_exits_75(stores, synt
     run = f"s3://{stores.bucket}/run"
     other = json.dumps({"host": "elsewhere", "pid": 1, "token": "other", "renewed": time.time() + 3600}).encode()
 
-    def take_over() -> None:  # as a run started while this one was cut off for longer than the lease lasts
+    stopped = threading.Event()
+
+    def take_over() -> None:  # as a run started while this one was cut off for longer than the lease lasts,
         while not storage.exists(f"{run}/checkpoints/2/{storage.COMMIT_MARKER}"):
             time.sleep(0.01)
-        storage.write_bytes(f"{run}/run.lock", other)
+        while not stopped.wait(0.1):  # which renews its lease
+            storage.write_bytes(f"{run}/run.lock", other)
 
     thread = threading.Thread(target=take_over, daemon=True)
     thread.start()
-    assert main(["train", "tiny", "mesh.fsdp=1", "train.steps=30", "checkpoint.every=2", f"data.mix_file={synth_mix}",
-                 f"output_dir={run}"]) == 75
+    try:
+        assert main(["train", "tiny", "mesh.fsdp=1", "train.steps=30", "checkpoint.every=2",
+                     f"data.mix_file={synth_mix}", f"output_dir={run}"]) == 75
+    finally:
+        stopped.set()
+        thread.join()
     err = capsys.readouterr().err
     assert f"lost the lease {run}/run.lock to host elsewhere, PID 1" in err and len(err.splitlines()) == 1, err
     assert max(int(s) for s in storage.listdir(f"{run}/checkpoints")) <= 4
