@@ -29,11 +29,12 @@ def _error_classes() -> list[type]:
 
 def test_the_exit_codes():
     assert {code.name: int(code) for code in ExitCode} == {
-        "FINISHED": 0, "FAILED": 1, "BAD_INPUT": 2, "DIVERGED": 3, "DISK_FULL": 74, "PREEMPTED": 75, "INTERRUPTED": 130}
+        "FINISHED": 0, "FAILED": 1, "BAD_INPUT": 2, "DIVERGED": 3, "STORAGE_UNAVAILABLE": 69, "DISK_FULL": 74,
+        "PREEMPTED": 75, "INTERRUPTED": 130}
     assert errors.NOT_RETRIED == (2, 3, 74)
     assert {cls.__name__: cls.exit_code for cls in _error_classes() if not issubclass(cls, BadInput)} == {
         "OlmaxError": 1, "Preempted": 75, "Diverged": 3, "DiskFull": 74, "DoesNotFit": 1,
-        "CoordinatorUnreachable": 1}
+        "CoordinatorUnreachable": 1, "LeaseLost": 75}
     assert all(isinstance(cls.exit_code, ExitCode) for cls in _error_classes())
 
 
@@ -76,7 +77,7 @@ def test_the_cli_ends_on_each_error_with_its_code_and_one_line(error, monkeypatc
 def test_every_bad_input_error_derives_from_bad_input():
     assert {cls.__name__ for cls in _error_classes() if issubclass(cls, BadInput)} == {
         "BadInput", "ConfigError", "TargetError", "ClusterError", "SlurmError", "StorageError", "MissingObject",
-        "RunDirError", "DataError", "CheckpointError", "UnreadableCheckpoint", "EvalError", "InteropError"}
+        "AlreadyExists", "StorageUnavailable", "RunDirError", "DataError", "CheckpointError", "UnreadableCheckpoint", "EvalError", "InteropError"}
     assert issubclass(BadInput, ValueError)
 
 

@@ -557,8 +557,8 @@ class LaunchConfig(Section):
     @classmethod
     def _on_a_filesystem(cls, value):
         if value is not None and "://" in value:
-            raise ValueError(f"launch.records_dir {value!r} must be a filesystem path (the launcher appends to its "
-                             "records and Slurm writes its output there), not a bucket")
+            raise ValueError("must be a filesystem path (the launcher appends to its records and Slurm writes its "
+                             "output there), not a bucket")
         return value
 
 

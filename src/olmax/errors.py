@@ -29,6 +29,7 @@ class ExitCode(IntEnum):
     FAILED = 1, None, True  # a crash, a failed check (resume-check, parity, compile); `olmax launch` gave up
     BAD_INPUT = 2, "bad input", False  # retrying cannot help
     DIVERGED = 3, "diverged", False  # the parameters are not finite: a resume would repeat the same steps bitwise
+    STORAGE_UNAVAILABLE = 69, "storage unavailable", True  # EX_UNAVAILABLE: a store failed past storage.retry_seconds
     DISK_FULL = 74, "disk full", False  # EX_IOERR: only freeing space helps
     PREEMPTED = 75, "preempted", True  # EX_TEMPFAIL: stopped by a signal after a checkpoint; run again to resume
     INTERRUPTED = 130, None, True  # 128 + SIGINT, as a shell reports it: commands other than train and launch
@@ -116,6 +117,23 @@ class MissingObject(StorageError):
     """No such object or bucket."""
 
 
+class AlreadyExists(StorageError):
+    """An exclusive write found the object there."""
+
+
+class StorageUnavailable(StorageError):
+    """Transient faults outlasted storage.retry_seconds: an outage, not bad input, so it has its own exit code
+    and `olmax launch`, Slurm jobs and JobSets run the command again after a backoff."""
+
+    exit_code = ExitCode.STORAGE_UNAVAILABLE
+
+
+class LeaseLost(OlmaxError):
+    """Another run took this run's bucket lease over; this one stopped, writing nothing more."""
+
+    exit_code = ExitCode.PREEMPTED  # as a preemption: the other run goes on, or this one is run again later
+
+
 class RunDirError(BadInput):
     """Another process holds the run directory, or it cannot be written; the message names the holder or the fix."""
 
@@ -138,3 +156,4 @@ class EvalError(BadInput):
 
 class InteropError(BadInput):
     """Input that cannot be converted or compared; the message names the file, field or tensors."""
+

@@ -6,6 +6,7 @@
       tensorboard/events*  the same metrics as TensorBoard event files
       goodput.json         the run's wall time by category, over its attempts (olmax.train.goodput)
       run.lock             the lock of the process that holds the run, or a bucket run's lease (olmax.run_lock)
+      committed.json       a bucket run's own record of its newest committed step (olmax.train.bucket_run)
       logs/host-NN.log     each process's log (olmax.launch.distributed)
       launch.jsonl         `olmax launch`'s attempts (olmax.launch); with the two below, in
       slurm/job.sh, JOBID.out  launch.records_dir when that is set, and runs/NAME here for a run in a bucket
@@ -54,6 +55,7 @@ class RunDir:
     launch_records = File("launch.jsonl")
     slurm_script = File("slurm/job.sh")
     jobset = File("jobset.yaml")
+    committed_record = File("committed.json")  # a bucket run's record of its newest committed step (train.bucket_run)
 
     METRIC_FILES = (metrics.name, tensorboard.name, goodput.name)  # what a bucket run uploads as it goes and `compare` reads
 

@@ -16,10 +16,14 @@ lease, the object OUTPUT_DIR/run.lock with the holder's host, PID and the
 time it was last renewed. The holder renews it every RENEW_S seconds from a
 thread and deletes it when it ends. A second run is refused while the lease is
 fresh; one not renewed for STALE_S seconds (its holder died, or lost the
-network), or one of this host whose process is gone, is taken over. Object
-stores have no compare-and-swap that every one of them offers alike, so a new
-holder writes its lease, waits SETTLE_S and reads it back: of two runs that
-wrote at the same moment, only the one whose lease is there goes on.
+network), or one of this host whose process is gone, is taken over. A lease is
+written with an exclusive (conditional) write, which S3 and GCS refuse when the
+object exists, so of two runs starting at once however late their writes
+arrive, one goes on; a takeover deletes the stale lease first, and is read back
+SETTLE_S later in case another took it over too. A holder that finds another's
+lease at a renewal has been cut off for longer than STALE_S and another run
+holds the directory now: `lost(url)` says so, and the run stops without writing
+anything more (LeaseLost, exit 75).
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ import uuid
 from pathlib import Path
 
 from olmax import storage
-from olmax.errors import RunDirError
+from olmax.errors import LeaseLost, RunDirError
 from olmax.run_dir import RunDir
 
 log = logging.getLogger(__name__)
@@ -46,6 +50,23 @@ ENV_RUN_LOCK = "OLMAX_RUN_LOCK"
 RENEW_S = 10.0  # a bucket lease's holder rewrites it this often
 STALE_S = 45.0  # a lease not renewed for this long is a dead (or cut off) holder's, and is taken over
 SETTLE_S = 1.0  # a new lease is read back this long after it was written
+
+
+_HELD: dict[str, str] = {}  # bucket run directory URL -> the token of this process's lease
+_LOST: dict[str, str] = {}  # bucket run directory URL -> why this process's lease was lost
+
+
+def check_lease(url: str) -> None:
+    """Raise LeaseLost if another run has taken over the lease this process holds on bucket run directory `url`
+    (one read; nothing when this process holds none there): call it before writing to the directory."""
+    url = str(url).rstrip("/")
+    if url in _HELD and url not in _LOST:
+        path = RunDir(url).lock
+        if (now := _read_lease(path)) and now.get("token") != _HELD[url]:
+            _LOST[url] = (f"lost the lease {path} to {_describe(json.dumps(now))}: this process was cut off from "
+                          f"the store for over {STALE_S:.0f}s and another run took the run over")
+    if url in _LOST:
+        raise LeaseLost(f"{_LOST[url]}; stopped without writing anything more")
 
 
 def identity() -> str:
@@ -135,9 +156,11 @@ def alive(pid: int) -> bool:
 
 def _read_lease(path: str) -> dict | None:
     try:
-        record = json.loads(storage.read_text(path))
+        text = storage.read_text(path)
     except storage.MissingObject:
         return None
+    try:
+        record = json.loads(text)
     except ValueError:  # a torn or foreign object: no holder can be named, so it is nobody's lease
         return None
     return record if isinstance(record, dict) else None
@@ -149,7 +172,11 @@ def _fresh(record: dict | None) -> bool:
         return False
     if record.get("host") == socket.gethostname() and isinstance(record.get("pid"), int) and not alive(record["pid"]):
         return False  # its holder ran here and has ended
-    return time.time() - float(record.get("renewed", 0)) < STALE_S
+    renewed = record.get("renewed")
+    if not isinstance(renewed, (int, float)) or isinstance(renewed, bool):
+        return False  # no time a holder wrote: nobody's lease
+    # One stamped further ahead than a lease lasts is no clock's skew; it would block a takeover for that long.
+    return abs(time.time() - renewed) < STALE_S
 
 
 @contextlib.contextmanager
@@ -164,25 +191,37 @@ def _lease(url: str):
         log.warning("taking over %s: its holder (%s) stopped renewing it", path, _describe(json.dumps(held)))
     mine = {"host": socket.gethostname(), "pid": os.getpid(), "token": uuid.uuid4().hex}
 
-    def write() -> None:
-        storage.write_bytes(path, json.dumps(mine | {"renewed": time.time()}).encode())
+    def write(exclusive: bool = False) -> None:
+        storage.write_bytes(path, json.dumps(mine | {"renewed": time.time()}).encode(), exclusive=exclusive)
 
-    write()
-    time.sleep(SETTLE_S)
-    now = _read_lease(path)
-    if not now or now.get("token") != mine["token"]:
-        raise RunDirError(f"output_dir {url} was taken by another run starting at the same time "
-                          f"({_describe(json.dumps(now))}, per {path}); set another output_dir")
+    def taken(now: dict | None) -> RunDirError:
+        return RunDirError(f"output_dir {url} was taken by another run starting at the same time "
+                           f"({_describe(json.dumps(now))}, per {path}); set another output_dir")
+
+    if held:
+        storage.remove(path)
+    try:
+        write(exclusive=True)
+    except storage.AlreadyExists:
+        if (now := _read_lease(path) or {}).get("token") != mine["token"]:  # not our own write, retried
+            raise taken(now) from None
+    if held:  # another run may have deleted the stale lease too, and written its own after ours
+        time.sleep(SETTLE_S)
+        if (now := _read_lease(path) or {}).get("token") != mine["token"]:
+            raise taken(now)
+    key = url.rstrip("/")
+    _HELD[key] = mine["token"]
+    _LOST.pop(key, None)
     stop = threading.Event()
 
     def renew() -> None:
         while not stop.wait(RENEW_S):
             try:
-                if (now := _read_lease(path)) and now.get("token") != mine["token"]:
-                    log.error("lost the lease %s to %s (this process was cut off for over %.0fs); stop this run",
-                              path, _describe(json.dumps(now)), STALE_S)
-                    return
+                check_lease(key)
                 write()
+            except LeaseLost as err:
+                log.error("%s", err)
+                return
             except storage.StorageError as err:  # the next renewal tries again; STALE_S leaves room for several
                 log.warning("could not renew the lease %s: %s", path, err)
 
@@ -193,5 +232,6 @@ def _lease(url: str):
     finally:
         stop.set()
         renewer.join()
+        _HELD.pop(key, None)
         if (_read_lease(path) or {}).get("token") == mine["token"]:
             storage.remove(path)

@@ -10,10 +10,12 @@ olmax reads no setting of its own for either and never logs a credential.
 
 Retries are olmax's, not the libraries' (theirs are turned off), so that each is
 counted (`io/retries`) and bounded: a transient fault (HTTP 5xx or 429, a reset
-connection, a timeout) is retried with exponential backoff and full jitter
-until `storage.retry_seconds` have passed since the first failure; a permanent
-one (403, 404, no such bucket, an endpoint that refuses connections) raises
-`StorageError` at once, naming the URL and what to check.
+connection, a timeout, a body cut short or failing its checksum) is retried with
+exponential backoff and full jitter until `storage.retry_seconds` have passed
+since the first failure, then raises `StorageUnavailable` (its own exit code,
+which launchers retry later); a permanent one (403, 404, no such bucket, an
+endpoint that refuses connections) raises `StorageError` at once (exit 2),
+naming the URL and what to check.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from pathlib import Path
 
 import fsspec
 
-from olmax.errors import MissingObject, StorageError
+from olmax.errors import AlreadyExists, MissingObject, StorageError, StorageUnavailable
 
 REMOTE_SCHEMES = ("gs", "s3", "https", "http")
 FIRST_BACKOFF_S = 0.05
@@ -41,6 +43,7 @@ MAX_BACKOFF_S = 10.0
 TRANSIENT_STATUS = {408, 429, 500, 502, 503, 504}
 UPLOAD_THREADS = 8  # files of a tree uploaded at once
 MULTIPART_CHUNK = 16 * 2**20  # part size of S3 multipart uploads (s3fs's default, 50 MiB, leaves 100 MiB whole)
+READ_TIMEOUT_S = 60.0  # a response that sends no byte for this long has stalled: a transient fault, retried
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +57,11 @@ class _Settings:
 def configure(retry_seconds: float) -> None:
     """How long transient faults of one request are retried (from `storage.retry_seconds`)."""
     _Settings.retry_seconds = retry_seconds
+
+
+def retry_seconds() -> float:
+    """How long transient faults are retried (storage.retry_seconds)."""
+    return _Settings.retry_seconds
 
 
 def retries() -> int:
@@ -98,8 +106,8 @@ def _filesystem(kind: str, emulator: str | None, endpoint: str | None):
     if kind == "s3":
         import s3fs
 
-        fs = s3fs.S3FileSystem(config_kwargs={"retries": {"total_max_attempts": 1}}, skip_instance_cache=True,
-                               use_listings_cache=False)
+        fs = s3fs.S3FileSystem(config_kwargs={"retries": {"total_max_attempts": 1}, "read_timeout": READ_TIMEOUT_S},
+                               skip_instance_cache=True, use_listings_cache=False)
         fs.retries = 1  # s3fs's own loop: one attempt
         return fs
     if kind == "gs":
@@ -110,7 +118,10 @@ def _filesystem(kind: str, emulator: str | None, endpoint: str | None):
             _request = GCSFileSystem._request.__wrapped__
 
         logging.getLogger("gcsfs").setLevel(logging.CRITICAL)  # it logs whole tracebacks for errors it raises
-        return OneAttemptGCS(token="anon" if emulator else None, skip_instance_cache=True, use_listings_cache=False)
+        import aiohttp
+
+        return OneAttemptGCS(token="anon" if emulator else None, skip_instance_cache=True, use_listings_cache=False,
+                             requests_timeout=aiohttp.ClientTimeout(sock_read=READ_TIMEOUT_S))
     if kind in ("http", "https"):
         return fsspec.filesystem("http", skip_instance_cache=True)
     return fsspec.filesystem("file")
@@ -156,10 +167,23 @@ def _status(err: BaseException) -> int | None:
     return None
 
 
+# Transient by what they are, matched against every class an error derives from (so that a library's subclass,
+# aiobotocore's AioReadTimeoutError, fsspec's FSTimeoutError, counts as what it derives from): builtin timeouts and
+# dropped connections, botocore's HTTP client errors (timeouts, closed connections, streams cut short), a body
+# shorter than its Content-Length or failing its checksum, aiohttp's server and payload errors, urllib3's and
+# http.client's protocol errors.
+TRANSIENT_CLASSES = {"TimeoutError", "ConnectionResetError", "ConnectionAbortedError", "BrokenPipeError",
+                     "HTTPClientError", "IncompleteReadError", "FlexibleChecksumError", "ServerConnectionError",
+                     "ClientPayloadError", "ClientOSError", "ContentLengthError", "TransferEncodingError",
+                     "ConnectTimeoutError", "ProtocolError", "IncompleteRead"}
+
+
 def _kind(err: BaseException) -> str:
-    """'missing', 'denied', 'unreachable', 'transient' or 'other'."""
+    """'missing', 'exists', 'denied', 'unreachable', 'transient' or 'other'."""
     status = _status(err)
-    names = {type(e).__name__ for e in _chain(err)}
+    names = {cls.__name__ for e in _chain(err) for cls in type(e).__mro__}
+    if isinstance(err, FileExistsError) or status == 412:  # s3fs and gcsfs say so for a failed exclusive write
+        return "exists"
     if isinstance(err, FileNotFoundError) or status == 404 or "NoSuchBucket" in str(err):
         return "missing"
     # gcsfs raises a bare OSError("Forbidden: URL") for 403
@@ -172,10 +196,7 @@ def _kind(err: BaseException) -> str:
     if refused or names & {"ClientConnectorDNSError", "EndpointConnectionError"} and not names & {
             "ConnectionResetError", "ServerDisconnectedError"}:
         return "unreachable"
-    if names & {"ConnectionResetError", "ServerDisconnectedError", "ClientPayloadError", "ClientOSError",
-                "TimeoutError", "ReadTimeoutError", "ConnectTimeoutError", "ConnectionClosedError",
-                "ResponseStreamingError", "IncompleteReadError", "ProtocolError", "ServerTimeoutError",
-                "ContentLengthError", "TransferEncodingError", "BrokenPipeError"}:
+    if names & TRANSIENT_CLASSES:
         return "transient"
     if isinstance(err, OSError) and err.errno in (errno.EIO, getattr(errno, "EREMOTEIO", errno.EIO), errno.EAGAIN):
         return "transient"  # s3fs's translation of a 5xx it has no name for
@@ -185,6 +206,12 @@ def _kind(err: BaseException) -> str:
 def _named(err: BaseException, path: str, kind: str) -> StorageError:
     what = f"{type(err).__name__}: {str(err).strip().splitlines()[0][:200] if str(err).strip() else ''}"
     endpoint = _endpoint(path)
+    if kind == "exists":
+        return AlreadyExists(f"{path} exists already ({what})")
+    if kind == "missing" and _no_bucket(err, path):
+        bucket = "/".join(str(path).split("/", 3)[:3])
+        return MissingObject(f"bucket {bucket} does not exist (for {path}); check the bucket name and the endpoint "
+                             f"({endpoint})")
     if kind == "missing":
         return MissingObject(f"{path} does not exist ({what}); check the bucket and object names")
     if kind == "denied":
@@ -195,6 +222,18 @@ def _named(err: BaseException, path: str, kind: str) -> StorageError:
         return StorageError(f"{path}: cannot reach {endpoint} ({what}); check the endpoint (AWS_ENDPOINT_URL, "
                             "STORAGE_EMULATOR_HOST) and the network")
     return StorageError(f"{path}: {what}")
+
+
+def _no_bucket(err: BaseException, path: str) -> bool:
+    """Whether a 'missing' error is the bucket's: S3 says so; gcsfs's 404 does not, so the bucket is looked up."""
+    if "bucket does not exist" in str(err) or "NoSuchBucket" in str(err):
+        return True
+    if scheme(path) != "gs":
+        return False
+    try:
+        return not _fs(path).exists(str(path).split("/", 3)[2])
+    except Exception:  # the lookup is only to name the bucket; the error being named is the original one
+        return False
 
 
 class _Retries:
@@ -212,7 +251,7 @@ class _Retries:
         if kind != "transient":
             raise _named(err, self.path, kind) from None
         if now - self.first_failure >= _Settings.retry_seconds:
-            raise StorageError(
+            raise StorageUnavailable(
                 f"{self.path}: still failing after {self.attempt} retries over {now - self.first_failure:.0f}s "
                 f"({_named(err, self.path, kind)}); check {_endpoint(self.path)}, or raise storage.retry_seconds"
             ) from None
@@ -288,11 +327,13 @@ def check_writable(path: str) -> None:
         raise StorageError(f"{path}: http(s) URLs are read-only; write to gs://, s3:// or a local path")
 
 
-def write_bytes(path: str, data: bytes) -> None:
+def write_bytes(path: str, data: bytes, exclusive: bool = False) -> None:
+    """Write the object; `exclusive`: only if there is none (a conditional write where the store offers one:
+    S3's If-None-Match, GCS's ifGenerationMatch=0), else AlreadyExists."""
     check_writable(path)
     if not is_remote(path):
         Path(path).parent.mkdir(parents=True, exist_ok=True)
-    _call(path, _fs(path).pipe_file, path, data)
+    _call(path, _fs(path).pipe_file, path, data, **({"mode": "create"} if exclusive else {}))
 
 
 def upload(local: str | os.PathLike, path: str) -> None:
@@ -335,10 +376,23 @@ def listdir(path: str) -> list[str]:
     try:
         entries = _call(path, fs.ls, path, detail=False, refresh=True)
     except MissingObject:
-        if exists("/".join(str(path).split("/", 3)[:3])):  # an empty prefix, in a bucket that exists
+        if _bucket_exists(path):  # an empty prefix, in a bucket that exists
             return []
         raise
     return sorted(basename(e) for e in entries)
+
+
+def _bucket_exists(path: str) -> bool:
+    """Whether the bucket of `path` exists. s3fs's own probe (HEAD, then ?location) answers False for any error,
+    a 503 or a denial too, so S3's is asked as a listing of one key, whose faults are retried or named."""
+    bucket = "/".join(str(path).split("/", 3)[:3])
+    if scheme(path) != "s3":
+        return exists(bucket)
+    try:
+        _call(bucket, _fs(path).call_s3, "list_objects_v2", Bucket=basename(bucket), MaxKeys=1)
+    except MissingObject:
+        return False
+    return True
 
 
 def remove(path: str) -> None:

@@ -149,7 +149,9 @@ def test_parity_cli_json_and_exit_code(tmp_path, capsys):
     args = parser.parse_args(["parity", "--hf", str(hf_dir), "--olmax", str(tmp_path / "olmax"), "--json",
                               "--batches", "2"])
     args.func(args)
-    report = json.loads(capsys.readouterr().out)
+    out, err = capsys.readouterr()
+    report = json.loads(out)
+    assert "Loading weights" not in err  # transformers' progress bars are not parity's output
     assert report["passed"] and report["seq_len"] == 16 and report["comparisons"]["hf"]["tokens"] == 32
     args = parser.parse_args(["parity", "--hf", str(other), "--olmax", str(tmp_path / "olmax")])
     with pytest.raises(SystemExit) as exit_:

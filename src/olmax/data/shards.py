@@ -36,6 +36,7 @@ HEAD_CHECK_TOKENS = 4096
 # Bytes hashed at each end of every shard for the facts' content check: a shard rewritten with other tokens of
 # the same size is caught on resume, for two small reads per shard.
 CONTENT_HASH_BYTES = 1 << 16
+CONTENT_READS = 3  # reads after the first of a remote shard's hashed bytes, until two agree
 MAX_OPEN_FILES = 256
 # Written beside the shards by `olmax tokenize` and `olmax synth-data`: how they were written.
 SHARDS_RECORD = "shards.json"
@@ -311,12 +312,27 @@ class TokenShards:
             )
 
     def _content_hash(self, shard: int) -> str:
-        """sha256 of the shard's first and last CONTENT_HASH_BYTES (the whole shard when smaller)."""
+        """sha256 of the shard's first and last CONTENT_HASH_BYTES (the whole shard when smaller). A range read
+        from a bucket carries no checksum, and a bit flipped in transit would become the run's record of its data
+        (refusing every resume), so a remote shard's is read until two reads agree."""
         tokens = self.sizes[shard] // self.dtype.itemsize
         block = CONTENT_HASH_BYTES // self.dtype.itemsize
-        head = self._read_tokens(shard, 0, min(block, tokens))
-        tail = self._read_tokens(shard, max(tokens - block, 0), min(block, tokens))
-        return hashlib.sha256(head.tobytes() + tail.tobytes()).hexdigest()
+
+        def read() -> str:
+            head = self._read_tokens(shard, 0, min(block, tokens))
+            tail = self._read_tokens(shard, max(tokens - block, 0), min(block, tokens))
+            return hashlib.sha256(head.tobytes() + tail.tobytes()).hexdigest()
+
+        digest = read()
+        if not self._remote[shard]:
+            return digest
+        for _ in range(CONTENT_READS):
+            digest, previous = read(), digest
+            if digest == previous:
+                return digest
+        raise storage.StorageUnavailable(
+            f"shard {self.sources[shard].path}: {CONTENT_READS + 1} reads of its first and last bytes all differ; "
+            "something between here and the store corrupts data: check it, then run again")
 
     def _read_tokens(self, shard: int, start: int, count: int, into: np.ndarray | None = None) -> np.ndarray:
         if self._remote[shard]:

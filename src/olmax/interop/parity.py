@@ -165,6 +165,7 @@ def hf_reference(hf_dir: Path, cfg: RunConfig, dtype: str = "float32"):
     hf = read_hf_config(hf_dir)
     families.from_hf(hf, name="reference", where=str(hf_dir / "config.json"))
     family = families.FAMILIES[hf["model_type"]]
+    transformers.utils.logging.disable_progress_bar()  # its "Loading weights" bars would break parity's report
     model = getattr(transformers, family.HF_CLASS).from_pretrained(
         hf_dir, dtype=getattr(torch, dtype), trust_remote_code=False, use_safetensors=True, **family.HF_LOAD_ARGS).eval()
     check_same_model(cfg, model.config, str(hf_dir))

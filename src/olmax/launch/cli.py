@@ -12,7 +12,7 @@ def add_commands(subparsers) -> None:
         help="train, restarting after crashes and preemptions until the run reaches its step target",
         description="Runs `olmax train CONFIG OVERRIDES` as child process(es); the trainer resumes from the run's "
         "latest checkpoint, so after a crash (any exit but 0, 2, 3, 74, 75, or a signal) it is restarted after an "
-        "exponential backoff, after a preemption (exit 75) at once. Bad input (exit 2), a divergence (exit 3: "
+        "exponential backoff (so is a storage outage, exit 69), after a preemption (exit 75) at once. Bad input (exit 2), a divergence (exit 3: "
         "the parameters became NaN/inf) and a full disk (exit 74) are not retried. Every attempt is logged to "
         "launch.jsonl in the run directory (or launch.records_dir; runs/NAME here for a run in a bucket). Exit: 0 finished, 2 bad input, 3 diverged, 74 disk full, 75 the launcher was "
         "signalled (SIGTERM/SIGINT are passed on: the run checkpoints and stops), 1 gave up. On CPU, "

@@ -7,7 +7,7 @@ happens next (`olmax train`'s exit codes, olmax.errors.ExitCode):
     FINISHED (0)      the step target is reached; stop.
     not `retried`     bad input (2), diverged (3), disk full (74): retrying cannot help; stop.
     PREEMPTED (75)    stopped by a signal after writing a checkpoint: restart at once, not a failure.
-    other/signal      crashed: restart after a backoff.
+    other/signal      crashed, or a storage outage (69): restart after a backoff.
 
 A failure is a crash, or a "preemption" that wrote no new checkpoint (a child
 that exits 75 in a loop must not spin for ever). The n-th failure in a row

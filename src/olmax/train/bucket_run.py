@@ -16,20 +16,36 @@ checkpoint (olmax.checkpoint.Checkpointer's `own_copy`) and uploads them into
 the step's prefix; after a barrier process 0 uploads its copy (its metadata is
 the one kept) and then the commit marker. Process 0 alone writes metrics and
 deletes the steps no longer kept.
+
+A listing can be stale (an S3-compatible store, a cache in between) and a run
+that believed one would start over and delete what it had. So after each
+commit the run records its latest committed step in OUTPUT_DIR/committed.json,
+read at start by name, not through a listing; a listing that shows an older
+latest step, or no metrics.jsonl where the object exists, is listed again with
+backoff for storage.retry_seconds, then the run stops with exit 2 naming both.
+Nor does a run ever delete a committed step newer than the one it copied down,
+unless it wrote that step itself.
 """
 
 from __future__ import annotations
 
+import json
+import logging
 import shutil
 import tempfile
+import time
 from pathlib import Path
 
 import jax
 import orbax.checkpoint as ocp
 
-from olmax import storage
+from olmax import run_lock, storage
 from olmax.checkpoint.remote import pull_steps
-from olmax.run_dir import RunDir
+from olmax.run_dir import RunDir, committed_steps
+
+log = logging.getLogger(__name__)
+
+FIRST_RELIST_S = 0.5
 
 
 def barrier(name: str) -> None:
@@ -43,21 +59,57 @@ class BucketRun:
         self.run = RunDir(url)
         self.local = Path(tempfile.mkdtemp(prefix="olmax-run-"))
         self.staged = RunDir(self.local)
+        self.pulled_step = 0  # the newest step copied down: older ones may be deleted, newer ones are not ours
+        self.pushed: set[int] = set()
         self.pull()
 
     def pull(self) -> None:
-        for name in storage.listdir(self.run.location) if jax.process_index() == 0 else []:  # it writes the metrics
-            if name != RunDir.checkpoints.name:
+        names, steps = self._listing()
+        for name in names if jax.process_index() == 0 else []:  # it writes the metrics
+            if name not in (RunDir.checkpoints.name, RunDir.committed_record.name):
                 storage.download(self.run.path(name), self.staged.path(name))
-        pull_steps(self.run.checkpoints, self.staged.checkpoints)
+        pull_steps(self.run.checkpoints, self.staged.checkpoints, steps)
+        self.pulled_step = max(steps, default=0)
+
+    def _listing(self) -> tuple[list[str], list[int]]:
+        """The run directory's names and committed steps, listed again while they disagree with the run's record
+        or with the objects themselves (see the module's doc)."""
+        record = self.run.committed_record
+        recorded = json.loads(storage.read_text(record))["latest_step"] if storage.exists(record) else 0
+        first, wait = time.monotonic(), FIRST_RELIST_S
+        while True:
+            names = storage.listdir(self.run.location)
+            steps = committed_steps(self.run.checkpoints)
+            wrong = []
+            if max(steps, default=0) < recorded:
+                wrong.append(f"its newest committed checkpoint is {max(steps, default='none')} but {record} "
+                             f"records step {recorded} as committed")
+            if RunDir.metrics.name not in names and storage.exists(self.run.metrics):
+                wrong.append(f"it has no {RunDir.metrics.name} but {self.run.metrics} exists")
+            if not wrong:
+                return names, steps
+            if time.monotonic() - first >= storage.retry_seconds():
+                raise storage.StorageError(
+                    f"{self.run.location}: the store's listing disagrees with the run ({'; '.join(wrong)}) after "
+                    f"{time.monotonic() - first:.0f}s of listing again; nothing was changed. The listing is stale "
+                    "or objects were lost: check the store, then run again")
+            log.warning("%s: the listing looks stale (%s); listing again in %.1fs", self.run.location,
+                        "; ".join(wrong), wait)
+            time.sleep(wait)
+            wait = min(2 * wait, storage.MAX_BACKOFF_S)
+
+    def remote_step(self, step: int) -> str:
+        return storage.join(self.run.checkpoints, str(step))
 
     def push_metrics(self) -> None:
+        run_lock.check_lease(self.run.location)  # a run that another has taken over writes nothing more
         for name in RunDir.METRIC_FILES if jax.process_index() == 0 else []:
             if self.staged.path(name).exists():
                 storage.upload(self.staged.path(name), self.run.path(name))
 
     def push_checkpoint(self, step: int, kept: list[int]) -> None:
         """Upload checkpoint `step` (marker last), then delete the bucket's steps not in `kept`."""
+        run_lock.check_lease(self.run.location)
         remote = self.run.checkpoints
         local, target = self.staged.checkpoints / str(step), storage.join(remote, str(step))
         if jax.process_count() == 1:
@@ -74,9 +126,15 @@ class BucketRun:
                 return
             storage.upload(local, target)
             storage.write_bytes(storage.join(target, storage.COMMIT_MARKER), b"")
+        self.pushed.add(step)
         for name in storage.listdir(remote):
-            if name.isdigit() and int(name) not in kept:
-                storage.remove_committed(storage.join(remote, name))
+            if not name.isdigit() or int(name) in kept:
+                continue
+            path = storage.join(remote, name)
+            # A committed step newer than the one copied down that this run did not write is no step to drop.
+            if int(name) <= self.pulled_step or int(name) in self.pushed or not storage.committed(path):
+                storage.remove_committed(path)
+        storage.write_bytes(self.run.committed_record, json.dumps({"latest_step": step}).encode())
 
     def close(self) -> None:
         shutil.rmtree(self.local, ignore_errors=True)

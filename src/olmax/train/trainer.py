@@ -11,7 +11,6 @@ import contextlib
 import logging
 import signal
 import threading
-import time
 from pathlib import Path
 
 import jax
@@ -35,6 +34,7 @@ from olmax.train.bucket_run import BucketRun
 from olmax.train.goodput import Goodput
 from olmax.train.metrics import MetricsWriter, console_line, device_peak_flops
 from olmax.train.resume import restore_or_init, resume_data, schedule_change
+from olmax.train.step_clock import StepClock
 from olmax.train.step import batch_shardings, jit_train_step, micro_batch_rows
 from olmax.train.watchdog import watching
 
@@ -157,9 +157,10 @@ def _train(cfg: RunConfig, quiet: bool, make_eval, bucket: BucketRun | None, run
         raise
     tokens_per_step = cfg.train.global_batch_instances * cfg.data.sequence_length
     # tokens trained up to step `start`; loader position - step
-    tokens_before, data_offset = resume_data(cfg, loader, restored, start, f"checkpoint {checkpointer.where(start)}")
+    where = bucket.remote_step(start) if bucket else checkpointer.where(start)  # not the local staging copy
+    tokens_before, data_offset = resume_data(cfg, loader, restored, start, f"checkpoint {where}")
     if restored is not None and not quiet and jax.process_index() == 0:
-        print(f"resuming from step {start} (checkpoint {checkpointer.where(start)})", flush=True)
+        print(f"resuming from step {start} (checkpoint {where})", flush=True)
         if change := schedule_change(restored["config"], cfg, start):
             print(change, flush=True)
     step_fn = jit_train_step(cfg, layout, micro_rows)
@@ -171,19 +172,16 @@ def _train(cfg: RunConfig, quiet: bool, make_eval, bucket: BucketRun | None, run
     flops_per_token = flops.count(cfg.model, cfg.data.sequence_length).per_token
     peak = device_peak_flops(np.dtype(compute_dtype(cfg.impl, layout)).name)
     history, pending = [], None
-    last_done = time.perf_counter()
-
-    paused = 0.0  # seconds of evals and checkpoint writes since the last step was logged: not step time
+    clock = StepClock()
 
     def tokens_after(step: int) -> int:
         return tokens_before + (step - start) * tokens_per_step
 
-    def finish(step: int, metrics, eval_metrics: dict) -> None:
-        nonlocal last_done, paused
+    def finish(step: int, metrics, eval_metrics: dict, in_flight=None) -> None:
+        """Log step `step`; `in_flight` is (step, metrics) of the step dispatched after it, if any."""
         values = {k: v.tolist() if np.ndim(v) else float(v) for k, v in jax.device_get(metrics).items()} | eval_metrics
-        now = time.perf_counter()
-        tps = tokens_per_step / (now - last_done - paused) / jax.device_count()
-        last_done, paused = now, 0.0
+        clock.done(step)
+        tps = tokens_per_step / clock.seconds(step) / jax.device_count()
         values.update({
             "throughput/total tokens": tokens_after(step),
             "throughput/device/TPS": tps,
@@ -197,10 +195,12 @@ def _train(cfg: RunConfig, quiet: bool, make_eval, bucket: BucketRun | None, run
         if step % cfg.train.log_every == 0 or step == cfg.train.steps:
             if not quiet and jax.process_index() == 0:
                 print(console_line(step, cfg.train.steps, values), flush=True)
-            if bucket:  # upload time is not step time
+            if bucket:  # uploaded once the step in flight is done, so that the upload is in no step's time
+                if in_flight:
+                    jax.block_until_ready(in_flight[1])
+                    clock.done(in_flight[0])
                 writer.flush()
                 bucket.push_metrics()
-                paused += time.perf_counter() - now
 
     try:
         with preemption_signals() as stop, watching(cfg.train.hang_timeout, ExitCode.PREEMPTED) as watchdog:
@@ -218,10 +218,11 @@ def _train(cfg: RunConfig, quiet: bool, make_eval, bucket: BucketRun | None, run
                 rows = next(loader)
                 goodput.mark("data wait")
                 batch = place_batch(rows, sharding, micro_rows)
+                clock.dispatching(step)
                 state, metrics = step_fn(state, batch)
                 goodput.mark("compilation" if step == start + 1 else "productive")
                 if pending:
-                    finish(*pending)
+                    finish(*pending, in_flight=(step, metrics))
                 pending = (step, metrics, {})
                 stopping = stop_requested(stop)
                 watchdog.beat(step)  # every process got here: a collective returned
@@ -229,18 +230,16 @@ def _train(cfg: RunConfig, quiet: bool, make_eval, bucket: BucketRun | None, run
                 eval_due = evaluate is not None and evaluate.due(step)
                 if eval_due or save:
                     jax.block_until_ready(metrics)
-                    side_work_start = time.perf_counter()
+                    clock.done(step)
                     if eval_due:
                         goodput.mark("productive")
                         pending[2].update(evaluate(step, state.params))
                         goodput.mark("evaluation")
                     if save:
                         # Step N is logged and on disk before checkpoint N exists: a resume at N keeps steps <= N.
-                        paused += time.perf_counter() - side_work_start
                         finish(*pending)
                         pending = None
                         writer.flush()
-                        side_work_start = time.perf_counter()
                         if bucket:  # the metrics up to step N are in the bucket before checkpoint N is
                             bucket.push_metrics()
                         goodput.mark("productive")
@@ -248,7 +247,6 @@ def _train(cfg: RunConfig, quiet: bool, make_eval, bucket: BucketRun | None, run
                         saver.save(step, state, run_meta(cfg, step, loader.state_dict(), tokens_after(step),
                                                          data_offset))
                         goodput.saved(step)
-                    paused += time.perf_counter() - side_work_start
                 if stopping:
                     saver.finish()
                     raise Preempted(f"stopped by a signal after step {step}; checkpoint {step} written")

@@ -1,0 +1,80 @@
+"""A bucket lease under faults: two runs whose lease writes cross (one delayed by the fault proxy) do not both go
+on, and a run whose lease another run has taken over stops at once (exit 75) without writing anything more."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import pytest
+
+from olmax import run_lock, storage
+from olmax.run_lock import RunDirError
+
+
+# gcsfs names the object in the upload's body, not its path: the only uploads here are the leases
+@pytest.mark.parametrize("kind, method, path", [("s3", "PUT", r"/run/run\.lock"), ("gs", "POST", r"/upload/")])
+def test_of_two_runs_whose_lease_writes_cross_one_goes_on(stores, kind, method, path):
+    run = f"{kind}://{stores.bucket}/run"
+    proxy = stores.s3 if kind == "s3" else stores.gcs
+    delay = proxy.add("delay", method=method, path=path, times=1, seconds=3)
+    outcome = {}
+
+    def first() -> None:
+        try:
+            with run_lock.hold(run):
+                outcome["first"] = "held"
+        except RunDirError as err:
+            outcome["first"] = str(err)
+
+    thread = threading.Thread(target=first)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not delay.hits:  # its write is on its way, late
+        assert time.monotonic() < deadline and thread.is_alive(), outcome
+        time.sleep(0.01)
+    with run_lock.hold(run):
+        thread.join()
+        assert "was taken by another run starting at the same time" in outcome["first"], outcome
+
+
+@pytest.mark.slow
+def test_a_run_whose_lease_is_taken_over_stops_writing_and_exits_75(stores, synth_mix, monkeypatch, capsys):
+    from olmax.cli import main
+
+    monkeypatch.setattr(run_lock, "RENEW_S", 0.2)
+    run = f"s3://{stores.bucket}/run"
+    other = json.dumps({"host": "elsewhere", "pid": 1, "token": "other", "renewed": time.time() + 3600}).encode()
+
+    stopped = threading.Event()
+
+    def take_over() -> None:  # as a run started while this one was cut off for longer than the lease lasts,
+        while not storage.exists(f"{run}/checkpoints/2/{storage.COMMIT_MARKER}"):
+            time.sleep(0.01)
+        while not stopped.wait(0.1):  # which renews its lease
+            storage.write_bytes(f"{run}/run.lock", other)
+
+    thread = threading.Thread(target=take_over, daemon=True)
+    thread.start()
+    try:
+        assert main(["train", "tiny", "mesh.fsdp=1", "train.steps=30", "checkpoint.every=2",
+                     f"data.mix_file={synth_mix}", f"output_dir={run}"]) == 75
+    finally:
+        stopped.set()
+        thread.join()
+    err = capsys.readouterr().err
+    assert f"lost the lease {run}/run.lock to host elsewhere, PID 1" in err and len(err.splitlines()) == 1, err
+    assert max(int(s) for s in storage.listdir(f"{run}/checkpoints")) <= 4
+    assert storage.read_bytes(f"{run}/run.lock") == other  # the other run's lease, left alone
+
+
+@pytest.mark.parametrize("renewed", ["soon", None, True, time.time() + 10 * run_lock.STALE_S],
+                         ids=["text", "null", "bool", "future"])
+def test_a_lease_with_no_time_or_one_in_the_future_is_taken_over(stores, renewed, caplog):
+    run = f"s3://{stores.bucket}/run"
+    storage.write_bytes(f"{run}/run.lock", json.dumps({"host": "elsewhere", "pid": 1, "token": "x",
+                                                       "renewed": renewed}).encode())
+    with run_lock.hold(run):
+        assert json.loads(storage.read_text(f"{run}/run.lock"))["token"] != "x"
+    assert "its holder (host elsewhere, PID 1) stopped renewing it" in caplog.text
