@@ -547,6 +547,11 @@ class LaunchConfig(Section):
         if value is not None and "://" in value:
             raise ValueError(f"launch.records_dir {value!r} must be a filesystem path (the launcher appends to its "
                              "records and Slurm writes its output there), not a bucket")
+        try:
+            value.format(name="")
+        except (KeyError, IndexError, ValueError):
+            raise ValueError(f"{value!r}: the one placeholder is {{name}} (write a brace as {{{{ "
+                             "or }})") from None
         return value
 
 

@@ -143,14 +143,26 @@ def test_the_batch_script_asks_for_requeue_a_warning_signal_and_one_srun_task_pe
 
 
 def test_dry_run_prints_the_script_and_writes_nothing(tmp_path, capsys):
-    assert main(["launch", "--slurm", "--dry-run", "tiny", f"output_dir={tmp_path}/run",
+    assert main(["launch", "slurm", "--dry-run", "tiny", f"output_dir={tmp_path}/run",
                  "launch.slurm.tasks_per_node=2"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("#!/bin/bash\n") and "#SBATCH --ntasks-per-node=2\n" in out and "\nsrun " in out
     assert not (tmp_path / "run").exists()
     assert main(["launch", "--slurm", "--nprocs", "2", "tiny"]) == 2
-    assert main(["launch", "--slurm", "tiny", "launch.slurm.time=1:00:00"]) == 2
+    assert "drop --nprocs" in capsys.readouterr().err
+    assert main(["launch", "slurm", "tiny", "launch.slurm.time=1:00:00"]) == 2
     assert 'quote the time limit ("1:00:00")' in capsys.readouterr().err
+
+
+def test_the_old_spelling_prints_the_same_script_and_one_line_saying_so(tmp_path, capsys):
+    run = [f"output_dir={tmp_path}/run", "launch.slurm.tasks_per_node=2"]
+    assert main(["launch", "slurm", "--dry-run", "tiny", *run]) == 0
+    new = capsys.readouterr()
+    assert main(["launch", "--slurm", "--dry-run", "tiny", *run]) == 0
+    old = capsys.readouterr()
+    assert old.out == new.out and new.err == ""
+    assert old.err.splitlines() == ["olmax launch: --slurm is an old spelling and will go: write `olmax launch slurm "
+                                    "...` (olmax launch --help)"]
 
 
 STEPS, STOP_AFTER = 30, 20
@@ -165,7 +177,7 @@ def _overrides(shards, run_dir, *more):
 
 def _launch(env, run, shards, tasks, *more):
     return subprocess.Popen(
-        [sys.executable, "-m", "olmax.cli", "launch", "--slurm", "--poll-seconds=0.2", "--retry-backoff=1",
+        [sys.executable, "-m", "olmax.cli", "launch", "slurm", "--poll-seconds=0.2", "--retry-backoff=1",
          "--max-retries=1", "tiny", *_overrides(shards, run, f"launch.slurm.tasks_per_node={tasks}", *more)],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 

@@ -232,7 +232,7 @@ def small_disk(tmp_path):
 
 def test_disk_full_writing_a_checkpoint_is_one_line_and_a_code_launch_does_not_retry(small_disk, synth_mix):
     from olmax.checkpoint import DiskFull
-    from olmax.launch.supervisor import EXIT_DISK_FULL, NOT_RETRIED
+    from olmax.launch.launcher import EXIT_DISK_FULL, NOT_RETRIED
 
     run = small_disk / "run"
     command = [sys.executable, "-m", "olmax.cli", "train", "tiny", "mesh.fsdp=1", "checkpoint.every=2",
