@@ -212,6 +212,10 @@ def test_slurm_job_signalled_midway_is_requeued_resumes_then_continues_on_one_ta
     assert (first["job_run"], first["reason"], first["action"]) == (1, "requeued", "run again now")
     assert 4 <= first["checkpoint_after"] < STOP_AFTER
     assert (second["job_run"], second["reason"], second["checkpoint_after"]) == (2, "finished", STOP_AFTER)
+    # while the requeued job waits (Slurm holds it until the old run's credential expires), the launcher says so
+    waiting = f"olmax launch: Slurm job {job} run 2: PENDING ("
+    assert f"{waiting}" in first_output and "; last committed step " in first_output.split(waiting, 1)[1], first_output
+    assert all(r["launcher"] == "slurm" and r["exit_codes"] == [r["exit_code"]] for r in records)
     job_output = (run / "slurm" / f"{job}.out").read_text()
     assert job_output.count("olmax: process 0 of 2 (slurm)") == 2, job_output
     assert (run / "logs" / "host-01.log").read_text().count("olmax: process 1 of 2 (slurm)") == 2

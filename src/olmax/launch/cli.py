@@ -43,7 +43,7 @@ def add_commands(subparsers) -> None:
     slurm.add_argument("--status-seconds", type=float, default=600.0, metavar="S",
                        help="say the job's state and the run's last committed step when it changes and every S "
                             "seconds while it does not (default 600)")
-    _retries(slurm, "submissions")
+    _retries(slurm, "runs of the job")
 
     tpu = _mode(modes, "tpu-pod", "the run on every worker of a Cloud TPU VM, started once, detached",
                 "Installs olmax on every worker of TPU VM NAME (gcloud compute tpus tpu-vm ssh --worker=all) and "
@@ -162,10 +162,14 @@ def run_launch(args: argparse.Namespace) -> None:
                                   wheel=args.wheel, install=args.install)
     else:
         from olmax.launch.cloud import K8sLauncher
+        from olmax.scale.targets import parse_target
 
+        if not (args.target and args.image):
+            raise ConfigError("olmax launch k8s: give the slice with --target (tpu:v5p:4x4x4, gpu:h100x16) and the "
+                              "container image with --image")
         if args.max_retries < 0 or args.grace_seconds < 1:
             raise ConfigError("olmax launch k8s: need --max-retries >= 0 and --grace-seconds >= 1")
-        launcher = K8sLauncher(args.config, args.overrides, target=args.target, image=args.image,
+        launcher = K8sLauncher(args.config, args.overrides, target=parse_target(args.target), image=args.image,
                                max_retries=args.max_retries, grace_seconds=args.grace_seconds)
     if args.dry_run:
         print(launcher.render(), end="")

@@ -187,17 +187,12 @@ class K8sLauncher(Launcher):
     mode = "k8s"
     run_dir_is_here = False
 
-    def __init__(self, config: str, overrides: list[str] = (), *, target: str | None, image: str | None,
+    def __init__(self, config: str, overrides: list[str] = (), *, target, image: str,
                  grace_seconds: int = GRACE_SECONDS, **launcher):
-        from olmax.scale.targets import parse_target
-
-        if not (target and image):
-            raise ConfigError("olmax launch k8s: give the slice with --target (tpu:v5p:4x4x4, gpu:h100x16) and the "
-                              "container image with --image")
-        slice_ = parse_target(target)
-        super().__init__(config, overrides, target=slice_.name, **launcher)
-        self.manifest = jobset(self.cfg, config, self.overrides, image=image, platform=slice_.platform,
-                               kind=slice_.kind, topology=slice_.topology, chips=slice_.chips,
+        """`target`: the slice (olmax.scale.targets.Target: name, platform, kind, topology, chips)."""
+        super().__init__(config, overrides, target=target.name, **launcher)
+        self.manifest = jobset(self.cfg, config, self.overrides, image=image, platform=target.platform,
+                               kind=target.kind, topology=target.topology, chips=target.chips,
                                max_restarts=self.policy.max_retries, grace_seconds=grace_seconds)
 
     def render(self) -> str:
