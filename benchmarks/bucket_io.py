@@ -35,6 +35,7 @@ import numpy as np
 from olmax import storage
 from olmax.checkpoint import Checkpointer
 from olmax.config import CheckpointConfig, DataConfig, load_config
+from olmax.run_dir import RunDir
 from olmax.data import build_loader
 from olmax.data.shards import write_shard
 from olmax.model import families, flops
@@ -90,7 +91,7 @@ def _flat(tree: dict, prefix: str = "") -> dict:
 def checkpoint_row(state: dict, local: Path, url: str | None) -> dict:
     """Seconds to save and to restore `state` on disk (url None) or in the bucket at `url`."""
     meta = {"step": 1, "config": {}}
-    directory = local / "checkpoints"
+    directory = RunDir(local).checkpoints
     checkpointer = Checkpointer(directory, CheckpointConfig())
     start = time.perf_counter()
     checkpointer.save_params(1, state, meta)
@@ -161,7 +162,7 @@ def main() -> None:
                     print(json.dumps(loader_row(paths, length=args.sequence_length, batch=args.batch,
                                                 batches=args.batches, workers=workers)), flush=True)
             state = _state(args.model, args.parts.split(","))
-            for url in (None, "s3://bench/checkpoints"):
+            for url in (None, RunDir("s3://bench").checkpoints):
                 with tempfile.TemporaryDirectory() as work:
                     print(json.dumps(checkpoint_row(state, Path(work), url)), flush=True)
     finally:

@@ -230,3 +230,67 @@ def test_flops_names_the_attention_it_counts(capsys):
     assert _exit_code(["flops", "tiny", "model.layer_pattern=[global]"]) == 0
     out = capsys.readouterr().out
     assert "sliding" not in out and "(every layer global, seq" in out
+
+
+def _options(parser, path=()):
+    """(command path, action) of every option and argument of `parser` and its subcommands."""
+    import argparse
+
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, child in action.choices.items():
+                yield from _options(child, (*path, name))
+        elif not isinstance(action, argparse._HelpAction):
+            yield path, action
+
+
+def test_every_option_has_a_description_and_names_its_default():
+    from olmax.cli import build_parser
+
+    missing = [f"olmax {' '.join(path)} {'/'.join(action.option_strings) or action.dest}"
+               for path, action in _options(build_parser())
+               if not action.help or (action.option_strings and action.default not in (None, False)
+                                      and "default" not in action.help)]
+    assert not missing, f"options without a description or their default: {missing}"
+
+
+def test_help_lists_the_presets_and_says_where_to_read_more(capsys):
+    from olmax.cli import main
+    from olmax.config import presets
+
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    text = capsys.readouterr().out
+    assert "tiny" in presets() and all(name in text for name in presets())
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    assert "README.md" in capsys.readouterr().out.splitlines()[-1]
+    with pytest.raises(SystemExit):
+        main(["demo", "--help"])
+    assert "./runs/demo" in capsys.readouterr().out
+
+
+def test_one_convention_and_the_old_spellings_for_one_release(tmp_path, capsys):
+    """CONFIG first, outputs as --out, checkpoints positional, --batch-size: the old spellings still work and
+    print one line saying what to write instead; one value given both ways is exit 2."""
+    from olmax.arguments import given
+    from olmax.cli import main, parse
+
+    assert main(["synth-data", "tiny", "--out", str(tmp_path / "new"), "--tokens", "4096", "--shards", "1"]) == 0
+    assert capsys.readouterr().err == ""
+    assert main(["synth-data", "--out", str(tmp_path / "old"), "--config", "tiny", "--tokens", "4096",
+                 "--shards", "1"]) == 0
+    assert capsys.readouterr().err.count("olmax: --config is the old spelling") == 1
+    assert [p.read_bytes() for p in sorted((tmp_path / "new").glob("*.npy"))] == \
+        [p.read_bytes() for p in sorted((tmp_path / "old").glob("*.npy"))]
+
+    pairs = [(["parity", "ckpt", "--hf", "h"], ["parity", "--olmax", "ckpt", "--hf", "h"], "checkpoint"),
+             (["convert", "olmax-to-hf", "ckpt", "--out", "o"], ["convert", "olmax-to-hf", "ckpt", "o"], "out"),
+             (["convert", "hf-to-olmax", "h", "--out", "o"], ["convert", "hf-to-olmax", "h", "o"], "out"),
+             (["eval", "heldout", "r", "--data", "d", "--batch-size", "8"],
+              ["eval", "heldout", "r", "--data", "d", "--batch-instances", "8"], "batch_size")]
+    for new, old, dest in pairs:
+        assert given(parse(new), dest, dest) == given(parse(old), dest, dest) is not None
+        assert capsys.readouterr().err.count("is the old spelling") == 1, old
+    assert main(["parity", "ckpt", "--olmax", "other", "--hf", "h"]) == 2
+    assert "given twice" in capsys.readouterr().err

@@ -36,6 +36,8 @@ def test_demo_end_to_end_twice_bitwise(tmp_path, monkeypatch, capsys):
     short = ["train.steps=40", "eval.every=20", "eval.tokens=4096", "checkpoint.every=20", "model.vocab_size=1024",
              "schedule.warmup_steps=5"]
     report = run_demo(short, fresh=False)
+    stages = [line.split("] ")[1] for line in capsys.readouterr().out.splitlines() if line.startswith("demo: [")]
+    assert [stage.split()[0] for stage in stages] == ["building", "corpus:", "training", *["writing"] * 4, "data"]
     first = json.loads(Path("runs/demo/report.json").read_text())
     assert first["losses_repeat_previous_run"] is None
     # 40 steps already beat the unigram baseline on code; on prose not yet (measured 5.82 against 5.77 on the
@@ -43,8 +45,9 @@ def test_demo_end_to_end_twice_bitwise(tmp_path, monkeypatch, capsys):
     assert first["final"]["eval/lm/code/CE loss"] < first["unigram_baseline"]["code"] - 0.5
     text = report.read_text()
     assert "## Greedy samples" in text and "run `olmax demo` again" in text
+    assert "the likeliest next token is the one that goes round it again" in text  # why the samples repeat
     assert "olmax synth-data --out runs/synth   #" in text
-    assert "olmax convert olmax-to-hf runs/demo/run/checkpoints runs/demo/hf --tokenizer runs/demo/cache/" in text
+    assert "olmax convert olmax-to-hf runs/demo/run/checkpoints --out runs/demo/hf --tokenizer runs/demo/cache/" in text
     assert Path("runs/demo/loss_curves.png").stat().st_size > 10_000
     for domain in ("code", "prose"):
         _check_the_baseline_scores_the_documents_the_model_is_scored_on(first, domain, text, capsys)
@@ -69,3 +72,13 @@ def test_demo_moe_reports_the_load_of_every_expert(tmp_path, monkeypatch):
     assert "run `olmax demo --moe` again" in text and "runs/demo/hf_moe --tokenizer" in text
     assert Path("runs/demo/expert_load_moe.png").stat().st_size > 10_000
     assert not Path("runs/demo/report.md").exists()  # the dense demo's report is its own
+
+
+def test_the_loss_picture_draws_each_domains_unigram_baseline(tmp_path):
+    from olmax.demo import plot_curves
+
+    metrics = [{"step": step, "train/CE loss": 7.0 - step, "eval/lm/code/CE loss": 6.5 - step,
+                "eval/lm/prose/CE loss": 6.8 - step} for step in (1, 2)]
+    legend = plot_curves(metrics, {"code": 6.9, "prose": 6.7}, tmp_path / "curves.png")
+    assert legend == ["code", "code unigram baseline", "prose", "prose unigram baseline"]
+    assert (tmp_path / "curves.png").stat().st_size > 10_000

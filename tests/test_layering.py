@@ -1,5 +1,5 @@
 """Imports run one way: cli -> scale -> {train, eval, interop, launch} -> {model, data} -> parallel -> checkpoint
--> config -> storage -> errors (scale compiles the train step). A package that needs a sibling's code means that code belongs lower."""
+-> config -> run_dir -> storage -> errors (scale compiles the train step). A package that needs a sibling's code means that code belongs lower."""
 
 import ast
 from pathlib import Path
@@ -9,13 +9,14 @@ import olmax
 LAYERS = [
     {"errors"},  # the bad-input error classes, free of imports
     {"storage"},  # URLs and local paths alike: every reader and writer of files goes through it
+    {"run_dir"},  # the files of a run directory: everything else asks it for their paths
     {"config", "runtime", "run_lock"},
     {"checkpoint"},  # checksums, Orbax I/O, the Checkpointer: train, eval and interop use it
     {"parallel"},
     {"model", "data"},
     {"train", "eval", "interop", "launch"},
     {"scale"},  # compiles the train step ahead of time
-    {"cli", "demo"},  # and every package's cli.py: the commands
+    {"cli", "demo", "arguments"},  # and every package's cli.py: the commands, and their conventions
 ]
 ROOT = Path(olmax.__file__).parent
 

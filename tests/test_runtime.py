@@ -128,3 +128,15 @@ def test_the_libtpu_lock_holder_is_found(tmp_path, monkeypatch):
         assert runtime.libtpu_lock_holder() is None
         fcntl.lockf(lockfile, fcntl.LOCK_EX | fcntl.LOCK_NB)
         assert runtime.libtpu_lock_holder() == os.getpid()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("jax_cuda12_plugin") is None or any(map(os.path.exists, NVIDIA_DEVICES)),
+                    reason="needs JAX's CUDA plugin (the aot-gpu extra) on a machine without an NVIDIA GPU")
+def test_with_the_cuda_plugin_a_cpu_command_prints_nothing_of_its_start_up():
+    """The plugin's native code wrote `cudart_stub.cc ... Could not find cuda drivers` and absl's pre-init
+    warning to stderr four times in every command: at JAX's import and when its plugins register."""
+    code = "import sys; from olmax.cli import main; sys.exit(main())"
+    out = subprocess.run([sys.executable, "-c", code, "flops", "tiny", "--json"], capture_output=True, text=True,
+                         env={k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}, timeout=300)
+    assert out.returncode == 0 and json.loads(out.stdout)["params"] > 0
+    assert out.stderr == ""

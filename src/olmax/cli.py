@@ -7,17 +7,10 @@ import json
 import signal
 import sys
 
-from olmax.errors import BadInput
+from olmax.arguments import config_arguments
+from olmax.errors import ExitCode, OlmaxError
 from olmax.runtime import (LIBTPU_LOCKFILE, STOP_SIGNALS, drop_held_signals, hold_stop_signals, libtpu_lock_holder,
-                           release_stop_signals, skip_absent_tpus)
-
-EXIT_BAD_INPUT = 2  # `olmax launch` does not retry it
-EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports it
-
-
-def _config_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("config", help="preset name (olmo3_7b, tiny, ...) or a YAML path")
-    parser.add_argument("overrides", nargs="*", help="section.key=value")
+                           quiet_cuda_plugin, release_stop_signals, skip_absent_tpus)
 
 
 def cmd_config_show(args) -> None:
@@ -99,11 +92,10 @@ def cmd_train(args) -> None:
         raise
     host_log.info("finished")
     if cluster.process_id == 0:
-        from olmax.storage import join
+        from olmax.run_dir import RunDir
 
-        run = cfg.run_location
-        print(f"done: checkpoints in {join(run, 'checkpoints')}, metrics in {join(run, 'metrics.jsonl')} "
-              f"and {join(run, 'tensorboard')}")
+        run = RunDir(cfg.run_location)
+        print(f"done: checkpoints in {run.checkpoints}, metrics in {run.metrics} and {run.tensorboard}")
 
 
 def cmd_resume_check(args) -> None:
@@ -123,7 +115,7 @@ def cmd_resume_check(args) -> None:
     print(f"max |delta| {worst!r} over {len(rows)} steps after the resume at {args.at}; "
           f"table and plot in {out}")
     if worst != 0:
-        sys.exit(1)
+        sys.exit(ExitCode.FAILED)
 
 
 def cmd_demo(args) -> None:
@@ -136,14 +128,27 @@ def cmd_demo(args) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="olmax", description=__doc__)
+    from olmax.config import presets
+
+    parser = argparse.ArgumentParser(
+        prog="olmax", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="`olmax COMMAND --help` describes each command. More in README.md in olmax's source: the "
+        "commands, the configs and their keys, the exit codes, runs on Slurm, TPU pods, Kubernetes and buckets.")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("train", help="train (resumes from the latest checkpoint of the run)")
-    _config_args(p)
+    p = sub.add_parser(
+        "train", help="train (resumes from the latest checkpoint of the run)",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Trains CONFIG with its overrides; resumes from the run's latest checkpoint (output_dir); "
+        "SIGTERM/SIGINT save a checkpoint and exit 75.",
+        epilog=f"presets: {', '.join(presets())}\n(or a YAML file, which may start from one with `base: NAME`)")
+    config_arguments(p)
     p.set_defaults(func=cmd_train, handles_stop_signals=True)
 
-    p = sub.add_parser("demo", help="the whole pipeline on the Python standard library, with a report")
+    p = sub.add_parser("demo", help="the whole pipeline on the Python standard library, with a report",
+                       description="Builds a corpus from the standard library, trains a tokenizer and writes shards "
+                       "(cached in runs/demo/cache), trains the demo preset from scratch and writes "
+                       "runs/demo/report.md, all under ./runs/demo.")
     p.add_argument("overrides", nargs="*", help="section.key=value on the demo preset")
     p.add_argument("--fresh", action="store_true", help="rebuild the cached corpus, tokenizer and shards")
     p.add_argument("--moe", action="store_true",
@@ -151,22 +156,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_demo)
 
     p = sub.add_parser("resume-check", help="continuous run vs the same run resumed at --at: every delta must be 0")
-    _config_args(p)
+    config_arguments(p)
     p.add_argument("--at", type=int, required=True, help="stop and resume after this step")
     p.add_argument("--steps", type=int, required=True, help="compare up to this step")
     p.add_argument("--out", help="default: runs/NAME-resume-check")
     p.set_defaults(func=cmd_resume_check)
 
     p = sub.add_parser("flops", help="parameter count and training FLOPs")
-    _config_args(p)
+    config_arguments(p)
     p.add_argument("--instances-per-device", type=int, help="default: train.micro_batch_per_device")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print the figures as one JSON object")
     p.set_defaults(func=cmd_flops)
 
     p = sub.add_parser("config", help="config tools")
     config_sub = p.add_subparsers(dest="config_command", required=True)
     show = config_sub.add_parser("show", help="print the resolved config")
-    _config_args(show)
+    config_arguments(show)
     show.add_argument("--target", help="with the config's layout for this target (gpu:b300x8, tpu:v5p:4x4x8), as "
                       "a run on those devices and `olmax compile --target` take it")
     show.set_defaults(func=cmd_config_show)
@@ -199,17 +204,15 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def _raised(err: Exception, module: str, name: str) -> bool:
-    return module in sys.modules and isinstance(err, getattr(sys.modules[module], name))
-
-
 def main(argv: list[str] | None = None) -> int:
-    """Run one command. Bad input exits 2 with one line naming it; an interrupt never prints a traceback: train
-    and launch stop cleanly (exit 75) whenever it comes, other commands exit 130."""
+    """Run one command. An error olmax raises on purpose (olmax.errors) ends it with one line and its exit code:
+    bad input exits 2 naming it; an interrupt never prints a traceback: train and launch stop cleanly (exit 75)
+    whenever it comes, other commands exit 130."""
     previous = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
     previous_mask = signal.pthread_sigmask(signal.SIG_BLOCK, [])
     hold_stop_signals()
     skip_absent_tpus()
+    quiet_cuda_plugin()
     try:
         args = parse(argv)
         if not getattr(args, "handles_stop_signals", False):
@@ -220,31 +223,22 @@ def main(argv: list[str] | None = None) -> int:
         args.func(args)
     except KeyboardInterrupt:
         print("olmax: interrupted", file=sys.stderr)
-        return EXIT_INTERRUPTED
+        return ExitCode.INTERRUPTED
+    except OlmaxError as err:
+        print(f"olmax: {err.line()}", file=sys.stderr)
+        return err.exit_code
     except Exception as err:
-        if _raised(err, "olmax.train.trainer", "Preempted"):
-            print(f"olmax: {err}; run the same command again to resume", file=sys.stderr)
-            return sys.modules["olmax.train.trainer"].RESUMABLE_EXIT_CODE
         if "libtpu multi-process lockfile" in str(err) and (holder := libtpu_lock_holder()):
             print(f"olmax: process {holder} is using this machine's TPU chips (it holds {LIBTPU_LOCKFILE}); run "
                   "this again when it has ended", file=sys.stderr)
-            return 1
-        if _raised(err, "olmax.train.trainer", "Diverged"):
-            print(f"olmax: {err}", file=sys.stderr)
-            return sys.modules["olmax.train.trainer"].DIVERGED_EXIT_CODE
-        if _raised(err, "olmax.checkpoint", "DiskFull"):
-            print(f"olmax: {err}", file=sys.stderr)
-            return err.exit_code
-        if not isinstance(err, BadInput):
-            raise
-        print(f"olmax: {type(err).__name__}: {err}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+            return ExitCode.FAILED
+        raise
     finally:
         drop_held_signals()
         signal.pthread_sigmask(signal.SIG_SETMASK, previous_mask)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    return 0
+    return ExitCode.FINISHED
 
 
 if __name__ == "__main__":

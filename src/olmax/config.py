@@ -20,16 +20,12 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from olmax.errors import BadInput
+from olmax.errors import ConfigError
 
 PRESET_DIR = Path(__file__).parent / "configs"
 MAX_STEPS = 2**31 - 1  # the step counter (and the LR schedule's arithmetic) is int32 on the device
 REMAT_NAMES = ("qkv_proj", "out_proj", "mlpwi_0", "mlpwi_1", "mlpwo", "context")
 DType = Literal["float32", "bfloat16"]
-
-
-class ConfigError(BadInput):
-    """A config that cannot describe a run; the message names the field and the fix."""
 
 
 class Section(BaseModel):
@@ -544,7 +540,9 @@ class LaunchConfig(Section):
     @field_validator("records_dir")
     @classmethod
     def _on_a_filesystem(cls, value):
-        if value is not None and "://" in value:
+        if value is None:
+            return value
+        if "://" in value:
             raise ValueError(f"launch.records_dir {value!r} must be a filesystem path (the launcher appends to its "
                              "records and Slurm writes its output there), not a bucket")
         try:
@@ -661,6 +659,11 @@ def _known_path(dotted: str) -> None:
             return
 
 
+def presets() -> list[str]:
+    """The names of the configs that ship with olmax."""
+    return sorted(p.stem for p in PRESET_DIR.glob("*.yaml"))
+
+
 def preset_path(name_or_path: str) -> Path:
     path = Path(name_or_path)
     if path.suffix in (".yaml", ".yml"):
@@ -669,8 +672,7 @@ def preset_path(name_or_path: str) -> Path:
         return path
     path = PRESET_DIR / f"{name_or_path}.yaml"
     if not path.exists():
-        known = sorted(p.stem for p in PRESET_DIR.glob("*.yaml"))
-        raise ConfigError(f"no preset {name_or_path!r}; presets: {known}, or pass a .yaml path")
+        raise ConfigError(f"no preset {name_or_path!r}; presets: {presets()}, or pass a .yaml path")
     return path
 
 

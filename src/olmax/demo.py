@@ -31,6 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from olmax.config import load_config
+from olmax.run_dir import RunDir
 
 DOMAINS = ("code", "prose")
 SKIP_DIRS = {"site-packages", "test", "tests", "idlelib", "lib2to3", "__pycache__"}
@@ -89,18 +90,26 @@ def prepare_data(cache: Path, vocab_size: int, fresh: bool) -> dict:
         return json.loads(manifest.read_text())
     shutil.rmtree(cache, ignore_errors=True)
     started = time.perf_counter()
+
+    def stage(line: str) -> None:  # building the data takes about a minute: say what is being done
+        print(f"demo: [{time.perf_counter() - started:4.0f} s] {line}", flush=True)
+
+    stage(f"building the corpus from the standard library ({sysconfig.get_paths()['stdlib']})")
     counts = build_corpus(cache / "corpus")
-    print(f"demo: corpus from the standard library: {counts}")
+    stage(f"corpus: {', '.join(f'{name} {n:,} documents' for name, n in counts.items())}")
+    stage(f"training a byte-level BPE of {vocab_size:,} tokens on the train split")
     tokenizer = train_tokenizer([str(cache / "corpus" / f"{d}-train.jsonl") for d in DOMAINS],
                                 cache / "tokenizer.json", vocab_size=vocab_size, progress=False)
     shards = {}
     for domain in DOMAINS:
         for split in ("train", "heldout"):
-            result = tokenize_corpus([str(cache / "corpus" / f"{domain}-{split}.jsonl")],
-                                     cache / "shards" / f"{domain}-{split}", tokenizer_path=tokenizer,
-                                     label=domain, progress=False, workers=0)
-            shards[f"{domain}-{split}"] = {"paths": result.shards, "tokens": result.tokens,
-                                           "bytes": result.text_bytes, "documents": result.documents}
+            name = f"{domain}-{split}"
+            stage(f"writing token shards {len(shards) + 1} of {2 * len(DOMAINS)}: {name}")
+            result = tokenize_corpus([str(cache / "corpus" / f"{name}.jsonl")], cache / "shards" / name,
+                                     tokenizer_path=tokenizer, label=domain, progress=False, workers=0)
+            shards[name] = {"paths": result.shards, "tokens": result.tokens, "bytes": result.text_bytes,
+                            "documents": result.documents}
+    stage(f"data ready in {cache}")
     write_mix_file(cache / "train-mix.txt",
                    [Source(d, p) for d in DOMAINS for p in shards[f"{d}-train"]["paths"]])
     info = {"key": key, "tokenizer": tokenizer, "shards": shards, "documents": counts,
@@ -153,7 +162,9 @@ def greedy_samples(cfg, params, tokenizer_path: str, prompts: list[str], new_tok
     return samples
 
 
-def plot_curves(metrics: list[dict], path: Path) -> None:
+def plot_curves(metrics: list[dict], baselines: dict[str, float], path: Path) -> list[str]:
+    """Train loss, and held-out loss per domain against its unigram baseline (dashed, the domain's colour); the
+    held-out panel's legend."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -165,12 +176,15 @@ def plot_curves(metrics: list[dict], path: Path) -> None:
     train_ax.set(title="train CE loss", xlabel="step", ylabel="nats/token")
     for domain in DOMAINS:
         points = [(m["step"], m[f"eval/lm/{domain}/CE loss"]) for m in metrics if f"eval/lm/{domain}/CE loss" in m]
-        eval_ax.plot(*zip(*points), marker="o", label=domain)
+        line, = eval_ax.plot(*zip(*points), marker="o", label=domain)
+        eval_ax.axhline(baselines[domain], color=line.get_color(), ls="--", lw=0.8,
+                        label=f"{domain} unigram baseline")
     eval_ax.set(title="held-out CE loss per domain", xlabel="step", ylabel="nats/token")
-    eval_ax.legend()
+    legend = [text.get_text() for text in eval_ax.legend().get_texts()]
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+    return legend
 
 
 def plot_expert_load(cfg, metrics: list[dict], path: Path) -> None:
@@ -226,7 +240,7 @@ def run_demo(overrides: list[str], fresh: bool, moe: bool = False) -> Path:
     losses = [h["train/CE loss"] for h in history]
     same_as_previous = None if previous_losses is None else previous_losses == losses
 
-    checkpointer = Checkpointer(cfg.run_dir / "checkpoints", cfg.checkpoint)
+    checkpointer = Checkpointer(RunDir(cfg.run_dir).checkpoints, cfg.checkpoint)
     state, _, _ = restore_or_init(cfg, make_layout(cfg.mesh), checkpointer)
     checkpointer.close()
     samples = greedy_samples(cfg, state.params, data["tokenizer"],
@@ -237,7 +251,7 @@ def run_demo(overrides: list[str], fresh: bool, moe: bool = False) -> Path:
                                      cfg.model.vocab_size, cfg.data.token_dtype) for d in DOMAINS}
     scored = {d: {"documents": selection.documents[labels.index(d)], "tokens": selection.tokens[labels.index(d)]}
               for d in DOMAINS}
-    plot_curves(history, out / f"loss_curves{suffix}.png")
+    plot_curves(history, baselines, out / f"loss_curves{suffix}.png")
     if moe:
         plot_expert_load(cfg, history, out / "expert_load_moe.png")
     report = write_report(out, cfg, data, history, baselines, scored, samples, train_seconds, same_as_previous,
@@ -285,7 +299,7 @@ def write_report(out: Path, cfg, data, history, baselines, scored, samples, trai
               True: "bitwise identical to the previous run's, step for step",
               False: "DIFFERENT from the previous run's (same config and seed): a determinism bug"}[same_as_previous]
     run_dir = cfg.run_dir
-    ckpt = run_dir / "checkpoints"
+    ckpt = RunDir(run_dir).checkpoints
     experts = (f", {cfg.model.moe.num_experts} experts top-{cfg.model.moe.top_k} in every layer"
                if cfg.model.mlp == "moe" else "")
     lines = [
@@ -308,17 +322,22 @@ def write_report(out: Path, cfg, data, history, baselines, scored, samples, trai
         f"![loss curves](loss_curves{suffix}.png)", "",
         *(moe_section(cfg, history) if cfg.model.mlp == "moe" else []),
         "## Greedy samples", "",
+        f"Greedy decoding (the most likely token every time) of a model trained on {tokens:,} tokens: such a "
+        "model knows the common short patterns of its text and little of what comes after them, so once a "
+        "continuation enters a frequent loop (an indented line, a docstring's phrase), the likeliest next token "
+        "is the one that goes round it again. The repetition is the model's size and data, not a decoding bug; "
+        "sampling with a temperature would vary the text, not make it better.", "",
         *[f"```\n{s}\n```\n" for s in samples],
         "## Where things are", "",
-        f"- checkpoints: `{ckpt}`", f"- metrics: `{run_dir / 'metrics.jsonl'}`, TensorBoard events in "
-        f"`{run_dir / 'tensorboard'}`", f"- tokenizer and shards: `{out / 'cache'}`", "",
+        f"- checkpoints: `{ckpt}`", f"- metrics: `{RunDir(run_dir).metrics}`, TensorBoard events in "
+        f"`{RunDir(run_dir).tensorboard}`", f"- tokenizer and shards: `{out / 'cache'}`", "",
         "## Next commands", "",
         "```bash",
         f"olmax train {cfg.name} train.steps={2 * cfg.train.steps}   # resume from the last checkpoint, train further",
         "olmax synth-data --out runs/synth   # generated tokens for the next command",
         "olmax resume-check tiny data.mix_file=runs/synth/mix.txt --at 20 --steps 40   # exact resume A/B",
         f"olmax eval heldout {ckpt} --data code={out}/cache/shards/code-heldout/mix.txt",
-        f"olmax convert olmax-to-hf {ckpt} {out}/hf{suffix} --tokenizer {data['tokenizer']}",
+        f"olmax convert olmax-to-hf {ckpt} --out {out}/hf{suffix} --tokenizer {data['tokenizer']}",
         f"olmax compare {run_dir} runs/OTHER_RUN",
         "```", "",
     ]

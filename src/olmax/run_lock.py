@@ -37,19 +37,15 @@ import uuid
 from pathlib import Path
 
 from olmax import storage
-from olmax.errors import BadInput
+from olmax.errors import RunDirError
+from olmax.run_dir import RunDir
 
 log = logging.getLogger(__name__)
 
-LOCK_FILE = "run.lock"
 ENV_RUN_LOCK = "OLMAX_RUN_LOCK"
 RENEW_S = 10.0  # a bucket lease's holder rewrites it this often
 STALE_S = 45.0  # a lease not renewed for this long is a dead (or cut off) holder's, and is taken over
 SETTLE_S = 1.0  # a new lease is read back this long after it was written
-
-
-class RunDirError(BadInput):
-    """Another process holds the run directory, or it cannot be written; the message names the holder or the fix."""
 
 
 def identity() -> str:
@@ -77,7 +73,7 @@ def hold(run_dir: str | os.PathLike, environ=None):
         return
     environ = os.environ if environ is None else environ
     run_dir = Path(run_dir)
-    path = run_dir / LOCK_FILE
+    path = RunDir(run_dir).lock
     made = not run_dir.exists()
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -102,7 +98,7 @@ def hold(run_dir: str | os.PathLike, environ=None):
         os.pwrite(fd, mine.encode(), 0)
         yield mine
     finally:
-        if made and os.listdir(run_dir) == [LOCK_FILE]:
+        if made and os.listdir(run_dir) == [path.name]:
             path.unlink()
             run_dir.rmdir()
         os.close(fd)  # releases the lock
@@ -158,7 +154,7 @@ def _fresh(record: dict | None) -> bool:
 
 @contextlib.contextmanager
 def _lease(url: str):
-    path = storage.join(url, LOCK_FILE)
+    path = RunDir(url).lock
     held = _read_lease(path)
     if _fresh(held):
         raise RunDirError(f"output_dir {url} is in use by another run ({_describe(json.dumps(held))}, per {path}, "

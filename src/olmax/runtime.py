@@ -30,10 +30,12 @@ and takes libtpu's one-process lockfile for the life of the process.
 from __future__ import annotations
 
 import ctypes
+import importlib.util
 import os
 import platform
 import signal
 import sys
+import tempfile
 from pathlib import Path
 
 GLIBC = ctypes.CDLL("libc.so.6") if platform.libc_ver()[0] == "glibc" else None
@@ -44,6 +46,9 @@ STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
 GOOGLE_PCI_VENDOR = "0x1ae0"  # TPU chips show up as Google's PCI devices (as JAX's hardware_utils finds them)
 NVIDIA_DEVICES = ("/dev/nvidia0", "/dev/nvidiactl", "/dev/dxg")  # JAX's test for a visible NVIDIA GPU
 LIBTPU_LOCKFILE = Path("/tmp/libtpu_lockfile")  # libtpu's lock on the machine's TPU chips
+CUDA_PLUGIN = "jax_cuda12_plugin"
+CUDA_PLUGIN_NOISE = ("All log messages before absl::InitializeLog() is called", "cudart_stub.cc",
+                     "Could not find cuda drivers on your machine")
 
 
 def skip_absent_tpus() -> None:
@@ -57,6 +62,32 @@ def skip_absent_tpus() -> None:
     vendors = Path("/sys/bus/pci/devices").glob("*/vendor")
     if not any(vendor.read_text().strip() == GOOGLE_PCI_VENDOR for vendor in vendors):
         os.environ["JAX_PLATFORMS"] = "cpu"
+
+
+def quiet_cuda_plugin() -> None:
+    """Load JAX and register its plugins now, dropping the CUDA plugin's start-up lines, on a machine with no
+    NVIDIA GPU where the plugin is installed (the aot-gpu extra, to compile for GPUs): its native code printed
+    `Could not find cuda drivers on your machine` with absl's pre-init warning four times in every command,
+    three when JAX loads and one when its plugins register. Registering creates no backend, so a multi-process
+    run still joins its cluster first. Anything else written to stderr meanwhile is passed on."""
+    if (any(map(os.path.exists, NVIDIA_DEVICES)) or importlib.util.find_spec(CUDA_PLUGIN) is None
+            or "jax" in sys.modules):
+        return
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as caught:
+        os.dup2(caught.fileno(), 2)
+        try:
+            from jax._src import xla_bridge
+
+            xla_bridge._discover_and_register_pjrt_plugins()
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            caught.seek(0)
+            for line in caught.read().decode(errors="replace").splitlines(keepends=True):
+                if not any(noise in line for noise in CUDA_PLUGIN_NOISE):
+                    sys.stderr.write(line)
 
 
 def libtpu_lock_holder() -> int | None:

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import fsspec
 
-from olmax.errors import BadInput
+from olmax.errors import MissingObject, StorageError
 
 REMOTE_SCHEMES = ("gs", "s3", "https", "http")
 FIRST_BACKOFF_S = 0.05
@@ -40,15 +40,6 @@ MAX_BACKOFF_S = 10.0
 TRANSIENT_STATUS = {408, 429, 500, 502, 503, 504}
 
 log = logging.getLogger(__name__)
-
-
-class StorageError(BadInput):
-    """A store said no for good (missing object, denied, no bucket, unreachable) or kept failing past the
-    retry budget; the message names the URL and what to check."""
-
-
-class MissingObject(StorageError):
-    """No such object or bucket."""
 
 
 class _Settings:

@@ -15,7 +15,6 @@ from olmax.data import DataError
 from olmax.data.synthetic import write_synthetic_shards
 from olmax.data.tokenize import tokenize_corpus, train_tokenizer
 from olmax.eval import documents, heldout, kl
-from olmax.eval.cli import add_commands
 from olmax.eval.cli import load_model
 from olmax.eval.models import Model, eval_layout, place
 from olmax.model import transformer
@@ -57,13 +56,10 @@ def checkpoint(tmp_path_factory, cfg, params):
     return directory
 
 
-def run_cli(*argv):
-    import argparse
+def run_cli(*argv) -> int:
+    from olmax.cli import main
 
-    parser = argparse.ArgumentParser(prog="olmax")
-    add_commands(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args([str(a) for a in argv])
-    args.func(args)
+    return main([str(a) for a in argv])
 
 
 def direct_log_probs(cfg, params, docs: list[np.ndarray], length: int) -> list[np.ndarray]:
@@ -161,8 +157,8 @@ def test_per_domain_results_and_macro_average(cfg, params, shards, corpus, tmp_p
     mix = tmp_path / "domains.txt"
     mix.write_text(f"web,{shards[0]}\nnews,{shards[1]}\n")
     out = tmp_path / "heldout.json"
-    run_cli("eval", "perplexity", str(_checkpoint_of(tmp_path, cfg, params)), "--data", mix,
-            "--data", f"words={result.mix_file}", "--tokens", 1500, "--batch-instances", 16, "--out", out)
+    assert run_cli("eval", "perplexity", str(_checkpoint_of(tmp_path, cfg, params)), "--data", mix,
+                   "--data", f"words={result.mix_file}", "--tokens", 1500, "--batch-instances", 16, "--out", out) == 0
     report = json.loads(out.read_text())
     sets = report["sets"]
     assert list(sets) == ["web", "news", "words"]
@@ -216,8 +212,8 @@ def test_kl_cli_between_a_checkpoint_and_its_hf_export(cfg, params, checkpoint, 
 
     write_hf(cfg, params, tmp_path / "hf")
     assert load_model(tmp_path / "hf").cfg.model.vocab_size == cfg.model.vocab_size
-    run_cli("eval", "kl", checkpoint / "0", tmp_path / "hf", "--data", shards[0], "--tokens", 500, "--out",
-            tmp_path / "kl")
+    assert run_cli("eval", "kl", checkpoint / "0", tmp_path / "hf", "--data", shards[0], "--tokens", 500, "--out",
+                   tmp_path / "kl") == 0
     report = json.loads((tmp_path / "kl.json").read_text())
     assert report["a"] == f"{checkpoint}/0" and report["b"] == str(tmp_path / "hf")
     # Same weights; the HF directory does not carry olmax's impl.attention.block (a speed knob: 16 in `tiny`, 512
@@ -228,12 +224,9 @@ def test_kl_cli_between_a_checkpoint_and_its_hf_export(cfg, params, checkpoint, 
 
 
 def test_cli_errors_name_the_input(checkpoint, tmp_path, capsys):
-    with pytest.raises(SystemExit) as exit_info:
-        run_cli("eval", "heldout", checkpoint, "--data", tmp_path / "missing.npy")
-    assert exit_info.value.code == 2
+    assert run_cli("eval", "heldout", checkpoint, "--data", tmp_path / "missing.npy") == 2
     assert "missing.npy does not exist" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        run_cli("eval", "heldout", tmp_path / "nothing", "--data", tmp_path / "missing.npy")
+    assert run_cli("eval", "heldout", tmp_path / "nothing", "--data", tmp_path / "missing.npy") == 2
     assert "nothing does not exist" in capsys.readouterr().err
 
 
@@ -248,9 +241,7 @@ def test_heldout_reads_shards_with_the_dtype_training_checks(base_run, synth_mix
 
     narrow = heldout(synth_mix)
     assert heldout(synth_mix32, "--token-dtype", "uint32") == narrow
-    with pytest.raises(SystemExit) as exit_info:
-        main(["eval", "heldout", str(base_run), "--data", str(synth_mix32)])
-    assert exit_info.value.code == 2
+    assert main(["eval", "heldout", str(base_run), "--data", str(synth_mix32)]) == 2
     err = capsys.readouterr().err
     assert "written as uint32 tokens" in err and "set --token-dtype=uint32" in err
 
@@ -259,7 +250,5 @@ def test_heldout_reads_shards_with_the_dtype_training_checks(base_run, synth_mix
 def test_a_token_budget_below_one_is_refused(base_run, synth_mix, capsys, tokens):
     from olmax.cli import main
 
-    with pytest.raises(SystemExit) as exit_info:
-        main(["eval", "heldout", str(base_run), "--data", str(synth_mix), "--tokens", tokens])
-    assert exit_info.value.code == 2
+    assert main(["eval", "heldout", str(base_run), "--data", str(synth_mix), "--tokens", tokens]) == 2
     assert f"--tokens {tokens}: give a positive number of tokens per set" in capsys.readouterr().err

@@ -8,7 +8,7 @@ import pytest
 from tensorboardX import SummaryWriter
 
 from olmax.eval import curves
-from olmax.eval.models import EvalError
+from olmax.errors import EvalError
 
 
 def test_windowed_delta_on_constructed_curves():

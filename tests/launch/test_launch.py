@@ -193,13 +193,6 @@ def test_defaults_and_refusals():
     assert Backoff().delay(1) == 300 and Backoff().delay(4) == 2400 and Backoff().delay(9) == 3600
 
 
-def test_the_exit_code_contract_matches_olmax_train():
-    from olmax.launch.launcher import EXIT_DIVERGED, EXIT_PREEMPTED
-    from olmax.train.trainer import DIVERGED_EXIT_CODE, RESUMABLE_EXIT_CODE
-
-    assert EXIT_PREEMPTED == RESUMABLE_EXIT_CODE and EXIT_DIVERGED == DIVERGED_EXIT_CODE
-
-
 def test_a_bucket_runs_launch_records_go_to_a_directory_here(tmp_path, capsys, monkeypatch):
     """A bucket has no appending: a run there keeps launch.jsonl, job scripts, manifests and Slurm's output in
     runs/NAME here, or launch.records_dir; a records_dir in a bucket is refused with exit 2, nothing written."""

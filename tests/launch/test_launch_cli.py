@@ -41,9 +41,9 @@ def test_old_spellings_read_as_todays(capsys, old, new):
     err = capsys.readouterr().err
     flags = [a for a in old if a.partition("=")[0] in ("--slurm", "--k8s", "--tpu-pod", "--run", "--nprocs")]
     if flags and old[0] == "launch":
-        assert err.splitlines() == [f"olmax launch: {' '.join(f.partition('=')[0] for f in flags)} is an old spelling "
-                                    f"and will go: write `olmax launch {' '.join(new[1:2 + (new[1] == 'tpu-pod')])} "
-                                    "...` (olmax launch --help)"]
+        assert err.splitlines() == [f"olmax: {' '.join(f.partition('=')[0] for f in flags)} is the old spelling, "
+                                    "kept for one release: write `olmax launch "
+                                    f"{' '.join(new[1:2 + (new[1] == 'tpu-pod')])} ...` (olmax launch --help)"]
     else:
         assert err == ""
 

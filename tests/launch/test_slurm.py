@@ -161,8 +161,8 @@ def test_the_old_spelling_prints_the_same_script_and_one_line_saying_so(tmp_path
     assert main(["launch", "--slurm", "--dry-run", "tiny", *run]) == 0
     old = capsys.readouterr()
     assert old.out == new.out and new.err == ""
-    assert old.err.splitlines() == ["olmax launch: --slurm is an old spelling and will go: write `olmax launch slurm "
-                                    "...` (olmax launch --help)"]
+    assert old.err.splitlines() == ["olmax: --slurm is the old spelling, kept for one release: write `olmax launch "
+                                    "slurm ...` (olmax launch --help)"]
 
 
 STEPS, STOP_AFTER = 30, 20

@@ -6,6 +6,7 @@ TPU targets need the aot extra (libtpu; CI installs it), GPU targets the aot-gpu
 import json
 import re
 import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -81,6 +82,22 @@ def test_loading_libtpu_to_compile_leaves_child_processes_no_made_up_tpu_variabl
     compile_only_devices(parse_target("tpu:v5p:2x2x1"))
     inherited = subprocess.run(["env"], capture_output=True, text=True, check=True).stdout
     assert "WARNING: could not determine" not in inherited and "ALLOW_MULTIPLE_LIBTPU_LOAD=1" in inherited
+    assert "TPU_ACCELERATOR_TYPE" not in inherited and "TPU_WORKER_HOSTNAMES" not in inherited
+
+
+@needs_tpu
+def test_a_tpu_compile_prints_its_report_and_nothing_of_libtpus_start_up(tmp_path):
+    """libtpu loaded without TPUs printed its failed probing of the cloud's metadata (`Failed to find host
+    bounds`, an `E0000 ... unexpected worker hostname` line, a `Source Location Trace`) before every report. In
+    a process of its own: libtpu says it once, when it loads. The compile's phases are all it prints there.
+    """
+    command = ["-c", "import sys; from olmax.cli import main; sys.exit(main())", "compile", "tiny", "--target",
+               "tpu:v5p:2x2x1", "--json"]
+    out = subprocess.run([sys.executable, *command], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["devices"] == 4
+    phases = ["loading the target's devices", "tracing the train step", "lowering", "compiling"]
+    assert [line.split(": ")[-1].split(" (")[0] for line in out.stderr.splitlines()] == phases, out.stderr
 
 
 @needs_tpu

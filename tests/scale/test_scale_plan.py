@@ -136,3 +136,17 @@ def test_plan_and_compile_share_the_mfu_default(capsys):
 
     compile_args = build_parser().parse_args(["compile", "tiny", "--target", "tpu:v5p:2x2x2"])
     assert compile_args.mfu == 0.4
+
+
+def test_a_tiny_models_plan_prints_figures_not_zeros(capsys):
+    """The table had fixed units and decimals: every figure of tiny's plan read 0.00 or 0. Units scale down
+    (MFLOP, microseconds) and small figures keep four significant digits."""
+    from olmax.cli import main
+
+    assert main(["plan", "tiny", "--target", "tpu:v5p:2x2x2"]) == 0
+    table = capsys.readouterr().out.split("\n\n")[1].splitlines()[1:]
+    assert len(table) == 7
+    for row in table:
+        figures = row[24:].split()
+        assert len(figures) == 2 and all(float(f.replace(",", "")) > 0 for f in figures), row
+    assert "train MFLOP / token" in table[0] and "step time (us)" in table[3]

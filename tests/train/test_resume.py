@@ -16,7 +16,8 @@ from olmax.checkpoint import CheckpointError
 from olmax.config import load_config
 from olmax.data import DataError
 from olmax.data.synthetic import write_synthetic_shards
-from olmax.train.trainer import RESUMABLE_EXIT_CODE, train
+from olmax.errors import ExitCode
+from olmax.train.trainer import train
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +69,7 @@ def test_sigterm_finishes_the_step_checkpoints_and_exits_resumable(tmp_path, sha
     _wait_for(lambda: (run / "metrics.jsonl").exists() and len((run / "metrics.jsonl").read_text().splitlines()) >= 3)
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=120)
-    assert proc.returncode == RESUMABLE_EXIT_CODE, err
+    assert proc.returncode == ExitCode.PREEMPTED, err
     saved = sorted(int(p.name) for p in (run / "checkpoints").iterdir() if p.name.isdigit())
     assert len(saved) == 1 and 3 <= saved[0] < 30 and f"checkpoint {saved[0]} written" in err
     _train(tmp_path, shards, "pre", "train.steps=30", "checkpoint.every=1000")
@@ -183,7 +184,7 @@ def test_a_second_train_on_a_run_directory_in_use_exits_2_naming_the_holder(tmp_
         assert code == 2 and f"is in use by another run (host {socket.gethostname()}, PID {first.pid}" in err, err
     finally:
         first.send_signal(signal.SIGTERM)
-        assert first.wait(timeout=240) == RESUMABLE_EXIT_CODE
+        assert first.wait(timeout=240) == ExitCode.PREEMPTED
     # The lock went with the process: the next train resumes.
     assert main(["train", "tiny", "mesh.fsdp=1", "train.stop_after=1", "train.steps=100000",
                  "checkpoint.every=100000", f"data.mix_file={synth_mix}", f"output_dir={run}"]) == 0
@@ -231,15 +232,14 @@ def small_disk(tmp_path):
 
 
 def test_disk_full_writing_a_checkpoint_is_one_line_and_a_code_launch_does_not_retry(small_disk, synth_mix):
-    from olmax.checkpoint import DiskFull
-    from olmax.launch.launcher import EXIT_DISK_FULL, NOT_RETRIED
+    from olmax.errors import NOT_RETRIED, DiskFull
 
     run = small_disk / "run"
     command = [sys.executable, "-m", "olmax.cli", "train", "tiny", "mesh.fsdp=1", "checkpoint.every=2",
                f"data.mix_file={synth_mix}", f"output_dir={run}"]
     proc = subprocess.run([*command, "train.steps=8"], capture_output=True, text=True, timeout=600, check=False)
     assert proc.stderr == f"olmax: disk full writing checkpoint 4 in {run}/checkpoints: free space and run again\n"
-    assert proc.returncode == DiskFull.exit_code == EXIT_DISK_FULL and EXIT_DISK_FULL in NOT_RETRIED
+    assert proc.returncode == DiskFull.exit_code == 74 and DiskFull.exit_code in NOT_RETRIED
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["2"]  # the partial write is gone
     # A crash mid-write leaves Orbax's temporary directory: the next start removes it, with a warning.
     subprocess.run(["mount", "-o", "remount,size=64m", str(small_disk)], check=True)

@@ -87,20 +87,20 @@ def test_indivisible_global_batch_is_refused_before_anything_is_written(tmp_path
 def test_a_run_whose_parameters_become_infinite_stops_without_writing_them(tmp_path, synth_mix, capsys):
     """1e39 is a finite float, but infinite as the float32 learning rate: step 1 makes the parameters infinite."""
     from olmax.cli import main
-    from olmax.train.trainer import DIVERGED_EXIT_CODE
+    from olmax.errors import ExitCode
 
     run = tmp_path / "run"
     code = main(["train", "tiny", "mesh.fsdp=1", "train.steps=6", "checkpoint.every=1", "optim.lr=1e39",
                  "schedule.warmup_steps=0", f"data.mix_file={synth_mix}", f"output_dir={run}"])
     err = capsys.readouterr().err
-    assert code == DIVERGED_EXIT_CODE and code not in (0, 1, 2, 75), err
+    assert code == ExitCode.DIVERGED and code not in (0, 1, 2, 75), err
     assert "the run diverged: the parameters are NaN or infinite (checked before writing checkpoint 1)" in err
     assert "lower optim.lr" in err.lower() and "Traceback" not in err
     assert not list((run / "checkpoints").glob("[0-9]*"))
     # Without a checkpoint due, the first loss that is not finite finds it (step 2's, on step 1's parameters).
     code = main(["train", "tiny", "mesh.fsdp=1", "train.steps=6", "checkpoint.every=6", "optim.lr=1e39",
                  "schedule.warmup_steps=0", f"data.mix_file={synth_mix}", f"output_dir={tmp_path}/run2"])
-    assert code == DIVERGED_EXIT_CODE and "(train/CE loss nan at step 2)" in capsys.readouterr().err
+    assert code == ExitCode.DIVERGED and "(train/CE loss nan at step 2)" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("name, make", [("checkpoints", Path.touch), ("tensorboard", Path.touch),

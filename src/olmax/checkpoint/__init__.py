@@ -38,28 +38,15 @@ import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
 from olmax import storage
-from olmax.errors import BadInput
+from olmax.errors import CheckpointError, DiskFull, UnreadableCheckpoint
 from olmax.config import CheckpointConfig, ConfigError, ModelConfig, RunConfig, upgrade, validate
+from olmax.run_dir import RunDir, committed_steps
 from olmax.checkpoint.checksums import CHECKSUM, checksums, meta_digest
 from olmax.checkpoint.orbax_io import (
     disk_full, ignore_abandoned_io, numpy_one_array_at_a_time, on_host, quiet_absl, reason,
 )
 
 log = logging.getLogger(__name__)
-
-
-class CheckpointError(BadInput):
-    """A checkpoint that cannot be used for this run; the message says why and what to do."""
-
-
-class UnreadableCheckpoint(CheckpointError):
-    """A checkpoint whose files cannot be read or do not match their checksums (a torn or corrupted write)."""
-
-
-class DiskFull(Exception):
-    """The disk filled up while a checkpoint was written; its partial write was removed."""
-
-    exit_code = 74  # EX_IOERR; `olmax launch` does not retry it: only freeing space helps
 
 
 class Checkpointer:
@@ -99,10 +86,10 @@ class Checkpointer:
         return self.directory / str(step)
 
     def latest_step(self) -> int | None:
-        return self.manager.latest_step()
+        return max(self.all_steps(), default=None)
 
     def all_steps(self) -> list[int]:
-        return sorted(self.manager.all_steps())
+        return committed_steps(self.directory)
 
     def save(self, step: int, state, meta: dict) -> None:
         """A training checkpoint: params, optimizer state and meta (the step lives in meta)."""
@@ -208,8 +195,8 @@ def locate(path: str | Path) -> tuple[Path, int | None]:
         raise CheckpointError(f"{path} does not exist; give {kinds}")
     if not path.is_dir():
         raise CheckpointError(f"{path} is a file, not an olmax checkpoint; give {kinds}")
-    if (path / "checkpoints").is_dir():
-        return path / "checkpoints", None
+    if RunDir(path).checkpoints.is_dir():
+        return RunDir(path).checkpoints, None
     if path.name.isdigit():
         return path.parent, int(path.name)
     return path, None

@@ -10,31 +10,14 @@ from a bucket read one step: the named one or the latest committed one.
 from __future__ import annotations
 
 import contextlib
-import logging
 import tempfile
 from pathlib import Path
 
 from olmax import storage
-from olmax.checkpoint import CheckpointError
+from olmax.errors import CheckpointError
+from olmax.run_dir import RunDir, committed_steps
 
-log = logging.getLogger(__name__)
-
-CHECKPOINTS = "checkpoints"
 KINDS = "a run directory, its checkpoints/ or one step of it (checkpoints/N)"
-
-
-def committed_steps(remote: str) -> list[int]:
-    """The committed steps of a checkpoints prefix, in order; an uncommitted one is named in a warning."""
-    steps = []
-    for name in storage.listdir(remote):
-        if not name.isdigit():
-            continue
-        if storage.committed(storage.join(remote, name)):
-            steps.append(int(name))
-        else:
-            log.warning("%s has no commit marker (its upload was cut short); not a checkpoint, skipped",
-                        storage.join(remote, name))
-    return sorted(steps)
 
 
 def pull_steps(remote: str, local: Path, steps: list[int] | None = None) -> None:
@@ -54,7 +37,7 @@ def fetch(url: str, local: Path, step: int | None = None) -> Path:
         names = storage.listdir(url)
         if not names:
             raise CheckpointError(f"{url} does not exist or is empty; give {KINDS}")
-        remote = storage.join(url, CHECKPOINTS) if CHECKPOINTS in names else url
+        remote = RunDir(url).checkpoints if RunDir.checkpoints.name in names else url
     steps = committed_steps(remote)
     if step is None and not steps:
         raise CheckpointError(f"{remote} holds no committed olmax checkpoint; give {KINDS}")
@@ -62,8 +45,8 @@ def fetch(url: str, local: Path, step: int | None = None) -> Path:
     if step not in steps:
         raise CheckpointError(f"{storage.join(remote, str(step))} is not a committed checkpoint (committed: "
                               f"{steps or 'none'}); give one of those steps")
-    pull_steps(remote, local / CHECKPOINTS, [step])
-    return local / CHECKPOINTS / str(step)
+    pull_steps(remote, RunDir(local).checkpoints, [step])
+    return RunDir(local).checkpoints / str(step)
 
 
 @contextlib.contextmanager

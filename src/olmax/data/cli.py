@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from olmax.arguments import given, old_spelling
+
 
 def add_commands(subparsers) -> None:
     tokenize = subparsers.add_parser(
@@ -14,34 +16,37 @@ def add_commands(subparsers) -> None:
     tokenize.add_argument("inputs", nargs="+", help="text files or directories of them")
     tokenize.add_argument("--tokenizer", required=True, help="local HF tokenizers tokenizer.json")
     tokenize.add_argument("--out", required=True, help="a new or empty output directory")
-    tokenize.add_argument("--eos-token", default="<|endoftext|>", help="token appended after every document")
-    tokenize.add_argument("--shard-tokens", type=int, default=1 << 28, help="tokens per shard, at most (whole documents)")
+    tokenize.add_argument("--eos-token", default="<|endoftext|>", help="token appended after every document (default: %(default)s)")
+    tokenize.add_argument("--shard-tokens", type=int, default=1 << 28, help="tokens per shard, at most (whole documents; default: %(default)s)")
     tokenize.add_argument("--workers", type=int, default=None, help="tokenizer processes (default: all cores; 0: none)")
     tokenize.add_argument("--label", default=None, help="source label in the mix file (default: output dir name)")
     tokenize.add_argument("--quiet", action="store_true", help="no progress bar")
-    tokenize.set_defaults(func=run_tokenize)
+    tokenize.set_defaults(func=cmd_tokenize)
 
     tokenizer = subparsers.add_parser("tokenizer", help="tokenizer tools")
     verbs = tokenizer.add_subparsers(dest="verb", required=True)
     train = verbs.add_parser("train", help="train a byte-level BPE on local text (EOS <|endoftext|> = 0, pad <|pad|> = 1)")
     train.add_argument("inputs", nargs="+", help="text files or directories of them")
-    train.add_argument("--vocab-size", type=int, required=True)
+    train.add_argument("--vocab-size", type=int, required=True,
+                       help="tokens in the vocabulary, the byte alphabet and special tokens included (required)")
     train.add_argument("--out", required=True, help="the tokenizer.json to write (a new file)")
-    train.add_argument("--quiet", action="store_true")
-    train.set_defaults(func=run_tokenizer_train)
+    train.add_argument("--quiet", action="store_true", help="no progress bar")
+    train.set_defaults(func=cmd_tokenizer_train)
 
     synth = subparsers.add_parser(
         "synth-data", help="shards of a small learnable generated language (for the quick start and tests)"
     )
+    synth.add_argument("config", nargs="?", help="preset or YAML giving vocab size, EOS id and token dtype "
+                       "(default: tiny)")
     synth.add_argument("--out", required=True, help="a new or empty output directory")
-    synth.add_argument("--config", default="tiny", help="preset or YAML giving vocab size, EOS id and token dtype")
-    synth.add_argument("--tokens", type=int, default=1 << 21)
-    synth.add_argument("--shards", type=int, default=4)
-    synth.add_argument("--seed", type=int, default=0)
-    synth.set_defaults(func=run_synth_data)
+    old_spelling(synth, "--config", "config", "give CONFIG as the first argument, `olmax synth-data CONFIG --out DIR`")
+    synth.add_argument("--tokens", type=int, default=1 << 21, help="tokens in all, EOS included (default: %(default)s)")
+    synth.add_argument("--shards", type=int, default=4, help="shard files the tokens are split into (default: %(default)s)")
+    synth.add_argument("--seed", type=int, default=0, help="seed of the generated language and text (default: %(default)s)")
+    synth.set_defaults(func=cmd_synth_data)
 
 
-def run_tokenize(args: argparse.Namespace) -> None:
+def cmd_tokenize(args: argparse.Namespace) -> None:
     from olmax.data.tokenize import tokenize_corpus
 
     result = tokenize_corpus(
@@ -66,18 +71,18 @@ def run_tokenize(args: argparse.Namespace) -> None:
     )
 
 
-def run_tokenizer_train(args: argparse.Namespace) -> None:
+def cmd_tokenizer_train(args: argparse.Namespace) -> None:
     from olmax.data.tokenize import train_tokenizer
 
     path = train_tokenizer(args.inputs, args.out, vocab_size=args.vocab_size, progress=not args.quiet)
     print(f"wrote {path}")
 
 
-def run_synth_data(args: argparse.Namespace) -> None:
+def cmd_synth_data(args: argparse.Namespace) -> None:
     from olmax.config import load_config
     from olmax.data.synthetic import write_synthetic_shards
 
-    config = load_config(args.config)
+    config = load_config(given(args, "config", "the config") or "tiny")
     paths = write_synthetic_shards(
         args.out,
         vocab_size=config.model.vocab_size,

@@ -29,7 +29,7 @@ import numpy as np
 
 from olmax import run_lock, storage
 from olmax.config import writable_dir
-from olmax.errors import BadInput
+from olmax.errors import DataError
 
 TOKEN_DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
 FINGERPRINT_VERSION = "olmax-fsl-v1"
@@ -42,10 +42,6 @@ CONTENT_HASH_BYTES = 1 << 16
 MAX_OPEN_FILES = 256
 # Written beside the shards by `olmax tokenize` and `olmax synth-data`: how they were written.
 SHARDS_RECORD = "shards.json"
-
-
-class DataError(BadInput):
-    """Bad data input; the message names the file or field and the fix."""
 
 
 @dataclass(frozen=True)

@@ -5,31 +5,17 @@ Every command prints JSON on stdout; kl and compare also write a PNG (and compar
 
 from __future__ import annotations
 
-import functools
 import json
 import os
-import sys
 from pathlib import Path
+
+from olmax.arguments import given, old_spelling
 
 # The downstream suite of MaxText's OLMo 3 reproduction (https://github.com/AI-Hypercomputer/maxtext/pull/3886); needs the datasets in the HF cache.
 DEFAULT_TASKS = ("mmlu:5", "hellaswag:0", "arc_easy:0", "arc_challenge:0", "openbookqa:0", "piqa:0", "boolq:0",
                  "winogrande:0")
 MODEL_HELP = ("olmax checkpoint directory (latest step), a step of one (.../checkpoints/STEP), a run directory, "
               "or an HF Olmo3 directory")
-
-
-def _reports_errors(command):
-    """Bad input ends the command with a one-line error naming it, exit status 2."""
-    @functools.wraps(command)
-    def run(args) -> None:
-        from olmax.errors import BadInput
-
-        try:
-            command(args)
-        except BadInput as err:
-            print(f"olmax: {type(err).__name__}: {err}", file=sys.stderr)
-            sys.exit(2)
-    return run
 
 
 def _writable(out: str | None) -> None:
@@ -60,7 +46,7 @@ def _stem(out: str) -> str:
 
 def _selection(args, model):
     from olmax.eval.documents import select, sets_from_argument
-    from olmax.eval.models import EvalError
+    from olmax.errors import EvalError
 
     if args.tokens is not None and args.tokens < 1:
         raise EvalError(f"--tokens {args.tokens}: give a positive number of tokens per set, or leave it out for all")
@@ -75,7 +61,7 @@ def _selection(args, model):
 
 
 def _rows(args, layout) -> int:
-    return args.batch_instances or 4 * layout.data_parallel_size
+    return given(args, "batch_size", "--batch-size") or 4 * layout.data_parallel_size
 
 
 def load_model(path: str | Path):
@@ -83,10 +69,12 @@ def load_model(path: str | Path):
     step), one step of it (`.../checkpoints/STEP`), or a run directory (its `checkpoints/`); local or in a
     bucket (a checkpoint's step is read from there alone, an HF directory copied whole)."""
     from olmax import storage
-    from olmax.eval.models import EvalError, Model
+    from olmax.errors import EvalError
+    from olmax.eval.models import Model
     from olmax.interop.hf import load_hf_params, read_hf_config
     from olmax.model.weights import load_olmax
     from olmax.model import families
+    from olmax.run_dir import RunDir
 
     if not storage.exists(str(path)):
         raise EvalError(f"{path} does not exist; give an olmax checkpoint or run directory, or an HF model directory")
@@ -98,12 +86,11 @@ def load_model(path: str | Path):
     cfg, params, step = load_olmax(path)
     name = str(path).rstrip("/")
     if not storage.basename(name).isdigit():
-        name = storage.join(name, "checkpoints", str(step)) if storage.is_dir(storage.join(name, "checkpoints")) \
-            else storage.join(name, str(step))
+        checkpoints = RunDir(name).checkpoints
+        name = storage.join(checkpoints, str(step)) if storage.is_dir(checkpoints) else storage.join(name, str(step))
     return Model(name, cfg, params)
 
 
-@_reports_errors
 def cmd_heldout(args) -> None:
     _writable(args.out)
     import jax
@@ -120,7 +107,6 @@ def cmd_heldout(args) -> None:
                  "token_budget_per_set": args.tokens, "devices": jax.device_count()}, args.out)
 
 
-@_reports_errors
 def cmd_kl(args) -> None:
     _writable(args.out)
     from olmax.eval import kl
@@ -145,7 +131,8 @@ def cmd_kl(args) -> None:
 
 def _harness_results(path: str, args) -> dict:
     """A results JSON of an earlier `olmax eval harness`, or a model to run the tasks on."""
-    from olmax.eval.models import EvalError, eval_layout, place
+    from olmax.errors import EvalError
+    from olmax.eval.models import eval_layout, place
 
     if path.endswith(".json") and Path(path).is_file():
         report = json.loads(Path(path).read_text())
@@ -169,7 +156,6 @@ def _harness_results(path: str, args) -> dict:
     return {"model": model.name, **results}
 
 
-@_reports_errors
 def cmd_harness(args) -> None:
     _writable(args.out)
     from olmax.eval.harness import deltas
@@ -182,7 +168,6 @@ def cmd_harness(args) -> None:
     _print_json({"a": a, "b": b, "deltas": deltas(a, b)}, args.out)
 
 
-@_reports_errors
 def cmd_compare(args) -> None:
     from olmax import storage
     from olmax.eval import curves
@@ -209,7 +194,8 @@ def _data_args(p) -> None:
     p.add_argument("--tokens", type=int, help="tokens per set: whole documents chosen by --seed (default: all)")
     p.add_argument("--seed", type=int, default=0, help="seed of the document choice (with --tokens)")
     p.add_argument("--seq-len", type=int, help="predictions per row (default: the model's data.sequence_length)")
-    p.add_argument("--batch-instances", type=int, help="rows per batch (default: 4 per device)")
+    p.add_argument("--batch-size", type=int, help="rows per batch (default: 4 per device)")
+    old_spelling(p, "--batch-instances", "batch_size", "write --batch-size", type=int)
     p.add_argument("--token-dtype", choices=("uint16", "uint32"), help="of the shards (default: the model's)")
 
 
@@ -239,7 +225,7 @@ def add_commands(subparsers) -> None:
     p.add_argument("--tokenizer", help="tokenizer.json (default: the HF directory's)")
     p.add_argument("--limit", type=int, help="examples per task (default: all)")
     p.add_argument("--include-path", help="directory of extra (local) task YAMLs")
-    p.add_argument("--batch-size", type=int, default=16, help="rows per batch")
+    p.add_argument("--batch-size", type=int, default=16, help="rows per batch (default: %(default)s)")
     p.add_argument("--max-length", type=int, help="context length (default: the model's data.sequence_length)")
     p.add_argument("--out", help="also write the JSON here")
     p.set_defaults(func=cmd_harness)
@@ -247,7 +233,7 @@ def add_commands(subparsers) -> None:
     p = subparsers.add_parser("compare", help="step-aligned comparison of a metric of two runs or published curves")
     p.add_argument("a", help="run directory, TensorBoard directory, metrics .jsonl, or a step<TAB>value .tsv")
     p.add_argument("b", help="the same kinds; deltas are B - A")
-    p.add_argument("--metric", default="train/CE loss")
+    p.add_argument("--metric", default="train/CE loss", help="the metric compared, by its name in metrics.jsonl (default: %(default)s)")
     p.add_argument("--metric-b", help="metric name in B (default: --metric)")
     p.add_argument("--window", type=int, help="steps per window of means (default 2000, less on runs shorter "
                    "than 20 windows)")

@@ -23,7 +23,8 @@ import numpy as np
 
 from olmax import storage
 
-from olmax.eval.models import EvalError
+from olmax.errors import EvalError
+from olmax.run_dir import RunDir
 
 EVENT_GLOB = "events.out.tfevents.*"
 
@@ -122,15 +123,16 @@ def read_curve(source: str | Path, metric: str) -> Curve:
     if not path.exists():
         raise EvalError(f"{path} does not exist; give a run directory, event directory, JSONL or TSV")
     if path.is_dir():
-        events = path / "tensorboard" if list((path / "tensorboard").glob(EVENT_GLOB)) else path
+        run = RunDir(path)
+        events = run.tensorboard if list(run.tensorboard.glob(EVENT_GLOB)) else path
         if list(events.glob(EVENT_GLOB)):
             scalars = read_events(events)
             for tag in (metric, tensorboard_tag(metric)):
                 if tag in scalars:
                     return _from_points(str(source), scalars[tag])
             raise EvalError(f"{events} has no scalar {metric!r}; its tags: {sorted(scalars)}")
-        if (path / "metrics.jsonl").is_file():
-            return _from_points(str(source), _read_jsonl(path / "metrics.jsonl", metric))
+        if run.metrics.is_file():
+            return _from_points(str(source), _read_jsonl(run.metrics, metric))
         raise EvalError(f"{path} holds neither TensorBoard event files nor metrics.jsonl")
     if path.suffix == ".jsonl":
         return _from_points(str(source), _read_jsonl(path, metric))
@@ -260,9 +262,9 @@ def _read_remote_curve(url: str, metric: str) -> Curve:
     with tempfile.TemporaryDirectory(prefix="olmax-curve-") as local:
         copy = Path(local) / storage.basename(url)
         if storage.is_dir(url):
-            for name in ("tensorboard", "metrics.jsonl"):
-                if storage.exists(storage.join(url, name)):
-                    storage.download(storage.join(url, name), copy / name)
+            for name in RunDir.METRIC_FILES:
+                if storage.exists(RunDir(url).path(name)):
+                    storage.download(RunDir(url).path(name), RunDir(copy).path(name))
             copy.mkdir(exist_ok=True)
         else:
             storage.download(url, copy)

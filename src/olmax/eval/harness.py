@@ -27,7 +27,8 @@ from lm_eval.api.model import TemplateLM
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
 from olmax.config import RunConfig
-from olmax.eval.models import EvalError, batch_rows, put_batch
+from olmax.errors import EvalError
+from olmax.eval.models import batch_rows, put_batch
 from olmax.model import generate, transformer
 from olmax.model.loss import over_logits
 from olmax.parallel import pipeline

@@ -20,7 +20,8 @@ import numpy as np
 
 from olmax.config import RunConfig
 from olmax.eval.documents import Selection, read_rows
-from olmax.eval.models import EvalError, Model, batch_rows, place, put_batch
+from olmax.errors import EvalError
+from olmax.eval.models import Model, batch_rows, place, put_batch
 from olmax.model import transformer
 from olmax.model.loss import over_logits
 from olmax.parallel.mesh import Layout

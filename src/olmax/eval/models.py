@@ -8,13 +8,8 @@ from dataclasses import dataclass
 import jax
 
 from olmax.config import MeshConfig, RunConfig
-from olmax.errors import BadInput
 from olmax.model import families
 from olmax.parallel.mesh import Layout, make_layout
-
-
-class EvalError(BadInput):
-    """An evaluation that cannot run as asked; the message says why and what to do."""
 
 
 @dataclass

@@ -7,6 +7,9 @@ import sys
 import tempfile
 from pathlib import Path
 
+from olmax.arguments import given, old_spelling
+from olmax.errors import ExitCode
+
 
 @contextlib.contextmanager
 def _new_output(out: str, checkpoint: bool):
@@ -36,12 +39,13 @@ def cmd_hf_to_olmax(args) -> None:
     from olmax import storage
     from olmax.interop.hf import hf_to_olmax
 
-    with storage.local_copy(args.src) as src, _new_output(args.out, checkpoint=True) as out:
+    target = given(args, "out", "the output directory (--out OUT)", required=True)
+    with storage.local_copy(args.src) as src, _new_output(target, checkpoint=True) as out:
         cfg = hf_to_olmax(src, out, origin=args.src)
     m = cfg.model
     mlp = f"MLP {m.mlp_hidden}" if m.mlp == "dense" else f"{m.moe.num_experts} experts of {m.moe.expert_hidden}, " \
         f"top-{m.moe.top_k}"
-    print(f"wrote {args.out}/0: olmax weights-only checkpoint of {args.src} (family {m.family}, {m.n_layers} layers, "
+    print(f"wrote {target}/0: olmax weights-only checkpoint of {args.src} (family {m.family}, {m.n_layers} layers, "
           f"d_model {m.d_model}, {m.n_heads}/{m.kv_heads} heads, {mlp}, vocab {m.vocab_size} padded to "
           f"{m.padded_vocab}, layer pattern {m.layer_pattern}, window {m.sliding_window})")
 
@@ -51,12 +55,13 @@ def cmd_olmax_to_hf(args) -> None:
     from olmax.interop.hf import olmax_to_hf
 
     with (storage.local_copy(args.tokenizer) if args.tokenizer else contextlib.nullcontext()) as tokenizer, \
-            _new_output(args.out, checkpoint=False) as out:
+            _new_output(target := given(args, "out", "the output directory (--out OUT)", required=True),
+                        checkpoint=False) as out:
         cfg, step = olmax_to_hf(args.ckpt, out, dtype=args.dtype, max_shard_bytes=int(args.max_shard_gb * 2**30),
                                 tokenizer=tokenizer)
     from olmax.model.families import HF_CLASSES
 
-    print(f"wrote {args.out}: {HF_CLASSES[cfg.model.family]} ({args.dtype}) from {args.ckpt} step {step}, "
+    print(f"wrote {target}: {HF_CLASSES[cfg.model.family]} ({args.dtype}) from {args.ckpt} step {step}, "
           f"vocab trimmed to {cfg.model.vocab_size}")
 
 
@@ -66,7 +71,7 @@ def cmd_parity(args) -> None:
 
     with storage.local_copy(args.hf) if args.hf else contextlib.nullcontext() as hf:  # a bucket's: copied whole
         report = run_parity(
-            args.olmax, hf_dir=hf, olmo_core=args.reference == "olmo-core", dtype=args.dtype,
+            given(args, "checkpoint", "the olmax checkpoint (olmax parity CHECKPOINT)", required=True), hf_dir=hf, olmo_core=args.reference == "olmo-core", dtype=args.dtype,
             tokens=args.tokens, seq_len=args.seq_len, batches=args.batches, batch_size=args.batch_size,
             seed=args.seed, float64_reference=not args.no_float64,
         )
@@ -74,7 +79,7 @@ def cmd_parity(args) -> None:
         report["comparisons"]["hf"]["reference"] = args.hf
     print(to_json(report) if args.json else format_report(report))
     if not report["passed"]:
-        sys.exit(1)
+        sys.exit(ExitCode.FAILED)
 
 
 def add_commands(subparsers) -> None:
@@ -84,26 +89,29 @@ def add_commands(subparsers) -> None:
     p = verbs.add_parser("hf-to-olmax",
                          help="HF Olmo3ForCausalLM / OlmoeForCausalLM directory -> weights-only olmax checkpoint")
     p.add_argument("src", help="directory with config.json and model.safetensors (or shards + index)")
-    p.add_argument("out", help="new checkpoint directory; the weights land in OUT/0 (usable as init_from)")
+    p.add_argument("--out", help="new checkpoint directory; the weights land in OUT/0 (usable as init_from)")
+    old_spelling(p, "out", "out", "write the output directory as --out OUT")
     p.set_defaults(func=cmd_hf_to_olmax)
 
     p = verbs.add_parser("olmax-to-hf",
                          help="olmax checkpoint (latest step) -> HF Olmo3ForCausalLM / OlmoeForCausalLM directory")
     p.add_argument("ckpt", help="olmax checkpoint directory (training or weights-only); its latest step is used")
-    p.add_argument("out", help="new directory for config.json and safetensors")
-    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="tensor dtype written")
-    p.add_argument("--max-shard-gb", type=float, default=5.0, help="split into shards of at most this size")
+    p.add_argument("--out", help="new directory for config.json and safetensors")
+    old_spelling(p, "out", "out", "write the output directory as --out OUT")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="tensor dtype written (default: %(default)s)")
+    p.add_argument("--max-shard-gb", type=float, default=5.0, help="split into shards of at most this many GB (default: %(default)s)")
     p.add_argument("--tokenizer", help="the run's tokenizer.json, copied into OUT (HF's AutoTokenizer reads it)")
     p.set_defaults(func=cmd_olmax_to_hf)
 
     p = subparsers.add_parser("parity", help="logit parity of an olmax checkpoint against HF / OLMo-core")
-    p.add_argument("--olmax", required=True, help="olmax checkpoint directory (latest step)")
+    p.add_argument("checkpoint", nargs="?", help="olmax checkpoint directory (latest step)")
+    old_spelling(p, "--olmax", "checkpoint", "give the checkpoint as the first argument, `olmax parity CHECKPOINT`")
     p.add_argument("--hf", help="HF Olmo3ForCausalLM / OlmoeForCausalLM directory, run in float32")
     p.add_argument("--reference", choices=("olmo-core",), help="also compare with OLMo-core's OLMo 3 model")
-    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="olmax compute dtype")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="olmax compute dtype (default: %(default)s)")
     p.add_argument("--seq-len", type=int, help="tokens per instance (default: twice the sliding window)")
-    p.add_argument("--batches", type=int, default=1)
-    p.add_argument("--batch-size", type=int, default=1)
+    p.add_argument("--batches", type=int, default=1, help="batches of inputs compared (default: %(default)s)")
+    p.add_argument("--batch-size", type=int, default=1, help="sequences per batch (default: %(default)s)")
     p.add_argument("--tokens", help="raw token shard to read inputs from (default: random token ids)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
     p.add_argument("--no-float64", action="store_true",

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from olmax.arguments import config_arguments
+
 MODES = ("local", "slurm", "tpu-pod", "k8s")
 CONTRACT = ("After a crash (any exit but 0, 2, 3, 74, 75, or a signal) the run is restarted after an exponential "
             "backoff, after a preemption (exit 75) at once; bad input (exit 2), a divergence (exit 3: the parameters "
@@ -77,8 +79,7 @@ def _mode(modes, name: str, summary: str, description: str, *first: tuple[str, s
     p = modes.add_parser(name, help=summary, description=description)
     for positional, help in first:
         p.add_argument(positional, help=help)
-    p.add_argument("config", help="preset name (olmo3_7b, tiny, ...) or a YAML path")
-    p.add_argument("overrides", nargs="*", help="section.key=value (default: none)")
+    config_arguments(p)
     p.add_argument("--dry-run", action="store_true",
                    help="print what would run (command, batch script or JobSet) and start nothing (default: off)")
     p.set_defaults(func=run_launch, handles_stop_signals=True)
@@ -101,7 +102,7 @@ def with_mode(argv: list[str]) -> list[str]:
     --tpu-pod NAME [--run], --k8s) in today's (`olmax launch MODE ...`), saying so in one line on stderr."""
     if not argv or argv[0] != "launch" or (len(argv) > 1 and argv[1] in (*MODES, "-h", "--help")):
         return argv
-    from olmax.config import ConfigError
+    from olmax.errors import ConfigError
 
     modes, rest, old, args = [], [], [], iter(argv[1:])
     for arg in args:
@@ -127,13 +128,13 @@ def with_mode(argv: list[str]) -> list[str]:
         rest.append("--dry-run")  # without --run, --tpu-pod printed the command
     new = ["launch", *mode, *rest]
     if old:
-        print(f"olmax launch: {' '.join(old)} is an old spelling and will go: write `olmax launch {' '.join(mode)} "
-              "...` (olmax launch --help)", file=sys.stderr)
+        print(f"olmax: {' '.join(old)} is the old spelling, kept for one release: write `olmax launch "
+              f"{' '.join(mode)} ...` (olmax launch --help)", file=sys.stderr)
     return new
 
 
 def run_launch(args: argparse.Namespace) -> None:
-    from olmax.config import ConfigError
+    from olmax.errors import ConfigError
     from olmax.launch.launcher import Backoff
 
     if args.launch_mode in ("local", "slurm"):

@@ -36,7 +36,9 @@ import jax
 # JAX's own cluster detection (what jax.distributed.initialize() uses); no public API says which cluster it found.
 from jax._src import clusters
 
-from olmax.config import ConfigError, writable_dir
+from olmax.config import writable_dir
+from olmax.errors import ClusterError, ConfigError
+from olmax.run_dir import RunDir
 
 ENV_COORDINATOR = "OLMAX_COORDINATOR"
 ENV_NUM_PROCESSES = "OLMAX_NUM_PROCESSES"
@@ -46,10 +48,6 @@ DISTRIBUTED_ENV = (ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID)
 JOIN_BY_HAND = f"or set {', '.join(DISTRIBUTED_ENV)} on every process"
 
 host_log = logging.getLogger("olmax.host")
-
-
-class ClusterError(ConfigError):
-    """This process belongs to a multi-process job but cannot join it."""
 
 
 @dataclass(frozen=True)
@@ -160,7 +158,7 @@ def announce(run_dir: Path | None, cluster: Cluster) -> str:
     host_log.setLevel(logging.INFO)
     host_log.propagate = False  # its lines go to this file only, not to whatever else handles the root logger
     if run_dir is not None:
-        path = writable_dir(Path(run_dir), "output_dir") / "logs" / f"host-{jax.process_index():02d}.log"
+        path = RunDir(writable_dir(Path(run_dir), "output_dir")).host_log(jax.process_index())
         path.parent.mkdir(parents=True, exist_ok=True)
         handler = logging.FileHandler(path)
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))

@@ -1,14 +1,12 @@
 """What every `olmax launch` mode shares: render the job, submit it, follow it until it ends, and decide from how it
 ended and the run's committed progress whether to run it again.
 
-The decision is `olmax train`'s exit code contract:
+The decision follows `olmax train`'s exit codes (olmax.errors.ExitCode):
 
-    0           finished: the step target is reached; stop.
-    2           bad input (config, data, checkpoint): retrying cannot help; stop.
-    3           diverged (the parameters became NaN/inf): a retry would repeat it bitwise; stop.
-    74          disk full writing a checkpoint: a retry cannot help until space is freed; stop.
-    75          preempted after writing a checkpoint: run again at once, not a failure.
-    other/signal  crashed: run again after a backoff.
+    FINISHED (0)      the step target is reached; stop.
+    not `retried`     bad input (2), diverged (3), disk full (74): retrying cannot help; stop.
+    PREEMPTED (75)    stopped by a signal after writing a checkpoint: run again at once, not a failure.
+    other/signal      crashed: run again after a backoff.
 
 A failure is a crash, or a "preemption" that wrote no new checkpoint (a job that exits 75 in a loop must not
 spin for ever). The n-th failure in a row waits `backoff * factor**(n-1)` seconds, capped at `backoff_max`; an
@@ -36,15 +34,9 @@ from pathlib import Path
 
 from olmax import storage
 from olmax.config import RunConfig, load_config, writable_dir
+from olmax.errors import NOT_RETRIED, ExitCode
+from olmax.run_dir import RunDir
 from olmax.runtime import release_stop_signals
-
-EXIT_FINISHED = 0
-EXIT_BAD_INPUT = 2
-EXIT_DIVERGED = 3
-EXIT_DISK_FULL = 74  # EX_IOERR
-EXIT_PREEMPTED = 75  # EX_TEMPFAIL
-EXIT_GAVE_UP = 1
-NOT_RETRIED = (EXIT_BAD_INPUT, EXIT_DIVERGED, EXIT_DISK_FULL)
 
 
 @dataclass(frozen=True)
@@ -74,18 +66,18 @@ class RetryPolicy:
         if progressed:
             self.failures_in_a_row = 0
         if finished:
-            return EXIT_FINISHED, "done", 0.0
+            return ExitCode.FINISHED, "done", 0.0
         if code in NOT_RETRIED:
             return code, f"stop: {exit_reason(code)} is not retried (see the error above)", 0.0
         if after >= self.target_step:
-            return EXIT_FINISHED, f"done: the final checkpoint {after} was written", 0.0
+            return ExitCode.FINISHED, f"done: the final checkpoint {after} was written", 0.0
         if stopped_by is not None:
-            return EXIT_PREEMPTED, f"stop: the launcher got {signal.Signals(stopped_by).name}", 0.0
-        if code == EXIT_PREEMPTED and progressed:
+            return ExitCode.PREEMPTED, f"stop: the launcher got {signal.Signals(stopped_by).name}", 0.0
+        if code == ExitCode.PREEMPTED and progressed:
             return None, f"{again} now", 0.0
         self.failures_in_a_row += 1
         if self.failures_in_a_row > self.max_retries:
-            return (EXIT_GAVE_UP, f"give up: {self.failures_in_a_row} failures in a row "
+            return (ExitCode.FAILED, f"give up: {self.failures_in_a_row} failures in a row "
                     f"(--max-retries {self.max_retries})", 0.0)
         sleep = self.backoff.delay(self.failures_in_a_row)
         return None, f"{again} in {sleep:g} s (retry {self.failures_in_a_row} of at most {self.max_retries} in a row)", sleep
@@ -105,23 +97,13 @@ def launch_dir(cfg: RunConfig, run_dir_is_here: bool = True) -> Path:
 
 
 def previous_attempts(records: Path) -> int:
-    log = Path(records) / "launch.jsonl"
+    log = RunDir(records).launch_records
     return len(log.read_text().splitlines()) if log.exists() else 0
 
 
 def latest_checkpoint_step(run: str | Path) -> int:
-    """The newest committed checkpoint's step of a run directory or bucket run, 0 if none: Orbax writes into a
-    temporary directory (`N.orbax-checkpoint-tmp-*`) and renames it to `N` when complete; a bucket's step counts
-    once its commit marker is there."""
-    if storage.is_remote(run):
-        from olmax.checkpoint.remote import CHECKPOINTS, committed_steps
-
-        checkpoints = storage.join(run, CHECKPOINTS)
-        return max(committed_steps(checkpoints), default=0) if storage.is_dir(checkpoints) else 0
-    directory = Path(run) / "checkpoints"
-    if not directory.is_dir():
-        return 0
-    return max((int(p.name) for p in directory.iterdir() if p.name.isdigit() and p.is_dir()), default=0)
+    """The newest committed checkpoint's step of a run directory or bucket run, 0 if none."""
+    return RunDir(run).latest_step() or 0
 
 
 def exit_reason(returncode: int) -> str:
@@ -130,10 +112,11 @@ def exit_reason(returncode: int) -> str:
             return f"killed by {signal.Signals(-returncode).name}"
         except ValueError:
             return f"killed by signal {-returncode}"
-    return {EXIT_FINISHED: "finished", EXIT_BAD_INPUT: "bad input", EXIT_DIVERGED: "diverged",
-            EXIT_DISK_FULL: "disk full", EXIT_PREEMPTED: "preempted"}.get(
-        returncode, f"crashed (exit {returncode})"
-    )
+    try:
+        words = ExitCode(returncode).words
+    except ValueError:
+        words = None
+    return words or f"crashed (exit {returncode})"
 
 
 @dataclass(frozen=True)
@@ -211,7 +194,7 @@ class Launcher:
                 while True:
                     if self._stop_signal is not None:
                         self.echo("olmax launch: stopped before the next attempt")
-                        return EXIT_PREEMPTED
+                        return ExitCode.PREEMPTED
                     result, sleep = self.follow(self.submit())
                     if result is not None:
                         return result
@@ -232,7 +215,7 @@ class Launcher:
         """Decide what follows `attempt`, append it to launch.jsonl and say it: (exit code or None, sleep)."""
         self._attempt += 1
         result, action, sleep = self.policy.decide(
-            finished=attempt.exit_code == EXIT_FINISHED and all(c == EXIT_FINISHED for c in attempt.exit_codes),
+            finished=attempt.exit_code == ExitCode.FINISHED and all(c == ExitCode.FINISHED for c in attempt.exit_codes),
             code=attempt.exit_code, before=attempt.checkpoint_before, after=attempt.checkpoint_after,
             stopped_by=self._stop_signal, again=again)
         record = {
@@ -245,7 +228,7 @@ class Launcher:
             "failures_in_a_row": self.policy.failures_in_a_row,
         }
         self.records.mkdir(parents=True, exist_ok=True)
-        with open(self.records / "launch.jsonl", "a") as f:
+        with open(RunDir(self.records).launch_records, "a") as f:
             f.write(json.dumps(record) + "\n")
         job = f" (Slurm job {attempt.job_id} run {attempt.job_run})" if attempt.job_id else ""
         codes = ", ".join(f"process {i}: {exit_reason(c)}" for i, c in enumerate(attempt.exit_codes))

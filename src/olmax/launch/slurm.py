@@ -34,9 +34,11 @@ import sys
 import time
 from pathlib import Path
 
-from olmax.config import ConfigError, RunConfig
+from olmax.config import RunConfig
+from olmax.errors import ExitCode, SlurmError
 from olmax.launch import values
-from olmax.launch.launcher import EXIT_PREEMPTED, Attempt, Launcher, exit_reason, latest_checkpoint_step, launch_dir
+from olmax.launch.launcher import Attempt, Launcher, exit_reason, latest_checkpoint_step, launch_dir
+from olmax.run_dir import RunDir
 
 # Job states after which Slurm will not run the job again by itself (a requeued job goes back to PENDING).
 ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "OUT_OF_MEMORY", "BOOT_FAIL",
@@ -45,17 +47,13 @@ POLL_SECONDS = 30.0
 STATUS_SECONDS = 600.0
 
 
-class SlurmError(ConfigError):
-    """Slurm refused the job (or is not there): retrying the same submission cannot help."""
-
-
 def batch_script(cfg: RunConfig, config: str, overrides: list[str], python: str = sys.executable) -> str:
     """The job script of `olmax train config overrides` (`python` on the nodes), every value from the config
     checked (exit 2 for one that is not a plain word or in Slurm's format)."""
     slurm = cfg.launch.slurm
     name = values.plain("name", cfg.name)
     records = launch_dir(cfg).resolve()
-    output = values.plain("output_dir (or launch.records_dir)", f"{records}/slurm/%j.out")
+    output = values.plain("output_dir (or launch.records_dir)", str(RunDir(records).slurm_output("%j")))
     if "%" in str(records):
         values.refuse("output_dir (or launch.records_dir)", str(records), "sbatch reads '%' in --output as a pattern")
     options = [f"--job-name={name}", f"--nodes={slurm.nodes}",
@@ -75,15 +73,16 @@ def batch_script(cfg: RunConfig, config: str, overrides: list[str], python: str 
         "# One task per process; they join one run through JAX's Slurm detection.",
         f"srun {shlex.join([python, '-m', 'olmax.cli', 'train', config, *overrides])}",
         "code=$?",
-        "# 75: every task checkpointed after a SIGTERM (the time limit is near, or a preemption): run again.",
-        'if [ "$code" -eq 75 ]; then scontrol requeue "$SLURM_JOB_ID"; fi',
+        f"# {ExitCode.PREEMPTED:d}: every task checkpointed after a SIGTERM (the time limit is near, or a preemption): "
+        "run again.",
+        f'if [ "$code" -eq {ExitCode.PREEMPTED:d} ]; then scontrol requeue "$SLURM_JOB_ID"; fi',
         'exit "$code"',
     ]
     return "\n".join(lines) + "\n"
 
 
 def script_path(records: Path) -> Path:
-    return Path(records) / "slurm" / "job.sh"
+    return RunDir(records).slurm_script
 
 
 def _slurm(*argv: str) -> subprocess.CompletedProcess:
@@ -105,15 +104,15 @@ def job_info(job_id: str) -> dict[str, str] | None:
 def _exit_code(info: dict[str, str] | None) -> tuple[int, str]:
     """(the job script's exit code as the supervisor reads a child's, the outcome in words)."""
     if info is None:
-        return 1, "unknown (Slurm no longer knows the job)"
+        return ExitCode.FAILED, "unknown (Slurm no longer knows the job)"
     state = info["JobState"]
     status, sig = (int(x) for x in info.get("ExitCode", "0:0").split(":"))
     code = -sig if sig else status
     if state == "COMPLETED":
-        return 0, "finished"
+        return ExitCode.FINISHED, ExitCode.FINISHED.words
     if state == "FAILED":
         return code, exit_reason(code)
-    return (code or 1), state.lower().replace("_", " ")  # timeout, node fail, cancelled, ...
+    return (code or ExitCode.FAILED), state.lower().replace("_", " ")  # timeout, node fail, cancelled, ...
 
 
 def _eligible(info: dict[str, str]) -> datetime.datetime:
@@ -150,7 +149,7 @@ class SlurmLauncher(Launcher):
             raise SlurmError(f"sbatch refused {path}: {error}; fix launch.slurm in the config")
         self._job = out.stdout.strip().split(";")[0]
         self.echo(f"olmax launch: submitted Slurm job {self._job} ({path}); its output goes to "
-                  f"{self.records / 'slurm' / (self._job + '.out')}")
+                  f"{RunDir(self.records).slurm_output(self._job)}")
         return self._job
 
     def stop(self, sig: int, again: bool) -> None:
@@ -169,7 +168,7 @@ class SlurmLauncher(Launcher):
             restarts = int(info.get("Restarts", runs_seen)) if info else runs_seen
             if restarts > runs_seen:  # Slurm requeued it: our script after exit 75, a preemption, `scontrol requeue`
                 after = latest_checkpoint_step(self.run_location)
-                result, sleep = self.judge(Attempt(started, EXIT_PREEMPTED, [EXIT_PREEMPTED], "requeued", before,
+                result, sleep = self.judge(Attempt(started, ExitCode.PREEMPTED, [ExitCode.PREEMPTED], "requeued", before,
                                                    after, self.processes, job, runs_seen + 1), again="run again")
                 if result is not None:
                     _slurm("scancel", job)

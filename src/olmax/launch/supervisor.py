@@ -28,10 +28,8 @@ from contextlib import contextmanager
 
 from olmax import run_lock, storage
 from olmax.launch.distributed import ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID
+from olmax.errors import NOT_RETRIED, ExitCode
 from olmax.launch.launcher import (
-    EXIT_FINISHED,
-    EXIT_PREEMPTED,
-    NOT_RETRIED,
     Attempt,
     Backoff,  # noqa: F401 (the local launcher's callers build theirs with it)
     Launcher,
@@ -41,7 +39,7 @@ from olmax.launch.launcher import (
 
 TRAIN_COMMAND = (sys.executable, "-m", "olmax.cli", "train")
 # How long the other processes of a group may take to exit on their own once one has exited cleanly
-# (0, 2 or 75: the others are finishing the same checkpoint or error) before they are killed.
+# (finished, not retried or preempted: the others are finishing the same checkpoint or error) before they are killed.
 STOP_GRACE_SECONDS = 60.0
 POLL_SECONDS = 0.05
 
@@ -141,7 +139,7 @@ class Supervisor(Launcher):
             if None not in codes:
                 break
             if exit_order and deadline is None:
-                if any(codes[i] not in (EXIT_FINISHED, *NOT_RETRIED, EXIT_PREEMPTED) for i in exit_order):
+                if any(codes[i] not in (ExitCode.FINISHED, *NOT_RETRIED, ExitCode.PREEMPTED) for i in exit_order):
                     deadline = time.monotonic()  # a crash: the others are stuck waiting for it in a collective
                 else:
                     deadline = time.monotonic() + self.stop_grace
@@ -152,7 +150,7 @@ class Supervisor(Launcher):
                 deadline = float("inf")
             time.sleep(POLL_SECONDS)
         self._procs = []
-        first = next((i for i in exit_order if codes[i] != EXIT_FINISHED), exit_order[0])
+        first = next((i for i in exit_order if codes[i] != ExitCode.FINISHED), exit_order[0])
         code = codes[first]
         reason = exit_reason(code) + (f" (process {first})" if self.nprocs > 1 and code != 0 else "")
         attempt = Attempt(started=started, exit_code=code, exit_codes=codes, reason=reason, checkpoint_before=before,

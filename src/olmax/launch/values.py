@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 import re
 
-from olmax.config import ConfigError
+from olmax.errors import ConfigError
 
 # A plain word: no whitespace or control characters, no quotes, backslashes or shell syntax.
 PLAIN = re.compile(r"[^\s'\"\\`$;&|<>()]+")

@@ -19,9 +19,9 @@ def add_commands(subparsers) -> None:
     )
     p.add_argument("config", help="preset name (olmo3_7b, tiny, ...) or a YAML path")
     p.add_argument("overrides", nargs="*", help="section.key=value")
-    p.add_argument("--target", required=True)
+    p.add_argument("--target", required=True, help="tpu:KIND:TOPOLOGY (tpu:v5p:4x4x8) or gpu:KINDxN (gpu:h100x8)")
     _mfu_option(p)
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print the report as one JSON object")
     p.set_defaults(func=run_plan)
 
     p = subparsers.add_parser(
@@ -35,7 +35,7 @@ def add_commands(subparsers) -> None:
     p.add_argument("overrides", nargs="*", help="section.key=value")
     p.add_argument("--target", required=True, help="tpu:KIND:TOPOLOGY (tpu:v5p:4x4x8) or gpu:KINDxN (gpu:h100x8)")
     _mfu_option(p)
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print the report as one JSON object")
     p.set_defaults(func=run_compile)
 
 
@@ -60,19 +60,21 @@ def run_plan(args: argparse.Namespace) -> None:
 
 
 def run_compile(args: argparse.Namespace) -> None:
-    from olmax.scale.compile import DoesNotFit, compile_train_step
+    from olmax.errors import DoesNotFit
+    from olmax.scale.compile import compile_train_step
     from olmax.scale.targets import parse_target
 
     target = parse_target(args.target)
     cfg, layout = load_config(args.config, args.overrides, target.name), target_layout(args.config, target.name)
     layout = layout and {"target": layout[0], "settings": layout[1]}
     try:
-        report = compile_train_step(cfg, target, _mfu(args.mfu))
+        report = compile_train_step(cfg, target, _mfu(args.mfu),
+                                    progress=lambda line: print(f"olmax compile: {line}", file=sys.stderr, flush=True))
     except DoesNotFit as err:
         err.report["layout"] = layout
         print(json.dumps(err.report, indent=2) if args.json else format_compile(err.report))
-        print(f"olmax: DoesNotFit: {err}", file=sys.stderr)
-        sys.exit(1)
+        print(f"olmax: {err.line()}", file=sys.stderr)
+        sys.exit(err.exit_code)
     report["layout"] = layout
     print(json.dumps(report, indent=2) if args.json else format_compile(report))
 

@@ -16,28 +16,24 @@ run on the SparseCores. The compiler gets the target's XLA flag profile (`target
 from __future__ import annotations
 
 import collections
+import contextlib
 import math
 import re
 import time
 
 import jax
 import jax.numpy as jnp
+from jax._src import config as jax_config  # its options as context managers (the public jax.config has none)
+from jax.experimental.compilation_cache import compilation_cache
 
 from olmax.config import RunConfig
+from olmax.errors import DoesNotFit
 from olmax.model import attention, transformer
 from olmax.model.moe import sublayer
 from olmax.parallel.mesh import Layout, make_layout, platform
 from olmax.scale.plan import plan
 from olmax.scale.targets import GiB, Target, compile_only_devices
 from olmax.train.step import abstract_state, batch_shardings, jit_train_step, micro_batch_rows
-
-
-class DoesNotFit(Exception):
-    """The step needs more memory per device than the target has; `report` holds what is known."""
-
-    def __init__(self, message: str, report: dict):
-        super().__init__(message)
-        self.report = report
 
 
 def device_bytes(tree) -> int:
@@ -103,11 +99,28 @@ def xla_cost(compiled) -> dict:
     return {"flops": cost.get("flops"), "bytes_accessed": cost.get("bytes accessed")}
 
 
-def compile_train_step(cfg: RunConfig, target: Target, mfu: float) -> dict:
-    """Compile the step for `target` and report per-device memory, FLOPs and time at `mfu`.
+@contextlib.contextmanager
+def _without_persistent_cache():
+    """JAX's persistent compilation cache off for a compile-only executable, which cannot be loaded back from it
+    (there is no client to load it into: JAX warned on every hit). JAX decides once per process whether it uses
+    the cache, so the decision is reset on the way in and out."""
+    with jax_config.enable_compilation_cache(False):
+        compilation_cache.reset_cache()
+        try:
+            yield
+        finally:
+            compilation_cache.reset_cache()
+
+
+def compile_train_step(cfg: RunConfig, target: Target, mfu: float, progress=lambda line: None) -> dict:
+    """Compile the step for `target` and report per-device memory, FLOPs and time at `mfu`; `progress` is told
+    each phase (tracing, lowering, compiling) as it starts, with the time so far: a big model's compile runs
+    for minutes.
 
     Raises DoesNotFit (with the report) when the step needs more memory per device than the target has.
     """
+    start = time.perf_counter()
+    progress(f"{cfg.name} for {target.name}: loading the target's devices")
     layout = make_layout(cfg.mesh, compile_only_devices(target))
     mesh = layout.mesh
     micro_rows = micro_batch_rows(cfg, layout.data_parallel_size)
@@ -138,10 +151,15 @@ def compile_train_step(cfg: RunConfig, target: Target, mfu: float) -> dict:
         "batch": device_bytes(batch),
         "plan": plan(cfg, target, mfu),
     }
+    progress(f"tracing the train step ({time.perf_counter() - start:.0f} s)")
+    traced = jit_train_step(cfg, layout, micro_rows).trace(state, batch)
+    progress(f"lowering ({time.perf_counter() - start:.0f} s)")
+    lowered = traced.lower()
+    progress(f"compiling ({time.perf_counter() - start:.0f} s)")
     start = time.perf_counter()
-    lowered = jit_train_step(cfg, layout, micro_rows).lower(state, batch)
     try:
-        compiled = lowered.compile(compiler_options=target.xla_flags or None)
+        with _without_persistent_cache():
+            compiled = lowered.compile(compiler_options=target.xla_flags or None)
     except jax.errors.JaxRuntimeError as err:
         if "RESOURCE_EXHAUSTED" not in str(err):
             raise

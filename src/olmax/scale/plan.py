@@ -59,21 +59,44 @@ def _pipeline(cfg: RunConfig) -> dict | None:
             "in_flight_microbatches": sched.in_flight, "summary": sched.describe()}
 
 
+SI_PREFIXES = ((1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k"), (1.0, ""))
+TIME_UNITS = ((1.0, "s"), (1e-3, "ms"), (1e-6, "us"))
+
+
+def _prefix(value: float, largest: float) -> tuple[float, str]:
+    """The largest SI prefix up to `largest` that writes `value` with a digit before the point."""
+    return next(((scale, p) for scale, p in SI_PREFIXES if scale <= largest and abs(value) >= scale),
+                SI_PREFIXES[-1])
+
+
+def _figure(value: float) -> str:
+    """Four significant digits below 100, whole numbers with thousands separators above: a tiny model's
+    figures are not printed as zeros."""
+    return f"{value:,.0f}" if abs(value) >= 100 or value == 0 else f"{value:.4g}"
+
+
 def format_plan(report: dict) -> str:
+    exact = report["exact_window"]
+    flop_scale, flop = _prefix(exact["train_flops_per_token"], 1e9)
+    step_scale, step = _prefix(exact["tflop_per_device_step"] * 1e12, 1e12)
+    time_scale, time_unit = next(((scale, u) for scale, u in TIME_UNITS if exact["step_seconds"] >= scale),
+                                 TIME_UNITS[-1])
     rows = [
-        ("train GFLOP / token", "train_flops_per_token", lambda v: f"{v / 1e9:,.2f}"),
-        ("TFLOP / device-step", "tflop_per_device_step", lambda v: f"{v:,.1f}"),
-        ("chip-seconds / step", "chip_seconds_per_step", lambda v: f"{v:,.1f}"),
-        ("step time (s)", "step_seconds", lambda v: f"{v:,.3f}"),
-        ("tokens / s / chip", "tokens_per_second_per_chip", lambda v: f"{v:,.0f}"),
-        ("chip-hours", "chip_hours", lambda v: f"{v:,.0f}"),
-        ("chip-hours / T tokens", "chip_hours_per_trillion_tokens", lambda v: f"{v:,.0f}"),
+        (f"train {flop}FLOP / token", "train_flops_per_token", lambda v: _figure(v / flop_scale)),
+        (f"{step}FLOP / device-step", "tflop_per_device_step", lambda v: _figure(v * 1e12 / step_scale)),
+        ("chip-seconds / step", "chip_seconds_per_step", _figure),
+        (f"step time ({time_unit})", "step_seconds", lambda v: _figure(v / time_scale)),
+        ("tokens / s / chip", "tokens_per_second_per_chip", _figure),
+        ("chip-hours", "chip_hours", _figure),
+        ("chip-hours / T tokens", "chip_hours_per_trillion_tokens", _figure),
     ]
+    token_scale, token_prefix = _prefix(report["tokens"], 1e12)
     lines = [
         f"{report['config']} on {report['target']}: {report['chips']} chips, {report['devices']} devices, "
         f"at {report['mfu']:.1%} MFU of {report['peak_tflops_per_chip']:,.0f} TFLOP/s per chip "
         f"({report['sustained_tflops_per_device']:,.1f} TFLOP/s per device)",
-        f"{report['steps']:,} steps of {report['tokens_per_step']:,} tokens = {report['tokens'] / 1e12:,.3f}T tokens",
+        f"{report['steps']:,} steps of {report['tokens_per_step']:,} tokens = "
+        f"{_figure(report['tokens'] / token_scale)}{token_prefix} tokens",
         "",
         f"{'':24}{COUNTS['exact_window']:>24}{COUNTS['all_global']:>24}",
     ]

@@ -27,32 +27,32 @@ import jax
 from jax.experimental import multihost_utils
 
 from olmax import storage
-from olmax.checkpoint.remote import CHECKPOINTS, pull_steps
-
-METRICS = ("metrics.jsonl", "tensorboard")
+from olmax.checkpoint.remote import pull_steps
+from olmax.run_dir import RunDir
 
 
 class BucketRun:
     def __init__(self, url: str):
-        self.url = url.rstrip("/")
+        self.run = RunDir(url)
         self.local = Path(tempfile.mkdtemp(prefix="olmax-run-"))
+        self.staged = RunDir(self.local)
         self.pull()
 
     def pull(self) -> None:
-        for name in storage.listdir(self.url) if jax.process_index() == 0 else []:  # it writes the metrics
-            if name != CHECKPOINTS:
-                storage.download(storage.join(self.url, name), self.local / name)
-        pull_steps(storage.join(self.url, CHECKPOINTS), self.local / CHECKPOINTS)
+        for name in storage.listdir(self.run.location) if jax.process_index() == 0 else []:  # it writes the metrics
+            if name != RunDir.checkpoints.name:
+                storage.download(self.run.path(name), self.staged.path(name))
+        pull_steps(self.run.checkpoints, self.staged.checkpoints)
 
     def push_metrics(self) -> None:
-        for name in METRICS if jax.process_index() == 0 else []:
-            if (self.local / name).exists():
-                storage.upload(self.local / name, storage.join(self.url, name))
+        for name in RunDir.METRIC_FILES if jax.process_index() == 0 else []:
+            if self.staged.path(name).exists():
+                storage.upload(self.staged.path(name), self.run.path(name))
 
     def push_checkpoint(self, step: int, kept: list[int]) -> None:
         """Upload checkpoint `step` (marker last), then delete the bucket's steps not in `kept`."""
-        remote = storage.join(self.url, CHECKPOINTS)
-        local, target = self.local / CHECKPOINTS / str(step), storage.join(remote, str(step))
+        remote = self.run.checkpoints
+        local, target = self.staged.checkpoints / str(step), storage.join(remote, str(step))
         if jax.process_count() == 1:
             storage.upload_committed(local, target)
         else:

@@ -23,6 +23,8 @@ from tensorboardX.event_file_writer import EventsWriter
 from tensorboardX.proto.event_pb2 import Event, SessionLog
 from tensorboardX.proto.summary_pb2 import HistogramProto, Summary
 
+from olmax.run_dir import RunDir
+
 log = logging.getLogger(__name__)
 
 # Dense bf16 peak per device (FLOP/s), by jax device_kind prefix.
@@ -68,18 +70,18 @@ class MetricsWriter:
 
     def __init__(self, run_dir: Path, start_step: int, enabled: bool = True):
         self.enabled = enabled
-        self.jsonl = Path(run_dir) / "metrics.jsonl"
+        run = RunDir(run_dir)
+        self.jsonl = run.metrics
         if not enabled:
             return
         self.jsonl.parent.mkdir(parents=True, exist_ok=True)
         if self.jsonl.exists():
-            kept = [ln for ln in _readable_lines(self.jsonl) if json.loads(ln)["step"] <= start_step]
+            kept = [ln for ln in run.metric_records() if json.loads(ln)["step"] <= start_step]
             partial = self.jsonl.with_name(self.jsonl.name + ".partial")
             partial.write_text("".join(ln + "\n" for ln in kept))
             os.replace(partial, self.jsonl)  # a crash now leaves the old file or the new one, never half of it
-        tensorboard = Path(run_dir) / "tensorboard"
-        tensorboard.mkdir(exist_ok=True)
-        self.events = EventsWriter(str(tensorboard / "events"))
+        run.tensorboard.mkdir(exist_ok=True)
+        self.events = EventsWriter(str(run.events))
         # TensorBoard's purge marker (as SummaryWriter(purge_step=...)): earlier files' later steps are dropped.
         self.events.write_event(Event(step=start_step + 1, wall_time=time.time(),
                                       session_log=SessionLog(status=SessionLog.START)))
@@ -110,22 +112,6 @@ class MetricsWriter:
         if self.enabled:
             self.events.close()
             self.file.close()
-
-
-def _readable_lines(path: Path) -> list[str]:
-    """The lines of a metrics.jsonl, without any that is not a JSON record with a step (a line torn by a crash
-    mid-write), each dropped with a warning."""
-    lines = []
-    for number, line in enumerate(path.read_text(errors="replace").splitlines(), start=1):
-        try:
-            if isinstance(json.loads(line)["step"], int):
-                lines.append(line)
-                continue
-        except (ValueError, KeyError, TypeError):
-            pass
-        log.warning("%s:%d is not a whole metrics record (torn by a crash mid-write?); dropped: %.80r",
-                    path, number, line)
-    return lines
 
 
 def _histogram(values: list[float], bins: int = 30) -> HistogramProto:

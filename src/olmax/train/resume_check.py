@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 from olmax.config import ConfigError
+from olmax.run_dir import RunDir
 
 
 def _train(config: str, overrides: list[str], run_dir: Path, steps: int, stop_after: int | None, every: int) -> None:
@@ -24,7 +25,7 @@ def _train(config: str, overrides: list[str], run_dir: Path, steps: int, stop_af
 
 
 def _metric(run_dir: Path, name: str) -> dict[int, float]:
-    rows = (json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines())
+    rows = (json.loads(line) for line in RunDir(run_dir).metric_records())
     return {row["step"]: row[name] for row in rows}
 
 

@@ -22,11 +22,13 @@ from jax.experimental import multihost_utils
 from olmax import run_lock, storage
 from olmax.checkpoint import Checkpointer, run_meta
 from olmax.config import ConfigError, RunConfig, writable_dir
+from olmax.errors import Diverged, Preempted
 from olmax.data import build_loader
 from olmax.model import flops
 from olmax.model.transformer import compute_dtype
 from olmax.parallel import pipeline
 from olmax.parallel.mesh import make_layout
+from olmax.run_dir import RunDir
 from olmax.runtime import release_stop_signals
 from olmax.train.bucket_run import BucketRun
 from olmax.train.metrics import MetricsWriter, console_line, device_peak_flops
@@ -34,17 +36,6 @@ from olmax.train.resume import restore_or_init, resume_data, schedule_change
 from olmax.train.step import batch_shardings, jit_train_step, micro_batch_rows
 
 log = logging.getLogger(__name__)
-
-RESUMABLE_EXIT_CODE = 75  # EX_TEMPFAIL: preempted after a checkpoint; run again to resume
-DIVERGED_EXIT_CODE = 3  # the parameters are not finite: a resume would repeat the same steps bitwise, so no retry
-
-
-class Preempted(Exception):
-    """SIGTERM/SIGINT arrived; the step in flight finished and a checkpoint was written (or nothing needed one)."""
-
-
-class Diverged(Exception):
-    """The parameters became NaN or infinite; no checkpoint of them was written."""
 
 
 @jax.jit
@@ -132,8 +123,8 @@ def train(cfg: RunConfig, *, quiet: bool = False, make_eval=None, on_start=None)
 def check_outputs(run_dir) -> None:
     """Refuse, before anything is written, a run directory whose outputs cannot be written where they go."""
     writable_dir(run_dir, "output_dir")
-    for name, directory in (("checkpoints", True), ("tensorboard", True), ("metrics.jsonl", False)):
-        path = run_dir / name
+    run = RunDir(run_dir)
+    for path, directory in ((run.checkpoints, True), (run.tensorboard, True), (run.metrics, False)):
         if path.exists() and path.is_dir() != directory:
             raise ConfigError(f"{path} is a {'file' if directory else 'directory'}; the run writes a "
                               f"{'directory' if directory else 'file'} there: move it away or set another output_dir")
@@ -146,7 +137,7 @@ def _train(cfg: RunConfig, quiet: bool, make_eval, bucket: BucketRun | None, run
     loader = build_loader(cfg.data, global_batch_instances=cfg.train.global_batch_instances,
                           vocab_size=cfg.model.vocab_size, process_index=jax.process_index(),
                           process_count=jax.process_count())
-    checkpointer = Checkpointer(run_dir / "checkpoints", cfg.checkpoint,
+    checkpointer = Checkpointer(RunDir(run_dir).checkpoints, cfg.checkpoint,
                                 own_copy=bucket is not None and jax.process_count() > 1)
     if jax.process_index() == 0:  # it holds the run directory
         for partial in checkpointer.remove_partial_writes():

@@ -24,7 +24,7 @@ import re
 from dataclasses import dataclass
 from importlib.resources import files
 
-from olmax.config import ConfigError
+from olmax.errors import TargetError
 
 GiB = 2**30
 
@@ -76,10 +76,6 @@ XLA_FLAGS = {
 }
 FLAT_TPUS = ("v5e", "v6e")  # slices of two dimensions
 HOST_CHIPS = (2, 2)  # libtpu's compile-only topologies are made of hosts of 2x2 chips (its default host bounds)
-
-
-class TargetError(ConfigError):
-    """A target olmax does not know, or the `aot` extra missing for it."""
 
 
 @dataclass(frozen=True)
@@ -185,11 +181,19 @@ def compile_only_devices(target: Target) -> list:
     # or breaks, a training process's lock)
     os.environ["ALLOW_MULTIPLE_LIBTPU_LOAD"] = "1"
     if target.platform == "tpu":
+        # libtpu, loaded where no TPU is, asks the cloud's metadata server what slice it is on and prints what it
+        # failed to learn (three lines that look like a crash); told the slice and its one host, it says nothing
+        told = {name: value for name, value in (("TPU_ACCELERATOR_TYPE", f"{target.kind}-{target.devices}"),
+                                                ("TPU_WORKER_HOSTNAMES", "localhost"))
+                if name not in os.environ}
+        os.environ.update(told)
         try:
             topology = topologies.get_topology_desc(topology_name=f"{target.kind}:{target.topology}", platform="tpu")
         except jax.errors.JaxRuntimeError as err:
             raise TargetError(f"target {target.name}: libtpu refuses the topology ({err})") from None
         finally:
+            for name in told:  # the processes this one starts are not on that slice
+                del os.environ[name]
             _unset_libtpu_guesses()
     else:
         config = (files(__package__) / target.accelerator.target_config).read_text()
@@ -201,17 +205,17 @@ def compile_only_devices(target: Target) -> list:
 
 
 def _unset_libtpu_guesses() -> None:
-    """Unset what libtpu, loaded without TPU hardware, wrote into this process's environment behind os.environ's
-    back: TPU_WORKER_ID, CLOUD_TPU_TASK_ID and CLOUD_TPU_ACCELERATOR_TYPE set to "WARNING: could not determine
-    ...". Every process started afterwards inherited them (an `olmax train` took itself for TPU worker
-    "WARNING: ..." and stopped). Variables the process had before are left as they are."""
+    """Unset the TPU variables libtpu, loaded without TPU hardware, wrote into this process's environment behind
+    os.environ's back: CLOUD_TPU_ACCELERATOR_TYPE (and, when it was not told the slice, TPU_WORKER_ID and
+    CLOUD_TPU_TASK_ID set to "WARNING: could not determine ..."). Every process started afterwards inherited them
+    (an `olmax train` took itself for a TPU worker and stopped). Variables the process had before are left."""
     environ = ctypes.POINTER(ctypes.c_char_p).in_dll(ctypes.CDLL(None), "environ")
     guessed = []
     for i in itertools.count():
         if not environ[i]:
             break
-        name, _, value = environ[i].decode(errors="replace").partition("=")
-        if value.startswith("WARNING: could not determine") and name not in os.environ:
+        name = environ[i].decode(errors="replace").partition("=")[0]
+        if "TPU" in name and name not in os.environ:
             guessed.append(name)
     for name in guessed:
         os.unsetenv(name)

@@ -1,0 +1,123 @@
+"""A run directory, local or in a bucket: the one place that names the files of a run.
+
+    RUN/                   output_dir: a local directory or a bucket URL (gs://, s3://)
+      checkpoints/N/       the state after step N (olmax.checkpoint); in a bucket, committed by its marker
+      metrics.jsonl        one JSON record per logged step (olmax.train.metrics)
+      tensorboard/events*  the same metrics as TensorBoard event files
+      run.lock             the lock of the process that holds the run, or a bucket run's lease (olmax.run_lock)
+      logs/host-NN.log     each process's log (olmax.launch.distributed)
+      launch.jsonl         `olmax launch`'s attempts (olmax.launch); with the two below, in
+      slurm/job.sh, JOBID.out  launch.records_dir when that is set, and runs/NAME here for a run in a bucket
+      jobset.yaml          (a bucket has no appending) or on a TPU pod's or a JobSet's hosts
+
+Everything else asks a `RunDir` for a path (`RunDir(cfg.run_location).metrics`), its committed checkpoint
+steps, its metrics records or its lock file; nothing else spells these names. A new file of a run is one line
+in `RunDir`'s table (`goodput = File("goodput.jsonl")`; then `run.goodput` is its path) and its line above.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+from pathlib import Path
+
+from olmax import storage
+
+log = logging.getLogger(__name__)
+
+STEP = re.compile(r"0|[1-9][0-9]*")  # a checkpoint step's directory name, as Orbax writes and reads it
+
+
+class File:
+    """A path in every run directory: `run.NAME` is that path of `run`, `RunDir.NAME.name` the relative path."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __get__(self, run: RunDir | None, owner=None):
+        return self if run is None else run.path(self.name)
+
+
+class RunDir:
+    """The paths of one run directory: a Path for a local one, a URL (str) for one in a bucket."""
+
+    checkpoints = File("checkpoints")
+    metrics = File("metrics.jsonl")
+    tensorboard = File("tensorboard")
+    events = File("tensorboard/events")  # the event files' prefix
+    lock = File("run.lock")
+    logs = File("logs")
+    launch_records = File("launch.jsonl")
+    slurm_script = File("slurm/job.sh")
+    jobset = File("jobset.yaml")
+
+    METRIC_FILES = (metrics.name, tensorboard.name)  # what a bucket run uploads as it goes and `compare` reads
+
+    def __init__(self, location: str | os.PathLike):
+        self.remote = storage.is_remote(location)
+        self.location = str(location).rstrip("/") if self.remote else Path(location)
+
+    def __repr__(self) -> str:
+        return f"RunDir({str(self.location)!r})"
+
+    def path(self, name: str):
+        return storage.join(self.location, name) if self.remote else self.location / name
+
+    def host_log(self, process: int) -> Path:
+        return self.logs / f"host-{process:02d}.log"
+
+    def slurm_output(self, job: str) -> Path:
+        """The output of Slurm job `job` (`%j` in a batch script: Slurm fills in the job id)."""
+        return self.slurm_script.parent / f"{job}.out"
+
+    def committed_steps(self) -> list[int]:
+        """The steps of the run's committed checkpoints, in order (see `committed_steps`); none in a bucket that
+        does not exist yet."""
+        if self.remote and not storage.is_dir(self.checkpoints):
+            return []
+        return committed_steps(self.checkpoints)
+
+    def latest_step(self) -> int | None:
+        """The newest committed checkpoint's step, None if there is none."""
+        return max(self.committed_steps(), default=None)
+
+    def metric_records(self) -> list[str]:
+        """The lines of metrics.jsonl (a local run's), without any that is not a JSON record with a step (a line
+        torn by a crash mid-write), each dropped with a warning."""
+        lines = []
+        text = self.metrics.read_text(errors="replace") if self.metrics.exists() else ""
+        for number, line in enumerate(text.splitlines(), start=1):
+            try:
+                if isinstance(json.loads(line)["step"], int):
+                    lines.append(line)
+                    continue
+            except (ValueError, KeyError, TypeError):
+                pass
+            log.warning("%s:%d is not a whole metrics record (torn by a crash mid-write?); dropped: %.80r",
+                        self.metrics, number, line)
+        return lines
+
+
+def committed_steps(checkpoints: str | os.PathLike) -> list[int]:
+    """The committed steps of a checkpoints directory, in order (olmax.checkpoint.Checkpointer lists its steps
+    here too): on disk, the directories named by their step, as Orbax names them (it writes a step into a
+    temporary directory, `N.orbax-checkpoint-tmp-*`, and renames it to `N` when complete); in a bucket, the step
+    prefixes with their commit marker (storage.COMMIT_MARKER, uploaded last; an uncommitted one is named in a
+    warning)."""
+    if not storage.is_remote(checkpoints):
+        directory = Path(checkpoints)
+        if not directory.is_dir():
+            return []
+        return sorted(int(p.name) for p in directory.iterdir() if STEP.fullmatch(p.name) and p.is_dir())
+    steps = []
+    for name in storage.listdir(checkpoints):
+        if not STEP.fullmatch(name):
+            continue
+        if storage.committed(storage.join(checkpoints, name)):
+            steps.append(int(name))
+        else:
+            log.warning("%s has no commit marker (its upload was cut short); not a checkpoint, skipped",
+                        storage.join(checkpoints, name))
+    return sorted(steps)
