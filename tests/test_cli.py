@@ -257,11 +257,13 @@ def test_every_option_has_a_description_and_names_its_default():
 def test_help_lists_the_presets_and_says_where_to_read_more(capsys):
     from olmax.cli import main
     from olmax.config import presets
+    from olmax.errors import ExitCode
 
     with pytest.raises(SystemExit):
         main(["train", "--help"])
     text = capsys.readouterr().out
     assert "tiny" in presets() and all(name in text for name in presets())
+    assert all(f"{int(code)} " in text.split("exit codes:")[1] for code in ExitCode)
     with pytest.raises(SystemExit):
         main(["--help"])
     assert "README.md" in capsys.readouterr().out.splitlines()[-1]

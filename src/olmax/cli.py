@@ -141,7 +141,10 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Trains CONFIG with its overrides; resumes from the run's latest checkpoint (output_dir); "
         "SIGTERM/SIGINT save a checkpoint and exit 75.",
-        epilog=f"presets: {', '.join(presets())}\n(or a YAML file, which may start from one with `base: NAME`)")
+        epilog=f"presets: {', '.join(presets())}\n(or a YAML file, which may start from one with `base: NAME`)\n\n"
+        f"exit codes: {', '.join(f'{int(code)} {code.words or code.name.lower()}' for code in ExitCode)}\n"
+        "(`olmax launch` runs the run again after "
+        f"{', '.join(str(int(code)) for code in ExitCode if code.retried)}; the README's table says what each means)")
     config_arguments(p)
     p.set_defaults(func=cmd_train, handles_stop_signals=True)
 
