@@ -225,7 +225,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
     """The command line, where `key=value` overrides may also come after the command's options."""
-    argv = sys.argv[1:] if argv is None else argv
+    from olmax.launch.cli import with_mode
+
+    argv = with_mode(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     args, rest = parser.parse_known_args(argv)
     if rest and hasattr(args, "overrides") and all("=" in a and not a.startswith("-") for a in rest):

@@ -556,9 +556,16 @@ class LaunchConfig(Section):
     @field_validator("records_dir")
     @classmethod
     def _on_a_filesystem(cls, value):
-        if value is not None and "://" in value:
-            raise ValueError("must be a filesystem path (the launcher appends to its records and Slurm writes its "
-                             "output there), not a bucket")
+        if value is None:
+            return value
+        if "://" in value:
+            raise ValueError(f"launch.records_dir {value!r} must be a filesystem path (the launcher appends to its "
+                             "records and Slurm writes its output there), not a bucket")
+        try:
+            value.format(name="")
+        except (KeyError, IndexError, ValueError):
+            raise ValueError(f"{value!r}: the one placeholder is {{name}} (write a brace as {{{{ "
+                             "or }})") from None
         return value
 
 

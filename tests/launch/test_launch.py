@@ -173,7 +173,7 @@ def _parse(argv):
 
 
 def test_cli_options_and_a_real_bad_input_child_exit_2_without_retry(tmp_path, capfd):
-    args = _parse(["launch", "tiny", f"output_dir={tmp_path}/run", f"data.paths={json.dumps([str(tmp_path / 'none.npy')])}",
+    args = _parse(["launch", "local", "tiny", f"output_dir={tmp_path}/run", f"data.paths={json.dumps([str(tmp_path / 'none.npy')])}",
                    "--retry-backoff", "0.1", "--backoff-factor", "3", "--backoff-max", "5", "--max-retries", "4"])
     assert (args.retry_backoff, args.backoff_factor, args.backoff_max, args.max_retries, args.nprocs) == (0.1, 3, 5, 4, 1)
     with pytest.raises(SystemExit) as exit_info:
@@ -185,10 +185,10 @@ def test_cli_options_and_a_real_bad_input_child_exit_2_without_retry(tmp_path, c
 
 
 def test_defaults_and_refusals():
-    args = _parse(["launch", "tiny"])
+    args = _parse(["launch", "local", "tiny"])
     assert (args.retry_backoff, args.backoff_factor, args.backoff_max, args.max_retries, args.nprocs) == (300, 2, 3600, 50, 1)
     with pytest.raises(ConfigError, match="--nprocs >= 1"):
-        args.func(_parse(["launch", "tiny", "--nprocs", "0"]))
+        args.func(_parse(["launch", "local", "tiny", "--nprocs", "0"]))
     with pytest.raises(ConfigError, match="train.steps"):
         Supervisor("tiny", ["train.steps=many"])
     assert Backoff().delay(1) == 300 and Backoff().delay(4) == 2400 and Backoff().delay(9) == 3600
@@ -200,10 +200,10 @@ def test_a_bucket_runs_launch_records_go_to_a_directory_here(tmp_path, capsys, m
     from olmax.cli import main
 
     monkeypatch.chdir(tmp_path)
-    assert main(["launch", "tiny", "output_dir=gs://runs/tiny", "--slurm", "--dry-run"]) == 0
+    assert main(["launch", "slurm", "tiny", "output_dir=gs://runs/tiny", "--dry-run"]) == 0
     assert f"#SBATCH --output={tmp_path}/runs/tiny/slurm/%j.out" in capsys.readouterr().out
-    assert main(["launch", "tiny", "output_dir=gs://runs/tiny", f"launch.records_dir={tmp_path}/rec/{{name}}",
-                 "--k8s", "--target", "tpu:v5p:2x2x2", "--image", "olmax:1"]) == 0
+    assert main(["launch", "k8s", "tiny", "output_dir=gs://runs/tiny", f"launch.records_dir={tmp_path}/rec/{{name}}",
+                 "--target", "tpu:v5p:2x2x2", "--image", "olmax:1"]) == 0
     assert (tmp_path / "rec" / "tiny" / "jobset.yaml").is_file()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["rec"]
     assert main(["launch", "tiny", "output_dir=gs://runs/tiny", "launch.records_dir=gs://runs/records"]) == 2

@@ -143,14 +143,26 @@ def test_the_batch_script_asks_for_requeue_a_warning_signal_and_one_srun_task_pe
 
 
 def test_dry_run_prints_the_script_and_writes_nothing(tmp_path, capsys):
-    assert main(["launch", "--slurm", "--dry-run", "tiny", f"output_dir={tmp_path}/run",
+    assert main(["launch", "slurm", "--dry-run", "tiny", f"output_dir={tmp_path}/run",
                  "launch.slurm.tasks_per_node=2"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("#!/bin/bash\n") and "#SBATCH --ntasks-per-node=2\n" in out and "\nsrun " in out
     assert not (tmp_path / "run").exists()
     assert main(["launch", "--slurm", "--nprocs", "2", "tiny"]) == 2
-    assert main(["launch", "--slurm", "tiny", "launch.slurm.time=1:00:00"]) == 2
+    assert "drop --nprocs" in capsys.readouterr().err
+    assert main(["launch", "slurm", "tiny", "launch.slurm.time=1:00:00"]) == 2
     assert 'quote the time limit ("1:00:00")' in capsys.readouterr().err
+
+
+def test_the_old_spelling_prints_the_same_script_and_one_line_saying_so(tmp_path, capsys):
+    run = [f"output_dir={tmp_path}/run", "launch.slurm.tasks_per_node=2"]
+    assert main(["launch", "slurm", "--dry-run", "tiny", *run]) == 0
+    new = capsys.readouterr()
+    assert main(["launch", "--slurm", "--dry-run", "tiny", *run]) == 0
+    old = capsys.readouterr()
+    assert old.out == new.out and new.err == ""
+    assert old.err.splitlines() == ["olmax: --slurm is the old spelling, kept for one release: write `olmax launch "
+                                    "slurm ...` (olmax launch --help)"]
 
 
 STEPS, STOP_AFTER = 20, 16  # signalled at checkpoint 4: 12 steps before the stop, room for a loaded machine
@@ -165,7 +177,7 @@ def _overrides(shards, run_dir, *more):
 
 def _launch(env, run, shards, tasks, *more):
     return subprocess.Popen(
-        [sys.executable, "-m", "olmax.cli", "launch", "--slurm", "--poll-seconds=0.2", "--retry-backoff=1",
+        [sys.executable, "-m", "olmax.cli", "launch", "slurm", "--poll-seconds=0.2", "--retry-backoff=1",
          "--max-retries=1", "tiny", *_overrides(shards, run, f"launch.slurm.tasks_per_node={tasks}", *more)],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
@@ -200,6 +212,10 @@ def test_slurm_job_signalled_midway_is_requeued_resumes_then_continues_on_one_ta
     assert (first["job_run"], first["reason"], first["action"]) == (1, "requeued", "run again now")
     assert 4 <= first["checkpoint_after"] < STOP_AFTER
     assert (second["job_run"], second["reason"], second["checkpoint_after"]) == (2, "finished", STOP_AFTER)
+    # while the requeued job waits (Slurm holds it until the old run's credential expires), the launcher says so
+    waiting = f"olmax launch: Slurm job {job} run 2: PENDING ("
+    assert f"{waiting}" in first_output and "; last committed step " in first_output.split(waiting, 1)[1], first_output
+    assert all(r["launcher"] == "slurm" and r["exit_codes"] == [r["exit_code"]] for r in records)
     job_output = (run / "slurm" / f"{job}.out").read_text()
     assert job_output.count("olmax: process 0 of 2 (slurm)") == 2, job_output
     assert (run / "logs" / "host-01.log").read_text().count("olmax: process 1 of 2 (slurm)") == 2

@@ -104,10 +104,23 @@ def test_2t4_preset_counts():
     ("gpu:a100x8", "unknown GPU 'a100'"),
     ("gpu:h100x12", "whole hosts of 8"),
     ("tpu:v5p-128", "bad target"),
+    ("tpu:v5e:2x2x2", "v5e slices have two dimensions"),
+    ("tpu:v6e:2x2x4", "v6e slices have two dimensions"),
 ])
 def test_bad_targets_are_named(name, says):
     with pytest.raises(TargetError, match=says):
         parse_target(name)
+
+
+def test_plan_refuses_a_3d_shape_of_a_2d_slice_kind(capsys):
+    assert main(["plan", "tiny", "--target", "tpu:v6e:2x2x4"]) == 2
+    assert "v6e slices have two dimensions" in capsys.readouterr().err
+
+
+def test_a_gpu_count_is_written_as_layout_patterns_write_it():
+    """`gpu:h100x008` is gpu:h100x8, so a layout for gpu:h100x8 applies to it."""
+    assert parse_target("gpu:h100x008") == parse_target("gpu:h100x8")
+    assert parse_target("tpu:v5p:02x2x4").name == "tpu:v5p:2x2x4"
 
 
 def test_bad_mfu_is_a_config_error(capsys):

@@ -1,4 +1,4 @@
-"""`olmax launch --slurm`: the run as a Slurm batch job, submitted again until it is done.
+"""`olmax launch slurm`: the run as a Slurm batch job, submitted again until it is done.
 
 The batch script (written to RECORDS/slurm/job.sh, RECORDS being the run directory, or
 launch.records_dir; runs/NAME for a run in a bucket) starts one `srun` task per process;
@@ -14,51 +14,57 @@ latest checkpoint runs again as soon as Slurm lets it (it holds a requeued job b
 the old run's credential expires, 2 minutes by default); one that did not is a failure and
 is held back for the backoff too (`scontrol update StartTime`); a job that ends without finishing the run is
 submitted again after the backoff; bad input (exit 2) never is. Every attempt goes to
-RECORDS/launch.jsonl with its job id. SIGTERM/SIGINT to the launcher cancel the job (its
-tasks checkpoint within Slurm's KillWait) and the launcher exits 75.
+RECORDS/launch.jsonl with its job id. While the job waits or runs, the launcher says its state
+and the run's last committed step when the state changes, and every `status_seconds` while it
+does not. SIGTERM/SIGINT to the launcher cancel the job (its tasks checkpoint within Slurm's
+KillWait) and the launcher exits 75.
+
+Every value the script takes from the config is checked first (olmax.launch.values): a name,
+partition, time or sbatch line that would change what the script runs is exit 2.
 """
 
 from __future__ import annotations
 
 import datetime
-import json
 import shlex
 import shutil
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
-from olmax.config import RunConfig, load_config
+from olmax.config import RunConfig
 from olmax.errors import ExitCode, SlurmError
-from olmax.launch.supervisor import (
-    Backoff,
-    RetryPolicy,
-    exit_reason,
-    latest_checkpoint_step,
-    launch_dir,
-    previous_attempts,
-)
+from olmax.launch import values
+from olmax.launch.launcher import Attempt, Launcher, exit_reason, latest_checkpoint_step, launch_dir
 from olmax.run_dir import RunDir
-from olmax.runtime import release_stop_signals
 
 # Job states after which Slurm will not run the job again by itself (a requeued job goes back to PENDING).
 ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "OUT_OF_MEMORY", "BOOT_FAIL",
          "DEADLINE", "SPECIAL_EXIT"}
 POLL_SECONDS = 30.0
+STATUS_SECONDS = 600.0
 
 
 def batch_script(cfg: RunConfig, config: str, overrides: list[str], python: str = sys.executable) -> str:
+    """The job script of `olmax train config overrides` (`python` on the nodes), every value from the config
+    checked (exit 2 for one that is not a plain word or in Slurm's format)."""
     slurm = cfg.launch.slurm
+    name = values.plain("name", cfg.name)
     records = launch_dir(cfg).resolve()
-    options = [f"--job-name={cfg.name}", f"--nodes={slurm.nodes}", f"--ntasks-per-node={slurm.tasks_per_node}"]
+    output = values.plain("output_dir (or launch.records_dir)", str(RunDir(records).slurm_output("%j")))
+    if "%" in str(records):
+        values.refuse("output_dir (or launch.records_dir)", str(records), "sbatch reads '%' in --output as a pattern")
+    options = [f"--job-name={name}", f"--nodes={slurm.nodes}",
+               f"--ntasks-per-node={slurm.tasks_per_node}"]
     options += [f"--gpus-per-task={slurm.gpus_per_task}"] if slurm.gpus_per_task else []
-    options += [f"--{key}={getattr(slurm, key)}" for key in ("time", "partition", "account") if getattr(slurm, key)]
-    options += ["--requeue", f"--signal=TERM@{slurm.signal_seconds}", "--open-mode=append",
-                f"--output={RunDir(records).slurm_output('%j')}", *slurm.sbatch_lines]
-    lines = ["#!/bin/bash", "# Written by `olmax launch --slurm`, which submits it with sbatch and watches the job.",
+    options += [f"--time={values.slurm_time(slurm.time)}"] if slurm.time else []
+    options += [f"--{key}={values.slurm_name(f'launch.slurm.{key}', getattr(slurm, key))}"
+                for key in ("partition", "account") if getattr(slurm, key)]
+    options += ["--requeue", f"--signal=TERM@{slurm.signal_seconds}", "--open-mode=append", f"--output={output}",
+                *map(values.sbatch_option, slurm.sbatch_lines)]
+    lines = ["#!/bin/bash", "# Written by `olmax launch slurm`, which submits it with sbatch and watches the job.",
              *(f"#SBATCH {option}" for option in options)]
     if slurm.gpus_per_task:
         lines += ["# Each task sees its own GPUs as 0..G-1; JAX would otherwise take only the one numbered SLURM_LOCALID.",
@@ -82,7 +88,7 @@ def script_path(records: Path) -> Path:
 
 def _slurm(*argv: str) -> subprocess.CompletedProcess:
     if shutil.which(argv[0]) is None:
-        raise SlurmError(f"`{argv[0]}` is not on PATH: run `olmax launch --slurm` where Slurm's commands are "
+        raise SlurmError(f"`{argv[0]}` is not on PATH: run `olmax launch slurm` where Slurm's commands are "
                          "(a login node of the cluster)")
     return subprocess.run(argv, capture_output=True, text=True)
 
@@ -118,23 +124,21 @@ def _eligible(info: dict[str, str]) -> datetime.datetime:
         return datetime.datetime.now()
 
 
-class SlurmLauncher:
+class SlurmLauncher(Launcher):
     """Submits `config overrides` as a Slurm job and watches it until the run finishes (see the module's doc)."""
 
-    def __init__(self, config: str, overrides: list[str] = (), *, backoff: Backoff = Backoff(), max_retries: int = 50,
-                 poll: float = POLL_SECONDS, python: str = sys.executable, sleep=None, echo=None):
-        cfg = load_config(config, list(overrides))  # a bad config fails here, before anything is submitted
-        self.records, self.run_location = launch_dir(cfg), cfg.run_location
-        self.target_step = cfg.train.steps
-        self.script = batch_script(cfg, config, list(overrides), python)
-        self.policy = RetryPolicy(self.target_step, backoff, max_retries)
-        self.poll = poll
-        self.echo = echo or (lambda line: print(line, file=sys.stderr, flush=True))
-        self._stop_signal: int | None = None
-        self._stopping = threading.Event()
-        self.sleep = sleep or self._stopping.wait  # a signal cuts a backoff short
+    mode = "slurm"
+
+    def __init__(self, config: str, overrides: list[str] = (), *, poll: float = POLL_SECONDS,
+                 status_seconds: float = STATUS_SECONDS, python: str = sys.executable, **launcher):
+        super().__init__(config, overrides, **launcher)
+        self.script = batch_script(self.cfg, config, self.overrides, python)
+        self.processes = self.cfg.launch.slurm.nodes * self.cfg.launch.slurm.tasks_per_node
+        self.poll, self.status_seconds = poll, status_seconds
         self._job: str | None = None
-        self._attempt = 0
+
+    def render(self) -> str:
+        return self.script
 
     def submit(self) -> str:
         path = script_path(self.records)
@@ -144,55 +148,29 @@ class SlurmLauncher:
         if out.returncode != 0:
             error = (out.stderr.strip() or out.stdout.strip() or f"exit {out.returncode}").splitlines()[-1]
             raise SlurmError(f"sbatch refused {path}: {error}; fix launch.slurm in the config")
-        return out.stdout.strip().split(";")[0]
+        self._job = out.stdout.strip().split(";")[0]
+        self.echo(f"olmax launch: submitted Slurm job {self._job} ({path}); its output goes to "
+                  f"{RunDir(self.records).slurm_output(self._job)}")
+        return self._job
 
-    # ---- signals -----------------------------------------------------------------------------
-
-    def _on_signal(self, sig, frame) -> None:
-        if self._stop_signal is not None:
-            return
-        self._stop_signal = sig
-        self._stopping.set()
-        if self._job is not None:
+    def stop(self, sig: int, again: bool) -> None:
+        if not again and self._job is not None:
             self.echo(f"olmax launch: {signal.Signals(sig).name}: cancelling Slurm job {self._job} (its tasks "
                       "checkpoint and stop)")
             _slurm("scancel", self._job)
 
-    def run(self) -> int:
-        """Jobs until done; the exit code for `olmax launch` (as for local launches)."""
-        handlers = {}
-        if threading.current_thread() is threading.main_thread():
-            handlers = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
-        try:
-            release_stop_signals()  # one that came while the CLI started up, holding it, stops the launcher now
-            self._attempt = previous_attempts(self.records)
-            while True:
-                if self._stop_signal is not None:
-                    self.echo("olmax launch: stopped before the next submission")
-                    return ExitCode.PREEMPTED
-                self._job = self.submit()
-                self.echo(f"olmax launch: submitted Slurm job {self._job} ({script_path(self.records)}); "
-                          f"its output goes to {RunDir(self.records).slurm_output(self._job)}")
-                result, sleep = self._watch(self._job)
-                if result is not None:
-                    return result
-                if sleep:
-                    self.sleep(sleep)
-        finally:
-            for sig, handler in handlers.items():
-                signal.signal(sig, handler)
-
-    def _watch(self, job: str) -> tuple[int | None, float]:
+    def follow(self, job: str) -> tuple[int | None, float]:
         """Follow one job to its end: (the launcher's exit code or None to submit again, seconds to wait first)."""
         runs_seen, started, before = 0, time.time(), latest_checkpoint_step(self.run_location)
         hold_until = None  # a backoff for the requeued job, applied once it is back in the queue
+        said, said_at = None, 0.0  # the state last reported, and when
         while True:
             info = job_info(job)
             restarts = int(info.get("Restarts", runs_seen)) if info else runs_seen
             if restarts > runs_seen:  # Slurm requeued it: our script after exit 75, a preemption, `scontrol requeue`
                 after = latest_checkpoint_step(self.run_location)
-                result, sleep = self._record(job, runs_seen + 1, started, ExitCode.PREEMPTED, "requeued",
-                                             before, after, again="run again")
+                result, sleep = self.judge(Attempt(started, ExitCode.PREEMPTED, [ExitCode.PREEMPTED], "requeued", before,
+                                                   after, self.processes, job, runs_seen + 1), again="run again")
                 if result is not None:
                     _slurm("scancel", job)
                     return result, 0.0
@@ -207,27 +185,21 @@ class SlurmLauncher:
             if info is None or info["JobState"] in ENDED:
                 code, reason = _exit_code(info)
                 after = latest_checkpoint_step(self.run_location)
-                result, sleep = self._record(job, runs_seen + 1, started, code, reason, before, after,
-                                                again="submit again")
-                return result, sleep
+                return self.judge(Attempt(started, code, [code], reason, before, after, self.processes, job,
+                                          runs_seen + 1), again="submit again")
+            state = _state(info)
+            if state != said or time.monotonic() - said_at >= self.status_seconds:
+                self.echo(f"olmax launch: Slurm job {job} run {runs_seen + 1}: {state}; last committed step "
+                          f"{latest_checkpoint_step(self.run_location)} of {self.target_step}")
+                said, said_at = state, time.monotonic()
             time.sleep(self.poll)
 
-    def _record(self, job: str, run: int, started: float, code: int, reason: str, before: int, after: int,
-                again: str) -> tuple[int | None, float]:
-        self._attempt += 1
-        result, action, sleep = self.policy.decide(finished=code == ExitCode.FINISHED, code=code, before=before,
-                                                   after=after, stopped_by=self._stop_signal, again=again)
-        record = {
-            "attempt": self._attempt, "job_id": job, "job_run": run,
-            "started": datetime.datetime.fromtimestamp(started).isoformat(timespec="seconds"),
-            "seconds": round(time.time() - started, 3), "exit_code": code, "reason": reason,
-            "checkpoint_before": before, "checkpoint_after": after, "target_step": self.target_step,
-            "action": action, "sleep": sleep, "failures_in_a_row": self.policy.failures_in_a_row,
-        }
-        self.records.mkdir(parents=True, exist_ok=True)
-        with open(RunDir(self.records).launch_records, "a") as f:
-            f.write(json.dumps(record) + "\n")
-        self.echo(f"olmax launch: attempt {self._attempt}: Slurm job {job} run {run} {reason} after "
-                  f"{record['seconds']:.1f} s (checkpoint {before} -> {after} of {self.target_step}); {action}")
-        return result, sleep
 
+def _state(info: dict[str, str]) -> str:
+    """The job's state as a user reads it: `PENDING (BeginTime, eligible 2026-12-03T10:00:00)`, `RUNNING on node07`."""
+    state, reason = info["JobState"], info.get("Reason", "None")
+    if state == "PENDING":
+        eligible = info.get("EligibleTime", "Unknown")
+        return f"PENDING ({reason}" + (f", eligible {eligible})" if eligible not in ("Unknown", "None") else ")")
+    nodes = info.get("NodeList", "")
+    return f"{state} on {nodes}" if state == "RUNNING" and nodes not in ("", "(null)") else state

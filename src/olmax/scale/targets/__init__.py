@@ -74,6 +74,7 @@ XLA_FLAGS = {
         "xla_sc_disable_megacore_partitioning": True,
     },
 }
+FLAT_TPUS = ("v5e", "v6e")  # slices of two dimensions
 HOST_CHIPS = (2, 2)  # libtpu's compile-only topologies are made of hosts of 2x2 chips (its default host bounds)
 
 
@@ -112,6 +113,9 @@ def parse_target(name: str) -> Target:
         if kind not in tpus:
             raise TargetError(f"unknown TPU {kind!r} in target {name!r}; {usage}")
         dims = [int(d) for d in topology.split("x")]
+        topology = "x".join(map(str, dims))  # as layout patterns and libtpu write it: 2x2, not 02x2
+        if kind in FLAT_TPUS and len(dims) != 2:
+            raise TargetError(f"target {name!r}: {kind} slices have two dimensions, as in tpu:{kind}:2x4")
         if 0 in dims or dims[0] % HOST_CHIPS[0] or dims[1] % HOST_CHIPS[1]:
             raise TargetError(f"target {name!r}: a TPU slice without the hardware is whole hosts of "
                               f"{HOST_CHIPS[0]}x{HOST_CHIPS[1]} chips (its first two sizes even and not 0), as in "
@@ -126,14 +130,13 @@ def parse_target(name: str) -> Target:
         if count > GPUS_PER_HOST and count % GPUS_PER_HOST:
             raise TargetError(f"target {name!r}: more than {GPUS_PER_HOST} GPUs come in whole hosts of {GPUS_PER_HOST}")
         hosts, per_host = (1, count) if count <= GPUS_PER_HOST else (count // GPUS_PER_HOST, GPUS_PER_HOST)
-        return Target(name, kind, f"1x{hosts}x{per_host}", count)
+        return Target(f"gpu:{kind}x{count}", kind, f"1x{hosts}x{per_host}", count)  # gpu:h100x8, not h100x008
     raise TargetError(f"bad target {name!r}; {usage}")
 
 
 # JAX's device_kind -> the kind as targets name it (v5p chips call themselves "TPU v5")
 TPU_KINDS = {"TPU v5": "v5p", "TPU v5p": "v5p", "TPU v5 lite": "v5e", "TPU v5e": "v5e", "TPU v6 lite": "v6e",
              "TPU v6e": "v6e", "TPU7x": "tpu7x"}
-FLAT_TPUS = ("v5e", "v6e")  # slices of two dimensions
 
 
 def running_target(devices) -> str | None:
