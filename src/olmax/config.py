@@ -559,8 +559,8 @@ class LaunchConfig(Section):
         if value is None:
             return value
         if "://" in value:
-            raise ValueError(f"launch.records_dir {value!r} must be a filesystem path (the launcher appends to its "
-                             "records and Slurm writes its output there), not a bucket")
+            raise ValueError("must be a filesystem path (the launcher appends to its records and Slurm writes its "
+                             "output there), not a bucket")
         try:
             value.format(name="")
         except (KeyError, IndexError, ValueError):

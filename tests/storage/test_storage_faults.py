@@ -82,7 +82,8 @@ def test_an_outage_past_the_budget_exits_69_naming_the_object(stores, synth_mix,
 def test_launchers_retry_an_outage_after_their_backoff():
     """`olmax launch` (and its Slurm jobs, judged by the same policy) restarts after exit 69; JobSets fail for good
     only on the codes it does not retry."""
-    from olmax.launch.supervisor import NOT_RETRIED, Backoff, RetryPolicy
+    from olmax.errors import NOT_RETRIED
+    from olmax.launch.launcher import Backoff, RetryPolicy
 
     policy = RetryPolicy(target_step=10, backoff=Backoff(300.0), max_retries=3)
     assert policy.decide(finished=False, code=ExitCode.STORAGE_UNAVAILABLE, before=4, after=4) == \

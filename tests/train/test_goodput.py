@@ -71,7 +71,9 @@ def test_a_run_killed_twice_accounts_for_its_wall_time_and_its_lost_work(tmp_pat
     record = read_record(RunDir(run).goodput.read_text())
     total = totals(record)
     assert len(record["attempts"]) == 3 and len(watcher.kills) == 2
-    assert abs(sum(total.values()) - wall) <= 0.02 * wall, (total, wall)
+    # Within 2%, less what no record can see: each attempt's interpreter start before olmax's first line runs
+    # (measured up to 0.4 s an attempt on a loaded machine; the run here is a minute, a real one days)
+    assert abs(sum(total.values()) - wall) <= 0.02 * wall + 0.5 * len(record["attempts"]), (total, wall)
     slack = 1.0  # seconds: when the watcher saw a step is late by its polling, on a loaded machine more
     for attempt, kill in zip(record["attempts"], watcher.kills):
         redone = kill["last_logged"] - kill["committed"]

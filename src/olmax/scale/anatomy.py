@@ -197,7 +197,7 @@ def saved_activation_bytes(cfg: RunConfig, tokens_per_device: int, dtype_bytes: 
     if sched is None:
         return m.n_layers * tokens_per_device * per_layer_token * dtype_bytes
     layers_per_stage, tokens_per_microbatch = m.n_layers // sched.stages, tokens_per_device // sched.microbatches
-    if sched.one_f_one_b:  # chunk inputs kept, and the named activations of the one chunk being differentiated
+    if sched.loss_inside:  # chunk inputs kept, and the named activations of the one chunk being differentiated
         chunk = layers_per_stage // sched.repeats
         return tokens_per_microbatch * dtype_bytes * (sched.in_flight * m.d_model + chunk * per_layer_token)
     return sched.microbatches * layers_per_stage * tokens_per_microbatch * per_layer_token * dtype_bytes
@@ -248,7 +248,7 @@ def schedules(cfg: RunConfig) -> list[dict]:
 
 def _tick_table(sched: pipeline.Schedule) -> list[list[dict | None]]:
     S, M, R = sched.stages, sched.microbatches, sched.repeats
-    if not sched.one_f_one_b:  # forward iterations; autodiff's backward runs them in reverse
+    if not sched.loss_inside:  # forward iterations; autodiff's backward runs them in reverse
         rows = []
         for t in range(sched.iterations):
             row = []
@@ -257,7 +257,7 @@ def _tick_table(sched: pipeline.Schedule) -> list[list[dict | None]]:
                 row.append({"F": u % M, "chunk": u // M} if 0 <= u < M * R else None)
             rows.append(row)
         return rows
-    table = pipeline.ticks(sched)
+    table = sched.ticks()
     rows = []
     for t in range(table.f_mb.shape[0]):
         row = []
