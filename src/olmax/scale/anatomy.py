@@ -239,7 +239,7 @@ def schedules(cfg: RunConfig) -> list[dict]:
         except ConfigError as err:
             tables.append({"schedule": name, "allowed": False, "why": str(err)})
             continue
-        tables.append({"schedule": name, "allowed": True, "configured": name == own, "name": sched.name,
+        tables.append({"schedule": name, "allowed": True, "configured": name == own, "name": sched.title,
                        "stages": sched.stages, "microbatches": sched.microbatches, "chunks_per_stage": sched.repeats,
                        "bubble_fraction": sched.bubble, "in_flight_microbatches": sched.in_flight,
                        "ticks": _tick_table(sched)})
