@@ -28,7 +28,8 @@ whether or not a rule exists, so a `stale` rule added later replays what the sto
 
 `set(share, fault, denied)` is the random mode: a `share` of all requests (seeded) answered by 503 or a reset
 (`fault`: 503, "reset" or "mixed", alternating), and 403 for any path with a segment in `denied`. Rules are
-checked first. `requests` and `faults` count every request and every one faulted, by rules or at random.
+checked first. `requests` and `faults` count every request and every one faulted, by rules or at random;
+`most_in_flight` is the most requests handled at once so far (set it to 0 to measure from then on).
 """
 
 from __future__ import annotations
@@ -80,6 +81,7 @@ class FaultProxy:
         self.share, self.fault, self.denied = 0.0, "mixed", ()
         self.rng, self.lock = random.Random(seed), threading.Lock()
         self.requests = self.faults = 0
+        self.in_flight = self.most_in_flight = 0  # requests being handled now, and the most at once so far
         proxy = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -105,6 +107,16 @@ class FaultProxy:
                 self.connection.close()
 
             def _handle(self):
+                with proxy.lock:
+                    proxy.in_flight += 1
+                    proxy.most_in_flight = max(proxy.most_in_flight, proxy.in_flight)
+                try:
+                    self._act()
+                finally:
+                    with proxy.lock:
+                        proxy.in_flight -= 1
+
+            def _act(self):
                 body = self._body()
                 rule = proxy.decide(self.command, self.path)
                 action = rule.action if rule else None

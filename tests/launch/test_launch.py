@@ -40,6 +40,13 @@ signal.signal(signal.SIGTERM, preempted)
 (run / f"ready-{attempt}-{pid}").write_text(str(os.getpid()))
 checkpoint(entry.get("checkpoint"))
 code = entry["exit"][pid] if isinstance(entry["exit"], list) else entry["exit"]
+if entry.get("after_peer") == pid:  # exit once the other process is dead (a zombie until the launcher polls)
+    peer = run / f"ready-{attempt}-{1 - pid}"
+    while not peer.exists() or not peer.read_text():
+        time.sleep(0.01)
+    stat = pathlib.Path(f"/proc/{peer.read_text()}/stat")
+    while stat.exists() and stat.read_text().rsplit(")", 1)[1].split()[0] != "Z":
+        time.sleep(0.01)
 if code is None:
     while True:
         time.sleep(0.05)
@@ -121,6 +128,16 @@ def test_a_group_restarts_whole_when_one_process_dies(tmp_path):
         assert {e["OLMAX_NUM_PROCESSES"] for e in envs} == {"2"}
         assert envs[0]["OLMAX_COORDINATOR"] == envs[1]["OLMAX_COORDINATOR"]
         assert envs[0]["OLMAX_COORDINATOR"].startswith("127.0.0.1:")
+
+
+def test_a_process_killed_by_a_signal_names_the_attempt_over_a_peer_that_failed_because_of_it(tmp_path, monkeypatch):
+    """Process 1 is killed; process 0 exits 1 right after (its peer vanished), before the launcher next looks."""
+    monkeypatch.setattr("olmax.launch.supervisor.POLL_SECONDS", 1.0)
+    plan = [{"exit": [1, -signal.SIGKILL], "after_peer": 0}, {"checkpoint": 12, "exit": [0, 0]}]
+    code, sleeps, records = _supervise(tmp_path, plan, nprocs=2)
+    assert code == 0
+    assert records[0]["exit_codes"] == [1, -signal.SIGKILL]
+    assert records[0]["reason"] == "killed by SIGKILL (process 1)"
 
 
 def test_sigterm_to_the_launcher_reaches_the_run_which_checkpoints_and_stops(tmp_path):

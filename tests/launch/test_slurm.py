@@ -208,7 +208,7 @@ def test_slurm_job_signalled_midway_is_requeued_resumes_then_continues_on_one_ta
     jobs = "".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted((run / "slurm").glob("*.out")))
     assert launcher.returncode == 0 and len(records) == 2, f"{first_output}\n{jobs}"
     first, second = records
-    assert first["job_id"] == second["job_id"] == job  # requeued: the same job, run again
+    assert first["job_id"] == second["job_id"] == job, f"{records}\n{first_output}\n{jobs}"  # requeued: the same job
     assert (first["job_run"], first["reason"], first["action"]) == (1, "requeued", "run again now")
     assert 4 <= first["checkpoint_after"] < STOP_AFTER
     assert (second["job_run"], second["reason"], second["checkpoint_after"]) == (2, "finished", STOP_AFTER)

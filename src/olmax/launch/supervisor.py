@@ -135,7 +135,10 @@ class Supervisor(Launcher):
         procs, exit_order, deadline = self._procs, [], None
         while True:
             codes = [p.poll() for p in procs]
-            exit_order += [i for i, c in enumerate(codes) if c is not None and i not in exit_order]
+            # Found exited in one poll: a process killed by a signal goes first (the others of the group then fail
+            # because their peer vanished, often before the next poll).
+            exit_order += sorted((i for i, c in enumerate(codes) if c is not None and i not in exit_order),
+                                 key=lambda i: codes[i] >= 0)
             if None not in codes:
                 break
             if exit_order and deadline is None:
