@@ -550,8 +550,8 @@ class LaunchConfig(Section):
     slurm: SlurmConfig = Field(default_factory=SlurmConfig)
     records_dir: str | None = Field(
         None, description="where `olmax launch` keeps its records (launch.jsonl, job scripts, manifests, Slurm "
-        "output): a filesystem path, {name} allowed; None = the run directory, or runs/{name} here for a run in "
-        "a bucket")
+        "output): a filesystem path, {name} allowed; None = the run directory, or for a run in a bucket its URL "
+        "mirrored under runs/ here (s3://b/x -> runs/s3/b/x)")
 
     @field_validator("records_dir")
     @classmethod

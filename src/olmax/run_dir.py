@@ -9,7 +9,7 @@
       committed.json       a bucket run's own record of its newest committed step (olmax.train.bucket_run)
       logs/host-NN.log     each process's log (olmax.launch.distributed)
       launch.jsonl         `olmax launch`'s attempts (olmax.launch); with the two below, in
-      slurm/job.sh, JOBID.out  launch.records_dir when that is set, and runs/NAME here for a run in a bucket
+      slurm/job.sh, JOBID.out  launch.records_dir when that is set, and runs/SCHEME/BUCKET/PATH here for a run in a bucket
       jobset.yaml          (a bucket has no appending) or on a TPU pod's or a JobSet's hosts
 
 Everything else asks a `RunDir` for a path (`RunDir(cfg.run_location).metrics`), its committed checkpoint

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -211,14 +212,27 @@ def test_defaults_and_refusals():
     assert Backoff().delay(1) == 300 and Backoff().delay(4) == 2400 and Backoff().delay(9) == 3600
 
 
+def test_two_bucket_runs_of_one_name_keep_their_own_records_here(tmp_path, monkeypatch):
+    """Launched side by side, runs of one config in two buckets (or two prefixes) each hold their own records
+    directory here; a run on the hosts' own disks mirrors its path the same way."""
+    from olmax.launch.launcher import records_mirror
+
+    monkeypatch.chdir(tmp_path)
+    first, second = (Supervisor("tiny", [f"output_dir={url}"]) for url in ("s3://a/tiny", "s3://b/tiny/"))
+    with first.holding(), second.holding():
+        assert (first.records, second.records) == (Path("runs/s3/a/tiny"), Path("runs/s3/b/tiny"))
+    assert records_mirror("/mnt/disk/run") == Path("runs/mnt/disk/run") and records_mirror("runs/x") == Path("runs/x")
+
+
 def test_a_bucket_runs_launch_records_go_to_a_directory_here(tmp_path, capsys, monkeypatch):
     """A bucket has no appending: a run there keeps launch.jsonl, job scripts, manifests and Slurm's output in
-    runs/NAME here, or launch.records_dir; a records_dir in a bucket is refused with exit 2, nothing written."""
+    its URL mirrored under runs/ here, or launch.records_dir; a records_dir in a bucket is refused with exit 2,
+    nothing written."""
     from olmax.cli import main
 
     monkeypatch.chdir(tmp_path)
     assert main(["launch", "slurm", "tiny", "output_dir=gs://runs/tiny", "--dry-run"]) == 0
-    assert f"#SBATCH --output={tmp_path}/runs/tiny/slurm/%j.out" in capsys.readouterr().out
+    assert f"#SBATCH --output={tmp_path}/runs/gs/runs/tiny/slurm/%j.out" in capsys.readouterr().out
     assert main(["launch", "k8s", "tiny", "output_dir=gs://runs/tiny", f"launch.records_dir={tmp_path}/rec/{{name}}",
                  "--target", "tpu:v5p:2x2x2", "--image", "olmax:1"]) == 0
     assert (tmp_path / "rec" / "tiny" / "jobset.yaml").is_file()

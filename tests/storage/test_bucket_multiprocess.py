@@ -26,7 +26,7 @@ STEPS = 6
 @pytest.mark.slow
 def test_olmax_launch_restarts_two_processes_from_the_one_checkpoint_they_wrote_to_a_bucket(stores, tmp_path, shards,
                                                                                            monkeypatch):
-    """`olmax launch --nprocs 2` with output_dir in a bucket: its records go to runs/NAME here; process 1 is
+    """`olmax launch --nprocs 2` with output_dir in a bucket: its records go to runs/s3/BUCKET/PATH here; process 1 is
     killed once step 3 is committed in the bucket, the group restarts, resumes from the bucket and finishes; the
     progress the launcher judges attempts by is the bucket's committed steps. (One scenario for what were two
     tests: two processes writing one checkpoint and resuming from it, and the launcher restarting them.)"""
@@ -43,12 +43,12 @@ def test_olmax_launch_restarts_two_processes_from_the_one_checkpoint_they_wrote_
                             on_start=signal_once_when(lambda: storage.committed(storage.join(checkpoints, "3")),
                                                       signal.SIGKILL, 1, poll=0.2))
     assert supervisor.run() == 0
-    first, second = read_jsonl(tmp_path / "runs" / "tiny" / "launch.jsonl")
+    first, second = read_jsonl(tmp_path / "runs" / "s3" / stores.bucket / "launched" / "launch.jsonl")
     assert first["reason"] == "killed by SIGKILL (process 1)" and 3 <= first["checkpoint_after"] < STEPS, first
     assert second["reason"] == "finished" and second["checkpoint_after"] == STEPS, second
     assert second["checkpoint_before"] == first["checkpoint_after"]  # resumed from the bucket's checkpoint
     assert sleeps == [0.1]  # a crash, after progress: the backoff's first delay
-    records = set(os.listdir(tmp_path / "runs" / "tiny"))  # records only: the run is in the bucket
+    records = set(os.listdir(tmp_path / "runs" / "s3" / stores.bucket / "launched"))  # records only: the run is in the bucket
     assert "launch.jsonl" in records and not records & {"checkpoints", "metrics.jsonl", "tensorboard"}, records
 
     assert [s for s in storage.listdir(checkpoints) if storage.committed(storage.join(checkpoints, s))] == ["3", "6"]

@@ -1,7 +1,7 @@
 """`olmax launch slurm`: the run as a Slurm batch job, submitted again until it is done.
 
 The batch script (written to RECORDS/slurm/job.sh, RECORDS being the run directory, or
-launch.records_dir; runs/NAME for a run in a bucket) starts one `srun` task per process;
+launch.records_dir; runs/s3/BUCKET/PATH here for a run in a bucket) starts one `srun` task per process;
 each task is an `olmax train` that joins the others through JAX's Slurm detection. The
 job asks for `--requeue` and a SIGTERM `signal_seconds` before its time limit: on that
 signal, or a preemption's, every task checkpoints after the same step and exits 75, and
