@@ -17,13 +17,16 @@ time it was last renewed. The holder renews it every RENEW_S seconds from a
 thread and deletes it when it ends. A second run is refused while the lease is
 fresh; one not renewed for STALE_S seconds (its holder died, or lost the
 network), or one of this host whose process is gone, is taken over. A lease is
-written with an exclusive (conditional) write, which S3 and GCS refuse when the
-object exists, so of two runs starting at once however late their writes
-arrive, one goes on; a takeover deletes the stale lease first, and is read back
-SETTLE_S later in case another took it over too. A holder that finds another's
-lease at a renewal has been cut off for longer than STALE_S and another run
-holds the directory now: `lost(url)` says so, and the run stops without writing
-anything more (LeaseLost, exit 75).
+written with a conditional write (`storage.write_if`), which S3 and GCS refuse
+when the object exists, so of two runs starting at once however late their
+writes arrive, one goes on; a takeover deletes the stale lease first, and is
+read back SETTLE_S later in case another took it over too. Each renewal is
+conditional on the object still being the version this holder wrote last, so a
+renewal that arrives late (its holder frozen between its check and its write)
+never overwrites a lease another run has taken over. A holder that finds
+another's lease at a renewal has been cut off for longer than STALE_S and
+another run holds the directory now: `check_lease` says so, and the run stops
+without writing anything more (LeaseLost, exit 75).
 """
 
 from __future__ import annotations
@@ -61,12 +64,15 @@ def check_lease(url: str) -> None:
     (one read; nothing when this process holds none there): call it before writing to the directory."""
     url = str(url).rstrip("/")
     if url in _HELD and url not in _LOST:
-        path = RunDir(url).lock
-        if (now := _read_lease(path)) and now.get("token") != _HELD[url]:
-            _LOST[url] = (f"lost the lease {path} to {_describe(json.dumps(now))}: this process was cut off from "
-                          f"the store for over {STALE_S:.0f}s and another run took the run over")
+        if (now := _read_lease(RunDir(url).lock)) and now.get("token") != _HELD[url]:
+            _lose(url, now)
     if url in _LOST:
         raise LeaseLost(f"{_LOST[url]}; stopped without writing anything more")
+
+
+def _lose(url: str, now: dict | None) -> None:
+    _LOST[url] = (f"lost the lease {RunDir(url).lock} to {_describe(json.dumps(now)) if now else 'nobody (deleted)'}: "
+                  f"this process was cut off from the store for over {STALE_S:.0f}s and another run took the run over")
 
 
 def identity() -> str:
@@ -154,6 +160,14 @@ def alive(pid: int) -> bool:
     return True
 
 
+class LeaseChanged(Exception):
+    """The lease object is no longer the version this holder wrote: `now` is what it holds (None: nothing)."""
+
+    def __init__(self, now: dict | None):
+        super().__init__(now)
+        self.now = now
+
+
 def _read_lease(path: str) -> dict | None:
     try:
         text = storage.read_text(path)
@@ -191,8 +205,16 @@ def _lease(url: str):
         log.warning("taking over %s: its holder (%s) stopped renewing it", path, _describe(json.dumps(held)))
     mine = {"host": socket.gethostname(), "pid": os.getpid(), "token": uuid.uuid4().hex}
 
-    def write(exclusive: bool = False) -> None:
-        storage.write_bytes(path, json.dumps(mine | {"renewed": time.time()}).encode(), exclusive=exclusive)
+    def write(version: str | None) -> str:
+        """Our lease, renewed now, where the object is still at `version` (None: absent); the version written.
+        A refusal of our own write, retried after its answer was lost, is its success."""
+        try:
+            return storage.write_if(path, json.dumps(mine | {"renewed": time.time()}).encode(), version)
+        except (storage.AlreadyExists, storage.MissingObject):
+            now = _read_lease(path)
+            if (now or {}).get("token") != mine["token"]:
+                raise LeaseChanged(now) from None
+            return storage.info(path)["version"]
 
     def taken(now: dict | None) -> RunDirError:
         return RunDirError(f"output_dir {url} was taken by another run starting at the same time "
@@ -201,10 +223,9 @@ def _lease(url: str):
     if held:
         storage.remove(path)
     try:
-        write(exclusive=True)
-    except storage.AlreadyExists:
-        if (now := _read_lease(path) or {}).get("token") != mine["token"]:  # not our own write, retried
-            raise taken(now) from None
+        version = write(None)
+    except LeaseChanged as changed:
+        raise taken(changed.now or {}) from None
     if held:  # another run may have deleted the stale lease too, and written its own after ours
         time.sleep(SETTLE_S)
         if (now := _read_lease(path) or {}).get("token") != mine["token"]:
@@ -215,10 +236,15 @@ def _lease(url: str):
     stop = threading.Event()
 
     def renew() -> None:
+        nonlocal version
         while not stop.wait(RENEW_S):
             try:
                 check_lease(key)
-                write()
+                version = write(version)
+            except LeaseChanged as changed:
+                _lose(key, changed.now)
+                log.error("%s", _LOST[key])
+                return
             except LeaseLost as err:
                 log.error("%s", err)
                 return

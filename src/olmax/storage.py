@@ -24,6 +24,7 @@ import contextlib
 import errno
 import functools
 import logging
+import json
 import os
 import random
 import shutil
@@ -316,6 +317,11 @@ def read_ranges(path: str, starts: list[int], ends: list[int]) -> list[bytes]:
         failed = [(i, r) for i, r in zip(todo, got) if isinstance(r, Exception)]
         for i, r in zip(todo, got):
             out[i] = None if isinstance(r, Exception) else r
+            if out[i] is not None and len(r) > ends[i] - starts[i]:  # a server answering 200 with the whole object
+                raise StorageError(
+                    f"{path}: asked for bytes {starts[i]}-{ends[i] - 1}, the server answered {len(r)} bytes: it "
+                    "ignores Range requests; serve the data from a server that honours them (206 Partial "
+                    "Content), a bucket or a local disk")
         todo = [i for i, _ in failed]
         if failed:
             retries.after(failed[0][1], retried=len(failed))
@@ -327,13 +333,31 @@ def check_writable(path: str) -> None:
         raise StorageError(f"{path}: http(s) URLs are read-only; write to gs://, s3:// or a local path")
 
 
-def write_bytes(path: str, data: bytes, exclusive: bool = False) -> None:
-    """Write the object; `exclusive`: only if there is none (a conditional write where the store offers one:
-    S3's If-None-Match, GCS's ifGenerationMatch=0), else AlreadyExists."""
+def write_bytes(path: str, data: bytes) -> None:
     check_writable(path)
     if not is_remote(path):
         Path(path).parent.mkdir(parents=True, exist_ok=True)
-    _call(path, _fs(path).pipe_file, path, data, **({"mode": "create"} if exclusive else {}))
+    _call(path, _fs(path).pipe_file, path, data)
+
+
+def write_if(path: str, data: bytes, version: str | None) -> str:
+    """Write the object of a bucket only while it is at `version` (None: only while there is none), in one
+    conditional request (S3's If-Match / If-None-Match, GCS's ifGenerationMatch), else AlreadyExists (or
+    MissingObject: it was deleted). Returns the version written: its ETag or generation, as `info` gives it."""
+    fs, (bucket, key) = _fs(path), path.split("://", 1)[1].split("/", 1)
+    if scheme(path) == "s3":
+        condition = {"IfMatch": f'"{version}"'} if version else {"IfNoneMatch": "*"}
+        out = _call(path, fs.call_s3, "put_object", Bucket=bucket, Key=key, Body=data, **condition)
+        return out["ETag"].strip('"')
+    if scheme(path) == "gs":
+        # a multipart upload (the object's name in its first part), as gcsfs sends one
+        body = (f'--==0==\nContent-Type: application/json; charset=UTF-8\n\n{json.dumps({"name": key})}\n'
+                "--==0==\nContent-Type: application/octet-stream\n\n").encode() + data + b"\n--==0==--"
+        out = _call(path, fs.call, "POST", f"{fs._location}/upload/storage/v1/b/{bucket}/o", uploadType="multipart",
+                    ifGenerationMatch=version or "0", data=body, json_out=True,
+                    headers={"Content-Type": 'multipart/related; boundary="==0=="'})
+        return str(out["generation"])
+    raise StorageError(f"{path}: a conditional write needs a bucket (gs://, s3://)")
 
 
 def upload(local: str | os.PathLike, path: str) -> None:

@@ -39,6 +39,29 @@ def test_of_two_runs_whose_lease_writes_cross_one_goes_on(stores, kind, method, 
         assert "was taken by another run starting at the same time" in outcome["first"], outcome
 
 
+@pytest.mark.parametrize("kind, method, path", [("s3", "PUT", r"/run/run\.lock"), ("gs", "POST", r"/upload/")])
+def test_a_renewal_that_arrives_after_a_takeover_does_not_overwrite_the_new_lease(stores, kind, method, path,
+                                                                                 monkeypatch, caplog):
+    """The holder's renewal passes its check, then reaches the store only after another run has taken the lease
+    over (its holder froze in between): the store refuses it, the new lease stays and the holder has lost."""
+    monkeypatch.setattr(run_lock, "RENEW_S", 0.3)
+    run = f"{kind}://{stores.bucket}/run"
+    proxy = stores.s3 if kind == "s3" else stores.gcs
+    other = json.dumps({"host": "elsewhere", "pid": 1, "token": "other", "renewed": time.time()}).encode()
+    with run_lock.hold(run):
+        late = proxy.add("delay", method=method, path=path, times=1, seconds=2)
+        deadline = time.monotonic() + 60
+        while not late.hits:  # a renewal is on its way, late
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        storage.write_bytes(f"{run}/run.lock", other)  # the other run's takeover lands first
+        time.sleep(3)
+        assert storage.read_bytes(f"{run}/run.lock") == other
+        with pytest.raises(run_lock.LeaseLost, match="lost the lease .* to host elsewhere, PID 1"):
+            run_lock.check_lease(run)
+    assert storage.read_bytes(f"{run}/run.lock") == other  # left alone on the way out
+
+
 @pytest.mark.slow
 def test_a_run_whose_lease_is_taken_over_stops_writing_and_exits_75(stores, synth_mix, monkeypatch, capsys):
     from olmax.cli import main

@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import functools
+import threading
+from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
+
+import numpy as np
 import pytest
 
 from olmax import storage
+from olmax.cli import main
 
 
 @pytest.mark.parametrize("kind", ["s3", "gs"])
@@ -88,3 +94,26 @@ def test_many_ranges_through_faults_refetch_only_the_failed_ones(stores, kind, m
     stores.set_faults(share=0.3, fault=503)
     starts = list(range(0, 10000, 200))
     assert storage.read_ranges(url, starts, [s + 100 for s in starts]) == [data[s:s + 100] for s in starts]
+
+
+def test_a_server_that_ignores_range_requests_is_named_as_such_exit_2(tmp_path, capsys):
+    """Python's http.server answers every GET with the whole file (200, no Range support): reading shards from
+    it stops with one line saying the server ignores Range requests, not that a shard shrank."""
+    (tmp_path / "www").mkdir()
+    np.save(tmp_path / "www" / "part-00000.npy", np.arange(20_000, dtype=np.uint16) % 500)
+    class Quiet(SimpleHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(Quiet, directory=str(tmp_path / "www")))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}/part-00000.npy"
+    try:
+        with pytest.raises(storage.StorageError, match="ignores Range requests"):
+            storage.read_ranges(url, [128], [256])
+        code = main(["train", "tiny", f'data.paths=["{url}"]', f"output_dir={tmp_path}/run", "train.steps=1"])
+    finally:
+        server.shutdown()
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "ignores Range requests" in err[0] and "shrank" not in err[0], err
+    assert not (tmp_path / "run" / "checkpoints").exists()
