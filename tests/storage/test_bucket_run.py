@@ -110,3 +110,25 @@ def test_missing_object_denied_bucket_unreachable_endpoint_exit_2(stores, bucket
     line = _one_line_exit_2({**stores.env, "AWS_ENDPOINT_URL": f"http://127.0.0.1:{unused_port}"},
                             f"data.mix_file=s3://{stores.bucket}/tokens/mix.txt", f"output_dir=gs://{stores.bucket}/run")
     assert f"cannot reach http://127.0.0.1:{unused_port}" in line
+
+
+@pytest.mark.slow
+def test_a_resume_copies_down_only_the_step_it_restores_and_an_older_one_when_that_is_unreadable(stores, shards,
+                                                                                                  tmp_path):
+    run = f"s3://{stores.bucket}/older"
+    common = [f"data.paths={json.dumps(shards)}", "checkpoint.every=5", "checkpoint.keep_last=3", "mesh.fsdp=1"]
+    continuous = train(load_config("tiny", [*common, f"output_dir={tmp_path}/local", "train.steps=20"]), quiet=True)
+    train(load_config("tiny", [*common, f"output_dir={run}", "train.steps=20", "train.stop_after=10"]), quiet=True)
+    older = stores.s3.add("delay", method="GET", path=r"/older/checkpoints/5/")  # counts reads of step 5's objects
+    resumed = train(load_config("tiny", [*common, f"output_dir={run}", "train.steps=20", "train.stop_after=15"]),
+                    quiet=True)
+    assert resumed[0]["step"] == 11 and older.hits == 0, "step 10 was restored; step 5 stays in the bucket"
+    assert sorted(_committed_steps(run)) == [5, 10, 15], "kept by the rule over the bucket's steps, not the local copy's"
+    params = storage.join(run, "checkpoints", "15", "params")
+    storage.download(params, tmp_path / "params")
+    big = next(p for p in sorted((tmp_path / "params").rglob("*")) if p.is_file() and p.stat().st_size > 1000)
+    storage.write_bytes(storage.join(params, *big.relative_to(tmp_path / "params").parts), b"\0" * 7)  # changed
+    fallen_back = train(load_config("tiny", [*common, f"output_dir={run}", "train.steps=20"]), quiet=True)
+    assert fallen_back[0]["step"] == 11 and older.hits == 0
+    assert [h["train/CE loss"] for h in resumed + fallen_back] == [h["train/CE loss"] for h in continuous[10:15]] + \
+        [h["train/CE loss"] for h in continuous[10:]]

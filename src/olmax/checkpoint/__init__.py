@@ -6,7 +6,7 @@ trained, data loader position and fingerprint, seed, the resolved config, and
 the checksums). A weights-only checkpoint (converted from HF) has no
 `opt_state`. Orbax writes into a temporary directory and renames it when
 complete, so an interrupted write never looks like a checkpoint. Kept: the
-last `keep_last`, plus every step divisible by `keep_every`.
+last `keep_last`, plus every step divisible by `keep_every` (`retained`).
 
 Every array (params, optimizer state) gets a checksum when it is written, and
 so does the rest of the meta (the loader state among it); every read verifies
@@ -47,6 +47,13 @@ from olmax.checkpoint.orbax_io import (
 )
 
 log = logging.getLogger(__name__)
+
+
+def retained(steps, cfg: CheckpointConfig) -> set[int]:
+    """Which of `steps` the retention rule keeps: the last `keep_last`, and every one divisible by `keep_every`
+    (Orbax's max_to_keep and keep_period, as the Checkpointer asks for them)."""
+    steps = sorted(steps)
+    return set(steps[-cfg.keep_last:]) | {s for s in steps if cfg.keep_every and s % cfg.keep_every == 0}
 
 
 class Checkpointer:
@@ -195,6 +202,10 @@ class Checkpointer:
                 more = f" (and of {len(bad) - 1} more arrays)" if len(bad) > 1 else ""
                 raise UnreadableCheckpoint(f"checkpoint {self.where(step)}: the checksum of {name}{bad[0]}{more} "
                                            "differs from the one written with it (its files changed since)")
+
+    def reload(self) -> None:
+        """See steps put into the directory from outside (a step copied down from a bucket)."""
+        self.manager.reload()
 
     def set_aside(self, step: int) -> Path:
         """Rename an unreadable checkpoint out of the way (kept for inspection, never deleted)."""

@@ -1,8 +1,11 @@
 """A run whose output_dir is a bucket (gs://, s3://): it works in a local staging directory and uploads.
 
 On start the bucket's run directory is copied down (metrics.jsonl, TensorBoard
-events, every checkpoint step that carries its commit marker; a step without
-one is an upload cut short and is left out, with one line saying so). Then
+events and the newest checkpoint step that carries its commit marker; a step
+without one is an upload cut short and is left out, with one line saying so).
+An older step is copied down only when the newer ones turn out unreadable
+(`fetch`), and the steps the retention rule keeps are judged over the bucket's
+steps, not the local copy's. Then
 metrics, events and the goodput record go up at every log interval and before
 each checkpoint, and each checkpoint step goes up (in the background, see
 olmax.checkpoint.async_save) file by file with its commit marker last; steps
@@ -40,7 +43,9 @@ import jax
 import orbax.checkpoint as ocp
 
 from olmax import run_lock, storage
+from olmax.checkpoint import retained
 from olmax.checkpoint.remote import pull_steps
+from olmax.config import CheckpointConfig
 from olmax.run_dir import RunDir, committed_steps
 
 log = logging.getLogger(__name__)
@@ -55,11 +60,12 @@ def barrier(name: str) -> None:
 
 
 class BucketRun:
-    def __init__(self, url: str):
-        self.run = RunDir(url)
+    def __init__(self, url: str, keep: CheckpointConfig):
+        self.run, self.keep = RunDir(url), keep
         self.local = Path(tempfile.mkdtemp(prefix="olmax-run-"))
         self.staged = RunDir(self.local)
-        self.pulled_step = 0  # the newest step copied down: older ones may be deleted, newer ones are not ours
+        self.steps: list[int] = []  # the bucket's committed steps at the start
+        self.pulled_step = 0  # the newest of them: older ones may be deleted, newer ones are not ours
         self.pushed: set[int] = set()
         self.pull()
 
@@ -68,8 +74,13 @@ class BucketRun:
         for name in names if jax.process_index() == 0 else []:  # it writes the metrics
             if name not in (RunDir.checkpoints.name, RunDir.committed_record.name):
                 storage.download(self.run.path(name), self.staged.path(name))
-        pull_steps(self.run.checkpoints, self.staged.checkpoints, steps)
-        self.pulled_step = max(steps, default=0)
+        pull_steps(self.run.checkpoints, self.staged.checkpoints, steps[-1:])  # the one a resume restores
+        self.steps, self.pulled_step = steps, max(steps, default=0)
+
+    def fetch(self, step: int) -> None:
+        """Copy committed step `step` down unless it is here already (a resume falling back to an older one)."""
+        if not (self.staged.checkpoints / str(step)).exists():
+            pull_steps(self.run.checkpoints, self.staged.checkpoints, [step])
 
     def _listing(self) -> tuple[list[str], list[int]]:
         """The run directory's names and committed steps, listed again while they disagree with the run's record
@@ -108,7 +119,8 @@ class BucketRun:
                 storage.upload(self.staged.path(name), self.run.path(name))
 
     def push_checkpoint(self, step: int, kept: list[int]) -> None:
-        """Upload checkpoint `step` (marker last), then delete the bucket's steps not in `kept`."""
+        """Upload checkpoint `step` (marker last), then delete the bucket's steps neither in `kept` (the local
+        checkpointer's) nor kept by the retention rule over the bucket's steps."""
         run_lock.check_lease(self.run.location)
         remote = self.run.checkpoints
         local, target = self.staged.checkpoints / str(step), storage.join(remote, str(step))
@@ -127,6 +139,7 @@ class BucketRun:
             storage.upload(local, target)
             storage.write_bytes(storage.join(target, storage.COMMIT_MARKER), b"")
         self.pushed.add(step)
+        kept = set(kept) | retained(set(self.steps) | self.pushed, self.keep)  # committed: at the start, or ours
         for name in storage.listdir(remote):
             if not name.isdigit() or int(name) in kept:
                 continue

@@ -31,15 +31,20 @@ def _restore(cfg: RunConfig, layout: Layout, checkpointer: Checkpointer, step: i
     return state, meta
 
 
-def restore_or_init(cfg: RunConfig, layout: Layout, checkpointer: Checkpointer):
+def restore_or_init(cfg: RunConfig, layout: Layout, checkpointer: Checkpointer, bucket=None):
     """(state, step, meta or None): the latest readable checkpoint when resuming, else a fresh state.
 
     An unreadable checkpoint (a torn or corrupted write, files that do not match their checksums) falls
     back to the one before it with a warning; a checkpoint of a different model is an error, not a fallback.
+    A run in a bucket (`bucket`, olmax.train.bucket_run.BucketRun) has copied down only its newest step: an
+    older one is copied down when the fallback comes to it.
     """
-    steps = checkpointer.all_steps() if cfg.checkpoint.resume else []
+    steps = (bucket.steps if bucket else checkpointer.all_steps()) if cfg.checkpoint.resume else []
     unreadable = []
     for step in reversed(steps):
+        if bucket and step not in checkpointer.all_steps():
+            bucket.fetch(step)
+            checkpointer.reload()
         try:
             state, meta = _restore(cfg, layout, checkpointer, step)
         except UnreadableCheckpoint as err:

@@ -117,7 +117,7 @@ def train(cfg: RunConfig, *, quiet: bool = False, make_eval=None, on_start=None,
             else contextlib.nullcontext():
         if remote and jax.process_count() > 1:  # every process copies the run down once process 0 holds it
             multihost_utils.sync_global_devices("olmax: bucket run directory held")
-        bucket = BucketRun(cfg.run_location) if remote else None
+        bucket = BucketRun(cfg.run_location, cfg.checkpoint) if remote else None
         run_dir = bucket.local if bucket else cfg.run_dir
         if bucket:
             check_outputs(run_dir)
@@ -151,7 +151,7 @@ def _train(cfg: RunConfig, quiet: bool, make_eval, bucket: BucketRun | None, run
         for partial in checkpointer.remove_partial_writes():
             log.warning("removed %s: a checkpoint write that did not finish", partial)
     try:
-        state, start, restored = restore_or_init(cfg, layout, checkpointer)
+        state, start, restored = restore_or_init(cfg, layout, checkpointer, bucket)
     except BaseException:
         loader.close()
         raise
