@@ -160,14 +160,6 @@ def alive(pid: int) -> bool:
     return True
 
 
-class LeaseChanged(Exception):
-    """The lease object is no longer the version this holder wrote: `now` is what it holds (None: nothing)."""
-
-    def __init__(self, now: dict | None):
-        super().__init__(now)
-        self.now = now
-
-
 def _read_lease(path: str) -> dict | None:
     try:
         text = storage.read_text(path)
@@ -205,16 +197,15 @@ def _lease(url: str):
         log.warning("taking over %s: its holder (%s) stopped renewing it", path, _describe(json.dumps(held)))
     mine = {"host": socket.gethostname(), "pid": os.getpid(), "token": uuid.uuid4().hex}
 
-    def write(version: str | None) -> str:
-        """Our lease, renewed now, where the object is still at `version` (None: absent); the version written.
-        A refusal of our own write, retried after its answer was lost, is its success."""
+    def write(version: str | None) -> tuple[str | None, dict | None]:
+        """Our lease, renewed now, where the object is still at `version` (None: absent): (the version written,
+        None), else (None, what the object holds: another's lease, or None). A refusal of our own write, retried
+        after its answer was lost, is its success."""
         try:
-            return storage.write_if(path, json.dumps(mine | {"renewed": time.time()}).encode(), version)
+            return storage.write_if(path, json.dumps(mine | {"renewed": time.time()}).encode(), version), None
         except (storage.AlreadyExists, storage.MissingObject):
             now = _read_lease(path)
-            if (now or {}).get("token") != mine["token"]:
-                raise LeaseChanged(now) from None
-            return storage.info(path)["version"]
+            return (storage.info(path)["version"], None) if (now or {}).get("token") == mine["token"] else (None, now)
 
     def taken(now: dict | None) -> RunDirError:
         return RunDirError(f"output_dir {url} was taken by another run starting at the same time "
@@ -222,10 +213,9 @@ def _lease(url: str):
 
     if held:
         storage.remove(path)
-    try:
-        version = write(None)
-    except LeaseChanged as changed:
-        raise taken(changed.now or {}) from None
+    version, now = write(None)
+    if version is None:
+        raise taken(now or {})
     if held:  # another run may have deleted the stale lease too, and written its own after ours
         time.sleep(SETTLE_S)
         if (now := _read_lease(path) or {}).get("token") != mine["token"]:
@@ -240,11 +230,10 @@ def _lease(url: str):
         while not stop.wait(RENEW_S):
             try:
                 check_lease(key)
-                version = write(version)
-            except LeaseChanged as changed:
-                _lose(key, changed.now)
-                log.error("%s", _LOST[key])
-                return
+                version, now = write(version)
+                if version is None:
+                    _lose(key, now)
+                    check_lease(key)  # raises
             except LeaseLost as err:
                 log.error("%s", err)
                 return

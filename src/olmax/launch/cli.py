@@ -14,7 +14,7 @@ CONTRACT = ("After a crash (any exit but 0, 2, 3, 74, 75, or a signal) or a stor
             "checkpoint. Exit: 0 finished, 2 bad input, 3 diverged, 74 disk full, 75 the launcher was signalled "
             "(SIGTERM/SIGINT are passed on: the run checkpoints and stops), 1 gave up.")
 RECORDS = ("Records (launch.jsonl, one line per attempt; job scripts, manifests, Slurm's output) go to "
-           "launch.records_dir, else the run directory, else (a run in a bucket or on the hosts' disks) its location "
+           "launch.records_dir, else the run directory, else runs/NAME here, or for a run in a bucket its URL "
            "mirrored under runs/ here: runs/s3/BUCKET/PATH.")
 
 
@@ -63,8 +63,8 @@ def add_commands(subparsers) -> None:
                           "'olmax[aot] @ git+https://...@COMMIT' (no default: this or --wheel)")
 
     k8s = _mode(modes, "k8s", "a Kubernetes JobSet for `kubectl apply`",
-                "Writes RECORDS/jobset.yaml (RECORDS: launch.records_dir, else the pods' output_dir mirrored under "
-                "runs/ here, runs/NAME by default): one pod per host of the slice, restarted together after a crash or a "
+                "Writes RECORDS/jobset.yaml (RECORDS: launch.records_dir, else runs/NAME here: the run directory "
+                "is the pods' path): one pod per host of the slice, restarted together after a crash or a "
                 "preemption, failed for good on exit 2, 3 or 74.")
     k8s.add_argument("--target", help="the slice, as olmax compile names it: tpu:v5p:4x4x4, gpu:h100x16 (required)")
     k8s.add_argument("--image", help="the container image with olmax installed (required)")

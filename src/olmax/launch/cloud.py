@@ -17,8 +17,7 @@ pod, up to maxRestarts times, and the run resumes from its latest checkpoint. Po
 `terminationGracePeriodSeconds` between SIGTERM and SIGKILL to write that checkpoint.
 
 Both are started once: the cluster runs them (`Launcher.follow` has nothing to follow), their records go
-to the run directory's path mirrored under runs/ here (runs/NAME by default; or launch.records_dir), the run
-directory being the hosts' path.
+to runs/NAME here (or launch.records_dir), the run directory being the hosts' path.
 """
 
 from __future__ import annotations

@@ -17,8 +17,8 @@ was written (e.g. in shutdown) counts as finished.
 The local supervisor and the Slurm launcher make these decisions themselves (`Launcher.run`); a TPU pod's
 workers and a JobSet's pods are started once, the JobSet's failure policy making the same decisions from the
 same codes. Every attempt is one line of RECORDS/launch.jsonl, in one schema (`Launcher.judge`), RECORDS being
-`launch.records_dir`, else the run directory, else (a run in a bucket, or on a cluster's disks) its location
-mirrored under runs/ here (`records_mirror`), so that two runs never share records.
+`launch.records_dir`, else the run directory, else for a run in a bucket its URL mirrored under runs/ here
+(`records_mirror`: two bucket runs of one name never share records), for one on a cluster's disks runs/NAME here.
 """
 
 from __future__ import annotations
@@ -84,25 +84,23 @@ class RetryPolicy:
         return None, f"{again} in {sleep:g} s (retry {self.failures_in_a_row} of at most {self.max_retries} in a row)", sleep
 
 
-def records_mirror(location: str) -> Path:
-    """The records directory here of a run whose directory is not on this filesystem: its location mirrored
-    under runs/ (s3://bucket/x -> runs/s3/bucket/x, /mnt/disk/x -> runs/mnt/disk/x; a relative path, the hosts'
-    runs/NAME by default, as it is), one per run: two runs of one name in two places never share records."""
-    if storage.is_remote(location):
-        return Path("runs", *location.replace("://", "/", 1).strip("/").split("/"))
-    path = Path(location)
-    return Path("runs", *path.parts[1:]) if path.is_absolute() else path
+def records_mirror(url: str) -> Path:
+    """The records directory here of a run in a bucket: its URL mirrored under runs/ (s3://bucket/x ->
+    runs/s3/bucket/x), one per run: two runs of one name in two buckets or prefixes never share records."""
+    return Path("runs", *url.replace("://", "/", 1).strip("/").split("/"))
 
 
 def launch_dir(cfg: RunConfig, run_dir_is_here: bool = True) -> Path:
     """The directory `olmax launch` keeps its records in (launch.jsonl, job scripts and manifests, Slurm's
-    output): `launch.records_dir`, else the run directory, else `records_mirror` of it on this filesystem: for a
-    run in a bucket (which has no appending) and for one whose run directory is on other machines' disks
+    output): `launch.records_dir`, else the run directory, else on this filesystem `records_mirror` of a run in a
+    bucket (which has no appending), runs/{name} of one whose run directory is on other machines' disks
     (`run_dir_is_here=False`: a TPU pod's workers, a JobSet's pods)."""
     if cfg.launch.records_dir is not None:
         return writable_dir(Path(cfg.launch.records_dir.format(name=cfg.name)), "launch.records_dir")
-    if storage.is_remote(cfg.run_location) or not run_dir_is_here:
+    if storage.is_remote(cfg.run_location):
         return writable_dir(records_mirror(cfg.run_location), "output_dir (records here: launch.records_dir)")
+    if not run_dir_is_here:
+        return writable_dir(Path("runs", cfg.name), "launch.records_dir")
     return writable_dir(cfg.run_dir, "output_dir")
 
 
