@@ -54,6 +54,7 @@ def test_float32_parity_with_hf_and_olmo_core(tmp_path, name):
     assert report["passed"]
 
 
+@pytest.mark.slow  # the fast tier keeps a lighter test of the same module
 def test_float32_parity_at_8192_tokens(tmp_path):
     """OLMo 3's head size, theta and window at its full stage 1 context: the RoPE angles must agree far out."""
     hf_dir = make_hf_model(tmp_path / "hf", window=4096, theta=500000.0, head_dim=128, heads=2, kv_heads=1)

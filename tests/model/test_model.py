@@ -132,6 +132,7 @@ def test_causal_and_sliding_window_reach():
     assert np.all(diff[:20] == 0) and np.all(diff[20 : reach + 1] > 0) and np.all(diff[reach + 1 :] == 0)
 
 
+@pytest.mark.slow  # the fast tier keeps a lighter test of the same module
 def test_remat_policies_change_memory_not_math():
     base = _tiny()
     params = families.init_params(base.model, jax.random.key(0))

@@ -147,6 +147,7 @@ def test_losses_and_true_load_agree_across_expert_parallel_meshes(tmp_path, shar
     assert read_events(events)["train/block 03/tokens per expert/7"][1] == first["train/block 03/tokens per expert"][7]
 
 
+@pytest.mark.slow  # the fast tier keeps a lighter test of the same module
 def test_compiled_train_step_keeps_expert_weights_resident(tmp_path, shards):
     """The whole train step (forward, backward, clip, AdamW) on EP = 4 x FSDP = 2: the dense parameters are
     all-gathered (FSDP), the expert weights ([layers, 8, 64, 96] and [.., 96, 64]) never, in no slice; they
@@ -168,6 +169,7 @@ def test_compiled_train_step_keeps_expert_weights_resident(tmp_path, shards):
     assert gathered("mesh.rules.expert_embed=[fsdp]")[1]
 
 
+@pytest.mark.slow  # the fast tier keeps a lighter test of the same module
 def test_score_bias_moves_on_every_step_and_only_by_the_load(shards, tmp_path):
     """With auxiliary-loss-free balancing, after a step the bias is its old value + rate x sign(mean - count)
     of the step's global load, exactly: Adam and weight decay (0.5 here) never touch it. A skipped step

@@ -172,8 +172,9 @@ def test_pipelined_model_loss_and_gradients_equal_the_unpipelined_model(override
 
 @pytest.mark.parametrize("overrides", [
     "mesh.stage=2 mesh.expert=4 mesh.fsdp=1",
-    "mesh.stage=2 mesh.fsdp=4 impl.pipeline.schedule=circular impl.pipeline.microbatches=4",
-    "mesh.stage=2 mesh.expert=2 mesh.fsdp=2 model.moe.routing=random",
+    pytest.param("mesh.stage=2 mesh.fsdp=4 impl.pipeline.schedule=circular impl.pipeline.microbatches=4",
+                 marks=pytest.mark.slow),
+    pytest.param("mesh.stage=2 mesh.expert=2 mesh.fsdp=2 model.moe.routing=random", marks=pytest.mark.slow),
 ])
 def test_pipelined_moe_equals_the_unpipelined_model_per_microbatch(overrides):
     """A mixture of experts (expert parallel too) through the stages: each pipeline micro-batch (rows m, m + M,
@@ -386,8 +387,8 @@ def test_1f1b_loss_and_gradients_equal_autodiff_of_the_sequential_layers(stages,
     ("tiny", "mesh.stage=2 mesh.fsdp=4 impl.pipeline.schedule=1f1b impl.pipeline.microbatches=4"),
     ("tiny", "mesh.stage=2 mesh.data=2 mesh.tensor=2 impl.pipeline.schedule=interleaved_1f1b "
              "impl.pipeline.microbatches=4"),
-    ("tiny_moe", "mesh.stage=2 mesh.expert=2 mesh.fsdp=2 impl.pipeline.schedule=interleaved_1f1b "
-                 "impl.pipeline.microbatches=4"),
+    pytest.param("tiny_moe", "mesh.stage=2 mesh.expert=2 mesh.fsdp=2 impl.pipeline.schedule=interleaved_1f1b "
+                 "impl.pipeline.microbatches=4", marks=pytest.mark.slow),
 ])
 def test_1f1b_model_loss_and_gradients_equal_the_unpipelined_model(preset, overrides):
     """The train step's loss (CE + z-loss over the label count, and a mixture of experts' router losses) under

@@ -33,6 +33,7 @@ def _check_report(report, target):
     assert report["plan"]["exact_window"]["tflop_per_device_step"] > 0
 
 
+@pytest.mark.slow  # the fast tier keeps a lighter test of the same module
 @needs_tpu
 def test_tiny_step_compiles_with_splash_for_a_tpu_slice(capsys):
     """`auto` attention on TPU devices is Splash: the compiled step runs its forward and both backward kernels
@@ -55,6 +56,7 @@ def test_tiny_step_compiles_with_splash_for_a_tpu_slice(capsys):
     assert re.search(r"peak \(compiler\)\s+\d+\.\d\d\s+\d+\.\d% of the device", table)
 
 
+@pytest.mark.slow  # the fast tier keeps a lighter test of the same module
 @needs_tpu
 def test_ironwood_compiles_with_its_sparsecore_flag_profile(capsys, monkeypatch):
     """A TPU7x target (named `ironwood` here) gets the SparseCore collective-offload profile as compile options: the
@@ -85,6 +87,7 @@ def test_loading_libtpu_to_compile_leaves_child_processes_no_made_up_tpu_variabl
     assert "TPU_ACCELERATOR_TYPE" not in inherited and "TPU_WORKER_HOSTNAMES" not in inherited
 
 
+@pytest.mark.slow  # the fast tier keeps a lighter test of the same module
 @needs_tpu
 def test_a_tpu_compile_prints_its_report_and_nothing_of_libtpus_start_up(tmp_path):
     """libtpu loaded without TPUs printed its failed probing of the cloud's metadata (`Failed to find host
@@ -130,6 +133,7 @@ def test_a_gpu_hosts_devices_name_their_target():
     assert running_target(compile_only_devices(parse_target("gpu:b300x8"))) == "gpu:b300x8"
 
 
+@pytest.mark.slow  # the fast tier keeps a lighter test of the same module
 @needs_tpu
 def test_moe_experts_run_on_the_tpu_grouped_matmul_kernel(capsys):
     """`impl.moe.dispatch` auto on TPU devices is ragged_dot, which the TPU compiler runs as its ragged-dot
@@ -149,6 +153,7 @@ def test_moe_dispatch_auto_is_ragged_dot_on_tpu_only():
     assert dispatch_for("auto", "tpu", stages=2) == "blocks"
 
 
+@pytest.mark.slow  # the fast tier keeps a lighter test of the same module
 @needs_tpu
 def test_a_pipelined_moe_compiles_for_tpu_with_auto_and_refuses_ragged_dot(capsys):
     """The pipeline maps the layers over its stages, a batch dimension the TPU's ragged-dot kernel does not

@@ -131,6 +131,7 @@ def compiled(tmp_path_factory):
     return directory
 
 
+@pytest.mark.slow  # the fast tier keeps a lighter test of the same module
 @needs_tpu
 def test_compile_report_renders_with_every_section_and_its_figures(chromium, compiled, tmp_path):
     report, facts = check_rendered(chromium, compiled / "index.html", tmp_path)
@@ -164,6 +165,7 @@ def test_compile_report_renders_with_every_section_and_its_figures(chromium, com
         assert f"plan.exact_window.{key}" in facts.facts
 
 
+@pytest.mark.slow  # the fast tier keeps a lighter test of the same module
 @needs_tpu
 def test_reports_side_by_side(chromium, compiled, tmp_path, capsys):
     """A compile and a plan of another schedule side by side: the page and BENCHMARKS.md's Markdown table."""
@@ -182,6 +184,7 @@ def test_reports_side_by_side(chromium, compiled, tmp_path, capsys):
     assert "CONSOLE" not in log and dom.count("<svg") == 1  # one memory bar: the plan compiled nothing
 
 
+@pytest.mark.slow  # the fast tier keeps a lighter test of the same module
 def test_plan_report_draws_every_schedule(chromium, tmp_path):
     """A plan needs no compile: the 32B on 4 stages, each schedule's ticks, GPipe's bubble 3 of 11."""
     directory = tmp_path / "plan"

@@ -7,6 +7,7 @@ import json
 import logging
 
 import numpy as np
+import pytest
 
 from olmax import storage
 from olmax.cli import main
@@ -18,6 +19,7 @@ def _equal_trees(a: dict, b: dict) -> bool:
         _equal_trees(a[k], b[k]) if isinstance(a[k], dict) else np.array_equal(a[k], b[k]) for k in a)
 
 
+@pytest.mark.slow  # the fast tier keeps a lighter test of the same module
 def test_eval_convert_and_parity_on_buckets(stores, base_run, synth_mix, capsys):
     s3, gs = f"s3://{stores.bucket}", f"gs://{stores.bucket}"
     shard = synth_mix.parent / "part-00000.npy"

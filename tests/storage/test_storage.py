@@ -34,7 +34,7 @@ def test_round_trip_ranges_info_list_remove(stores, kind, tmp_path):
     assert not storage.exists(storage.join(base, "a", "x.bin"))
 
 
-@pytest.mark.parametrize("kind", ["s3", "gs"])
+@pytest.mark.parametrize("kind", ["s3", pytest.param("gs", marks=pytest.mark.slow)])
 def test_transient_faults_are_retried_and_counted(stores, kind):
     url = f"{kind}://{stores.bucket}/f.bin"
     data = bytes(range(256)) * 8

@@ -161,6 +161,7 @@ def test_resume_on_shards_rewritten_with_other_tokens_of_the_same_size_is_refuse
     assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["4", "6"]  # keep_last 2
 
 
+@pytest.mark.slow  # the fast tier keeps a lighter test of the same module
 def test_a_second_train_on_a_run_directory_in_use_exits_2_naming_the_holder(tmp_path, synth_mix, capsys):
     import socket
 
@@ -226,6 +227,7 @@ def small_disk(tmp_path):
     subprocess.run(["umount", str(disk)], check=True)
 
 
+@pytest.mark.slow  # the fast tier keeps a lighter test of the same module
 def test_disk_full_writing_a_checkpoint_is_one_line_and_a_code_launch_does_not_retry(small_disk, synth_mix):
     from olmax.errors import NOT_RETRIED, DiskFull
 

@@ -15,6 +15,7 @@ def _cfg(tmp_path, shards, name, *extra):
                                 "train.steps=3", "checkpoint.every=3", *extra])
 
 
+@pytest.mark.slow  # the fast tier keeps a lighter test of the same module
 def test_long_context_stage_starts_from_a_checkpoint_without_yarn(tmp_path, shards, caplog):
     train(_cfg(tmp_path, shards, "short"), quiet=True)
     yarn = "{theta: 500000.0, type: yarn, factor: 4.0, original_max_position_embeddings: 32}"

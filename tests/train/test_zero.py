@@ -66,6 +66,7 @@ def test_sharded_optimizer_trains_like_the_replicated_one_and_resumes_across(tmp
     _assert_same_run(first + _train(tmp_path, shards, "switched", *mesh.split()), replicated)
 
 
+@pytest.mark.slow  # the fast tier keeps a lighter test of the same module
 @needs_tpu
 def test_compile_shows_the_optimizer_state_per_chip_divided_by_the_data_axis():
     target = parse_target("tpu:v5p:2x2x1")
