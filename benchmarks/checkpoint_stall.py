@@ -62,7 +62,7 @@ def make_state(gigabytes: float, arrays: int = 8) -> State:
 
 
 def stall_row(state: State, work: Path, url: str | None, asynchronous: bool, saves: int) -> dict:
-    bucket = BucketRun(url) if url else None
+    bucket = BucketRun(url, CheckpointConfig(keep_last=1)) if url else None
     directory = RunDir(bucket.local if bucket else work).checkpoints
     checkpointer = Checkpointer(directory, CheckpointConfig(keep_last=1), asynchronous=asynchronous)
     saver = AsyncSaver(checkpointer, bucket.push_checkpoint if bucket else None)
