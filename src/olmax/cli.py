@@ -246,6 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     hold_stop_signals()
     skip_absent_tpus()
     quiet_cuda_plugin()
+    code = ExitCode.FAILED
     try:
         args = parse(argv)
         if not getattr(args, "handles_stop_signals", False):
@@ -254,24 +255,30 @@ def main(argv: list[str] | None = None) -> int:
                     signal.signal(sig, signal.default_int_handler)
             release_stop_signals()  # one that came during start-up raises KeyboardInterrupt here
         args.func(args)
+        code = ExitCode.FINISHED
     except KeyboardInterrupt:
         print("olmax: interrupted", file=sys.stderr)
-        return ExitCode.INTERRUPTED
+        code = ExitCode.INTERRUPTED
     except OlmaxError as err:
         print(f"olmax: {err.line()}", file=sys.stderr)
-        return err.exit_code
+        code = err.exit_code
     except Exception as err:
         if "libtpu multi-process lockfile" in str(err) and (holder := libtpu_lock_holder()):
             print(f"olmax: process {holder} is using this machine's TPU chips (it holds {LIBTPU_LOCKFILE}); run "
                   "this again when it has ended", file=sys.stderr)
-            return ExitCode.FAILED
-        raise
+            code = ExitCode.FAILED
+        else:
+            raise
     finally:
         drop_held_signals()
         signal.pthread_sigmask(signal.SIG_SETMASK, previous_mask)
+        if argv is None and code == ExitCode.PREEMPTED:
+            # A run stopped by a signal has written its checkpoint: a repeated SIGTERM (srun ending a job's other
+            # tasks once one exits, a second notice) must not turn exit 75 into a kill while the process exits.
+            previous[signal.SIGTERM] = signal.SIG_IGN
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    return ExitCode.FINISHED
+    return code
 
 
 if __name__ == "__main__":

@@ -71,6 +71,20 @@ def test_sigterm_finishes_the_step_checkpoints_and_exits_resumable(tmp_path, sha
     assert [logged[s] for s in range(1, 31)] == continuous
 
 
+def test_sigterm_repeated_while_the_run_stops_does_not_cut_its_exit_short(tmp_path, shards):
+    """A run stopping for a SIGTERM keeps stopping through more of them (srun ends a job's other tasks with one as
+    soon as the first task exits 75; a platform may repeat its notice): exit 75 with the checkpoint, not killed."""
+    run = tmp_path / "again"
+    proc = _cli(tmp_path, shards, "again", "train.steps=200", "checkpoint.every=1000")
+    _wait_for(lambda: (run / "metrics.jsonl").exists() and (run / "metrics.jsonl").read_text().strip())
+    while proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(0.01)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == ExitCode.PREEMPTED, err
+    assert [p.name for p in (run / "checkpoints").iterdir() if p.name.isdigit()], "its checkpoint written"
+
+
 @pytest.mark.slow
 def test_kill_9_during_checkpointing_leaves_a_resumable_run(tmp_path, shards, continuous):
     run = tmp_path / "kill"

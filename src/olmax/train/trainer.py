@@ -61,7 +61,8 @@ def check_finite(params, when: str, checkpointer: Checkpointer) -> None:
 @contextlib.contextmanager
 def preemption_signals():
     """An Event set by SIGTERM/SIGINT while inside, or already before when they arrived during start-up (signal
-    handlers only exist on the main thread)."""
+    handlers only exist on the main thread). Once it is set, SIGTERM keeps setting it after the block: the process
+    is on its way out with its checkpoint written (olmax.cli keeps ignoring it as the process exits)."""
     stop = threading.Event()
     if threading.current_thread() is not threading.main_thread():
         yield stop
@@ -71,6 +72,8 @@ def preemption_signals():
     try:
         yield stop
     finally:
+        if stop.is_set():  # stopping already: a repeated SIGTERM (srun ending a job's other tasks once one has
+            del previous[signal.SIGTERM]  # exited 75, a second notice) must not cut the checkpointed exit short
         for sig, handler in previous.items():
             signal.signal(sig, handler)
 
@@ -144,8 +147,12 @@ def _train(cfg: RunConfig, quiet: bool, make_eval, bucket: BucketRun | None, run
     loader = build_loader(cfg.data, global_batch_instances=cfg.train.global_batch_instances,
                           vocab_size=cfg.model.vocab_size, process_index=jax.process_index(),
                           process_count=jax.process_count())
-    checkpointer = Checkpointer(RunDir(run_dir).checkpoints, cfg.checkpoint, asynchronous=cfg.checkpoint.asynchronous,
-                                own_copy=bucket is not None and jax.process_count() > 1)
+    own_copy = bucket is not None and jax.process_count() > 1
+    # Each process of a multi-process run in a bucket writes and uploads its own copy synchronously: Orbax's
+    # asynchronous write of such copies lost its own temporary meta directory under load (FileNotFoundError, then
+    # the upload barrier timed out; 2026-12-03).
+    checkpointer = Checkpointer(RunDir(run_dir).checkpoints, cfg.checkpoint,
+                                asynchronous=cfg.checkpoint.asynchronous and not own_copy, own_copy=own_copy)
     saver = AsyncSaver(checkpointer, bucket.push_checkpoint if bucket else None)
     if jax.process_index() == 0:  # it holds the run directory
         for partial in checkpointer.remove_partial_writes():
