@@ -27,7 +27,7 @@ from olmax.data.synthetic import write_synthetic_shards
 from olmax.launch.supervisor import latest_checkpoint_step
 from olmax.train.trainer import train
 
-STEPS, HANG_TIMEOUT = 20, 60  # a loaded 2-core machine has taken over 20 s for a step and a checkpoint
+STEPS, HANG_TIMEOUT = 30, 60  # a loaded 2-core machine has taken over 20 s for a step and a checkpoint
 FIRST, SECOND = NODES  # olmaxnode1 (process 0, the coordinator), olmaxnode2 (process 1)
 
 
@@ -67,13 +67,16 @@ def test_each_node_resolves_the_first_node_of_the_step_and_names_a_coordinator_i
             f"{4100 % 4096 + 61440} within 3 s") in out.stderr.strip().splitlines()[-1], out.stderr[-2000:]
 
 
-def _training_process(node: str) -> int:
-    """The pid of the `olmax train` task running on `node`."""
+def _training_process(node: str) -> int | None:
+    """The pid of the `olmax train` task running on `node`, None if there is none."""
     for pid in subprocess.run(["ip", "netns", "pids", node], capture_output=True, text=True).stdout.split():
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except FileNotFoundError:  # it ended since
+            continue
         if b"olmax.cli" in cmdline and b"train" in cmdline:
             return int(pid)
-    raise AssertionError(f"no olmax train process on {node}")
+    return None
 
 
 def _wait(what: str, condition, launcher: subprocess.Popen, timeout: float = 600, poll: float = 0.1):
@@ -86,8 +89,10 @@ def _wait(what: str, condition, launcher: subprocess.Popen, timeout: float = 600
 
 
 @pytest.mark.slow
-@pytest.mark.skip(reason="not yet passing: on 2026-12-03 (machine loaded) node 2's training process was not found "
-                  "after the first checkpoint (`no olmax train process on olmaxnode2`); the scenario is unfinished")
+@pytest.mark.skip(reason="not yet passing: on 2026-12-03 the dead node was survived (node 2 killed after checkpoint 4, "
+                  "marked down, restarted; the job resumed across both nodes) but after the process this test "
+                  "SIGSTOPs on node 2 the job still finished with no watchdog line: the process it finds is not yet "
+                  "the one that trains")
 def test_a_two_node_job_survives_a_dead_node_and_a_frozen_one_and_matches_one_process(cluster, tmp_path, monkeypatch,
                                                                                         capsys):
     cluster, s3 = cluster
@@ -121,14 +126,15 @@ def test_a_two_node_job_survives_a_dead_node_and_a_frozen_one_and_matches_one_pr
         resumed_at = _wait("a checkpoint after the resume", lambda: latest_checkpoint_step(run) > killed_at, launcher)
         resumed = time.monotonic() - died
 
-        # A node freezes: node 2's training process SIGSTOPped in the middle of training, after the resume.
+        # A node freezes: node 2's training process SIGSTOPped in the middle of training, after the resume (found
+        # at once, while it surely runs; stopped two checkpoints later).
+        frozen_pid = _wait("node 2's training process", lambda: _training_process(SECOND), launcher, timeout=60)
         _wait(f"checkpoint {resumed_at + 2}", lambda: latest_checkpoint_step(run) >= resumed_at + 2, launcher)
-        frozen_pid = _training_process(SECOND)
         os.kill(frozen_pid, signal.SIGSTOP)
         froze = time.monotonic()
         outputs = lambda: "".join(p.read_text() for p in (records / "slurm").glob("*.out"))  # noqa: E731
         _wait("the watchdog's line", lambda: "olmax: watchdog:" in outputs(), launcher,
-              timeout=HANG_TIMEOUT + 60, poll=0.05)
+              timeout=600, poll=0.05)  # the timeout grows with the slowest step (synchronous bucket saves)
         detected = time.monotonic() - froze
         output = launcher.communicate(timeout=900)[0]
     finally:
