@@ -23,8 +23,8 @@ from __future__ import annotations
 import contextlib
 import errno
 import functools
-import logging
 import json
+import logging
 import os
 import random
 import shutil

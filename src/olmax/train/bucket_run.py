@@ -65,7 +65,6 @@ class BucketRun:
         self.local = Path(tempfile.mkdtemp(prefix="olmax-run-"))
         self.staged = RunDir(self.local)
         self.steps: list[int] = []  # the bucket's committed steps at the start
-        self.pulled_step = 0  # the newest of them: older ones may be deleted, newer ones are not ours
         self.pushed: set[int] = set()
         self.pull()
 
@@ -75,7 +74,12 @@ class BucketRun:
             if name not in (RunDir.checkpoints.name, RunDir.committed_record.name):
                 storage.download(self.run.path(name), self.staged.path(name))
         pull_steps(self.run.checkpoints, self.staged.checkpoints, steps[-1:])  # the one a resume restores
-        self.steps, self.pulled_step = steps, max(steps, default=0)
+        self.steps = steps
+
+    @property
+    def pulled_step(self) -> int:
+        """The newest step at the start: older ones may be deleted, newer ones are not this run's."""
+        return max(self.steps, default=0)
 
     def fetch(self, step: int) -> None:
         """Copy committed step `step` down unless it is here already (a resume falling back to an older one)."""
