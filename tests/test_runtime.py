@@ -141,3 +141,42 @@ def test_with_the_cuda_plugin_a_cpu_command_prints_nothing_of_its_start_up():
                          env={k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}, timeout=300)
     assert out.returncode == 0 and json.loads(out.stdout)["params"] > 0
     assert out.stderr == ""
+
+
+ENDING = (
+    "import atexit, sys, threading, time\n"
+    "from olmax.runtime import end_process\n"
+    "out = sys.argv[1]\n"
+    "def slow_write():\n"
+    "    time.sleep(0.3)\n"
+    "    open(out, 'a').write('thread\\n')\n"
+    "class Torn:\n"
+    "    def __del__(self):\n"
+    "        open(out, 'a').write('teardown\\n')\n"
+    "kept = Torn()\n"
+    "atexit.register(lambda: open(out, 'a').write('atexit\\n'))\n"
+    "threading.Thread(target=slow_write).start()\n"
+    "print('printed', end='')\n"
+    "end_process(75)\n"
+)
+
+
+def test_a_training_process_ends_as_python_does_less_the_interpreters_teardown(tmp_path):
+    """A thread still writing finishes, exit handlers run after it, output is flushed and the exit code kept; what
+    the interpreter's teardown would do (here an object's finalizer) does not happen."""
+    out = tmp_path / "order"
+    done = subprocess.run([sys.executable, "-c", ENDING, str(out)], capture_output=True, text=True)
+    assert (done.returncode, done.stdout) == (75, "printed")
+    assert out.read_text().splitlines() == ["thread", "atexit"]
+
+
+def test_a_process_start_is_known_to_the_clock_tick():
+    """What the goodput record counts from: the process's creation, between the moment it was asked for and the
+    moment it ran (before, /proc/stat's whole-second boot time put it up to a second late)."""
+    tick = 1 / os.sysconf("SC_CLK_TCK")
+    code = "from olmax.train.goodput import process_start_time; print(repr(process_start_time()))"
+    before = time.time()
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    after = time.time()
+    started = float(child.communicate()[0])
+    assert before - tick <= started <= after + tick

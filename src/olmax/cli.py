@@ -9,8 +9,8 @@ import sys
 
 from olmax.arguments import config_arguments
 from olmax.errors import ExitCode, OlmaxError
-from olmax.runtime import (LIBTPU_LOCKFILE, STOP_SIGNALS, drop_held_signals, hold_stop_signals, libtpu_lock_holder,
-                           quiet_cuda_plugin, release_stop_signals, skip_absent_tpus)
+from olmax.runtime import (LIBTPU_LOCKFILE, STOP_SIGNALS, drop_held_signals, end_process, hold_stop_signals,
+                           libtpu_lock_holder, quiet_cuda_plugin, release_stop_signals, skip_absent_tpus)
 
 
 def cmd_config_show(args) -> None:
@@ -246,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     hold_stop_signals()
     skip_absent_tpus()
     quiet_cuda_plugin()
-    code = ExitCode.FAILED
+    code, args = ExitCode.FAILED, None
     try:
         args = parse(argv)
         if not getattr(args, "handles_stop_signals", False):
@@ -278,6 +278,8 @@ def main(argv: list[str] | None = None) -> int:
             previous[signal.SIGTERM] = signal.SIG_IGN
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+    if argv is None and getattr(args, "func", None) is cmd_train:
+        end_process(code)  # its last seconds on its goodput record
     return code
 
 

@@ -29,6 +29,7 @@ and takes libtpu's one-process lockfile for the life of the process.
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import importlib.util
 import os
@@ -36,6 +37,7 @@ import platform
 import signal
 import sys
 import tempfile
+import threading
 from pathlib import Path
 
 GLIBC = ctypes.CDLL("libc.so.6") if platform.libc_ver()[0] == "glibc" else None
@@ -117,6 +119,19 @@ def drop_held_signals() -> None:
     """Forget the stop signals that came while held: a command that has ended can no longer act on them."""
     while signal.sigtimedwait(STOP_SIGNALS, 0) is not None:
         pass
+
+
+def end_process(code: int):
+    """Exit a training process whose command has returned `code`: as Python's own exit does, its threads are
+    joined (a checkpoint still being written finishes), its exit handlers run (its goodput record's last) and its
+    output is flushed; then the process ends without the interpreter's teardown of jax's and XLA's objects, a
+    second of nothing on the run's clock alone (measured on the tiny config, 2026-12-03) and three on a loaded
+    machine, which no goodput record could account for."""
+    threading._shutdown()  # what Python's exit does first: executors told to stop, non-daemon threads joined
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(code)
 
 
 def huge_pages_env(env: dict[str, str]) -> dict[str, str]:

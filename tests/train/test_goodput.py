@@ -71,8 +71,9 @@ def test_a_run_killed_twice_accounts_for_its_wall_time_and_its_lost_work(tmp_pat
     record = read_record(RunDir(run).goodput.read_text())
     total = totals(record)
     assert len(record["attempts"]) == 3 and len(watcher.kills) == 2
-    # Within 2%, less what no record can see: each attempt's interpreter start before olmax's first line runs
-    # (measured up to 0.4 s an attempt on a loaded machine; the run here is a minute, a real one days)
+    # Within 2%, less what no record can see: the kernel's end of each process and the launcher's polling for it
+    # (0.07 s an attempt alone; the run here is a minute, a real one days). The process's start is known to the
+    # clock tick and it ends without the interpreter's teardown (CI saw 3.1 s unaccounted for with both).
     assert abs(sum(total.values()) - wall) <= 0.02 * wall + 0.5 * len(record["attempts"]), (total, wall)
     slack = 1.0  # seconds: when the watcher saw a step is late by its polling, on a loaded machine more
     for attempt, kill in zip(record["attempts"], watcher.kills):

@@ -48,14 +48,13 @@ def _record_exit() -> None:
 
 
 def process_start_time() -> float:
-    """When this process started (Linux: /proc), else now."""
+    """When this process started (Linux: /proc, to the clock tick), else now."""
     try:
         ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
-        boot = next(float(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
-                    if line.startswith("btime"))
-        return boot + ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError, StopIteration):
+    except (OSError, ValueError, IndexError):
         return time.time()
+    boot = time.time() - time.clock_gettime(time.CLOCK_BOOTTIME)  # /proc/stat's btime is whole seconds
+    return boot + ticks / os.sysconf("SC_CLK_TCK")
 
 
 def read_record(text: str) -> dict:
