@@ -67,32 +67,45 @@ def test_each_node_resolves_the_first_node_of_the_step_and_names_a_coordinator_i
             f"{4100 % 4096 + 61440} within 3 s") in out.stderr.strip().splitlines()[-1], out.stderr[-2000:]
 
 
-def _training_process(node: str) -> int | None:
-    """The pid of the `olmax train` task running on `node`, None if there is none."""
+def _processes(node: str) -> dict[int, tuple[int, list[str]]]:
+    """{pid: (parent pid, command line)} of the processes running on `node` (in its network namespace)."""
+    out = {}
     for pid in subprocess.run(["ip", "netns", "pids", node], capture_output=True, text=True).stdout.split():
         try:
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-        except FileNotFoundError:  # it ended since
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")[:-1]
+            parent = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (FileNotFoundError, ProcessLookupError):  # it ended since
             continue
-        if b"olmax.cli" in cmdline and b"train" in cmdline:
-            return int(pid)
-    return None
+        out[int(pid)] = (parent, argv)
+    return out
 
 
-def _wait(what: str, condition, launcher: subprocess.Popen, timeout: float = 600, poll: float = 0.1):
+def _training_process(node: str) -> int | None:
+    """The pid of the `olmax train` task running on `node` (Python itself, not an `srun` naming it), None if there
+    is none."""
+    return next((pid for pid, (_, argv) in _processes(node).items() if argv[1:4] == ["-m", "olmax.cli", "train"]),
+                None)
+
+
+def _state(pid: int) -> str:
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+
+
+def _checkpoint(run: str, at_least: int):
+    """A condition for `_wait`: the run's latest committed step once it is `at_least` or more."""
+    return lambda: (latest := latest_checkpoint_step(run)) >= at_least and latest
+
+
+def _wait(what: str, condition, launcher: subprocess.Popen, timeout: float = 600, poll: float = 0.1, explain=str):
     deadline = time.monotonic() + timeout
     while not (result := condition()):
-        assert launcher.poll() is None, f"the launcher exited ({launcher.returncode}) waiting for {what}"
-        assert time.monotonic() < deadline, f"not after {timeout} s: {what}"
+        assert launcher.poll() is None, f"the launcher exited ({launcher.returncode}) waiting for {what}: {explain()}"
+        assert time.monotonic() < deadline, f"not after {timeout} s: {what}: {explain()}"
         time.sleep(poll)
     return result
 
 
 @pytest.mark.slow
-@pytest.mark.skip(reason="not yet passing: on 2026-12-03 the dead node was survived (node 2 killed after checkpoint 4, "
-                  "marked down, restarted; the job resumed across both nodes) but after the process this test "
-                  "SIGSTOPs on node 2 the job still finished with no watchdog line: the process it finds is not yet "
-                  "the one that trains")
 def test_a_two_node_job_survives_a_dead_node_and_a_frozen_one_and_matches_one_process(cluster, tmp_path, monkeypatch,
                                                                                         capsys):
     cluster, s3 = cluster
@@ -117,24 +130,27 @@ def test_a_two_node_job_survives_a_dead_node_and_a_frozen_one_and_matches_one_pr
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         # A node dies: every process of node 2 (slurmd, slurmstepd, the task) killed once checkpoint 4 is in.
-        killed_at = _wait("checkpoint 4", lambda: latest_checkpoint_step(run) >= 4, launcher)
+        killed_at = _wait("checkpoint 4", _checkpoint(run, 4), launcher)
         killed, died = kill_namespace(SECOND), time.monotonic()
         assert killed and cluster.slurmd[SECOND].wait(timeout=30) == -signal.SIGKILL
         # Node 2 comes back once Slurm took it for down (its job failed or requeued); the run resumes on both.
         _wait("node 2 down", lambda: "down" in cluster.node_states()[SECOND], launcher, timeout=120)
         cluster.start_slurmd(SECOND)
-        resumed_at = _wait("a checkpoint after the resume", lambda: latest_checkpoint_step(run) > killed_at, launcher)
+        resumed_at = _wait("a checkpoint after the resume", _checkpoint(run, killed_at + 1), launcher)
         resumed = time.monotonic() - died
 
         # A node freezes: node 2's training process SIGSTOPped in the middle of training, after the resume (found
         # at once, while it surely runs; stopped two checkpoints later).
         frozen_pid = _wait("node 2's training process", lambda: _training_process(SECOND), launcher, timeout=60)
-        _wait(f"checkpoint {resumed_at + 2}", lambda: latest_checkpoint_step(run) >= resumed_at + 2, launcher)
+        _wait(f"checkpoint {resumed_at + 2}", _checkpoint(run, resumed_at + 2), launcher)
         os.kill(frozen_pid, signal.SIGSTOP)
         froze = time.monotonic()
+        _wait("the training process to stop", lambda: _state(frozen_pid) == "T", launcher, timeout=10)
+        running = {node: _processes(node) for node in NODES}
         outputs = lambda: "".join(p.read_text() for p in (records / "slurm").glob("*.out"))  # noqa: E731
-        _wait("the watchdog's line", lambda: "olmax: watchdog:" in outputs(), launcher,
-              timeout=600, poll=0.05)  # the timeout grows with the slowest step (synchronous bucket saves)
+        _wait("the watchdog's line", lambda: "olmax: watchdog:" in outputs(), launcher, timeout=600, poll=0.05,
+              # the timeout grows with the slowest step (synchronous bucket saves)
+              explain=lambda: f"{frozen_pid} frozen of {running}\n{outputs()[-6000:]}")
         detected = time.monotonic() - froze
         output = launcher.communicate(timeout=900)[0]
     finally:
