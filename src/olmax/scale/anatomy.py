@@ -123,8 +123,8 @@ def _axes_of(groups: list[list[int]], mesh_shape: dict) -> str:
 def collectives(hlo: str, mesh_shape: dict) -> dict:
     """Collectives per mesh axis and kind: how many the step runs and the bytes each device sends or receives
     per step (the larger of a collective's input and output). A loop body counts as often as its loop runs where
-    the loop's condition compares with a constant (a scan's); loops bounded by data (the experts' block loops)
-    count once, and `loops_without_trip_count` says how many such loop runs there were."""
+    the loop's condition compares with a constant (a scan's); other loops (an MoE's expert block loops, bounded
+    by data) count once, and `loops_without_trip_count` says how many such loop runs there were."""
     n_devices = math.prod(mesh_shape.values())
     computations, current, types = {}, None, {}
     for line in hlo.splitlines():
