@@ -172,7 +172,7 @@ def test_a_training_process_ends_as_python_does_less_the_interpreters_teardown(t
 
 def test_a_process_start_is_known_to_the_clock_tick():
     """What the goodput record counts from: the process's creation, between the moment it was asked for and the
-    moment it ran (before, /proc/stat's whole-second boot time put it up to a second late)."""
+    moment it ran (before, /proc/stat's whole-second boot time put it up to a second early)."""
     tick = 1 / os.sysconf("SC_CLK_TCK")
     code = "from olmax.train.goodput import process_start_time; print(repr(process_start_time()))"
     before = time.time()
