@@ -39,6 +39,7 @@ import sys
 import tempfile
 import threading
 from pathlib import Path
+from typing import NoReturn
 
 GLIBC = ctypes.CDLL("libc.so.6") if platform.libc_ver()[0] == "glibc" else None
 GLIBC_HUGETLB = GLIBC is not None and tuple(map(int, platform.libc_ver()[1].split("."))) >= (2, 35)
@@ -121,7 +122,7 @@ def drop_held_signals() -> None:
         pass
 
 
-def end_process(code: int):
+def end_process(code: int) -> NoReturn:
     """Exit a training process whose command has returned `code`: as Python's own exit does, its threads are
     joined (a checkpoint still being written finishes), its exit handlers run (its goodput record's last) and its
     output is flushed; then the process ends without the interpreter's teardown of jax's and XLA's objects, a

@@ -67,13 +67,18 @@ def test_each_node_resolves_the_first_node_of_the_step_and_names_a_coordinator_i
             f"{4100 % 4096 + 61440} within 3 s") in out.stderr.strip().splitlines()[-1], out.stderr[-2000:]
 
 
+def _stat(pid: int) -> list[str]:
+    """The fields of /proc/PID/stat after the command name: state, parent pid, ..."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+
+
 def _processes(node: str) -> dict[int, tuple[int, list[str]]]:
     """{pid: (parent pid, command line)} of the processes running on `node` (in its network namespace)."""
     out = {}
     for pid in subprocess.run(["ip", "netns", "pids", node], capture_output=True, text=True).stdout.split():
         try:
             argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")[:-1]
-            parent = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+            parent = int(_stat(int(pid))[1])
         except (FileNotFoundError, ProcessLookupError):  # it ended since
             continue
         out[int(pid)] = (parent, argv)
@@ -85,10 +90,6 @@ def _training_process(node: str) -> int | None:
     is none."""
     return next((pid for pid, (_, argv) in _processes(node).items() if argv[1:4] == ["-m", "olmax.cli", "train"]),
                 None)
-
-
-def _state(pid: int) -> str:
-    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
 
 
 def _checkpoint(run: str, at_least: int):
@@ -145,7 +146,7 @@ def test_a_two_node_job_survives_a_dead_node_and_a_frozen_one_and_matches_one_pr
         _wait(f"checkpoint {resumed_at + 2}", _checkpoint(run, resumed_at + 2), launcher)
         os.kill(frozen_pid, signal.SIGSTOP)
         froze = time.monotonic()
-        _wait("the training process to stop", lambda: _state(frozen_pid) == "T", launcher, timeout=10)
+        _wait("the training process to stop", lambda: _stat(frozen_pid)[0] == "T", launcher, timeout=10)
         running = {node: _processes(node) for node in NODES}
         outputs = lambda: "".join(p.read_text() for p in (records / "slurm").glob("*.out"))  # noqa: E731
         _wait("the watchdog's line", lambda: "olmax: watchdog:" in outputs(), launcher, timeout=600, poll=0.05,

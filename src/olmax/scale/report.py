@@ -246,7 +246,8 @@ def _collectives(r: dict) -> str:
             "bytes a device sends or receives in them a step (the larger of input and output). A loop body counts "
             "as often as its loop runs where that is a constant"
             + (f"; {fact('collectives.loops_without_trip_count', unknown)} loop runs whose trip count the HLO "
-               "does not state as a constant (an MoE's expert block loops are such) count once" if unknown else "") + ".</p>"
+               "does not state as a constant (an MoE's expert block loops are such) count once" if unknown else "")
+            + ".</p>"
             + _table(["mesh axes", "kind", "count a step", "bytes a step", ""], rows, {2, 3}) + "</section>")
 
 
