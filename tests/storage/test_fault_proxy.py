@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import http.client
+import socket
 import time
 
 import pytest
@@ -57,6 +58,21 @@ def test_each_action(stores):
     began = time.monotonic()
     assert _request(stores, "GET", key) == (200, data)
     assert delay.hits == 1 and time.monotonic() - began >= 0.3
+
+
+@pytest.mark.parametrize("framing", ["Content-Length: 1000", "Transfer-Encoding: chunked"])
+def test_a_put_whose_client_went_away_mid_body_leaves_the_object_as_it_was(stores, framing):
+    """As a store does. The proxy forwarded the part it had read, with a Content-Length to match, and moto stored it:
+    after a kill -9 during an upload, an object with an empty body under the killed client's CRC32 header."""
+    proxy, key = stores.s3, f"/{stores.bucket}/torn.bin"
+    assert _request(stores, "PUT", key, b"as it was")[0] == 200
+    with socket.create_connection(("127.0.0.1", proxy.port), timeout=30) as client:
+        client.sendall(f"PUT {key} HTTP/1.1\r\nHost: 127.0.0.1\r\nx-amz-acl: public-read\r\n{framing}\r\n\r\n"
+                       .encode() + (b"3e8\r\n" if "chunked" in framing else b"") + b"x" * 10)
+        client.shutdown(socket.SHUT_WR)  # the body ends there, as a killed client's does
+        while client.recv(4096):  # until the proxy closes the connection: it has handled the request
+            pass
+    assert _request(stores, "GET", key) == (200, b"as it was")
 
 
 def test_a_stale_rule_replays_the_first_listing(stores):
