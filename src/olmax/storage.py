@@ -45,6 +45,9 @@ TRANSIENT_STATUS = {408, 429, 500, 502, 503, 504}
 UPLOAD_THREADS = 8  # files of a tree uploaded at once
 MULTIPART_CHUNK = 16 * 2**20  # part size of S3 multipart uploads (s3fs's default, 50 MiB, leaves 100 MiB whole)
 READ_TIMEOUT_S = 60.0  # a response that sends no byte for this long has stalled: a transient fault, retried
+# Requests in flight to S3 at once, per process (botocore's default, 10, held the loader's read-ahead to 10 byte
+# ranges per round trip: 200 ms a request left steps waiting for their batches).
+S3_CONNECTIONS = 64
 
 log = logging.getLogger(__name__)
 
@@ -107,7 +110,8 @@ def _filesystem(kind: str, emulator: str | None, endpoint: str | None):
     if kind == "s3":
         import s3fs
 
-        fs = s3fs.S3FileSystem(config_kwargs={"retries": {"total_max_attempts": 1}, "read_timeout": READ_TIMEOUT_S},
+        fs = s3fs.S3FileSystem(config_kwargs={"retries": {"total_max_attempts": 1}, "read_timeout": READ_TIMEOUT_S,
+                                              "max_pool_connections": S3_CONNECTIONS},
                                skip_instance_cache=True, use_listings_cache=False)
         fs.retries = 1  # s3fs's own loop: one attempt
         return fs

@@ -57,7 +57,9 @@ def test_read_ahead_hides_a_slow_bucket_and_the_checkpoint_holds_the_next_batch(
     waits = {"plain": _mean_wait(unhidden), "ahead": _mean_wait(first + rest)}
     print(f"data wait share of the loop's time at 200 ms a request: {shares}; seconds a step: {waits}; "
           f"most requests in flight with read-ahead: {slow.most_in_flight}")
-    assert slow.most_in_flight >= 4, slow.most_in_flight
+    # More than botocore's default pool of 10 connections, which held read-ahead to 10 requests a round trip: a step
+    # waited 0.22 s for its batch at 200 ms a request (82% of the loop; 0.0001 s and 0.06% since, BENCHMARKS.md).
+    assert slow.most_in_flight > 10, slow.most_in_flight
     assert waits["ahead"] < waits["plain"], waits
     meta = Checkpointer(tmp_path / "ahead" / "checkpoints", CheckpointConfig(), read_only=True).read_meta(20)
     assert meta["data"]["batches_processed"] == 20, "the position is the next batch, not the ones read ahead"

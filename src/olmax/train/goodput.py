@@ -131,6 +131,7 @@ class Goodput:
         self.mark("productive")
         self.attempt["last_step"] = step
         self.persist()
+        self.mark("productive")  # the write itself: the step's bookkeeping, not the next step's wait for its batch
 
     def metrics(self) -> dict[str, float]:
         """`goodput/{category} (s)` over the run's lifetime, `goodput/step/{category} (s)` since the previous
