@@ -232,7 +232,9 @@ def _train(tmp_path, shards, name, *overrides, quiet=True):
 def _assert_close(history, reference):
     np.testing.assert_allclose(_losses(history), _losses(reference), rtol=1e-6)
     norms = [[h["optim/total grad norm"] for h in run] for run in (history, reference)]
-    np.testing.assert_allclose(norms[0], norms[1], rtol=1e-5)
+    # A grad norm sums every parameter's gradient, in another order under stages: 1.07e-5 apart at step 5 on an
+    # AVX-512 CPU (AMD EPYC, 2026-12-04), under 1e-5 on the CPUs before it.
+    np.testing.assert_allclose(norms[0], norms[1], rtol=3e-5)
 
 
 def _losses(history):
