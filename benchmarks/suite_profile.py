@@ -59,7 +59,8 @@ class Timings:
         for line in format_table(table):
             terminalreporter.write_line(line)
         if out := os.environ.get("SUITE_PROFILE_JSON"):
-            Path(out).write_text(json.dumps(table, indent=1))
+            rounded = {path: {key: round(value, 1) for key, value in row.items()} for path, row in table.items()}
+            Path(out).write_text(json.dumps(rounded, indent=1) + "\n")
 
 
 def _append(kind, secs, nodeid):

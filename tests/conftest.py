@@ -14,7 +14,28 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 os.environ["OLMAX_HUGE_PAGES"] = "0"
 
 
+import json  # noqa: E402
+from pathlib import Path  # noqa: E402
+
 import pytest  # noqa: E402
+
+# The suite's profile (benchmarks/suite_profile.py --json): each test file's measured seconds.
+PROFILE = Path(__file__).with_name("suite_profile.json")
+
+
+def pytest_configure(config):
+    # pytest-xdist hands out whole files (--dist loadfile) and by default orders them by their number of tests,
+    # which starts the end-to-end files (one or two tests of minutes each) last: at the end of the run one of
+    # them ran alone on one core. The order is this file's (below) instead.
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
+
+
+def pytest_collection_modifyitems(items):
+    """The longest test files first, by their seconds in the suite's profile, so the short ones fill in at the end;
+    a file the profile does not know yet goes first (it may be long)."""
+    seconds = {path: row.get("wall", 0.0) for path, row in json.loads(PROFILE.read_text()).items() if path != "total"}
+    items.sort(key=lambda item: -seconds.get(item.nodeid.split("::")[0], float("inf")))
 
 
 @pytest.fixture(scope="module")

@@ -1,14 +1,29 @@
 """Helpers that tests import (`from testlib import ...`; tests/ is on the path through its conftest)."""
 
 import os
+import subprocess
 from pathlib import Path
 
 
-def child_env(cache_dir: Path, devices: int, **extra) -> dict:
-    """The environment of training children: `devices` CPU devices (not the 8 of conftest) and a shared
-    compilation cache, so the restarted attempt does not compile again."""
+def apt_install(*packages: str, check: bool = True) -> subprocess.CompletedProcess:
+    """Debian's packages, as the README's test command gets them on a fresh machine: an `apt-get update` first if
+    the install fails; a test installing at the same moment on another worker is waited for (dpkg's lock), not
+    failed on. With `check`, a failure is the test's; without, the last try is returned."""
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    install = ["apt-get", "-o", "DPkg::Lock::Timeout=900", "install", "-y", "-q", "--no-install-recommends", *packages]
+    if (out := subprocess.run(install, env=env, capture_output=True, text=True, timeout=1800)).returncode != 0:
+        subprocess.run(["apt-get", "-o", "DPkg::Lock::Timeout=900", "update", "-q"], env=env, capture_output=True,
+                       timeout=1800)
+        out = subprocess.run(install, env=env, capture_output=True, text=True, timeout=1800)
+    assert out.returncode == 0 or not check, f"could not install {' '.join(packages)}: {out.stderr[-2000:]}"
+    return out
+
+
+def child_env(devices: int, **extra) -> dict:
+    """The environment of training children: `devices` CPU devices (not the 8 of conftest) and the suite's
+    compilation cache (conftest's), so a child compiles only what no test and no earlier child compiled."""
     return {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
-            "JAX_COMPILATION_CACHE_DIR": str(cache_dir), "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", **extra}
+            **extra}
 
 
 def signal_once_when(done, sig: int, process: int = 0, watchdog: float = 180, poll: float = 0.01):

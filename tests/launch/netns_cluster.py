@@ -25,7 +25,8 @@ import time
 from pathlib import Path
 
 import pytest
-from test_slurm import apt_install, wait_for
+from test_slurm import wait_for
+from testlib import apt_install
 
 from olmax.launch.supervisor import free_port
 

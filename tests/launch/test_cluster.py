@@ -2,7 +2,6 @@
 train alone."""
 
 import json
-import os
 import subprocess
 import sys
 
@@ -62,7 +61,7 @@ def test_one_task_or_the_first_pod_is_a_single_process_run(bare_env):
 
 
 def test_train_refuses_in_a_slurm_batch_script_of_two_tasks_exit_2_one_line(tmp_path):
-    env = {**child_env(os.environ["JAX_COMPILATION_CACHE_DIR"], 1), "SLURM_JOB_ID": "7", "SLURM_NTASKS": "2", "SLURM_PROCID": "0",
+    env = {**child_env(1), "SLURM_JOB_ID": "7", "SLURM_NTASKS": "2", "SLURM_PROCID": "0",
            "SLURM_LOCALID": "0"}
     for name in ("SLURM_STEP_NODELIST", *CLUSTER_ENV[:3]):
         env.pop(name, None)
@@ -87,7 +86,7 @@ def _overrides(shards, run_dir):
 def test_two_slurm_tasks_form_one_run_equal_to_one_process(tmp_path, shards):
     """Two `olmax train` processes with the variables `srun -n2` sets and no OLMAX_*: one run."""
     run = tmp_path / "slurm"
-    base = {k: v for k, v in child_env(os.environ["JAX_COMPILATION_CACHE_DIR"], 1).items() if k not in CLUSTER_ENV}
+    base = {k: v for k, v in child_env(1).items() if k not in CLUSTER_ENV}
     # JAX's Slurm coordinator is the first node of the step on a port derived from the job id, or this one.
     base |= {"SLURM_JOB_ID": "4242", "SLURM_NTASKS": "2", "SLURM_STEP_NODELIST": "127.0.0.1",
              "JAX_COORDINATOR_PORT": str(free_port())}

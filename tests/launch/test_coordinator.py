@@ -26,7 +26,7 @@ def test_the_first_node_of_the_slurm_node_list_is_resolved_to_an_address(monkeyp
 
 def test_a_coordinator_that_does_not_answer_is_named_with_its_address_and_port(tmp_path):
     port = free_port()  # nobody listens there
-    env = child_env(tmp_path / "jax-cache", 1, OLMAX_COORDINATOR=f"127.0.0.1:{port}", OLMAX_NUM_PROCESSES="2",
+    env = child_env(1, OLMAX_COORDINATOR=f"127.0.0.1:{port}", OLMAX_NUM_PROCESSES="2",
                     OLMAX_PROCESS_ID="1", OLMAX_COORDINATOR_TIMEOUT="2")
     out = subprocess.run([sys.executable, "-c", "from olmax.launch.distributed import join_cluster; join_cluster()"],
                          env=env, capture_output=True, text=True, timeout=120)

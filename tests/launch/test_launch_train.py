@@ -17,7 +17,7 @@ def test_a_training_child_killed_mid_run_is_restarted_and_finishes(tmp_path, sha
                  "mesh.fsdp=-1"]
     sleeps = []
     supervisor = Supervisor("tiny", overrides, backoff=Backoff(0.1, 2, 1), max_retries=2, sleep=sleeps.append,
-                            env=child_env(os.environ["JAX_COMPILATION_CACHE_DIR"], 1), on_start=signal_once_after_checkpoint(run, 3, signal.SIGKILL))
+                            env=child_env(1), on_start=signal_once_after_checkpoint(run, 3, signal.SIGKILL))
     assert supervisor.run() == 0
     first, second = read_jsonl(run / "launch.jsonl")
     assert first["reason"] == "killed by SIGKILL" and 3 <= first["checkpoint_after"] < 12
@@ -41,7 +41,7 @@ def test_the_launcher_holds_the_run_directory_and_its_trainer_runs_under_it(tmp_
 
     supervisor = Supervisor("tiny", [f"data.mix_file={synth_mix}", f"output_dir={run}", "train.steps=2",
                                      "checkpoint.every=2", "mesh.fsdp=-1"],
-                            env=child_env(os.environ["JAX_COMPILATION_CACHE_DIR"], 1), on_start=try_to_take_it)
+                            env=child_env(1), on_start=try_to_take_it)
     assert supervisor.run() == 0 and len(refused) == 1
     assert [r["reason"] for r in read_jsonl(run / "launch.jsonl")] == ["finished"]
     with hold(run):  # released with the launch

@@ -7,7 +7,6 @@ batch is the same whatever the process count, each process having loaded only it
 """
 
 import json
-import os
 import signal
 import sys
 
@@ -34,7 +33,7 @@ def _overrides(shards, run_dir):
 @pytest.mark.slow
 def test_two_processes_preempt_together_resume_and_match_one_process(tmp_path, shards):
     run = tmp_path / "two_processes"
-    env = child_env(os.environ["JAX_COMPILATION_CACHE_DIR"], 2, OLMAX_LOCAL_DEVICES="2")
+    env = child_env(2, OLMAX_LOCAL_DEVICES="2")
     sleeps = []
     supervisor = Supervisor("tiny", [*_overrides(shards, run), "mesh.fsdp=-1"], nprocs=2, command=TRAIN_COMMAND,
                             env=env, backoff=Backoff(0.1, 2, 1), max_retries=1, sleep=sleeps.append,

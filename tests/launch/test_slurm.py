@@ -15,7 +15,7 @@ import sys
 import time
 
 import pytest
-from testlib import read_jsonl
+from testlib import apt_install, read_jsonl
 
 from olmax.cli import main
 from olmax.config import load_config
@@ -54,16 +54,6 @@ NodeName={host} NodeAddr=127.0.0.1 CPUs=2 State=UNKNOWN
 PartitionName=test Nodes={host} Default=YES MaxTime=INFINITE State=UP
 """
 DAEMON_START_SECONDS = 120
-
-
-def apt_install(*packages: str) -> None:
-    """Debian's packages, as the README's test command gets them on a fresh machine."""
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    install = ["apt-get", "install", "-y", "-q", "--no-install-recommends", *packages]
-    if subprocess.run(install, env=env, capture_output=True, timeout=900).returncode != 0:
-        subprocess.run(["apt-get", "update", "-q"], env=env, capture_output=True, timeout=900, check=True)
-        out = subprocess.run(install, env=env, capture_output=True, text=True, timeout=900)
-        assert out.returncode == 0, f"could not install {' '.join(packages)}: {out.stderr[-2000:]}"
 
 
 def wait_for(what: str, ready, daemons: list, logs: list, timeout: float = DAEMON_START_SECONDS):

@@ -10,6 +10,7 @@ import subprocess
 from html.parser import HTMLParser
 
 import pytest
+from testlib import apt_install
 
 from olmax.cli import main
 from olmax.scale.anatomy import collectives
@@ -29,13 +30,7 @@ def _install_chromium() -> None:
     package can be installed."""
     if os.geteuid() != 0:
         pytest.skip("installing Debian's chromium needs root; this process is not root")
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    install = ["apt-get", "install", "-y", "-q", "--no-install-recommends", "chromium"]
-    if subprocess.run(install, env=env, capture_output=True, timeout=900).returncode == 0:
-        return
-    subprocess.run(["apt-get", "update", "-q"], env=env, capture_output=True, timeout=900)
-    out = subprocess.run(install, env=env, capture_output=True, text=True, timeout=900)
-    if out.returncode != 0:
+    if (out := apt_install("chromium", check=False)).returncode != 0:
         policy = subprocess.run(["apt-cache", "policy", "chromium"], capture_output=True, text=True).stdout
         if "Candidate: (none)" in policy or not policy.strip():
             pytest.skip("no chromium package can be installed here (apt-cache policy chromium has no candidate)")

@@ -114,7 +114,7 @@ def _check(run: str, kills: list[dict], uninterrupted: dict) -> None:
 @pytest.mark.slow
 def test_kill_9_during_async_saves_20_times_on_disk(tmp_path, shards, uninterrupted):
     run = str(tmp_path / "run")
-    env = child_env(tmp_path / "cache", 8)
+    env = child_env(8)
     kills = _kill_during_saves(run, [f"data.paths={json.dumps(shards)}", f"output_dir={run}", *RUN], env, seed=1)
     _check(run, kills, uninterrupted)
 
@@ -122,6 +122,6 @@ def test_kill_9_during_async_saves_20_times_on_disk(tmp_path, shards, uninterrup
 @pytest.mark.slow
 def test_kill_9_during_async_uploads_20_times_in_a_bucket(stores, tmp_path, shards, uninterrupted):
     run = f"s3://{stores.bucket}/run"
-    env = child_env(tmp_path / "cache", 8, **stores.env)
+    env = child_env(8, **stores.env)
     kills = _kill_during_saves(run, [f"data.paths={json.dumps(shards)}", f"output_dir={run}", *RUN], env, seed=2)
     _check(run, kills, uninterrupted)

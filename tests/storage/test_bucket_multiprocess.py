@@ -35,7 +35,7 @@ def test_olmax_launch_restarts_two_processes_from_the_one_checkpoint_they_wrote_
     monkeypatch.chdir(tmp_path)
     run = f"s3://{stores.bucket}/launched"
     checkpoints = storage.join(run, "checkpoints")
-    env = child_env(os.environ["JAX_COMPILATION_CACHE_DIR"], 2, **stores.env, OLMAX_LOCAL_DEVICES="2")
+    env = child_env(2, **stores.env, OLMAX_LOCAL_DEVICES="2")
     common = [f"data.paths={json.dumps(shards)}", f"train.steps={STEPS}", "checkpoint.every=3", "mesh.fsdp=-1"]
     sleeps = []
     supervisor = Supervisor("tiny", [*common, f"output_dir={run}"], nprocs=2, backoff=Backoff(0.1, 2, 1),

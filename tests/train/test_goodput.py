@@ -63,7 +63,7 @@ def test_a_run_killed_twice_accounts_for_its_wall_time_and_its_lost_work(tmp_pat
                  "train.log_every=1", "mesh.fsdp=1"]
     watcher = StepWatcher(run, {1: 15, 2: 27})
     supervisor = Supervisor("tiny", overrides, backoff=Backoff(0.5, 1, 0.5), max_retries=3,
-                            env=child_env(tmp_path / "jax-cache", 8), on_start=watcher.on_start)
+                            env=child_env(8), on_start=watcher.on_start)
     started = time.time()
     assert supervisor.run() == 0
     wall = time.time() - started

@@ -51,7 +51,7 @@ FLOOR = 5.0
 
 @pytest.mark.slow
 def test_a_frozen_process_ends_the_other_with_exit_75_naming_it(tmp_path):
-    env = child_env(tmp_path / "jax-cache", 1, OLMAX_COORDINATOR=f"127.0.0.1:{free_port()}", OLMAX_NUM_PROCESSES="2")
+    env = child_env(1, OLMAX_COORDINATOR=f"127.0.0.1:{free_port()}", OLMAX_NUM_PROCESSES="2")
     logs = [tmp_path / f"process-{i}.log" for i in range(2)]
     procs = []
     for i, log in enumerate(logs):
