@@ -84,8 +84,9 @@ def test_a_run_killed_twice_accounts_for_its_wall_time_and_its_lost_work(tmp_pat
         committed = kill["committed"]
         if committed + 1 in seen:  # committed in this attempt: lost is the work of the steps after it
             # From step c + 1 logged (its successor running) to the last one logged, only steps ran; from step c
-            # logged to the kill, the save of c too.
-            assert seen[kill["last_logged"]] - seen[committed + 1] - slack <= lost
+            # logged to the kill, the save of c too. The last step seen: one more may be logged between the
+            # watcher's last look and the kill (0.07 s a step with a warm compilation cache).
+            assert seen[max(seen)] - seen[committed + 1] - slack <= lost
             assert lost <= kill["time"] - seen[committed] + slack
     assert total["lost work"] == pytest.approx(sum(a["seconds"]["lost work"] for a in record["attempts"]))
     assert total["productive"] > 0 and total["compilation"] > 0 and total["between attempts"] > 0
