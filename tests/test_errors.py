@@ -76,7 +76,7 @@ def test_the_cli_ends_on_each_error_with_its_code_and_one_line(error, monkeypatc
 
 def test_every_bad_input_error_derives_from_bad_input():
     assert {cls.__name__ for cls in _error_classes() if issubclass(cls, BadInput)} == {
-        "BadInput", "ConfigError", "TargetError", "ClusterError", "SlurmError", "StorageError", "MissingObject",
+        "BadInput", "ConfigError", "TargetError", "ClusterError", "SlurmError", "StorageError", "MissingObject", "MissingBucket",
         "AlreadyExists", "StorageUnavailable", "RunDirError", "DataError", "CheckpointError", "UnreadableCheckpoint", "EvalError", "InteropError"}
     assert issubclass(BadInput, ValueError)
 

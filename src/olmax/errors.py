@@ -117,6 +117,10 @@ class MissingObject(StorageError):
     """No such object or bucket."""
 
 
+class MissingBucket(MissingObject):
+    """No such bucket."""
+
+
 class AlreadyExists(StorageError):
     """An exclusive write found the object there."""
 

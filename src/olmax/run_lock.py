@@ -12,21 +12,28 @@ that holder, instead of taking the lock itself. This module is the one place
 that knows how a run directory is claimed.
 
 A run directory in a bucket (gs://, s3://) has no locks: it is held by a
-lease, the object OUTPUT_DIR/run.lock with the holder's host, PID and the
-time it was last renewed. The holder renews it every RENEW_S seconds from a
-thread and deletes it when it ends. A second run is refused while the lease is
-fresh; one not renewed for STALE_S seconds (its holder died, or lost the
-network), or one of this host whose process is gone, is taken over. A lease is
-written with a conditional write (`storage.write_if`), which S3 and GCS refuse
-when the object exists, so of two runs starting at once however late their
-writes arrive, one goes on; a takeover deletes the stale lease first, and is
-read back SETTLE_S later in case another took it over too. Each renewal is
-conditional on the object still being the version this holder wrote last, so a
-renewal that arrives late (its holder frozen between its check and its write)
-never overwrites a lease another run has taken over. A holder that finds
-another's lease at a renewal has been cut off for longer than STALE_S and
-another run holds the directory now: `check_lease` says so, and the run stops
-without writing anything more (LeaseLost, exit 75).
+lease, the object OUTPUT_DIR/run.lock with the holder's host and PID, the boot
+and PID namespace that PID is one of, and the time it was last renewed. The
+holder renews it every RENEW_S seconds from a thread and deletes it when it
+ends. A second run is refused while the lease is fresh, and takes over one not
+renewed for STALE_S seconds (its holder died, froze or lost the network); at
+once only one whose holder provably ended: it ran in this PID namespace of this
+boot and its PID is gone (a PID alone proves nothing: containers that share a
+hostname each have their own PIDs). Every write of the lease is conditional
+(`storage.write_if`: S3's If-Match / If-None-Match, GCS's generation match): a
+new lease only where there is none, a takeover only over the version it judged
+stale, a renewal or the deletion at the end only over the version this holder
+wrote last. So of two runs starting at once one goes on, and a renewal that
+arrives late never overwrites a lease another run has taken over.
+
+The holder's writes and deletions in the run directory are fenced by its lease
+(`storage.fence`): each is sent only while the lease is confirmed, within
+STALE_S / 2 of the last renewal that went through, timed by the holder's own
+monotonic clock (which runs on while the process is stopped); a commit, a
+record or a deletion renews it first. A takeover waits for a renewal STALE_S
+old, so a holder stopped (SIGSTOP, a frozen VM) or cut off past its lease finds
+it run out when it goes on: its renewal finds another's lease, and it stops
+without sending anything more to the run directory (LeaseLost, exit 75).
 """
 
 from __future__ import annotations
@@ -52,27 +59,18 @@ log = logging.getLogger(__name__)
 ENV_RUN_LOCK = "OLMAX_RUN_LOCK"
 RENEW_S = 10.0  # a bucket lease's holder rewrites it this often
 STALE_S = 45.0  # a lease not renewed for this long is a dead (or cut off) holder's, and is taken over
-SETTLE_S = 1.0  # a new lease is read back this long after it was written
+# Its holder writes only within STALE_S / 2 of its last renewal: the other half is room for the clocks of two
+# hosts to disagree (a takeover is judged by the renewal's time stamp against the taker's clock).
 
-
-_HELD: dict[str, str] = {}  # bucket run directory URL -> the token of this process's lease
-_LOST: dict[str, str] = {}  # bucket run directory URL -> why this process's lease was lost
+_HELD: dict[str, _Lease] = {}  # bucket run directory URL -> this process's lease on it
 
 
 def check_lease(url: str) -> None:
-    """Raise LeaseLost if another run has taken over the lease this process holds on bucket run directory `url`
-    (one read; nothing when this process holds none there): call it before writing to the directory."""
-    url = str(url).rstrip("/")
-    if url in _HELD and url not in _LOST:
-        if (now := _read_lease(RunDir(url).lock)) and now.get("token") != _HELD[url]:
-            _lose(url, now)
-    if url in _LOST:
-        raise LeaseLost(f"{_LOST[url]}; stopped without writing anything more")
-
-
-def _lose(url: str, now: dict | None) -> None:
-    _LOST[url] = (f"lost the lease {RunDir(url).lock} to {_describe(json.dumps(now)) if now else 'nobody (deleted)'}: "
-                  f"this process was cut off from the store for over {STALE_S:.0f}s and another run took the run over")
+    """Renew this process's lease on bucket run directory `url` now (nothing when it holds none there); LeaseLost
+    if another run has taken it over."""
+    lease = _HELD.get(str(url).rstrip("/"))
+    if lease is not None:
+        lease.confirm()
 
 
 def identity() -> str:
@@ -153,30 +151,42 @@ def alive(pid: int) -> bool:
     """Whether process `pid` of this host exists."""
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
+    except (ProcessLookupError, OverflowError):  # none has it, or none can
         return False
     except PermissionError:  # another user's process
         return True
     return True
 
 
-def _read_lease(path: str) -> dict | None:
+def _namespace() -> str | None:
+    """This boot of this machine and this process's PID namespace: where a PID names one process (None where
+    there is no /proc to say)."""
     try:
-        text = storage.read_text(path)
-    except storage.MissingObject:
+        return f"{Path('/proc/sys/kernel/random/boot_id').read_text().strip()}/{os.stat('/proc/self/ns/pid').st_ino}"
+    except OSError:
         return None
+
+
+def _read_lease(path: str) -> tuple[dict | None, str | None]:
+    """(the lease, its text) of the object at `path`: (None, None) when there is none; (None, text) when it
+    holds no lease (no JSON object)."""
+    try:
+        text = storage.read_bytes(path).decode(errors="replace")
+    except storage.MissingBucket:
+        raise
+    except storage.MissingObject:
+        return None, None
     try:
         record = json.loads(text)
-    except ValueError:  # a torn or foreign object: no holder can be named, so it is nobody's lease
-        return None
-    return record if isinstance(record, dict) else None
+    except ValueError:
+        return None, text
+    return (record, text) if isinstance(record, dict) else (None, text)
 
 
-def _fresh(record: dict | None) -> bool:
+def _fresh(record: dict) -> bool:
     """Whether the lease `record` is still its holder's."""
-    if not record:
-        return False
-    if record.get("host") == socket.gethostname() and isinstance(record.get("pid"), int) and not alive(record["pid"]):
+    here, pid = _namespace(), record.get("pid")
+    if here is not None and record.get("pid_namespace") == here and isinstance(pid, int) and not alive(pid):
         return False  # its holder ran here and has ended
     renewed = record.get("renewed")
     if not isinstance(renewed, (int, float)) or isinstance(renewed, bool):
@@ -185,68 +195,119 @@ def _fresh(record: dict | None) -> bool:
     return abs(time.time() - renewed) < STALE_S
 
 
+class _Lease:
+    """This process's lease on one bucket run directory; `fence` is the check of its writes there."""
+
+    def __init__(self, url: str):
+        self.url, self.path = url, RunDir(url).lock
+        self.mine = {"host": socket.gethostname(), "pid": os.getpid(), "pid_namespace": _namespace(),
+                     "token": uuid.uuid4().hex}
+        self.version: str | None = None  # of the object, as this holder wrote it last
+        self.confirmed = 0.0  # time.monotonic() when the last renewal that went through was stamped
+        self.lost: str | None = None  # why it was lost
+        self.lock = threading.RLock()
+
+    def take(self) -> None:
+        """Write the lease: where there is none, or over a stale one; RunDirError if another run holds it."""
+        try:
+            version = storage.info(self.path)["version"]
+        except storage.MissingBucket:
+            raise
+        except storage.MissingObject:
+            version = None
+        held, text = _read_lease(self.path) if version else (None, None)
+        if text is None:  # none there (or gone since)
+            version = None
+        elif held is None:
+            raise RunDirError(f"output_dir {self.url}: {self.path} holds no olmax lease ({text[:80]!r}); if no run "
+                              f"is using {self.url}, delete {self.path} and run again, else set another output_dir")
+        if held and _fresh(held):
+            raise RunDirError(f"output_dir {self.url} is in use by another run ({_describe(json.dumps(held))}, per "
+                              f"{self.path}, renewed {time.time() - float(held['renewed']):.0f}s ago); wait for it "
+                              f"to end or stop it (a lease not renewed for {STALE_S:.0f}s is taken over), or set "
+                              "another output_dir")
+        if held:
+            log.warning("taking over %s: its holder (%s) stopped renewing it", self.path, _describe(json.dumps(held)))
+        if not self._write(version):
+            now, _ = _read_lease(self.path)
+            raise RunDirError(f"output_dir {self.url} was taken by another run starting at the same time "
+                              f"({_describe(json.dumps(now)) if now else 'which has let it go since'}, per "
+                              f"{self.path}); set another output_dir, or run again")
+
+    def _write(self, version: str | None) -> bool:
+        """Our lease, renewed now, where the object is still at `version` (None: absent): whether it went
+        through. A refusal of our own write, retried after its answer was lost, is its success."""
+        stamped = time.monotonic()
+        try:
+            self.version = storage.write_if(self.path, json.dumps(self.mine | {"renewed": time.time()}).encode(),
+                                            version)
+        except storage.MissingBucket:
+            raise
+        except (storage.AlreadyExists, storage.MissingObject):
+            now, _ = _read_lease(self.path)
+            if (now or {}).get("token") != self.mine["token"]:
+                return False
+            self.version = storage.info(self.path)["version"]
+        self.confirmed = stamped
+        return True
+
+    def confirm(self, within: float = 0.0) -> None:
+        """Renew the lease unless its last renewal went through less than `within` seconds ago; LeaseLost if
+        another run has it now."""
+        with self.lock:
+            if self.lost is None and time.monotonic() - self.confirmed >= within and not self._write(self.version):
+                now, _ = _read_lease(self.path)
+                age = time.monotonic() - self.confirmed
+                why = (f"it was stopped or cut off from the store, and a lease not renewed for {STALE_S:.0f}s is "
+                       "taken over" if age >= STALE_S / 2 else "it was replaced while fresh")
+                self.lost = (f"lost the lease {self.path} to "
+                             f"{_describe(json.dumps(now)) if now else 'nobody (it was deleted)'}: this process "
+                             f"renewed it last {age:.0f}s ago ({why})")
+            if self.lost is not None:
+                raise LeaseLost(f"{self.lost}; it stopped, and sent no write or deletion to {self.url} after its "
+                                "lease ran out")
+
+    def fence(self, path: str, confirm: bool) -> None:
+        """storage's check before each write or deletion in the run directory (see the module's doc)."""
+        if path != self.path:  # the lease's own writes are conditional
+            self.confirm(0.0 if confirm else STALE_S / 2)
+
+    def release(self) -> None:
+        """Delete the lease, if it is still the one this holder wrote (read first: fake-gcs-server, for one, deletes
+        whatever the generation its deletion names)."""
+        with self.lock:
+            if self.lost is None and (_read_lease(self.path)[0] or {}).get("token") == self.mine["token"]:
+                try:
+                    storage.remove_if(self.path, self.version)
+                except (storage.AlreadyExists, storage.MissingObject):
+                    pass  # another run's now: left alone
+
+
 @contextlib.contextmanager
 def _lease(url: str):
-    path = RunDir(url).lock
-    held = _read_lease(path)
-    if _fresh(held):
-        raise RunDirError(f"output_dir {url} is in use by another run ({_describe(json.dumps(held))}, per {path}, "
-                          f"renewed {time.time() - float(held['renewed']):.0f}s ago); wait for it to end or stop "
-                          f"it (a lease not renewed for {STALE_S:.0f}s is taken over), or set another output_dir")
-    if held:
-        log.warning("taking over %s: its holder (%s) stopped renewing it", path, _describe(json.dumps(held)))
-    mine = {"host": socket.gethostname(), "pid": os.getpid(), "token": uuid.uuid4().hex}
-
-    def write(version: str | None) -> tuple[str | None, dict | None]:
-        """Our lease, renewed now, where the object is still at `version` (None: absent): (the version written,
-        None), else (None, what the object holds: another's lease, or None). A refusal of our own write, retried
-        after its answer was lost, is its success."""
-        try:
-            return storage.write_if(path, json.dumps(mine | {"renewed": time.time()}).encode(), version), None
-        except (storage.AlreadyExists, storage.MissingObject):
-            now = _read_lease(path)
-            return (storage.info(path)["version"], None) if (now or {}).get("token") == mine["token"] else (None, now)
-
-    def taken(now: dict | None) -> RunDirError:
-        return RunDirError(f"output_dir {url} was taken by another run starting at the same time "
-                           f"({_describe(json.dumps(now))}, per {path}); set another output_dir")
-
-    if held:
-        storage.remove(path)
-    version, now = write(None)
-    if version is None:
-        raise taken(now or {})
-    if held:  # another run may have deleted the stale lease too, and written its own after ours
-        time.sleep(SETTLE_S)
-        if (now := _read_lease(path) or {}).get("token") != mine["token"]:
-            raise taken(now)
-    key = url.rstrip("/")
-    _HELD[key] = mine["token"]
-    _LOST.pop(key, None)
+    lease = _Lease(url.rstrip("/"))
+    lease.take()
+    _HELD[lease.url] = lease
+    storage.fence(lease.url, lease.fence)
     stop = threading.Event()
 
     def renew() -> None:
-        nonlocal version
         while not stop.wait(RENEW_S):
             try:
-                check_lease(key)
-                version, now = write(version)
-                if version is None:
-                    _lose(key, now)
-                    check_lease(key)  # raises
-            except LeaseLost as err:
-                log.error("%s", err)
+                lease.confirm()
+            except LeaseLost:  # the run stops at its next write
+                log.error("%s", lease.lost)
                 return
             except storage.StorageError as err:  # the next renewal tries again; STALE_S leaves room for several
-                log.warning("could not renew the lease %s: %s", path, err)
+                log.warning("could not renew the lease %s: %s", lease.path, err)
 
     renewer = threading.Thread(target=renew, name="olmax-lease", daemon=True)
     renewer.start()
     try:
-        yield json.dumps({"host": mine["host"], "pid": mine["pid"]})
+        yield json.dumps({"host": lease.mine["host"], "pid": lease.mine["pid"]})
     finally:
         stop.set()
         renewer.join()
-        _HELD.pop(key, None)
-        if (_read_lease(path) or {}).get("token") == mine["token"]:
-            storage.remove(path)
+        storage.fence(lease.url, None)
+        _HELD.pop(lease.url, None)
+        lease.release()

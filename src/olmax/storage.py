@@ -16,6 +16,10 @@ since the first failure, then raises `StorageUnavailable` (its own exit code,
 which launchers retry later); a permanent one (403, 404, no such bucket, an
 endpoint that refuses connections) raises `StorageError` at once (exit 2),
 naming the URL and what to check.
+
+A process that holds a run directory in a bucket puts a fence on it (`fence`):
+every write and deletion under it passes that check first, in each attempt,
+so that a holder that lost its lease sends nothing more there.
 """
 
 from __future__ import annotations
@@ -31,12 +35,13 @@ import shutil
 import tempfile
 import threading
 import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import fsspec
 
-from olmax.errors import AlreadyExists, MissingObject, StorageError, StorageUnavailable
+from olmax.errors import AlreadyExists, MissingBucket, MissingObject, OlmaxError, StorageError, StorageUnavailable
 
 REMOTE_SCHEMES = ("gs", "s3", "https", "http")
 FIRST_BACKOFF_S = 0.05
@@ -215,8 +220,10 @@ def _named(err: BaseException, path: str, kind: str) -> StorageError:
         return AlreadyExists(f"{path} exists already ({what})")
     if kind == "missing" and _no_bucket(err, path):
         bucket = "/".join(str(path).split("/", 3)[:3])
-        return MissingObject(f"bucket {bucket} does not exist (for {path}); check the bucket name and the endpoint "
+        return MissingBucket(f"bucket {bucket} does not exist (for {path}); check the bucket name and the endpoint "
                              f"({endpoint})")
+    if kind == "missing" and not is_remote(path):
+        return MissingObject(f"{path} does not exist")
     if kind == "missing":
         return MissingObject(f"{path} does not exist ({what}); check the bucket and object names")
     if kind == "denied":
@@ -273,10 +280,35 @@ def _call(path: str, fn, *args, **kwargs):
     while True:
         try:
             return fn(*args, **kwargs)
-        except StorageError:
+        except OlmaxError:  # a StorageError named already, or a fence's refusal
             raise
         except Exception as err:
             retries.after(err)
+
+
+_FENCES: dict[str, object] = {}  # a directory URL -> the check every write and deletion under it passes first
+
+
+def fence(directory: str, check) -> None:
+    """Make every write and deletion under `directory` (a bucket URL) call `check(path, confirm)` first, before each
+    attempt; it raises to refuse. `confirm` is True for one object written or deleted whole (a commit marker, a
+    record, a deletion), False for each file of an upload. `check` None takes the fence away."""
+    if check is None:
+        _FENCES.pop(directory, None)
+    else:
+        _FENCES[directory] = check
+
+
+def _write(path: str, confirm: bool, fn, *args, **kwargs):
+    """`_call` for a write or a deletion: each attempt passes the fence of a directory `path` is under first."""
+
+    def attempt():
+        for directory, check in list(_FENCES.items()):
+            if path == directory or path.startswith(directory + "/"):
+                check(path, confirm)
+        return fn(*args, **kwargs)
+
+    return _call(path, attempt)
 
 
 # --- operations ------------------------------------------------------------------------------------
@@ -341,7 +373,7 @@ def write_bytes(path: str, data: bytes) -> None:
     check_writable(path)
     if not is_remote(path):
         Path(path).parent.mkdir(parents=True, exist_ok=True)
-    _call(path, _fs(path).pipe_file, path, data)
+    _write(path, True, _fs(path).pipe_file, path, data)
 
 
 def write_if(path: str, data: bytes, version: str | None) -> str:
@@ -351,17 +383,29 @@ def write_if(path: str, data: bytes, version: str | None) -> str:
     fs, (bucket, key) = _fs(path), path.split("://", 1)[1].split("/", 1)
     if scheme(path) == "s3":
         condition = {"IfMatch": f'"{version}"'} if version else {"IfNoneMatch": "*"}
-        out = _call(path, fs.call_s3, "put_object", Bucket=bucket, Key=key, Body=data, **condition)
+        out = _write(path, True, fs.call_s3, "put_object", Bucket=bucket, Key=key, Body=data, **condition)
         return out["ETag"].strip('"')
     if scheme(path) == "gs":
         # a multipart upload (the object's name in its first part), as gcsfs sends one
         body = (f'--==0==\nContent-Type: application/json; charset=UTF-8\n\n{json.dumps({"name": key})}\n'
                 "--==0==\nContent-Type: application/octet-stream\n\n").encode() + data + b"\n--==0==--"
-        out = _call(path, fs.call, "POST", f"{fs._location}/upload/storage/v1/b/{bucket}/o", uploadType="multipart",
+        out = _write(path, True, fs.call, "POST", f"{fs._location}/upload/storage/v1/b/{bucket}/o", uploadType="multipart",
                     ifGenerationMatch=version or "0", data=body, json_out=True,
                     headers={"Content-Type": 'multipart/related; boundary="==0=="'})
         return str(out["generation"])
     raise StorageError(f"{path}: a conditional write needs a bucket (gs://, s3://)")
+
+
+def remove_if(path: str, version: str) -> None:
+    """Delete the object of a bucket only while it is at `version`, in one conditional request (S3's If-Match, GCS's
+    ifGenerationMatch), else AlreadyExists (another version is there) or MissingObject (none is)."""
+    fs, (bucket, key) = _fs(path), path.split("://", 1)[1].split("/", 1)
+    if scheme(path) == "s3":
+        _write(path, True, fs.call_s3, "delete_object", Bucket=bucket, Key=key, IfMatch=f'"{version}"')
+    elif scheme(path) == "gs":
+        _write(path, True, fs.call, "DELETE", "b/{}/o/{}", bucket, key, ifGenerationMatch=version)
+    else:
+        raise StorageError(f"{path}: a conditional deletion needs a bucket (gs://, s3://)")
 
 
 def upload(local: str | os.PathLike, path: str) -> None:
@@ -374,7 +418,7 @@ def upload(local: str | os.PathLike, path: str) -> None:
     def put(file: Path) -> None:
         target = path if file == local else join(path, *file.relative_to(local).parts)
         parts = {"chunksize": MULTIPART_CHUNK} if scheme(target) == "s3" and MULTIPART_CHUNK else {}
-        _call(target, _fs(target).put_file, str(file), target, **parts)
+        _write(target, False, _fs(target).put_file, str(file), target, **parts)
 
     with ThreadPoolExecutor(UPLOAD_THREADS, thread_name_prefix="olmax-upload") as pool:
         list(pool.map(put, files))  # the first failure is raised, once the others have ended
@@ -430,7 +474,7 @@ def remove(path: str) -> None:
         shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
         return
     try:
-        _call(path, _fs(path).rm, path, recursive=True)
+        _write(path, True, _fs(path).rm, path, recursive=True)
     except MissingObject:
         pass  # gone already: a retry of a deletion that had gone through in part
 
@@ -478,7 +522,19 @@ def upload_committed(local: str | os.PathLike, path: str) -> None:
     if exists(path):
         remove_committed(path)
     upload(local, path)
-    write_bytes(join(path, COMMIT_MARKER), b"")
+    commit(path)
+
+
+def commit(path: str) -> None:
+    """Write the commit marker of the directory `path` (a bucket URL) where there is none: a conditional write, so
+    that a commit never replaces another writer's."""
+    marker, mine = join(path, COMMIT_MARKER), uuid.uuid4().hex.encode()
+    try:
+        write_if(marker, mine, None)
+    except AlreadyExists:
+        if read_bytes(marker) != mine:  # else our own write, refused when retried after its answer was lost
+            raise AlreadyExists(f"{path} was committed by another writer while this one uploaded it; nothing of it "
+                                "was replaced") from None
 
 
 def committed(path: str) -> bool:

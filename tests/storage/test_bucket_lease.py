@@ -16,8 +16,9 @@ from olmax import run_lock, storage
 from olmax.run_lock import RunDirError
 
 
-def test_a_held_bucket_run_is_refused_and_free_once_released(stores):
-    run = f"s3://{stores.bucket}/run"
+@pytest.mark.parametrize("kind", ["s3", "gs"])
+def test_a_held_bucket_run_is_refused_and_free_once_released(stores, kind):
+    run = f"{kind}://{stores.bucket}/run"
     with run_lock.hold(run) as holder:
         assert json.loads(holder) == {"host": socket.gethostname(), "pid": os.getpid()}
         with pytest.raises(RunDirError, match=f"output_dir {run} is in use by another run .host "
@@ -37,12 +38,9 @@ def test_stale_and_dead_leases_are_taken_over(stores, caplog):
     with run_lock.hold(run):
         assert json.loads(storage.read_text(lease))["pid"] == os.getpid()
     assert "its holder (host elsewhere, PID 1) stopped renewing it" in caplog.text
-    ended = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
-                           check=True)
-    dead = int(ended.stdout)
-    storage.write_bytes(lease, json.dumps({"host": socket.gethostname(), "pid": dead, "token": "y",
-                                           "renewed": time.time()}).encode())
-    with run_lock.hold(run):  # fresh, but its process on this host has ended
+    storage.write_bytes(lease, json.dumps({"host": socket.gethostname(), "pid": _ended_pid(), "token": "y",
+                                           "pid_namespace": run_lock._namespace(), "renewed": time.time()}).encode())
+    with run_lock.hold(run):  # fresh, but its process, of this PID namespace, has ended
         assert json.loads(storage.read_text(lease))["pid"] == os.getpid()
     storage.write_bytes(lease, json.dumps({"host": "elsewhere", "pid": 1, "token": "z",
                                            "renewed": time.time()}).encode())
@@ -50,6 +48,45 @@ def test_stale_and_dead_leases_are_taken_over(stores, caplog):
         with run_lock.hold(run):
             pass
     assert json.loads(storage.read_text(lease))["token"] == "z"  # a refused run leaves the holder's lease alone
+
+
+def _ended_pid() -> int:
+    ended = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
+                           check=True)
+    return int(ended.stdout)
+
+
+@pytest.mark.parametrize("namespace", ["none", None, "another"])
+def test_a_fresh_lease_naming_this_host_and_a_pid_gone_here_is_not_taken_over(stores, namespace):
+    """Two containers can share a hostname, each with PIDs of its own: a PID that does not exist here says nothing
+    of a holder in another PID namespace (or one that did not say which), whose lease stays its own until it is
+    STALE_S old."""
+    run = f"s3://{stores.bucket}/run"
+    record = {"host": socket.gethostname(), "pid": _ended_pid(), "token": "theirs", "renewed": time.time()}
+    if namespace != "none":
+        record["pid_namespace"] = namespace if namespace is None else f"{run_lock._namespace()}0"
+    storage.write_bytes(f"{run}/run.lock", json.dumps(record).encode())
+    with pytest.raises(RunDirError, match=f"output_dir {run} is in use by another run .host {socket.gethostname()}, "
+                                          f"PID {record['pid']}, per {run}/run.lock, renewed 0s ago"):
+        with run_lock.hold(run):
+            pass
+    assert json.loads(storage.read_text(f"{run}/run.lock"))["token"] == "theirs"
+
+
+@pytest.mark.parametrize("held", [b"", b"\xff\x00 not a lease", b"[1, 2]", b'"run.lock"', b"{" * 500])
+def test_a_run_lock_that_is_no_lease_is_named_with_how_to_clear_it(stores, held):
+    run = f"s3://{stores.bucket}/run"
+    storage.write_bytes(f"{run}/run.lock", held)
+    with pytest.raises(RunDirError) as err:
+        with run_lock.hold(run):
+            pass
+    text = held.decode(errors="replace")[:80]
+    assert str(err.value) == (f"output_dir {run}: {run}/run.lock holds no olmax lease ({text!r}); if no run is using "
+                              f"{run}, delete {run}/run.lock and run again, else set another output_dir")
+    assert storage.read_bytes(f"{run}/run.lock") == held  # left as it was
+    storage.remove(f"{run}/run.lock")
+    with run_lock.hold(run):  # cleared as it says
+        pass
 
 
 def test_the_holder_renews_its_lease(stores, monkeypatch):
@@ -92,3 +129,25 @@ def test_a_holder_that_lost_its_lease_stops_renewing_it(stores, monkeypatch, cap
         assert json.loads(storage.read_text(lease))["token"] == "other"
     assert json.loads(storage.read_text(lease))["token"] == "other"
     assert f"lost the lease {lease} to host elsewhere, PID 1" in caplog.text
+
+
+@pytest.mark.parametrize("kind", ["s3", "gs"])
+def test_a_missing_bucket_is_named_as_missing_not_as_a_lost_race(stores, synth_mix, kind, capsys):
+    from olmax.cli import main
+
+    code = main(["train", "tiny", "mesh.fsdp=1", "train.steps=2", f"data.mix_file={synth_mix}",
+                 f"output_dir={kind}://missing-bucket-x/run"])
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert err.startswith(f"olmax: MissingBucket: bucket {kind}://missing-bucket-x does not exist (for "
+                          f"{kind}://missing-bucket-x/run/run.lock); check the bucket name and the endpoint"), err
+
+
+@pytest.mark.parametrize("kind", ["s3", "gs"])
+def test_a_lease_taken_over_unnoticed_is_not_deleted_at_the_end(stores, kind):
+    """The holder deletes its lease at the end only while it is the version it wrote (a conditional deletion)."""
+    run = f"{kind}://{stores.bucket}/run"
+    other = json.dumps({"host": "elsewhere", "pid": 1, "token": "other", "renewed": time.time()}).encode()
+    with run_lock.hold(run):
+        storage.write_bytes(f"{run}/run.lock", other)
+    assert storage.read_bytes(f"{run}/run.lock") == other

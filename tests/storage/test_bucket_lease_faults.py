@@ -1,5 +1,6 @@
 """A bucket lease under faults: two runs whose lease writes cross (one delayed by the fault proxy) do not both go
-on, and a run whose lease another run has taken over stops at once (exit 75) without writing anything more."""
+on, a run whose lease another run has taken over stops at once (exit 75) without writing anything more, and a
+holder's writes and deletions in its run directory are fenced by its lease."""
 
 from __future__ import annotations
 
@@ -101,3 +102,42 @@ def test_a_lease_with_no_time_or_one_in_the_future_is_taken_over(stores, renewed
     with run_lock.hold(run):
         assert json.loads(storage.read_text(f"{run}/run.lock"))["token"] != "x"
     assert "its holder (host elsewhere, PID 1) stopped renewing it" in caplog.text
+
+
+@pytest.mark.parametrize("kind", ["s3", "gs"])
+def test_a_holder_that_lost_its_lease_can_commit_write_or_delete_nothing(stores, kind):
+    """A commit, a record or a deletion renews the lease first: one taken over a moment ago is found lost."""
+    run = f"{kind}://{stores.bucket}/run"
+    storage.write_bytes(f"{run}/checkpoints/2/params", b"theirs")
+    with run_lock.hold(run):
+        storage.write_bytes(f"{run}/committed.json", b"{}")  # held: it goes through
+        other = json.dumps({"host": "elsewhere", "pid": 1, "token": "other", "renewed": time.time()}).encode()
+        storage.write_bytes(f"{run}/run.lock", other)
+        for write in (lambda: storage.write_bytes(f"{run}/committed.json", b"mine"),
+                      lambda: storage.commit(f"{run}/checkpoints/2"),
+                      lambda: storage.remove(f"{run}/checkpoints/2")):
+            with pytest.raises(run_lock.LeaseLost, match=f"lost the lease {run}/run.lock to host elsewhere, PID 1"):
+                write()
+        assert storage.read_bytes(f"{run}/committed.json") == b"{}"
+        assert storage.listdir(f"{run}/checkpoints/2") == ["params"]
+    assert storage.read_bytes(f"{run}/run.lock") == other  # the other run's lease, left alone
+
+
+def test_a_holder_whose_lease_ran_out_uploads_nothing_before_renewing_it(stores, tmp_path, monkeypatch):
+    """The files of an upload pass a check of the lease's age, not a request each: once STALE_S / 2 have passed
+    without a renewal (the holder was stopped, say), the next file renews the lease first, and finds it lost."""
+    monkeypatch.setattr(run_lock, "STALE_S", 1.0)
+    monkeypatch.setattr(run_lock, "RENEW_S", 3600.0)  # no renewal but the fence's
+    run = f"s3://{stores.bucket}/run"
+    (tmp_path / "step").mkdir()
+    (tmp_path / "step" / "params").write_bytes(b"mine")
+    with run_lock.hold(run):
+        storage.upload(tmp_path / "step", f"{run}/checkpoints/2")  # fresh: no request but the upload's
+        storage.write_bytes(f"{run}/run.lock", json.dumps({"host": "elsewhere", "pid": 1, "token": "other",
+                                                           "renewed": time.time()}).encode())
+        lease = run_lock._HELD[run]
+        while time.monotonic() - lease.confirmed < run_lock.STALE_S / 2:
+            time.sleep(0.05)
+        with pytest.raises(run_lock.LeaseLost, match="lost the lease"):
+            storage.upload(tmp_path / "step", f"{run}/checkpoints/4")
+    assert storage.listdir(f"{run}/checkpoints") == ["2"]

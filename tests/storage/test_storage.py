@@ -117,3 +117,12 @@ def test_a_server_that_ignores_range_requests_is_named_as_such_exit_2(tmp_path, 
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and "ignores Range requests" in err[0] and "shrank" not in err[0], err
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_a_missing_local_path_is_not_named_as_a_bucket_object(tmp_path, capsys):
+    with pytest.raises(storage.MissingObject) as err:
+        storage.read_text(str(tmp_path / "nope" / "goodput.json"))
+    assert str(err.value) == f"{tmp_path}/nope/goodput.json does not exist"
+    assert main(["goodput", str(tmp_path / "nope")]) == 2
+    line = capsys.readouterr().err
+    assert f"{tmp_path}/nope/goodput.json does not exist" in line and "bucket" not in line, line

@@ -11,7 +11,9 @@ each checkpoint, and each checkpoint step goes up (in the background, see
 olmax.checkpoint.async_save) file by file with its commit marker last; steps
 the checkpointer no longer keeps (keep_last / keep_every) are deleted from the
 bucket. A host that dies loses at most one log interval of metrics, and never
-leaves a step that a resume would take for complete.
+leaves a step that a resume would take for complete. Every write and deletion
+passes the fence of the run's lease (olmax.run_lock): a run that lost it, to
+another run that took the directory over, sends nothing more there.
 
 In a multi-process run every process stages on its own disk (hosts share no
 filesystem): each copies the run down, writes the shards it holds of each
@@ -46,6 +48,7 @@ from olmax import run_lock, storage
 from olmax.checkpoint import retained
 from olmax.checkpoint.remote import pull_steps
 from olmax.config import CheckpointConfig
+from olmax.errors import LeaseLost
 from olmax.run_dir import RunDir, committed_steps
 
 log = logging.getLogger(__name__)
@@ -125,24 +128,13 @@ class BucketRun:
     def push_checkpoint(self, step: int, kept: list[int]) -> None:
         """Upload checkpoint `step` (marker last), then delete the bucket's steps neither in `kept` (the local
         checkpointer's) nor kept by the retention rule over the bucket's steps."""
-        run_lock.check_lease(self.run.location)
-        remote = self.run.checkpoints
-        local, target = self.staged.checkpoints / str(step), storage.join(remote, str(step))
-        if jax.process_count() == 1:
-            storage.upload_committed(local, target)
-        else:
-            first = jax.process_index() == 0
-            if first and storage.exists(target):  # an upload cut short
-                storage.remove_committed(target)
-            barrier(f"olmax: upload checkpoint {step}")
-            if not first:
-                storage.upload(local, target)
-            barrier(f"olmax: checkpoint {step} uploaded by every other process")
-            if not first:
+        try:
+            if not self._upload(step):
                 return
-            storage.upload(local, target)
-            storage.write_bytes(storage.join(target, storage.COMMIT_MARKER), b"")
+        except LeaseLost as err:
+            raise LeaseLost(f"{err} (checkpoint {step} was left uncommitted there)") from None
         self.pushed.add(step)
+        remote = self.run.checkpoints
         kept = set(kept) | retained(set(self.steps) | self.pushed, self.keep)  # committed: at the start, or ours
         for name in storage.listdir(remote):
             if not name.isdigit() or int(name) in kept:
@@ -152,6 +144,25 @@ class BucketRun:
             if int(name) <= self.pulled_step or int(name) in self.pushed or not storage.committed(path):
                 storage.remove_committed(path)
         storage.write_bytes(self.run.committed_record, json.dumps({"latest_step": step}).encode())
+
+    def _upload(self, step: int) -> bool:
+        """Upload and commit checkpoint `step`: whether this process committed it (process 0 of several does)."""
+        run_lock.check_lease(self.run.location)
+        local, target = self.staged.checkpoints / str(step), self.remote_step(step)
+        if jax.process_count() == 1:
+            storage.upload_committed(local, target)
+            return True
+        first = jax.process_index() == 0
+        if first and storage.exists(target):  # an upload cut short
+            storage.remove_committed(target)
+        barrier(f"olmax: upload checkpoint {step}")
+        if not first:
+            storage.upload(local, target)
+        barrier(f"olmax: checkpoint {step} uploaded by every other process")
+        if first:
+            storage.upload(local, target)
+            storage.commit(target)
+        return first
 
     def close(self) -> None:
         shutil.rmtree(self.local, ignore_errors=True)
