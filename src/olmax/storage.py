@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import functools
+import http.client
 import json
 import logging
 import os
@@ -344,20 +345,30 @@ def read_text(path: str) -> str:
 
 def read_ranges(path: str, starts: list[int], ends: list[int]) -> list[bytes]:
     """Bytes [start, end) of one object for each pair, fetched concurrently by async stores; the ranges a fault
-    failed are fetched again (each one a retry), not the others."""
+    failed are fetched again (each one a retry), not the others. A range carries no checksum: one answered short
+    although the object holds all of it was cut short on its way (a fault, retried); one past the object's end
+    is answered as short as the object is."""
     fs, retries = _fs(path), _Retries(path)
-    out, todo = [None] * len(starts), list(range(len(starts)))
+    out, todo, size = [None] * len(starts), list(range(len(starts))), None
     while todo:
         got = _call(path, fs.cat_ranges, [path] * len(todo), [starts[i] for i in todo], [ends[i] for i in todo],
                     on_error="return")
-        failed = [(i, r) for i, r in zip(todo, got) if isinstance(r, Exception)]
+        failed = []
         for i, r in zip(todo, got):
-            out[i] = None if isinstance(r, Exception) else r
-            if out[i] is not None and len(r) > ends[i] - starts[i]:  # a server answering 200 with the whole object
+            if isinstance(r, Exception) and _status(r) == 416:  # Range Not Satisfiable: it starts past the end
+                r = b""
+            if not isinstance(r, Exception) and len(r) > ends[i] - starts[i]:  # a 200 with the whole object
                 raise StorageError(
                     f"{path}: asked for bytes {starts[i]}-{ends[i] - 1}, the server answered {len(r)} bytes: it "
                     "ignores Range requests; serve the data from a server that honours them (206 Partial "
                     "Content), a bucket or a local disk")
+            if not isinstance(r, Exception) and len(r) < ends[i] - starts[i]:
+                size = info(path)["size"] if size is None else size
+                if size >= ends[i]:  # the object holds the whole range: the body was cut short on its way
+                    r = http.client.IncompleteRead(r, ends[i] - starts[i] - len(r))
+            if isinstance(r, Exception):
+                failed.append((i, r))
+            out[i] = None if isinstance(r, Exception) else r
         todo = [i for i, _ in failed]
         if failed:
             retries.after(failed[0][1], retried=len(failed))

@@ -91,23 +91,6 @@ def test_launchers_retry_an_outage_after_their_backoff():
     assert ExitCode.STORAGE_UNAVAILABLE not in NOT_RETRIED
 
 
-@pytest.mark.slow
-def test_a_bit_flipped_in_a_hashed_range_read_is_not_the_data_record(stores, synth_mix, capsys):
-    """A range read carries no checksum: the bytes hashed into the data's record at start are read until two reads
-    agree, so a one-off flipped bit neither becomes the checkpoint's record nor refuses the resume."""
-    from olmax.cli import main
-
-    storage.upload(synth_mix.parent, f"s3://{stores.bucket}/data")
-    run = ["train", "tiny", "mesh.fsdp=1", "train.steps=4", "checkpoint.every=1",
-           f"data.mix_file=s3://{stores.bucket}/data/mix.txt", f"output_dir=s3://{stores.bucket}/run"]
-    for stop_after, flipped in ((2, True), (3, False), (4, True)):  # at the first start, at none, at a resume
-        flip = stores.s3.add("flip", method="GET", path=r"part-00000\.npy", after=1, times=1 if flipped else 0)
-        assert main([*run, f"train.stop_after={stop_after}"]) == 0, capsys.readouterr().err
-        assert flip.hits == flipped
-        stores.s3.remove(flip)
-    assert "resuming from step 3" in capsys.readouterr().out
-
-
 @pytest.mark.parametrize("kind", ["s3", "gs"])
 def test_a_missing_bucket_is_named(stores, kind):
     with pytest.raises(storage.MissingObject, match=f"bucket {kind}://nosuch does not exist") as err:

@@ -9,7 +9,10 @@ copy from the page cache, no per-shard mapping to keep open. A shard in a
 bucket (gs://, s3://, https://) is read through olmax.storage as the byte
 ranges of the batch's instances, fetched concurrently; its size comes from the
 object's metadata, and its ETag or generation joins the fingerprint, so a
-replaced object is named on resume.
+replaced object is named on resume. That version stands for its contents too:
+the store sets it from what was written, while the bytes a range read brings
+carry no checksum (a flip that repeats on every read would hash into the run's
+record, then refuse every clean resume), so no bytes of it are hashed.
 """
 
 from __future__ import annotations
@@ -217,7 +220,7 @@ class TokenShards:
         for index in range(len(self.sources)):
             head = self._read_tokens(index, 0, min(HEAD_CHECK_TOKENS, self.sizes[index] // self.dtype.itemsize))
             self._check_ids(head, index, 0)
-            self.contents.append(self._content_hash(index))
+            self.contents.append(None if self.versions[index] else self._content_hash(index))
 
     def _checked_size(self, path: str, size: int) -> int:
         tokens = _checked_tokens(path, self.token_dtype, size)
@@ -248,7 +251,8 @@ class TokenShards:
             # Names, not full paths, as OLMo-core: the same mix moved to another disk is the same data.
             "files": [[storage.basename(s.path), size] for s, size in zip(self.sources, self.sizes)],
             # Compared on resume beside the fingerprint, which stays a hash of names and sizes (as OLMo-core's),
-            # so that checkpoints written before these hashes existed still resume.
+            # so that checkpoints written before these hashes existed still resume; None for an object in a bucket,
+            # which its version (below) identifies.
             "contents": self.contents,
         }
         if any(self.versions):  # objects in a bucket: a replaced one of the same size is a change too
@@ -313,8 +317,8 @@ class TokenShards:
 
     def _content_hash(self, shard: int) -> str:
         """sha256 of the shard's first and last CONTENT_HASH_BYTES (the whole shard when smaller). A range read
-        from a bucket carries no checksum, and a bit flipped in transit would become the run's record of its data
-        (refusing every resume), so a remote shard's is read until two reads agree."""
+        carries no checksum, and a bit flipped in transit would become the run's record of its data (refusing
+        every resume), so a remote shard's (one its server gives no version) is read until two reads agree."""
         tokens = self.sizes[shard] // self.dtype.itemsize
         block = CONTENT_HASH_BYTES // self.dtype.itemsize
 
@@ -409,7 +413,7 @@ def describe_change(old: dict, new: dict) -> list[str]:
         changes += [f"shard {index}: {now[0]} has other contents (same name and size)"
                     for index, (was, now, old_hash, new_hash) in enumerate(zip(old_files, new_files, old["contents"],
                                                                                new["contents"]))
-                    if was == now and old_hash != new_hash]
+                    if was == now and None not in (old_hash, new_hash) and old_hash != new_hash]
     for index, (was, now) in enumerate(zip(old.get("versions", []), new.get("versions", []))):
         if was != now and old_files[index:index + 1] == new_files[index:index + 1]:
             changes.append(f"shard {index}: {new_files[index][0]} was replaced (version {was} -> {now})")
