@@ -28,6 +28,7 @@ import contextlib
 import errno
 import functools
 import http.client
+import io
 import json
 import logging
 import os
@@ -373,6 +374,54 @@ def read_ranges(path: str, starts: list[int], ends: list[int]) -> list[bytes]:
         if failed:
             retries.after(failed[0][1], retried=len(failed))
     return out
+
+
+READ_BLOCK = 16 * 2**20  # bytes of one range request of a remote file read front to back (`open_read`)
+
+
+class _RangeReader(io.RawIOBase):
+    """A remote file read front to back, a block at a time, each block a range request retried on its own."""
+
+    def __init__(self, path: str):
+        self.path, self.size, self.position = path, info(path)["size"], 0
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        end = min(self.position + len(buffer), self.size)
+        if end <= self.position:
+            return 0
+        data = read_ranges(self.path, [self.position], [end])[0]
+        buffer[: len(data)] = data
+        self.position += len(data)
+        return len(data)
+
+
+def open_read(path: str) -> io.BufferedIOBase:
+    """A binary file object reading `path` from the start: the file itself, or a remote object READ_BLOCK bytes
+    per request, each request retried (a fault in the middle of a large object costs one block, not the object)."""
+    if not is_remote(path):
+        return open(path, "rb")
+    return io.BufferedReader(_RangeReader(path), buffer_size=READ_BLOCK)
+
+
+def list_files(path: str) -> list[tuple[str, int]]:
+    """(path, size) of every file under the directory or prefix `path`, in sorted order, or [(path, size)] when
+    `path` is a file itself (an https:// URL always is). A path that does not exist is MissingObject."""
+    if not is_remote(path):
+        local = Path(path)
+        if not local.exists():
+            raise MissingObject(f"{path} does not exist")
+        if not local.is_dir():
+            return [(str(path), local.stat().st_size)]
+        return [(str(p), p.stat().st_size) for p in sorted(local.rglob("*")) if p.is_file()]
+    meta = info(path)
+    if not meta["dir"]:
+        return [(str(path), meta["size"])]
+    fs = _fs(path)
+    found = _call(path, fs.find, path, detail=True)
+    return sorted((f"{scheme(path)}://{name}", int(entry.get("size") or 0)) for name, entry in found.items())
 
 
 def check_writable(path: str) -> None:

@@ -97,7 +97,7 @@ def text(tmp_path_factory):
     return root
 
 
-def test_a_failed_tokenize_leaves_nothing_and_the_retry_works(tmp_path, text):
+def test_a_failed_tokenize_writes_no_mix_file_and_its_output_takes_no_other_command(tmp_path, text):
     tokenizer = train_tokenizer([str(text / "docs.jsonl")], tmp_path / "tokenizer.json", vocab_size=280,
                                 progress=False)
     bad = tmp_path / "bad.jsonl"
@@ -105,7 +105,12 @@ def test_a_failed_tokenize_leaves_nothing_and_the_retry_works(tmp_path, text):
     with pytest.raises(DataError, match=r"bad\.jsonl:1: not JSON"):  # after the first file's shards were written
         tokenize_corpus([str(text / "docs.jsonl"), str(bad)], tmp_path / "out", tokenizer_path=tokenizer,
                         shard_tokens=500, workers=0, progress=False)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.jsonl", "tokenizer.json"]
+    assert list((tmp_path / "out").glob("*.npy")) and not (tmp_path / "out" / "mix.txt").exists()
+    with pytest.raises(DataError, match=r"out holds the unfinished output of a tokenize of other inputs or settings: "
+                                        r"run that command again to finish it, or delete .*out"):
+        tokenize_corpus([str(text / "docs.jsonl")], tmp_path / "out", tokenizer_path=tokenizer, shard_tokens=500,
+                        workers=0, progress=False)
+    shutil.rmtree(tmp_path / "out")
     result = tokenize_corpus([str(text / "docs.jsonl")], tmp_path / "out", tokenizer_path=tokenizer,
                              shard_tokens=500, workers=0, progress=False)
     assert len(result.shards) > 5 and all(Path(p).is_file() for p in result.shards)

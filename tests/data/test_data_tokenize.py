@@ -2,7 +2,13 @@
 
 import argparse
 import gzip
+import hashlib
 import json
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -70,18 +76,35 @@ def test_tokenize_round_trip(tmp_path, corpus, workers):
     assert all(np.fromfile(p, dtype=np.uint16).size <= 2000 for p in result.shards)
     assert [(s.label, s.path) for s in read_mix_file(result.mix_file)] == [("toy", p) for p in result.shards]
     summary = json.loads((tmp_path / "out" / "tokenize.json").read_text())
+    assert summary["shards"] == [Path(p).name for p in result.shards] and summary["mix_file"] == "mix.txt"
     assert summary["tokens"] == sum(np.fromfile(p, dtype=np.uint16).size for p in result.shards)
     config = DataConfig(mix_file=result.mix_file, sequence_length=32, eos_id=0, pad_id=1, token_dtype="uint16")
     batch = next(build_loader(config, global_batch_instances=4, vocab_size=result.vocab_size))
     assert batch["input_ids"].shape == (4, 32)
 
 
+def digests(out):
+    """{file name: sha256} of every file of an output directory."""
+    return {str(p.relative_to(out)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(Path(out).rglob("*")) if p.is_file()}
+
+
 def test_worker_count_does_not_change_the_output(tmp_path, corpus):
     inputs, _, tokenizer = corpus
-    outputs = [tokenize_corpus(inputs, tmp_path / str(w), tokenizer_path=tokenizer, shard_tokens=3000, workers=w,
-                               progress=False) for w in (0, 2)]
-    for first, second in zip(outputs[0].shards, outputs[1].shards, strict=True):
-        assert open(first, "rb").read() == open(second, "rb").read()
+    for workers in (0, 2):
+        tokenize_corpus(inputs, tmp_path / str(workers), tokenizer_path=tokenizer, shard_tokens=3000, workers=workers,
+                        label="toy", progress=False)
+    assert digests(tmp_path / "0") == digests(tmp_path / "2")
+    assert len([name for name in digests(tmp_path / "0") if name.endswith(".docs.npz")]) > 2
+
+
+def test_sidecars_carry_no_date(tmp_path, corpus):
+    """np.savez dated each member of a sidecar with the time it wrote it: two runs a few seconds apart wrote
+    different bytes for the same documents."""
+    inputs, _, tokenizer = corpus
+    result = tokenize_corpus(inputs[:1], tmp_path / "out", tokenizer_path=tokenizer, workers=0, progress=False)
+    with zipfile.ZipFile(result.shards[0].removesuffix(".npy") + ".docs.npz") as sidecar:
+        assert [member.date_time for member in sidecar.infolist()] == [(1980, 1, 1, 0, 0, 0)] * 2
 
 
 def test_large_vocab_gives_uint32_shards(tmp_path):
@@ -111,8 +134,12 @@ def test_bad_text_input(tmp_path, corpus):
         tokenize_corpus([str(bad)], tmp_path / "b", tokenizer_path=tokenizer, workers=1, progress=False)
     broken = tmp_path / "broken.jsonl.gz"
     broken.write_bytes(b"not gzip at all")
-    with pytest.raises(DataError, match=r"broken\.jsonl\.gz: cannot read it"):
+    with pytest.raises(DataError, match=r"broken\.jsonl\.gz: cannot read it \(BadGzipFile"):
         list(read_documents(broken))
+    cut = gzip.compress(b"".join(b'{"text": "%d"}\n' % i for i in range(50_000)))
+    broken.write_bytes(cut[: len(cut) // 2])
+    with pytest.raises(DataError, match=r"broken\.jsonl\.gz: cannot read past line \d+ \(EOFError"):
+        tokenize_corpus([str(broken)], tmp_path / "e", tokenizer_path=tokenizer, workers=0, progress=False)
     (tmp_path / "table.csv").write_text("a,b\n")
     with pytest.raises(DataError, match=r"table\.csv: not a \.jsonl/\.json/\.txt file"):
         tokenize_corpus([str(tmp_path / "table.csv")], tmp_path / "c", tokenizer_path=tokenizer, progress=False)
@@ -156,23 +183,73 @@ def test_inputs_with_only_empty_texts_are_an_error_not_a_shard_of_eos(tmp_path, 
         assert not (tmp_path / f"out-{name}").exists()
 
 
-def test_the_partial_output_of_a_tokenize_killed_outright_is_removed_by_the_next(tmp_path, corpus):
-    import subprocess
-    import sys
-    import time
 
+def committed_shards(out):
+    return sorted(p.name for p in (out / ".tokenize").glob("part-*.json"))
+
+
+def test_a_bad_line_fails_its_shard_and_a_rerun_with_skip_bad_goes_on_past_it(tmp_path, corpus):
+    _, _, tokenizer = corpus
+    lines = [json.dumps({"text": d}).encode() + b"\n" for d in make_documents(6000, 3)]  # chunks of 1 MB: 2 or 3
+    lines[5000] = b'{"text": "caf\xe9"}\n'  # Latin-1, not UTF-8
+    lines[5500] = b'{"title": "no text"}\n'
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "bad.jsonl").write_bytes(b"".join(lines))
+    out = tmp_path / "out"
+    run = dict(tokenizer_path=tokenizer, shard_tokens=50_000, workers=2, label="toy", progress=False)
+    with pytest.raises(DataError, match=r"bad\.jsonl:5001: not UTF-8 .*--skip-bad"):
+        tokenize_corpus([str(tmp_path / "in")], out, **run)
+    records = [json.loads((out / ".tokenize" / name).read_text()) for name in committed_shards(out)]
+    assert records and records[-1]["resume_at"] <= 5000  # nothing of the bad line's shard is committed
+    assert sorted(p.name for p in out.glob("*.npy")) == [r["shard"] for r in records] and not (out / "mix.txt").exists()
+    result = tokenize_corpus([str(tmp_path / "in")], out, **run, skip_bad=True)
+    assert (result.documents, result.skipped_documents) == (5998, 2)
+    assert json.loads((out / "tokenize.json").read_text())["skipped_documents"] == 2
+    tokenize_corpus([str(tmp_path / "in")], tmp_path / "fresh", **run, skip_bad=True)
+    assert digests(out) == digests(tmp_path / "fresh")
+
+
+def test_a_tokenize_killed_outright_is_finished_by_the_same_command_skipping_what_it_committed(tmp_path, corpus):
     inputs, _, tokenizer = corpus
     big = tmp_path / "big.jsonl"
-    big.write_text("".join(json.dumps({"text": d * 40}) + "\n" for d in make_documents(5_000, 2)))
+    big.write_text("".join(json.dumps({"text": d * 10}) + "\n" for d in make_documents(4_000, 2)))
     out = tmp_path / "shards"
-    proc = subprocess.Popen([sys.executable, "-m", "olmax.cli", "tokenize", str(big), "--tokenizer", tokenizer,
-                             "--out", str(out), "--workers", "0", "--quiet"])
-    partial = tmp_path / f".shards.partial-{proc.pid}"
-    while not partial.exists():  # the event: the command has started writing
+    argv = ["tokenize", str(big), *inputs, "--tokenizer", tokenizer, "--label", "toy", "--shard-tokens", "20000",
+            "--workers", "0"]
+    proc = subprocess.Popen([sys.executable, "-m", "olmax.cli", *argv, "--out", str(out), "--quiet"])
+    while len(committed_shards(out) if (out / ".tokenize").exists() else []) < 2:  # the event: shards committed
         assert proc.poll() is None, "tokenize ended before it was killed"
-        time.sleep(0.01)
     proc.kill()
     proc.wait()
-    assert partial.exists() and not out.exists()
-    tokenize_corpus(inputs[:1], out, tokenizer_path=tokenizer, workers=0, progress=False)
-    assert not partial.exists() and (out / "mix.txt").is_file()
+    committed = {name: (out / name).stat().st_ino for name in
+                 (n.replace(".json", suffix) for n in committed_shards(out) for suffix in (".npy", ".docs.npz"))}
+    assert committed and not (out / "mix.txt").exists()
+    with pytest.raises(DataError, match="holds the unfinished output of a tokenize of other inputs or settings"):
+        run_cli(*argv[:-4], "--shard-tokens", 30000, "--workers", 0, "--out", out, "--quiet")
+    run_cli(*argv, "--out", out, "--quiet")
+    assert {name: (out / name).stat().st_ino for name in committed} == committed  # not written again
+    run_cli(*argv, "--out", tmp_path / "whole", "--quiet")
+    assert digests(out) == digests(tmp_path / "whole")
+    assert not (out / ".tokenize").exists()
+
+
+def test_progress_line(tmp_path, corpus, capsys):
+    inputs, _, tokenizer = corpus
+    tokenize_corpus(inputs, tmp_path / "out", tokenizer_path=tokenizer, shard_tokens=2000, workers=0)
+    last = capsys.readouterr().err.replace("\r", "\n").strip().splitlines()[-1]
+    assert last.startswith("tokenize 6/6 files: ") and " read, 303 documents, " in last, last
+    assert " tokens written, " in last and " tokens/s, ETA 00:00" in last, last
+
+
+def test_ray_is_imported_only_for_the_ray_engine(tmp_path, corpus):
+    inputs, _, tokenizer = corpus
+    code = ("import sys; from olmax.cli import main; code = main(sys.argv[1:]); "
+            "assert 'ray' not in sys.modules; sys.exit(code)")
+    argv = [sys.executable, "-c", code, "tokenize", *inputs, "--tokenizer", tokenizer, "--workers", "0", "--quiet"]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    assert subprocess.run([*argv, "--out", str(tmp_path / "out")], env=env).returncode == 0
+    wrong = subprocess.run([*argv, "--out", str(tmp_path / "other"), "--address", "127.0.0.1:1"], env=env,
+                           capture_output=True, text=True)
+    assert (wrong.returncode, wrong.stderr) == (2, "olmax: DataError: --address names a Ray cluster: give it with "
+                                                   "--engine ray\n")
+    assert not (tmp_path / "other").exists()

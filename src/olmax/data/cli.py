@@ -13,14 +13,23 @@ def add_commands(subparsers) -> None:
         "tokenize",
         help="text (JSONL `text` field, .txt, directories; .gz/.zst) -> OLMo token shards + sidecars + mix file",
     )
-    tokenize.add_argument("inputs", nargs="+", help="text files or directories of them")
+    tokenize.add_argument("inputs", nargs="+", help="text files or directories of them, local or gs://, s3:// "
+                          "(https:// files)")
     tokenize.add_argument("--tokenizer", required=True, help="local HF tokenizers tokenizer.json")
-    tokenize.add_argument("--out", required=True, help="a new or empty output directory")
+    tokenize.add_argument("--out", required=True, help="a new or empty output directory, local or gs://, s3:// (or "
+                          "the unfinished output of this same command, which it finishes)")
     tokenize.add_argument("--eos-token", default="<|endoftext|>", help="token appended after every document (default: %(default)s)")
     tokenize.add_argument("--shard-tokens", type=int, default=1 << 28, help="tokens per shard, at most (whole documents; default: %(default)s)")
-    tokenize.add_argument("--workers", type=int, default=None, help="tokenizer processes (default: all cores; 0: none)")
+    tokenize.add_argument("--workers", type=int, default=None, help="tokenizer processes (default: all cores; 0: "
+                          "none); with --engine ray, the CPUs of the local Ray")
+    tokenize.add_argument("--engine", choices=("processes", "ray"), default="processes",
+                          help="processes: worker processes on this host (default); ray: Ray tasks (the `ray` extra)")
+    tokenize.add_argument("--address", default=None, help="with --engine ray: the Ray cluster to join (host:port of "
+                          "its head; default: a local Ray started for the command)")
+    tokenize.add_argument("--skip-bad", action="store_true", help="skip documents that are not UTF-8, not JSON or "
+                          "without a string `text` (counted in tokenize.json) instead of failing on the first")
     tokenize.add_argument("--label", default=None, help="source label in the mix file (default: output dir name)")
-    tokenize.add_argument("--quiet", action="store_true", help="no progress bar")
+    tokenize.add_argument("--quiet", action="store_true", help="no progress line")
     tokenize.set_defaults(func=cmd_tokenize)
 
     tokenizer = subparsers.add_parser("tokenizer", help="tokenizer tools")
@@ -58,11 +67,15 @@ def cmd_tokenize(args: argparse.Namespace) -> None:
         workers=args.workers,
         label=args.label,
         progress=not args.quiet,
+        engine=args.engine,
+        address=args.address,
+        skip_bad=args.skip_bad,
     )
     mb_per_s = result.text_bytes / 1e6 / result.seconds
+    skipped = f", {result.skipped_documents} bad documents skipped" if args.skip_bad else ""
     print(
         f"{result.documents} documents, {result.text_bytes / 1e6:.1f} MB of text -> {result.tokens} tokens in "
-        f"{len(result.shards)} shards ({result.seconds:.1f} s, {mb_per_s:.2f} MB/s)"
+        f"{len(result.shards)} shards ({result.seconds:.1f} s, {mb_per_s:.2f} MB/s{skipped})"
     )
     pad = f" data.pad_id={result.pad_id}" if result.pad_id is not None else ""
     print(

@@ -476,8 +476,8 @@ def write_shards_record(directory: str | os.PathLike, shards: list[str], *, toke
                         eos_id: int) -> None:
     """Record how the shards of `directory` were written, so that reading them otherwise is an error."""
     record = {"token_dtype": token_dtype, "vocab_size": vocab_size, "eos_id": eos_id,
-              "shards": [os.path.basename(s) for s in shards]}
-    (Path(directory) / SHARDS_RECORD).write_text(json.dumps(record, indent=1) + "\n")
+              "shards": [storage.basename(s) for s in shards]}
+    storage.write_bytes(storage.join(str(directory), SHARDS_RECORD), (json.dumps(record, indent=1) + "\n").encode())
 
 
 def write_shard(path: str | os.PathLike, tokens: np.ndarray) -> None:
