@@ -103,3 +103,26 @@ def event_histograms(directory) -> dict:
             offset += 12 + length + 4
             out.update({(v.tag, event.step): v.histo for v in event.summary.value if v.HasField("histo")})
     return out
+
+
+def write_text_corpus(directory: Path, files: int, lines: int) -> list[Path]:
+    """`files` files of `lines` JSON lines of random words each (some with non-ASCII text), in turn .jsonl, .jsonl.gz,
+    .jsonl.zst and .txt (a .txt file is one document: its lines as they are)."""
+    import gzip
+    import json
+
+    import numpy as np
+    import zstandard
+
+    words = "the a data model token shard ray node worker retry ünïcödé 数据 🙂".split()
+    rng = np.random.default_rng(0)
+    directory.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for i in range(files):
+        text = "".join(json.dumps({"text": " ".join(rng.choice(words, int(rng.integers(5, 300))))}) + "\n"
+                       for _ in range(lines)).encode()
+        suffix, data = [("jsonl", text), ("jsonl.gz", gzip.compress(text)), ("jsonl.zst", zstandard.compress(text)),
+                        ("txt", text)][i % 4]
+        paths.append(directory / f"part-{i:02d}.{suffix}")
+        paths[-1].write_bytes(data)
+    return paths

@@ -1,9 +1,12 @@
-"""A two-node Slurm cluster on this machine: each node a network namespace with its own address on a private
-bridge, its own host name (a UTS namespace) and its own scratch directory standing for its local disk.
+"""A two-node Slurm cluster on this machine (or its network alone, for a Ray cluster): each node a network
+namespace with its own address on a private bridge, its own host name (a UTS namespace) and its own scratch
+directory standing for its local disk.
 
     10.123.0.1   olmaxctl     the bridge, in this namespace: slurmctld, munged, the S3 server (moto)
     10.123.0.11  olmaxnode1   network namespace olmaxnode1: slurmd -N olmaxnode1
     10.123.0.12  olmaxnode2   network namespace olmaxnode2: slurmd -N olmaxnode2
+
+The Ray cluster's network is another such, on 10.124.0.0/24 (olmaxhost, olmaxray1, olmaxray2).
 
 The names resolve only inside the namespaces, through the hosts file this module writes to
 /etc/netns/NAME/hosts (`ip netns exec` mounts it over /etc/hosts). Every task of a job sets TMPDIR and its JAX
@@ -22,6 +25,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -30,10 +34,32 @@ from testlib import apt_install
 
 from olmax.launch.supervisor import free_port
 
-SUBNET = "10.123.0"  # a private /24 of this test's own: only the bridge and the namespaces made here use it
-BRIDGE = "olmaxbr0"
-CONTROLLER = ("olmaxctl", f"{SUBNET}.1")
-NODES = {"olmaxnode1": f"{SUBNET}.11", "olmaxnode2": f"{SUBNET}.12"}
+
+
+@dataclass(frozen=True)
+class Network:
+    """A private /24 of a test's own (only the bridge and the namespaces made here use it): its bridge, the
+    prefix of its veth devices, the controller's (bridge's) name and address, the nodes' names and addresses."""
+
+    subnet: str
+    bridge: str
+    veth: str
+    controller_name: str
+    node_names: tuple[str, str]
+
+    @property
+    def controller(self) -> tuple[str, str]:
+        return self.controller_name, f"{self.subnet}.1"
+
+    @property
+    def nodes(self) -> dict[str, str]:
+        return {name: f"{self.subnet}.{11 + i}" for i, name in enumerate(self.node_names)}
+
+
+# The Slurm cluster's, and the Ray cluster's (tests/launch/test_ray_two_nodes.py): tests of both may run at once.
+SLURM_NETWORK = Network("10.123.0", "olmaxbr0", "olmaxv", "olmaxctl", ("olmaxnode1", "olmaxnode2"))
+RAY_NETWORK = Network("10.124.0", "olmaxbr1", "olmaxw", "olmaxhost", ("olmaxray1", "olmaxray2"))
+CONTROLLER, NODES = SLURM_NETWORK.controller, SLURM_NETWORK.nodes
 
 SLURM_CONF = """\
 ClusterName=olmaxnet
@@ -79,13 +105,13 @@ def _ip(*args: str) -> None:
     subprocess.run(["ip", *args], check=True, capture_output=True, text=True)
 
 
-def _remove_network() -> None:
+def _remove_network(network: Network = SLURM_NETWORK) -> None:
     """The namespaces (and every process left in them) and the bridge, from this run or one that died."""
-    for name in NODES:
+    for name in network.nodes:
         kill_namespace(name)
         subprocess.run(["ip", "netns", "delete", name], capture_output=True)
         shutil.rmtree(f"/etc/netns/{name}", ignore_errors=True)
-    subprocess.run(["ip", "link", "delete", BRIDGE], capture_output=True)
+    subprocess.run(["ip", "link", "delete", network.bridge], capture_output=True)
 
 
 def kill_namespace(name: str) -> list[int]:
@@ -98,15 +124,17 @@ def kill_namespace(name: str) -> list[int]:
     return pids
 
 
-def _make_network() -> None:
-    _ip("link", "add", BRIDGE, "type", "bridge")
-    _ip("addr", "add", f"{CONTROLLER[1]}/24", "dev", BRIDGE)
-    _ip("link", "set", BRIDGE, "up")
-    hosts = "127.0.0.1 localhost\n" + "".join(f"{addr} {name}\n" for name, addr in [CONTROLLER, *NODES.items()])
-    for i, (name, addr) in enumerate(NODES.items(), 1):
+def _make_network(network: Network = SLURM_NETWORK) -> None:
+    bridge = network.bridge
+    _ip("link", "add", bridge, "type", "bridge")
+    _ip("addr", "add", f"{network.controller[1]}/24", "dev", bridge)
+    _ip("link", "set", bridge, "up")
+    hosts = "127.0.0.1 localhost\n" + "".join(f"{addr} {name}\n"
+                                             for name, addr in [network.controller, *network.nodes.items()])
+    for i, (name, addr) in enumerate(network.nodes.items(), 1):
         _ip("netns", "add", name)
-        _ip("link", "add", f"olmaxv{i}", "type", "veth", "peer", "name", "eth0", "netns", name)
-        _ip("link", "set", f"olmaxv{i}", "master", BRIDGE, "up")
+        _ip("link", "add", f"{network.veth}{i}", "type", "veth", "peer", "name", "eth0", "netns", name)
+        _ip("link", "set", f"{network.veth}{i}", "master", bridge, "up")
         _ip("-n", name, "addr", "add", f"{addr}/24", "dev", "eth0")
         _ip("-n", name, "link", "set", "eth0", "up")
         _ip("-n", name, "link", "set", "lo", "up")
@@ -124,6 +152,21 @@ def on_node(name: str, argv: list[str]) -> list[str]:
 def as_controller(argv: list[str]) -> list[str]:
     """`argv` run under the controller's host name (slurmctld checks that it runs on SlurmctldHost)."""
     return ["unshare", "--uts", "sh", "-c", f'hostname {CONTROLLER[0]} && exec "$@"', "sh", *argv]
+
+
+@contextlib.contextmanager
+def two_node_network(network: Network):
+    """The bridge and the two nodes' namespaces alone (no Slurm), removed on exit with every process in them."""
+    if os.geteuid() != 0:
+        pytest.skip("the two-node network needs root (network namespaces); this process is not root")
+    if shutil.which("ip") is None:
+        apt_install("iproute2")
+    _remove_network(network)  # what a killed run of a test left
+    try:
+        _make_network(network)
+        yield
+    finally:
+        _remove_network(network)
 
 
 class Cluster:
@@ -198,21 +241,21 @@ def two_node_cluster(scratch: Path):
                 daemon.wait()
 
 
-def start_moto(scratch: Path) -> tuple[subprocess.Popen, str]:
-    """moto's S3 server on the bridge address, where both nodes reach it: (the process, its URL)."""
+def start_moto(scratch: Path, host: str = CONTROLLER[1]) -> tuple[subprocess.Popen, str]:
+    """moto's S3 server on the bridge address `host`, where both nodes reach it: (the process, its URL)."""
     import socket
 
     with socket.socket() as s:
-        s.bind((CONTROLLER[1], 0))
+        s.bind((host, 0))
         port = s.getsockname()[1]
     log = (scratch / "moto.log").open("w")
-    moto = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", CONTROLLER[1], "-p", str(port)],
+    moto = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", host, "-p", str(port)],
                             stdout=subprocess.DEVNULL, stderr=log)
-    url = f"http://{CONTROLLER[1]}:{port}"
+    url = f"http://{host}:{port}"
     deadline = time.monotonic() + 60
     while True:
         try:
-            socket.create_connection((CONTROLLER[1], port), timeout=1).close()
+            socket.create_connection((host, port), timeout=1).close()
             return moto, url
         except OSError:
             assert moto.poll() is None and time.monotonic() < deadline, (scratch / "moto.log").read_text()[-2000:]

@@ -1,0 +1,79 @@
+"""The `ray` engine of `olmax tokenize`: each task of olmax.data.tokenize a Ray task, on the cluster at --address
+or on a local Ray started for the command and stopped after it.
+
+A task reads its inputs and writes its shards itself; the driver sends the tokenizer once, through Ray's object
+store, and holds no text. A task whose worker process or node is lost is run again by Ray and resumes after its
+last committed shard; a bad input fails the command (running it again fails the same way). Imported only for
+`--engine ray`: nothing else needs Ray installed.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from olmax.data.tokenize import Progress, ProgressLine, Settings, Task, _worker, init_worker, run_task
+from olmax.errors import DataError, OlmaxError
+
+# Runs of a task after a loss of its worker or node (spot nodes come and go over a long job); Ray's default is 3.
+TASK_RETRIES = 5
+POLL_S = 1.0  # how often the progress line is brought up to date
+
+
+class _Report:
+    """A task's progress, sent to the driver's counter (an actor) without waiting for it."""
+
+    def __init__(self, counter):
+        self.counter = counter
+
+    def read(self, file: int, size: int) -> None:
+        self.counter.read.remote(file, size)
+
+    def wrote(self, documents: int, tokens: int) -> None:
+        self.counter.wrote.remote(documents, tokens)
+
+
+def _tokenize_task(task: Task, settings: Settings, tokenizer_json: str, counter) -> dict:
+    args = (tokenizer_json, settings.eos_id, settings.dtype, settings.skip_bad, True)
+    if _worker.get("args") != args:  # a Ray worker process runs many tasks: it loads the tokenizer once
+        init_worker(*args)
+    return run_task(task, settings, map, _Report(counter))
+
+
+def run_on_ray(tasks: list[Task], settings: Settings, tokenizer_json: str, address: str | None,
+               workers: int | None, line: ProgressLine) -> dict[int, dict]:
+    """The records of `tasks`, run as Ray tasks (one CPU each)."""
+    try:
+        ray.init(address=address, num_cpus=None if address else workers, include_dashboard=False,
+                 log_to_driver=False, logging_level=logging.ERROR)
+    except ConnectionError as err:
+        raise DataError(f"--address {address}: no Ray cluster answers there ({err}); give the address of its head "
+                        "node (host:port, as `ray start --head` printed it)") from None
+    running = {}
+    try:
+        tokenizer = ray.put(tokenizer_json)
+        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+        counter = ray.remote(num_cpus=0, scheduling_strategy=here)(Progress).remote()
+        remote = ray.remote(num_cpus=1, max_retries=TASK_RETRIES)(_tokenize_task)
+        running = {remote.remote(task, settings, tokenizer, counter): task.index for task in tasks}
+        done = {}
+        while running:
+            ready, _ = ray.wait(list(running), num_returns=len(running), timeout=POLL_S)
+            for ref in ready:
+                done[running.pop(ref)] = ray.get(ref)
+            line.show(ray.get(counter.totals.remote()))
+        return done
+    except ray.exceptions.RayTaskError as err:
+        if isinstance(err.cause, OlmaxError):
+            raise err.cause from None
+        raise
+    except ray.exceptions.RayError as err:  # a task lost more often than it is retried
+        first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        raise OlmaxError(f"a tokenize task failed on Ray after {TASK_RETRIES} retries ({type(err).__name__}: "
+                         f"{first}); its committed shards stay: run the same command again to resume") from None
+    finally:
+        for ref in running:
+            ray.cancel(ref, force=True)
+        ray.shutdown()

@@ -1,0 +1,113 @@
+"""`olmax tokenize --engine ray` on real Ray clusters: a head and a second node started with `ray start` (the
+tests' own ports, directories and token: tests/ray_cluster.py), and the local Ray the command starts itself.
+The output is the bytes of the single-host path (tokenize.json aside, which records the engine), with Ray's
+workers killed in the middle of the job, and with the command itself killed and run again."""
+
+import hashlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from ray_cluster import local_cluster, ray_env
+from testlib import write_text_corpus
+
+from olmax.data.tokenize import tokenize_corpus, train_tokenizer
+
+pytestmark = pytest.mark.slow
+SETTINGS = ["--shard-tokens", "40000", "--label", "web"]  # and in the fixture's and the first test's calls
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """16 files (JSONL plain, .gz and .zst, and .txt), a tokenizer, and the single-host output: (the input
+    directory, the tokenizer, the output's directory)."""
+    root = tmp_path_factory.mktemp("ray-corpus")
+    paths = write_text_corpus(root / "text", files=16, lines=250)
+    tokenizer = train_tokenizer([str(paths[0])], root / "tokenizer.json", vocab_size=400, progress=False)
+    tokenize_corpus([str(root / "text")], root / "single-host", tokenizer_path=tokenizer, shard_tokens=40000,
+                    label="web", workers=0, progress=False)
+    return root / "text", tokenizer, root / "single-host"
+
+
+def run_cli(text, tokenizer, out, *argv, env=None, wait=True):
+    command = [sys.executable, "-m", "olmax.cli", "tokenize", str(text), "--tokenizer", str(tokenizer), "--out",
+               str(out), *SETTINGS, "--quiet", *argv]
+    env = env or {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    if not wait:
+        return subprocess.Popen(command, env=env)
+    out = subprocess.run(command, env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-3000:]
+
+
+def assert_same_bytes(out, single_host):
+    def digests(root):
+        found = {}
+        for path in sorted(Path(root).iterdir()):
+            data = path.read_bytes()
+            if path.name == "tokenize.json":  # the engine recorded, nothing else differs
+                data = data.replace(b'"engine": "ray"', b'"engine": "processes"')
+            found[path.name] = hashlib.sha256(data).hexdigest()
+        return found
+
+    assert digests(out) == digests(single_host)
+    assert json.loads((Path(out) / "tokenize.json").read_text())["engine"] == "ray"
+
+
+def kill_tasks(nodes, times: int) -> list[int]:
+    """Start killing, `times` times, a Ray worker process of `nodes` running a tokenize task (each a new one: the
+    retry of a killed task runs in a new process); the pids killed, filled in as it goes."""
+    killed = []
+
+    def watch():
+        while len(killed) < times:
+            running = [pid for node in nodes for pid, line in node.processes().items()
+                       if line.startswith("ray::_tokenize_task") and pid not in killed]
+            if running:
+                os.kill(running[0], signal.SIGKILL)
+                killed.append(running[0])
+            time.sleep(0.01)
+
+    threading.Thread(target=watch, daemon=True).start()
+    return killed
+
+
+def test_a_ray_cluster_writes_the_single_host_bytes_with_a_worker_killed_twice(corpus, tmp_path, monkeypatch):
+    text, tokenizer, single_host = corpus
+    with local_cluster(nodes=2, cpus=1) as (nodes, env):
+        for key in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN"):
+            monkeypatch.setenv(key, env[key])
+        killed = kill_tasks(nodes, times=2)
+        result = tokenize_corpus([str(text)], tmp_path / "out", tokenizer_path=tokenizer, shard_tokens=40000,
+                                 label="web", engine="ray", address=nodes[0].address, progress=False)
+        assert len(killed) == 2  # both in the middle of the job: a killed task's retry is still to come
+    assert len(result.shards) > 16
+    assert_same_bytes(tmp_path / "out", single_host)
+
+
+def test_the_local_ray_of_a_killed_command_is_gone_and_the_same_command_finishes_the_job(corpus, tmp_path):
+    text, tokenizer, single_host = corpus
+    ray_dir = tempfile.mkdtemp(prefix="ray-")  # short: Ray's socket paths must fit in 107 characters
+    env = ray_env(RAY_TMPDIR=ray_dir)
+    out = tmp_path / "out"
+    driver = run_cli(text, tokenizer, out, "--engine", "ray", "--workers", "2", env=env, wait=False)
+    while len(list((out / ".tokenize").glob("part-*.json")) if (out / ".tokenize").exists() else []) < 2:
+        assert driver.poll() is None, "tokenize ended before it was killed"
+        time.sleep(0.01)
+    driver.kill()
+    driver.wait()
+    assert not (out / "mix.txt").exists()
+    run_cli(text, tokenizer, out, "--engine", "ray", "--workers", "2", env=env)
+    assert_same_bytes(out, single_host)
+    # The Ray the command started is stopped: no process left names its directory (Ray's agents, whose command
+    # lines do not, leave by themselves once their raylet is gone).
+    left = subprocess.run(["pgrep", "-f", ray_dir], capture_output=True, text=True).stdout.split()
+    shutil.rmtree(ray_dir)
+    assert left == []
