@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -77,9 +78,12 @@ class Node:
 
 
 @contextlib.contextmanager
-def local_cluster(nodes: int = 2, cpus: int = 1, ip: str = "127.0.0.1"):
-    """A head and `nodes - 1` more nodes on this machine, `cpus` each: (the nodes, the environment to drive it)."""
-    env = ray_env()
+def local_cluster(nodes: int = 2, cpus: int = 1, env: dict | None = None):
+    """A head and `nodes - 1` more nodes on this machine, `cpus` each, with `env` (default: a new `ray_env()`; a
+    process that drives several clusters one after another keeps its first token): (the nodes, the environment
+    to drive them)."""
+    env = env or ray_env()
+    ip = "127.0.0.1"
     started = []
     try:
         started.append(Node(env, ip, cpus))
@@ -89,3 +93,21 @@ def local_cluster(nodes: int = 2, cpus: int = 1, ip: str = "127.0.0.1"):
     finally:
         for node in reversed(started):
             node.stop()
+
+
+def kill_tasks(nodes, times: int) -> list[int]:
+    """Start killing, `times` times while the nodes run, a Ray worker process of `nodes` running a tokenize task
+    (each a new one: the retry of a killed task runs in a new process); the pids killed, filled in as it goes."""
+    killed = []
+
+    def watch():
+        while len(killed) < times and all(node.process.poll() is None for node in nodes):
+            running = [pid for node in nodes for pid, line in node.processes().items()
+                       if line.startswith("ray::_tokenize_task") and pid not in killed]
+            if running:
+                os.kill(running[0], signal.SIGKILL)
+                killed.append(running[0])
+            time.sleep(0.01)
+
+    threading.Thread(target=watch, daemon=True).start()
+    return killed

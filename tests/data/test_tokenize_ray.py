@@ -7,16 +7,14 @@ import hashlib
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
 import pytest
-from ray_cluster import local_cluster, ray_env
+from ray_cluster import kill_tasks, local_cluster, ray_env
 from testlib import write_text_corpus
 
 from olmax.data.tokenize import tokenize_corpus, train_tokenizer
@@ -59,24 +57,6 @@ def assert_same_bytes(out, single_host):
 
     assert digests(out) == digests(single_host)
     assert json.loads((Path(out) / "tokenize.json").read_text())["engine"] == "ray"
-
-
-def kill_tasks(nodes, times: int) -> list[int]:
-    """Start killing, `times` times, a Ray worker process of `nodes` running a tokenize task (each a new one: the
-    retry of a killed task runs in a new process); the pids killed, filled in as it goes."""
-    killed = []
-
-    def watch():
-        while len(killed) < times:
-            running = [pid for node in nodes for pid, line in node.processes().items()
-                       if line.startswith("ray::_tokenize_task") and pid not in killed]
-            if running:
-                os.kill(running[0], signal.SIGKILL)
-                killed.append(running[0])
-            time.sleep(0.01)
-
-    threading.Thread(target=watch, daemon=True).start()
-    return killed
 
 
 def test_a_ray_cluster_writes_the_single_host_bytes_with_a_worker_killed_twice(corpus, tmp_path, monkeypatch):
