@@ -8,7 +8,7 @@
 The corpus is the running Python's standard library sources, one JSON line per source file (text any machine
 has, nothing downloaded), cycled until it holds --megabytes of text, in --files files in turn .jsonl,
 .jsonl.gz, .jsonl.zst and .txt (a .txt file is one document); without --tokenizer a byte-level BPE of
---vocab-size is trained on its first 8 MB. Rows, each tokenizing the whole corpus into fresh shards:
+--vocab-size is trained on its first .jsonl file. Rows, each tokenizing the whole corpus into fresh shards:
 
 - processes: the single-host path, --workers worker processes;
 - ray, 1 node: a Ray head started with `ray start` with --workers CPUs (the job's time, not the start's);

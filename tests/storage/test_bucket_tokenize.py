@@ -1,4 +1,5 @@
-"""`olmax tokenize` from and to buckets, through faults: the bytes the same inputs give on local disk."""
+"""`olmax tokenize` from and to buckets (its tokenizer in one too), through faults: the bytes the same inputs give
+on local disk."""
 
 from __future__ import annotations
 
@@ -35,10 +36,11 @@ def test_tokenize_from_gcs_to_s3_through_faults_writes_the_local_bytes(stores, t
     local = tokenize_corpus([str(tmp_path / "text")], tmp_path / "out", tokenizer_path=tokenizer, shard_tokens=6000,
                             workers=0, label="web", progress=False)
     storage.upload(tmp_path / "text", f"gs://{stores.bucket}/text")
+    storage.upload(tokenizer, f"gs://{stores.bucket}/tokenizer.json")
     stores.set_faults(share=0.1)
     out = f"s3://{stores.bucket}/shards"
-    remote = tokenize_corpus([f"gs://{stores.bucket}/text"], out, tokenizer_path=tokenizer, shard_tokens=6000,
-                             workers=0, label="web", progress=False)
+    remote = tokenize_corpus([f"gs://{stores.bucket}/text"], out, tokenizer_path=f"gs://{stores.bucket}/tokenizer.json",
+                             shard_tokens=6000, workers=0, label="web", progress=False)
     assert stores.s3.faults > 0 and stores.gcs.faults > 0
     names = [storage.basename(p) for p in local.shards]
     assert remote.shards == [storage.join(out, name) for name in names] and len(names) > 4
@@ -48,4 +50,5 @@ def test_tokenize_from_gcs_to_s3_through_faults_writes_the_local_bytes(stores, t
     record = json.loads(storage.read_text(f"{out}/tokenize.json"))
     assert record["inputs"] == [f"gs://{stores.bucket}/text/{n}" for n in ("a.jsonl", "b.jsonl.gz", "c.jsonl.zst",
                                                                             "d.txt")]
-    assert record == {**json.loads((tmp_path / "out" / "tokenize.json").read_text()), "inputs": record["inputs"]}
+    assert record == {**json.loads((tmp_path / "out" / "tokenize.json").read_text()), "inputs": record["inputs"],
+                      "tokenizer": f"gs://{stores.bucket}/tokenizer.json"}

@@ -15,7 +15,7 @@ def add_commands(subparsers) -> None:
     )
     tokenize.add_argument("inputs", nargs="+", help="text files or directories of them, local or gs://, s3:// "
                           "(https:// files)")
-    tokenize.add_argument("--tokenizer", required=True, help="local HF tokenizers tokenizer.json")
+    tokenize.add_argument("--tokenizer", required=True, help="HF tokenizers tokenizer.json, local or in a bucket")
     tokenize.add_argument("--out", required=True, help="a new or empty output directory, local or gs://, s3:// (or "
                           "the unfinished output of this same command, which it finishes)")
     tokenize.add_argument("--eos-token", default="<|endoftext|>", help="token appended after every document (default: %(default)s)")

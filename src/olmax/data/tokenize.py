@@ -210,16 +210,19 @@ def load_tokenizer(path: str | os.PathLike):
 
 
 def read_tokenizer(path: str | os.PathLike) -> str:
-    """The text of a local tokenizer.json, checked to load."""
+    """The text of a tokenizer.json (local or in a bucket), checked to load."""
     from tokenizers import Tokenizer
 
-    if Path(path).is_dir():
+    if storage.is_remote(path):
+        text = storage.read_text(str(path))
+    elif Path(path).is_dir():
         raise DataError(f"tokenizer file {path} is a directory; pass the tokenizer.json file (e.g. in it)")
-    if not Path(path).is_file():
+    elif not Path(path).is_file():
         raise DataError(f"tokenizer file {path} does not exist; pass a local tokenizer.json or train one with "
                         "`olmax tokenizer train`")
-    try:
+    else:
         text = Path(path).read_text()
+    try:
         Tokenizer.from_str(text)
     except Exception as err:
         raise DataError(f"tokenizer file {path} does not load ({err}); pass a HF tokenizers tokenizer.json") from None
@@ -477,11 +480,14 @@ def tokenize_corpus(
     """Tokenize the inputs into shards + sidecars + mix file in out_dir (new or empty, or the unfinished output of
     this same command, which it finishes). `engine="ray"` runs the tasks on the Ray cluster at `address` (default:
     a local one started for the command, with `workers` CPUs)."""
+    from tokenizers import Tokenizer
+
     started = time.perf_counter()
     _check_engine(engine, address, workers)
     files = find_inputs(inputs)
     tokenizer_json = read_tokenizer(tokenizer_path)
-    tokenizer = load_tokenizer(tokenizer_path)
+    tokenizer = Tokenizer.from_str(tokenizer_json)
+    tokenizer_name = str(tokenizer_path) if storage.is_remote(tokenizer_path) else str(Path(tokenizer_path).resolve())
     eos_id = special_id(tokenizer, eos_token, tokenizer_path)
     pad_id = tokenizer.token_to_id(PAD_TOKEN)
     vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
@@ -521,7 +527,7 @@ def tokenize_corpus(
     )
     # The record is the same bytes for the same inputs and settings, wherever the output is: no time, no out path.
     summary = {**asdict(result), "shards": names, "mix_file": "mix.txt",
-               "tokenizer": str(Path(tokenizer_path).resolve()), "inputs": [f for f, _ in files], "engine": engine}
+               "tokenizer": tokenizer_name, "inputs": [f for f, _ in files], "engine": engine}
     del summary["seconds"]
     storage.write_bytes(storage.join(out, "tokenize.json"), (json.dumps(summary, indent=1) + "\n").encode())
     storage.remove(storage.join(out, WORK))
