@@ -38,6 +38,7 @@ import collections
 import contextlib
 import gzip
 import hashlib
+import importlib.util
 import io
 import json
 import multiprocessing
@@ -404,10 +405,10 @@ def run_task(task: Task, settings: Settings, encode_map, progress) -> dict:
     committed = []
     while storage.exists(path := _record_path(settings.out, f"part-{task.index:05d}-{len(committed):05d}.json")):
         committed.append(json.loads(storage.read_text(path)))
+    resume_at = committed[-1]["resume_at"] if committed else 0
     with _staging(settings.out) as stage:
         writer = TaskWriter(task, settings, stage, committed, progress)
-        for encoded in encode_map(_encode_chunk, _chunks(task, committed[-1]["resume_at"] if committed else 0,
-                                                         progress)):
+        for encoded in encode_map(_encode_chunk, _chunks(task, resume_at, progress)):
             writer.add(*encoded)
         return writer.finish()
 
@@ -544,6 +545,8 @@ def _check_engine(engine: str, address: str | None, workers: int | None) -> None
                         "leave --workers out")
     if engine == "ray" and workers == 0:
         raise DataError("--workers 0 starts a Ray with no CPU to run the tasks on: give 1 or more")
+    if engine == "ray" and importlib.util.find_spec("ray") is None:
+        raise DataError("--engine ray needs Ray, which is not installed: pip install 'olmax[ray]'")
 
 
 def _resume_or_start(out: str, plan: dict) -> dict[int, dict]:
