@@ -103,6 +103,8 @@ def main() -> None:
                              "%(default)s: a task a file or two at the default sizes, so Ray has tasks for all CPUs)")
     parser.add_argument("--tokenizer", help="a tokenizer.json to use instead of training one")
     parser.add_argument("--vocab-size", type=int, default=32000)
+    parser.add_argument("--nodes", type=int, nargs="+", default=[1, 2], choices=[1, 2],
+                        help="the Ray clusters started here: of 1 node, of 2 nodes (default: both)")
     parser.add_argument("--address", help="also a row on the Ray cluster there (its nodes must reach --dir)")
     parser.add_argument("--checks", action="store_true", help="also the rows with a killed worker and command")
     parser.add_argument("--dir", help="where the corpus and outputs are written (default: a temporary directory)")
@@ -144,7 +146,7 @@ def main() -> None:
                                                                                **common))
         env = ray_env()  # one token: this process's Ray keeps the first it is given
         os.environ.update({key: env[key] for key in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN")})
-        for nodes in (1, 2):
+        for nodes in args.nodes:
             cpus = args.workers if nodes == 1 else -(-args.workers // 2)
             with local_cluster(nodes=nodes, cpus=cpus, env=env) as (cluster, _):
                 address = cluster[0].address

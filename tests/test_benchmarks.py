@@ -36,7 +36,7 @@ SMALLEST = {
     "slow_bucket.py": ["--steps", "3", "--latencies-ms", "direct,20", "--workers", "2"],
     "step_memory.py": ["tiny", "train.micro_batch_per_device=1", "--devices", "2"],
     "tokenize_throughput.py": ["--megabytes", "0.05", "--vocab-size", "300", "--workers", "1"],
-    "tokenize_ray.py": ["--megabytes", "0.2", "--files", "4", "--vocab-size", "300", "--workers", "1"],
+    "tokenize_ray.py": ["--megabytes", "0.2", "--files", "4", "--vocab-size", "300", "--workers", "1", "--nodes", "1"],
     "train_throughput.py": ["--steps", "1", "--skip-torch", "--olmax", *TOY_MODEL],
 }
 
