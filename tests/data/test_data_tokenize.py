@@ -7,7 +7,6 @@ import json
 import os
 import subprocess
 import sys
-import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -96,15 +95,6 @@ def test_worker_count_does_not_change_the_output(tmp_path, corpus):
                         label="toy", progress=False)
     assert digests(tmp_path / "0") == digests(tmp_path / "2")
     assert len([name for name in digests(tmp_path / "0") if name.endswith(".docs.npz")]) > 2
-
-
-def test_sidecars_carry_no_date(tmp_path, corpus):
-    """np.savez dated each member of a sidecar with the time it wrote it: two runs a few seconds apart wrote
-    different bytes for the same documents."""
-    inputs, _, tokenizer = corpus
-    result = tokenize_corpus(inputs[:1], tmp_path / "out", tokenizer_path=tokenizer, workers=0, progress=False)
-    with zipfile.ZipFile(result.shards[0].removesuffix(".npy") + ".docs.npz") as sidecar:
-        assert [member.date_time for member in sidecar.infolist()] == [(1980, 1, 1, 0, 0, 0)] * 2
 
 
 def test_large_vocab_gives_uint32_shards(tmp_path):

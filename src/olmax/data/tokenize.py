@@ -47,7 +47,6 @@ import shutil
 import tempfile
 import time
 import uuid
-import zipfile
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -298,15 +297,6 @@ def _chunks(task: Task, skip: int, progress) -> Iterator[tuple[str, int, list[tu
         progress.read(number, size)
 
 
-def write_sidecar(path: Path, token_offsets: np.ndarray, text_bytes: np.ndarray) -> None:
-    """np.savez's format, every member dated 1980-01-01 (np.savez dates them now): the same documents, the same
-    bytes."""
-    with zipfile.ZipFile(path, "w") as archive:
-        for name, array in (("token_offsets", token_offsets), ("text_bytes", text_bytes)):
-            with archive.open(zipfile.ZipInfo(f"{name}.npy"), "w", force_zip64=True) as f:
-                np.lib.format.write_array(f, array)
-
-
 def _put(staged: Path, target: str) -> None:
     """Put a staged file in place: renamed beside it on disk, uploaded to a bucket."""
     if storage.is_remote(target):
@@ -371,8 +361,9 @@ class TaskWriter:
     def _commit(self) -> None:
         self._file.close()
         self._file = None
-        write_sidecar(self.stage / self._name(".docs.npz"), np.array(self._offsets, dtype=np.int64),
-                      np.array(self._bytes, dtype=np.int64))
+        with open(self.stage / self._name(".docs.npz"), "wb") as f:
+            np.savez(f, token_offsets=np.array(self._offsets, dtype=np.int64),
+                     text_bytes=np.array(self._bytes, dtype=np.int64))
         skipped = sum(1 for b in self._bad if b < self._last)
         self._bad = [b for b in self._bad if b > self._last]
         record = {"shard": self._name(".npy"), "documents": len(self._bytes), "tokens": self._offsets[-1],
