@@ -22,9 +22,12 @@ START_TIMEOUT_S = 180  # a loaded 2-core machine has taken 10 s for a head node
 
 
 def ray_env(**extra: str) -> dict:
-    """The environment of a cluster's nodes and its drivers: the token they all share, no usage report."""
+    """The environment of a cluster's nodes and its drivers: the token they all share, no usage report, and no
+    memory monitor (it kills Ray's workers when the machine's memory is nearly full, whoever fills it: on a
+    machine shared with other jobs, seen killing a benchmark's workers 3 times over)."""
     return {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32),
-            "RAY_USAGE_STATS_ENABLED": "0", "PYTHONPATH": os.pathsep.join(sys.path), **extra}
+            "RAY_USAGE_STATS_ENABLED": "0", "RAY_memory_monitor_refresh_ms": "0",
+            "PYTHONPATH": os.pathsep.join(sys.path), **extra}
 
 
 class Node:
