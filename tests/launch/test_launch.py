@@ -161,6 +161,59 @@ def test_sigterm_to_the_launcher_reaches_the_run_which_checkpoints_and_stops(tmp
     assert latest_checkpoint_step(run) == 9
 
 
+# A launcher whose attempt fails at once and which then backs off 0.01 s, SIGTERMed at the k-th line or call into C
+# its backoff runs on the main thread, for every k (a line trace and a profile deliver it: deterministic); then with a
+# backoff of 600 s, SIGTERMed just before the call that blocks (the first that took the whole 0.01 s). A handler that
+# takes a lock the wait holds (threading.Event.set's) waits there for itself, and a wait the signal does not wake
+# blocks on: faulthandler then ends the process with its stacks.
+SIGTERM_AT_EACH_STEP_OF_THE_BACKOFF = """
+import faulthandler, os, signal, sys, time
+faulthandler.dump_traceback_later(60, exit=True)
+from olmax.launch.launcher import Launcher
+
+class Failing(Launcher):
+    def __init__(self, k, backoff):
+        super().__init__("tiny", [sys.argv[1] + str(k)], echo=lambda line: None)
+        self.k, self.backoff_s, self.steps, self.took = k, backoff, [], []
+
+    def submit(self):
+        sys.settrace(None)
+        sys.setprofile(None)
+
+    def follow(self, job):
+        if self.steps:
+            return 1, 0.0  # one backoff is all
+
+        def step(frame, event, arg):
+            if event == "c_return":
+                self.took.append(time.monotonic() - self.called)
+            if event in ("line", "c_call") and frame.f_code is not Failing.submit.__code__:  # the backoff's
+                self.steps.append(event)
+                if len(self.steps) == self.k:
+                    os.kill(os.getpid(), signal.SIGTERM)
+                self.called = time.monotonic()
+            return step
+        sys.settrace(step)
+        sys.setprofile(step)
+        return None, self.backoff_s
+
+counted = Failing(0, 0.01)
+counted.run()
+for k in range(1, len(counted.steps) + 1):
+    assert Failing(k, 0.01).run() == 75, k
+calls = [i + 1 for i, event in enumerate(counted.steps) if event == "c_call"]
+blocking = next(k for k, took in zip(calls, counted.took) if took >= 0.01)
+assert Failing(blocking, 600.0).run() == 75
+print(f"stopped at each of {len(counted.steps)} steps")
+"""
+
+
+def test_a_sigterm_at_any_step_of_the_backoff_stops_the_launcher(tmp_path):
+    done = subprocess.run([sys.executable, "-c", SIGTERM_AT_EACH_STEP_OF_THE_BACKOFF, f"output_dir={tmp_path}/run"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.startswith("stopped at each of"), done.stderr[-3000:]
+
+
 @pytest.mark.slow
 def test_children_do_not_outlive_a_launcher_killed_outright(tmp_path):
     run = tmp_path / "run"

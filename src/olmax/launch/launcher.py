@@ -23,8 +23,11 @@ same codes. Every attempt is one line of RECORDS/launch.jsonl, in one schema (`L
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
+import os
+import select
 import signal
 import sys
 import threading
@@ -162,8 +165,10 @@ class Launcher:
         self.policy = RetryPolicy(self.target_step, backoff, max_retries)
         self.echo = echo or (lambda line: print(line, file=sys.stderr, flush=True))
         self._stop_signal: int | None = None
-        self._stopping = threading.Event()
-        self.sleep = sleep or self._stopping.wait  # a signal cuts a backoff short
+        self._signals: list[int] = []  # SIGTERM/SIGINT as they came; the main thread acts on them (`wait`)
+        self._acted = 0  # of them
+        self._wakeup = self._wake = None  # while `run` runs, a pipe a signal writes to, waking `wait`
+        self.sleep = sleep or self.wait  # a signal cuts a backoff short
         self._attempt = 0
 
     # ---- what each mode provides -------------------------------------------------------------
@@ -192,14 +197,19 @@ class Launcher:
     def run(self) -> int:
         """Jobs until done; the exit code for `olmax launch` (0 finished, 2 bad input, 3 diverged, 74 disk
         full, 75 stopped by a signal, 1 gave up after max_retries failures in a row)."""
-        handlers = {}
+        handlers, wakeup = {}, None
+        self._wakeup, self._wake = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         if threading.current_thread() is threading.main_thread():
             handlers = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+            # the interpreter writes to it as a signal arrives, before a bytecode boundary runs the handler: a
+            # `wait` about to block in select wakes at once
+            wakeup = signal.set_wakeup_fd(self._wake, warn_on_full_buffer=False)
         try:
             with self.holding():
                 release_stop_signals()  # one that came while the CLI started up, holding it, stops the run now
                 self._attempt = previous_attempts(self.records)  # numbered over every launch of the run
                 while True:
+                    self.act_on_signals()
                     if self._stop_signal is not None:
                         self.echo("olmax launch: stopped before the next attempt")
                         return ExitCode.PREEMPTED
@@ -211,13 +221,34 @@ class Launcher:
         finally:
             for sig, handler in handlers.items():
                 signal.signal(sig, handler)
+            if wakeup is not None:
+                signal.set_wakeup_fd(wakeup)
+            os.close(self._wakeup)
+            os.close(self._wake)
+            self._wakeup = self._wake = None
 
     def _on_signal(self, sig, frame) -> None:
-        again = self._stop_signal is not None
-        if not again:
-            self._stop_signal = sig
-            self._stopping.set()
-        self.stop(sig, again)
+        """Note the signal for the main thread, which acts on it (`wait`, `act_on_signals`): a handler runs on the
+        main thread between two of its bytecodes, wherever that is, so it takes no lock (printing, a
+        threading.Event and starting a process all take one, perhaps one the main thread holds at that moment)."""
+        self._signals.append(sig)
+
+    def wait(self, seconds: float) -> None:
+        """Wait up to `seconds`, less when a stop signal comes, and act on the signals that came."""
+        if len(self._signals) == self._acted:
+            select.select([self._wakeup] if self._wakeup is not None else [], [], [], seconds)
+        self.act_on_signals()
+
+    def act_on_signals(self) -> None:
+        """Pass the signals that came on to the job (`stop`); the first one stops the launch."""
+        if self._wakeup is not None:
+            with contextlib.suppress(BlockingIOError):
+                os.read(self._wakeup, 4096)
+        while self._acted < len(self._signals):
+            sig, again = self._signals[self._acted], self._stop_signal is not None
+            self._acted += 1
+            self._stop_signal = self._stop_signal or sig
+            self.stop(sig, again)
 
     def judge(self, attempt: Attempt, again: str = "restart") -> tuple[int | None, float]:
         """Decide what follows `attempt`, append it to launch.jsonl and say it: (exit code or None, sleep)."""

@@ -192,7 +192,7 @@ class SlurmLauncher(Launcher):
                 self.echo(f"olmax launch: Slurm job {job} run {runs_seen + 1}: {state}; last committed step "
                           f"{latest_checkpoint_step(self.run_location)} of {self.target_step}")
                 said, said_at = state, time.monotonic()
-            time.sleep(self.poll)
+            self.wait(self.poll)
 
 
 def _state(info: dict[str, str]) -> str:

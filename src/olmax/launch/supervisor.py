@@ -123,7 +123,8 @@ class Supervisor(Launcher):
         preexec = functools.partial(_exit_with, os.getpid(), ctypes.CDLL(None)) if sys.platform == "linux" else None
         self._procs = [subprocess.Popen(self.argv, env=env, start_new_session=True, preexec_fn=preexec)
                        for env in self._child_envs()]
-        if self._stop_signal is not None:  # a signal arrived while the processes were starting
+        self.act_on_signals()  # one that came while the processes were starting
+        if self._stop_signal is not None:
             self._forward(self._stop_signal)
         if self.on_start:
             self.on_start(self._procs)
@@ -151,7 +152,7 @@ class Supervisor(Launcher):
                     if p.poll() is None:
                         self._kill(p, signal.SIGKILL)
                 deadline = float("inf")
-            time.sleep(POLL_SECONDS)
+            self.wait(POLL_SECONDS)
         self._procs = []
         first = next((i for i in exit_order if codes[i] != ExitCode.FINISHED), exit_order[0])
         code = codes[first]

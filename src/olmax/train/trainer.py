@@ -58,32 +58,45 @@ def check_finite(params, when: str, checkpointer: Checkpointer) -> None:
         )
 
 
+class StopSignals:
+    """Whether SIGTERM/SIGINT came: a plain attribute, set by the handler (this object). A handler runs on the main
+    thread between two of its bytecodes, wherever that thread is, so it takes no lock: threading.Event.set took its
+    condition's lock, which the main thread held when a second SIGTERM came while the first one's handler was
+    inside Event.set (a deadlock, or a traceback in the handler)."""
+
+    def __init__(self):
+        self.came = False
+
+    def __call__(self, signum, frame) -> None:
+        self.came = True
+
+
 @contextlib.contextmanager
 def preemption_signals():
-    """An Event set by SIGTERM/SIGINT while inside, or already before when they arrived during start-up (signal
+    """StopSignals, set by SIGTERM/SIGINT while inside, or already before when they arrived during start-up (signal
     handlers only exist on the main thread). Once it is set, SIGTERM keeps setting it after the block: the process
     is on its way out with its checkpoint written (olmax.cli keeps ignoring it as the process exits)."""
-    stop = threading.Event()
+    stop = StopSignals()
     if threading.current_thread() is not threading.main_thread():
         yield stop
         return
-    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
     release_stop_signals()
     try:
         yield stop
     finally:
-        if stop.is_set():  # stopping already: a repeated SIGTERM (srun ending a job's other tasks once one has
+        if stop.came:  # stopping already: a repeated SIGTERM (srun ending a job's other tasks once one has
             del previous[signal.SIGTERM]  # exited 75, a second notice) must not cut the checkpointed exit short
         for sig, handler in previous.items():
             signal.signal(sig, handler)
 
 
-def stop_requested(stop: threading.Event) -> bool:
+def stop_requested(stop: StopSignals) -> bool:
     """Whether any process was signalled. The processes of a run get the signal at different steps, but
     must all stop (and checkpoint) after the same one, or their collectives wait on each other for ever."""
     if jax.process_count() == 1:
-        return stop.is_set()
-    return bool(multihost_utils.process_allgather(np.int32(stop.is_set())).any())
+        return stop.came
+    return bool(multihost_utils.process_allgather(np.int32(stop.came)).any())
 
 
 def place_batch(batch: dict, sharding: dict, micro_rows: int) -> dict:
