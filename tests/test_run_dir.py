@@ -1,18 +1,24 @@
 """A run directory's files are named in olmax.run_dir alone; the launcher and the Checkpointer see the same
-committed steps."""
+committed steps; olmax follows no symbolic link where it writes its own files."""
 
 import ast
+import json
 import re
 from pathlib import Path
 
 import jax.numpy as jnp
+import pytest
 
 import olmax
+from olmax import run_lock
 from olmax.checkpoint import Checkpointer
+from olmax.cli import main
 from olmax.config import CheckpointConfig
+from olmax.errors import RunDirError
 from olmax.launch.cli import MODES
 from olmax.launch.supervisor import latest_checkpoint_step
-from olmax.run_dir import File, RunDir
+from olmax.run_dir import File, RunDir, open_own, own_dir, replace_own
+from olmax.train.goodput import Goodput
 
 SRC = Path(olmax.__file__).parent
 
@@ -59,3 +65,50 @@ def test_a_run_directory_in_a_bucket_names_urls():
     assert run.remote and run.metrics == "s3://bucket/runs/tiny/metrics.jsonl"
     assert run.checkpoints == "s3://bucket/runs/tiny/checkpoints" and run.lock == "s3://bucket/runs/tiny/run.lock"
     assert RunDir("runs/tiny").metrics == Path("runs/tiny/metrics.jsonl")
+
+
+# The run's own files and directories, and their .partial files (what train writes, including its lock)
+OWN = ["run.lock", "goodput.json", "goodput.json.partial", "metrics.jsonl", "metrics.jsonl.partial", "checkpoints",
+       "tensorboard", "logs"]
+
+
+@pytest.mark.parametrize("name", OWN)
+def test_a_link_where_train_writes_its_own_file_is_refused_naming_it(tmp_path, capsys, name):
+    """A symbolic link planted where olmax writes (its target anywhere) is exit 2 naming it, its target untouched."""
+    target = tmp_path / "target"
+    if name in ("checkpoints", "tensorboard", "logs"):
+        target.mkdir()
+        (target / "kept").write_text("precious")
+    else:
+        target.write_text("precious")
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / name).symlink_to(target)
+    assert main(["train", "tiny", "mesh.fsdp=1", "train.steps=2", f"output_dir={run}"]) == 2
+    [line] = capsys.readouterr().err.splitlines()
+    assert line.startswith(f"olmax: RunDirError: {run / name} is a symbolic link (to {target})"), line
+    assert (target / "kept" if target.is_dir() else target).read_text() == "precious"
+    assert sorted(p.name for p in target.parent.iterdir()) == ["run", "target"]
+
+
+def test_the_writers_of_run_files_follow_no_link(tmp_path):
+    """What the check before a run cannot see (a link planted while it runs): each writer opens its file without
+    following a link, and says so naming it."""
+    target = tmp_path / "target"
+    target.write_text("precious")
+    link = tmp_path / "link"
+    link.symlink_to(target)
+    partial_is_link = tmp_path / "file"
+    (tmp_path / "file.partial").symlink_to(target)
+    writers = {"open_own": lambda: open_own(link, append=True), "replace_own": lambda: replace_own(link, "x"),
+               "replace_own, its partial": lambda: replace_own(partial_is_link, "x"), "own_dir": lambda: own_dir(link),
+               "the run lock": lambda: run_lock._locked(link)}
+    for what, write in writers.items():
+        with pytest.raises(RunDirError, match="is a symbolic link"):
+            write()
+        assert target.read_text() == "precious", what
+    run = RunDir(tmp_path / "run")
+    own_dir(run.location)
+    Goodput(run.location).persist()
+    assert json.loads(run.goodput.read_text())["attempts"]
+    assert not list(run.location.glob("*.partial"))

@@ -15,10 +15,17 @@
 Everything else asks a `RunDir` for a path (`RunDir(cfg.run_location).metrics`), its committed checkpoint
 steps, its metrics records or its lock file; nothing else spells these names. A new file of a run is one line
 in `RunDir`'s table (`goodput = File("goodput.jsonl")`; then `run.goodput` is its path) and its line above.
+
+olmax writes its files there through `open_own`, `replace_own` and `own_dir`, which follow no symbolic link: a
+link where olmax expects its own file or directory (planted by whoever else can write there) would have it
+truncate or overwrite the link's target, so it is refused (RunDirError, exit 2) naming it. A full disk while
+writing one is DiskFull (exit 74) naming the file.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import logging
 import os
@@ -26,6 +33,7 @@ import re
 from pathlib import Path
 
 from olmax import storage
+from olmax.errors import DiskFull, RunDirError
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +77,16 @@ class RunDir:
     def path(self, name: str):
         return storage.join(self.location, name) if self.remote else self.location / name
 
+    def refuse_links(self) -> None:
+        """RunDirError naming the first of the run's own files and directories (and their `.partial` files)
+        that is a symbolic link: called before anything is written (see the module's doc)."""
+        for value in vars(RunDir).values():
+            if isinstance(value, File):
+                parts = value.name.split("/")
+                for depth in range(1, len(parts) + 1):  # slurm/, then slurm/job.sh
+                    refuse_link(self.path("/".join(parts[:depth])))
+                refuse_link(self.path(value.name + PARTIAL))
+
     def host_log(self, process: int) -> Path:
         return self.logs / f"host-{process:02d}.log"
 
@@ -102,6 +120,61 @@ class RunDir:
             log.warning("%s:%d is not a whole metrics record (torn by a crash mid-write?); dropped: %.80r",
                         self.metrics, number, line)
         return lines
+
+
+PARTIAL = ".partial"  # the suffix of a file being written, renamed over the file when whole (`replace_own`)
+
+
+def refuse_link(path: str | os.PathLike) -> None:
+    """RunDirError when `path` is a symbolic link, where olmax writes a file or directory of its own."""
+    if os.path.islink(path):
+        raise RunDirError(f"{path} is a symbolic link (to {os.readlink(path)}) where olmax writes its own file; it "
+                          "follows no link in a run directory: remove the link, or set another output_dir")
+
+
+@contextlib.contextmanager
+def writing(path: str | os.PathLike):
+    """A full disk while writing `path`, as DiskFull naming it."""
+    try:
+        yield
+    except OSError as err:
+        if err.errno != errno.ENOSPC:
+            raise
+        raise DiskFull(f"disk full writing {path}: free space and run again") from None
+
+
+def open_own(path: str | os.PathLike, append: bool = False):
+    """`path` opened for writing text (created, or truncated unless `append`), not through a symbolic link."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | (os.O_APPEND if append else os.O_TRUNC)
+    try:
+        fd = os.open(path, flags, 0o644)
+    except OSError as err:
+        if err.errno == errno.ELOOP:
+            refuse_link(path)
+        raise
+    return os.fdopen(fd, "a" if append else "w")
+
+
+def replace_own(path: str | os.PathLike, text: str) -> None:
+    """Write `path` whole: into a new PATH.partial (O_EXCL: never through a link), renamed over PATH, so that a
+    crash leaves the old file or the new one. Neither may be a symbolic link."""
+    path = Path(path)
+    partial = path.with_name(path.name + PARTIAL)
+    refuse_link(path)
+    refuse_link(partial)
+    with writing(path):
+        partial.unlink(missing_ok=True)  # left by a process killed while writing it
+        fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(partial, path)
+
+
+def own_dir(path: str | os.PathLike) -> Path:
+    """The directory `path` (made with its parents if missing), refused when it is a symbolic link."""
+    refuse_link(path)
+    Path(path).mkdir(parents=True, exist_ok=True)
+    return Path(path)
 
 
 def committed_steps(checkpoints: str | os.PathLike) -> list[int]:

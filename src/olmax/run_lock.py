@@ -52,7 +52,7 @@ from pathlib import Path
 
 from olmax import storage
 from olmax.errors import LeaseLost, RunDirError
-from olmax.run_dir import RunDir
+from olmax.run_dir import RunDir, refuse_link
 
 log = logging.getLogger(__name__)
 
@@ -133,7 +133,12 @@ def _locked(path: Path) -> int:
     """An open descriptor of `path`, exclusively locked. A BlockingIOError carries in `fd` the descriptor of
     the file another process holds. Retries when the file was removed while it waited (see hold)."""
     while True:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        except OSError as err:
+            if err.errno == errno.ELOOP:
+                refuse_link(path)
+            raise
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError as err:

@@ -34,7 +34,7 @@ from olmax.errors import NOT_RETRIED, ConfigError
 from olmax.launch import values
 from olmax.launch.distributed import ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID
 from olmax.launch.launcher import Launcher
-from olmax.run_dir import RunDir
+from olmax.run_dir import RunDir, replace_own
 
 # GKE node labels of TPU slices (cloud.google.com/gke-tpu-accelerator) and chips per TPU VM of a multi-host slice.
 GKE_TPUS = {"v5e": "tpu-v5-lite-podslice", "v5p": "tpu-v5p-slice", "v6e": "tpu-v6e-slice"}
@@ -201,9 +201,10 @@ class K8sLauncher(Launcher):
         return yaml.safe_dump(self.manifest, sort_keys=False)
 
     def submit(self) -> int:
-        path = RunDir(self.records).jobset.resolve()
+        path = RunDir(self.records).jobset
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(self.render())
+        replace_own(path, self.render())
+        path = path.resolve()
         print(f"wrote {path}; start the run with: kubectl apply -f {path}")
         return 0
 

@@ -46,7 +46,7 @@ from jax._src import clusters
 
 from olmax.config import writable_dir
 from olmax.errors import ClusterError, ConfigError, CoordinatorUnreachable
-from olmax.run_dir import RunDir
+from olmax.run_dir import RunDir, open_own, own_dir
 
 ENV_COORDINATOR = "OLMAX_COORDINATOR"
 ENV_NUM_PROCESSES = "OLMAX_NUM_PROCESSES"
@@ -202,6 +202,14 @@ def _wait_for_coordinator(cluster: Cluster, address: str, timeout: int) -> None:
             time.sleep(0.2)
 
 
+class HostLogHandler(logging.StreamHandler):
+    """The host log's handler: a line it cannot write (a full disk) is lost without a traceback on stderr (logging's
+    own handling); the run's own error says what stopped it."""
+
+    def handleError(self, record) -> None:
+        pass
+
+
 def announce(run_dir: Path | None, cluster: Cluster) -> str:
     """Start this process's log, RUN_DIR/logs/host-NN.log (appended to by every attempt; none without a
     local RUN_DIR), with the start-up line naming the cluster, the process count and the devices per
@@ -212,8 +220,8 @@ def announce(run_dir: Path | None, cluster: Cluster) -> str:
     host_log.propagate = False  # its lines go to this file only, not to whatever else handles the root logger
     if run_dir is not None:
         path = RunDir(writable_dir(Path(run_dir), "output_dir")).host_log(jax.process_index())
-        path.parent.mkdir(parents=True, exist_ok=True)
-        handler = logging.FileHandler(path)
+        own_dir(path.parent)
+        handler = HostLogHandler(open_own(path, append=True))
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
         logging.getLogger().addHandler(handler)  # warnings and errors of every logger
         host_log.addHandler(handler)

@@ -39,7 +39,7 @@ from pathlib import Path
 from olmax import storage
 from olmax.config import RunConfig, load_config, writable_dir
 from olmax.errors import NOT_RETRIED, ExitCode
-from olmax.run_dir import RunDir
+from olmax.run_dir import RunDir, open_own, writing
 from olmax.runtime import release_stop_signals
 
 
@@ -267,7 +267,8 @@ class Launcher:
             "failures_in_a_row": self.policy.failures_in_a_row,
         }
         self.records.mkdir(parents=True, exist_ok=True)
-        with open(RunDir(self.records).launch_records, "a") as f:
+        path = RunDir(self.records).launch_records
+        with writing(path), open_own(path, append=True) as f:
             f.write(json.dumps(record) + "\n")
         job = f" (Slurm job {attempt.job_id} run {attempt.job_run})" if attempt.job_id else ""
         codes = ", ".join(f"process {i}: {exit_reason(c)}" for i, c in enumerate(attempt.exit_codes))

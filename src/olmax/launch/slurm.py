@@ -38,7 +38,7 @@ from olmax.config import RunConfig
 from olmax.errors import ExitCode, SlurmError
 from olmax.launch import values
 from olmax.launch.launcher import Attempt, Launcher, exit_reason, latest_checkpoint_step, launch_dir
-from olmax.run_dir import RunDir
+from olmax.run_dir import RunDir, own_dir, replace_own
 
 # Job states after which Slurm will not run the job again by itself (a requeued job goes back to PENDING).
 ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "OUT_OF_MEMORY", "BOOT_FAIL",
@@ -142,8 +142,8 @@ class SlurmLauncher(Launcher):
 
     def submit(self) -> str:
         path = script_path(self.records)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(self.script)
+        own_dir(path.parent)
+        replace_own(path, self.script)
         out = _slurm("sbatch", "--parsable", str(path))
         if out.returncode != 0:
             error = (out.stderr.strip() or out.stdout.strip() or f"exit {out.returncode}").splitlines()[-1]

@@ -31,7 +31,8 @@ import os
 import time
 from pathlib import Path
 
-from olmax.run_dir import RunDir
+from olmax.errors import DiskFull, RunDirError
+from olmax.run_dir import RunDir, replace_own
 
 WORK = ("productive", "data wait", "evaluation")  # redone after a restart when it was not checkpointed
 CATEGORIES = ("start-up", "compilation", *WORK, "checkpoint", "shutdown", "lost work", "between attempts")
@@ -154,15 +155,13 @@ class Goodput:
 
     def _at_exit(self) -> None:
         self.mark("shutdown")
-        with contextlib.suppress(OSError):
+        with contextlib.suppress(OSError, DiskFull, RunDirError):  # said when the run stopped
             self.persist()
 
     def persist(self) -> None:
         if not self.enabled:
             return
-        partial = self.path.with_name(self.path.name + ".partial")
-        partial.write_text(json.dumps(self.record))
-        os.replace(partial, self.path)  # a crash leaves the old record or the new one
+        replace_own(self.path, json.dumps(self.record))  # a crash leaves the old record or the new one
 
 
 def report(record: dict) -> str:

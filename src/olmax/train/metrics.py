@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
-import os
+import secrets
 import time
 from pathlib import Path
 
@@ -23,7 +23,7 @@ from tensorboardX.event_file_writer import EventsWriter
 from tensorboardX.proto.event_pb2 import Event, SessionLog
 from tensorboardX.proto.summary_pb2 import HistogramProto, Summary
 
-from olmax.run_dir import RunDir
+from olmax.run_dir import RunDir, open_own, own_dir, replace_own, writing
 
 log = logging.getLogger(__name__)
 
@@ -77,16 +77,17 @@ class MetricsWriter:
         self.jsonl.parent.mkdir(parents=True, exist_ok=True)
         if self.jsonl.exists():
             kept = [ln for ln in run.metric_records() if json.loads(ln)["step"] <= start_step]
-            partial = self.jsonl.with_name(self.jsonl.name + ".partial")
-            partial.write_text("".join(ln + "\n" for ln in kept))
-            os.replace(partial, self.jsonl)  # a crash now leaves the old file or the new one, never half of it
-        run.tensorboard.mkdir(exist_ok=True)
-        self.events = EventsWriter(str(run.events))
-        # TensorBoard's purge marker (as SummaryWriter(purge_step=...)): earlier files' later steps are dropped.
-        self.events.write_event(Event(step=start_step + 1, wall_time=time.time(),
-                                      session_log=SessionLog(status=SessionLog.START)))
-        self.events.flush()
-        self.file = self.jsonl.open("a")
+            # a crash now leaves the old file or the new one, never half of it
+            replace_own(self.jsonl, "".join(ln + "\n" for ln in kept))
+        self.tensorboard = own_dir(run.tensorboard)
+        with writing(self.tensorboard):
+            # A name no other process can guess (tensorboardX opens it following links): none waits there for it.
+            self.events = EventsWriter(str(run.events), filename_suffix=f".{secrets.token_hex(8)}")
+            # TensorBoard's purge marker (as SummaryWriter(purge_step=...)): earlier files' later steps are dropped.
+            self.events.write_event(Event(step=start_step + 1, wall_time=time.time(),
+                                          session_log=SessionLog(status=SessionLog.START)))
+            self.events.flush()
+        self.file = open_own(self.jsonl, append=True)
 
     def write(self, step: int, metrics: dict[str, float | list[float]]) -> None:
         if not self.enabled:
@@ -99,19 +100,25 @@ class MetricsWriter:
                 values += [Summary.Value(tag=f"{name}/{i}", simple_value=float(v)) for i, v in enumerate(value)]
             else:
                 values.append(Summary.Value(tag=name, simple_value=float(value)))
-        self.events.write_event(Event(step=step, wall_time=time.time(), summary=Summary(value=values)))
-        self.file.write(json.dumps({"step": step, **metrics}) + "\n")
-        self.file.flush()
+        with writing(self.tensorboard):
+            self.events.write_event(Event(step=step, wall_time=time.time(), summary=Summary(value=values)))
+        with writing(self.jsonl):
+            self.file.write(json.dumps({"step": step, **metrics}) + "\n")
+            self.file.flush()
 
     def flush(self) -> None:
         if self.enabled:
-            self.events.flush()
-            self.file.flush()
+            with writing(self.tensorboard):
+                self.events.flush()
+            with writing(self.jsonl):
+                self.file.flush()
 
     def close(self) -> None:
         if self.enabled:
-            self.events.close()
-            self.file.close()
+            with writing(self.tensorboard):
+                self.events.close()
+            with writing(self.jsonl):
+                self.file.close()
 
 
 def _histogram(values: list[float], bins: int = 30) -> HistogramProto:

@@ -143,9 +143,11 @@ def train(cfg: RunConfig, *, quiet: bool = False, make_eval=None, on_start=None,
 
 
 def check_outputs(run_dir) -> None:
-    """Refuse, before anything is written, a run directory whose outputs cannot be written where they go."""
+    """Refuse, before anything is written, a run directory whose outputs cannot be written where they go (or
+    where a symbolic link waits for one)."""
     writable_dir(run_dir, "output_dir")
     run = RunDir(run_dir)
+    run.refuse_links()
     for path, directory in ((run.checkpoints, True), (run.tensorboard, True), (run.metrics, False)):
         if path.exists() and path.is_dir() != directory:
             raise ConfigError(f"{path} is a {'file' if directory else 'directory'}; the run writes a "
