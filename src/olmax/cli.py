@@ -63,7 +63,7 @@ def cmd_train(args) -> None:
 
     restart_with_huge_pages()
     cfg = load_config(args.config, args.overrides)
-    from olmax.launch.distributed import announce, host_log, join_cluster
+    from olmax.launch.distributed import announce, close_host_log, host_log, join_cluster
 
     from olmax.train.watchdog import coordination_heartbeat
 
@@ -93,7 +93,10 @@ def cmd_train(args) -> None:
     except BaseException as err:
         host_log.info("stopped: %s: %s", type(err).__name__, err)
         raise
-    host_log.info("finished")
+    else:
+        host_log.info("finished")
+    finally:
+        close_host_log()
     if cluster.process_id == 0:
         from olmax.run_dir import RunDir
 

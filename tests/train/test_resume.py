@@ -284,6 +284,23 @@ def small_disk(tmp_path):
     subprocess.run(["umount", str(disk)], check=True)
 
 
+@pytest.mark.parametrize("room", [5_000, 20_000, 60_000])  # full at the event file, metrics.jsonl, goodput.json
+def test_disk_full_writing_the_metrics_is_one_line_and_exit_74(small_disk, synth_mix, capsys, room):
+    """The disk fills while the metrics (event file, metrics.jsonl, goodput.json) are written, not a checkpoint:
+    the same line and exit code as a checkpoint's, naming the file, no traceback."""
+    from olmax.cli import main
+
+    filler = small_disk / "filler"
+    with open(filler, "wb") as f:
+        f.write(b"\0" * (os.statvfs(small_disk).f_bavail * os.statvfs(small_disk).f_frsize - room))
+    run = small_disk / "run"
+    assert main(["train", "tiny", "mesh.fsdp=1", "checkpoint.every=1000", "train.steps=40",
+                 f"data.mix_file={synth_mix}", f"output_dir={run}"]) == 74
+    [line] = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("olmax:")]
+    assert line.startswith(f"olmax: disk full writing {run}/") and line.endswith(": free space and run again"), line
+    assert line.split()[4].removeprefix(f"{run}/").rstrip(":") in ("tensorboard", "metrics.jsonl", "goodput.json")
+
+
 @pytest.mark.slow  # the fast tier keeps a lighter test of the same module
 def test_disk_full_writing_a_checkpoint_is_one_line_and_a_code_launch_does_not_retry(small_disk, synth_mix):
     from olmax.errors import NOT_RETRIED, DiskFull

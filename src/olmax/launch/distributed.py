@@ -32,6 +32,7 @@ collectives with gloo over TCP.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
@@ -208,6 +209,19 @@ class HostLogHandler(logging.StreamHandler):
 
     def handleError(self, record) -> None:
         pass
+
+    def close(self) -> None:
+        logging.getLogger().removeHandler(self)
+        host_log.removeHandler(self)
+        with contextlib.suppress(OSError):  # what it could not write (a full disk): closed all the same
+            self.stream.close()
+        super().close()
+
+
+def close_host_log() -> None:
+    """The end of this process's log (`announce`): a command run again in the same process starts its own."""
+    for handler in host_log.handlers[:]:
+        handler.close()
 
 
 def announce(run_dir: Path | None, cluster: Cluster) -> str:

@@ -9,6 +9,7 @@ histogram of its values plus one scalar per index (`name/0`, `name/1`, ...).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import logging
@@ -23,6 +24,7 @@ from tensorboardX.event_file_writer import EventsWriter
 from tensorboardX.proto.event_pb2 import Event, SessionLog
 from tensorboardX.proto.summary_pb2 import HistogramProto, Summary
 
+from olmax.errors import DiskFull
 from olmax.run_dir import RunDir, open_own, own_dir, replace_own, writing
 
 log = logging.getLogger(__name__)
@@ -80,14 +82,18 @@ class MetricsWriter:
             # a crash now leaves the old file or the new one, never half of it
             replace_own(self.jsonl, "".join(ln + "\n" for ln in kept))
         self.tensorboard = own_dir(run.tensorboard)
-        with writing(self.tensorboard):
-            # A name no other process can guess (tensorboardX opens it following links): none waits there for it.
-            self.events = EventsWriter(str(run.events), filename_suffix=f".{secrets.token_hex(8)}")
+        # A name no other process can guess (tensorboardX opens it following links): none waits there for it.
+        self.events = EventsWriter(str(run.events), filename_suffix=f".{secrets.token_hex(8)}")
+        self.file = open_own(self.jsonl, append=True)
+        try:
             # TensorBoard's purge marker (as SummaryWriter(purge_step=...)): earlier files' later steps are dropped.
             self.events.write_event(Event(step=start_step + 1, wall_time=time.time(),
                                           session_log=SessionLog(status=SessionLog.START)))
-            self.events.flush()
-        self.file = open_own(self.jsonl, append=True)
+            self.flush()
+        except BaseException:
+            with contextlib.suppress(OSError, DiskFull):
+                self.close()
+            raise
 
     def write(self, step: int, metrics: dict[str, float | list[float]]) -> None:
         if not self.enabled:
