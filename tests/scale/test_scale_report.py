@@ -8,6 +8,7 @@ import re
 import shutil
 import subprocess
 from html.parser import HTMLParser
+from pathlib import Path
 
 import pytest
 from testlib import apt_install
@@ -232,3 +233,133 @@ ENTRY %main (a: f32[8]) -> f32[8] {
     assert found == {"by_axis": [{"axes": "a+b", "kind": "all-reduce", "count": 1, "bytes_per_step": 32},
                                  {"axes": "b", "kind": "all-gather", "count": 4, "bytes_per_step": 4 * 32}],
                      "loops_without_trip_count": 0}
+
+
+# What a crafted report.json puts where the page shows a name: markup that would log to the browser's console if run.
+HOSTILE = '"\'><script>console.error("injected")</script><img src=x onerror="console.error(\'injected\')"><olmax-injected>'
+# The report of `olmax compile tiny_moe mesh.stage=2 mesh.expert=2 model.n_layers=8 --target tpu:v5p:2x2x2
+# --report DIR` (commit 8ecb39f, 2026-12-05): every section of the page; the slow tier checks a fresh one the same way.
+STORED = Path(__file__).with_name("compiled_report.json")
+NAMED_BY_KEYS = ("mesh", "index", "spans", "custom_calls", "xla_flags", "attention_tiles")  # dicts keyed by names
+
+
+def hostile(value, key=None):
+    """`value` with HOSTILE after every string in it, and after the keys of the dicts keyed by names."""
+    if isinstance(value, str):
+        return value + HOSTILE
+    if isinstance(value, list):
+        return [hostile(v) for v in value]
+    if isinstance(value, dict):
+        return {(k + HOSTILE if key in NAMED_BY_KEYS else k): hostile(v, k) for k, v in value.items()}
+    return value
+
+
+def hostile_report(report: dict) -> dict:
+    return hostile({**report, "xla_flags": {"xla_flag": "value"}, "attention_tiles": {"block_q": 512},
+                    "layout": {"target": "tpu:*", "settings": ["mesh.fsdp=2"]}})
+
+
+class Markup(HTMLParser):
+    """The elements and attributes of a page."""
+
+    def __init__(self, text: str):
+        super().__init__()
+        self.tags, self.attributes = set(), set()
+        self.feed(text)
+
+    def handle_starttag(self, tag, attrs):
+        self.tags.add(tag)
+        self.attributes |= {name for name, _ in attrs}
+
+
+def check_inert(text: str) -> None:
+    """No element nor attribute a report's values put there: every value shown as text."""
+    markup = Markup(text)
+    assert not markup.tags & {"script", "img", "olmax-injected"} and not [a for a in markup.attributes if a.startswith("on")]
+
+
+def leaves(value, path=()):
+    if isinstance(value, dict):
+        for k, v in value.items():
+            yield from leaves(v, (*path, k))
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            yield from leaves(v, (*path, i))
+    else:
+        yield path, value
+
+
+def test_hostile_names_in_a_report_are_shown_as_text(chromium, tmp_path, capsys):
+    """Every string of a report.json (names, config values, overrides, flags, paths) made markup: `olmax report`
+    draws the page and the comparison with all of it as text, and Chromium runs nothing."""
+    crafted = tmp_path / "crafted.json"
+    crafted.write_text(json.dumps(hostile_report(json.loads(STORED.read_text()))))
+    for out, reports in (("one", [crafted]), ("both", [crafted, crafted])):
+        assert main(["report", *map(str, reports), "--out", str(tmp_path / out)]) == 0, capsys.readouterr().err
+        text = (tmp_path / out / "index.html").read_text()
+        check_inert(text)
+        assert text.count("&lt;script&gt;") >= 20  # the names are there, as text
+        dom, log = open_in_chromium(chromium, tmp_path / out / "index.html", tmp_path / out)
+        assert "injected" not in log and "CONSOLE" not in log, log[-3000:]
+        assert not Markup(dom).tags & {"script", "img"}
+    assert Markup(text).tags >= {"svg", "rect", "table"}  # the sections were drawn
+
+
+def test_a_report_field_of_another_kind_is_text_or_exit_2(capsys, tmp_path):
+    """Each value of a report.json, one at a time, made a hostile string where olmax writes a number, a flag, a list
+    or nothing: the page shows it as text, or `olmax report` refuses the file in one line, exit 2."""
+    from olmax.scale.report import comparison_page, page, unusable
+
+    report = json.loads(STORED.read_text())
+    refused = 0
+    for path, value in leaves(report):
+        if isinstance(value, str):
+            continue
+        crafted = json.loads(STORED.read_text())
+        node = crafted
+        for key in path[:-1]:
+            node = node[key]
+        node[path[-1]] = HOSTILE
+        if unusable(crafted):
+            refused += 1
+            continue
+        check_inert(page(crafted))
+        check_inert(comparison_page([crafted, report]))
+    assert refused  # some are refused: the check below sees them as a user does
+    (tmp_path / "bad.json").write_text(json.dumps({**report, "devices": HOSTILE, "memory_per_device": HOSTILE}))
+    assert main(["report", str(tmp_path / "bad.json"), "--out", str(tmp_path / "out")]) == 2
+    [line] = capsys.readouterr().err.splitlines()
+    assert line.startswith(f"olmax: ConfigError: {tmp_path / 'bad.json'}: not a report.json olmax wrote"), line
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_report_without_the_fields_of_a_page_is_refused_in_one_line(tmp_path, capsys):
+    (tmp_path / "minimal.json").write_text(json.dumps({"config": "tiny", "target": "tpu:v5p:2x2x2"}))
+    assert main(["report", str(tmp_path / "minimal.json"), "--out", str(tmp_path / "out")]) == 2
+    [line] = capsys.readouterr().err.splitlines()
+    assert "not a report.json olmax wrote (no field" in line and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("where", ["", "{file}/report", "/proc/olmax-report"])
+def test_a_report_directory_that_cannot_be_made_is_refused_before_any_work(tmp_path, capsys, where):
+    (tmp_path / "file").write_text("mine")
+    where = where.format(file=tmp_path / "file")
+    for command in (["plan", "tiny", "--target", "tpu:v5p:2x2x2", "--report", where],
+                    ["report", str(STORED), "--out", where]):
+        assert main(command) == 2
+        out, err = capsys.readouterr()
+        [line] = err.splitlines()
+        assert out == "" and line.startswith(f"olmax: ConfigError: {command[-2]} ") and repr(where)[1:-1] in line, line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]
+
+
+@pytest.mark.slow
+@needs_tpu
+def test_hostile_names_in_a_fresh_report_are_text(compiled):
+    """The stored report above against what this olmax writes now: the same check on a fresh compile's."""
+    from olmax.scale.report import comparison_page, page
+
+    report = hostile_report(json.loads((compiled / "report.json").read_text()))
+    for text in (page(report), comparison_page([report, report])):
+        check_inert(text)
+    assert page(report).count("&lt;script&gt;") >= 20

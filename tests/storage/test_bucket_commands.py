@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 
 import numpy as np
 import pytest
@@ -62,3 +63,29 @@ def test_a_step_without_its_commit_marker_is_named(stores, base_run, capsys, cap
     err = capsys.readouterr().err
     assert f"{run}/checkpoints/4 is not a committed checkpoint (committed: none)" in err
     assert f"{run}/checkpoints/4 has no commit marker" in caplog.text
+
+
+def test_an_unreadable_step_in_a_bucket_is_named_by_its_url(stores, base_run, tmp_path, capsys):
+    """Not by the temporary copy it was read from (which is gone when the line is read)."""
+    run = f"s3://{stores.bucket}/run"
+    step = tmp_path / "6"
+    shutil.copytree(base_run / "checkpoints" / "6", step)
+    (step / "meta" / "metadata").write_text("{not json")
+    storage.upload_committed(step, f"{run}/checkpoints/6")
+    for argv in (["eval", "heldout", run, "--data", "unused.npy"],
+                 ["convert", "olmax-to-hf", run, "--out", str(tmp_path / "hf")]):
+        assert main(argv) == 2
+        [line] = capsys.readouterr().err.splitlines()
+        assert f"checkpoint {run}/checkpoints/6 is unreadable" in line and f"({run}/checkpoints/N)" in line, line
+        assert "olmax-ckpt-" not in line
+
+
+def test_a_report_goes_to_a_bucket(stores, tmp_path, monkeypatch, capsys):
+    """`--report s3://...` writes the page into the bucket (it was a local directory named `s3:`)."""
+    monkeypatch.chdir(tmp_path)
+    url = f"s3://{stores.bucket}/reports/tiny"
+    assert main(["plan", "tiny", "--target", "tpu:v5p:2x2x2", "--report", url]) == 0
+    assert capsys.readouterr().err == f"olmax: report {url}/index.html\n"
+    assert storage.read_text(f"{url}/index.html").startswith("<!DOCTYPE html>")
+    assert json.loads(storage.read_text(f"{url}/report.json"))["target"] == "tpu:v5p:2x2x2"
+    assert not list(tmp_path.iterdir())

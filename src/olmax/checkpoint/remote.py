@@ -27,9 +27,9 @@ def pull_steps(remote: str, local: Path, steps: list[int] | None = None) -> None
         (local / str(step) / storage.COMMIT_MARKER).unlink()
 
 
-def fetch(url: str, local: Path, step: int | None = None) -> Path:
+def fetch(url: str, local: Path, step: int | None = None) -> tuple[Path, str]:
     """The checkpoint `url` names (see KINDS; its latest committed step unless the URL or `step` names one),
-    copied into `local/checkpoints/STEP`: the local path of that step."""
+    copied into `local/checkpoints/STEP`: the local path of that step, and the URL of its checkpoints/."""
     url = url.rstrip("/")
     if storage.basename(url).isdigit():
         remote, step = storage.parent(url), int(storage.basename(url)) if step is None else step
@@ -46,11 +46,16 @@ def fetch(url: str, local: Path, step: int | None = None) -> Path:
         raise CheckpointError(f"{storage.join(remote, str(step))} is not a committed checkpoint (committed: "
                               f"{steps or 'none'}); give one of those steps")
     pull_steps(remote, RunDir(local).checkpoints, [step])
-    return RunDir(local).checkpoints / str(step)
+    return RunDir(local).checkpoints / str(step), remote
 
 
 @contextlib.contextmanager
 def local_step(url: str, step: int | None = None):
-    """`fetch` into a temporary directory: the local path of the step, removed after the block."""
+    """`fetch` into a temporary directory: the local path of the step, removed after the block. A CheckpointError
+    in the block (an unreadable step) names the step in the bucket, not its temporary copy."""
     with tempfile.TemporaryDirectory(prefix="olmax-ckpt-") as local:
-        yield fetch(url, Path(local), step)
+        path, remote = fetch(url, Path(local), step)
+        try:
+            yield path
+        except CheckpointError as err:
+            raise type(err)(str(err).replace(str(path.parent), remote)) from err

@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 import sys
+from pathlib import Path
 
 from olmax.config import ConfigError, load_config, target_layout
 
@@ -60,10 +61,27 @@ def _report_option(parser: argparse.ArgumentParser) -> None:
                         "ticks, cost) and DIR/report.json")
 
 
-def _report_dir(value: str | None) -> str | None:
-    """Refused before any work when the page cannot be written there."""
-    if value is not None and os.path.exists(value) and not os.path.isdir(value):
-        raise ConfigError(f"--report {value}: a file is there; give a directory (created if missing)")
+def _report_dir(value: str | None, option: str = "--report") -> str | None:
+    """The directory the page goes to (a local path, made now, or a bucket URL), refused before any work when it
+    cannot be written there."""
+    from olmax import storage
+    from olmax.config import writable_dir
+
+    if value is None:
+        return None
+    if not value.strip() or "\0" in value:
+        raise ConfigError(f"{option} {value!r}: give a directory for the page (created if missing), or a bucket URL")
+    if storage.is_remote(value):
+        storage.check_writable(value)
+        return value
+    if os.path.exists(value) and not os.path.isdir(value):
+        raise ConfigError(f"{option} {value}: a file is there; give a directory (created if missing)")
+    writable_dir(Path(value), option)
+    try:
+        os.makedirs(value, exist_ok=True)
+    except OSError as err:
+        raise ConfigError(f"{option} {value} cannot be made ({err.strerror}); give a directory that can be "
+                          "written") from None
     return value
 
 
@@ -89,10 +107,12 @@ def run_plan(args: argparse.Namespace) -> None:
     from olmax.scale.plan import format_plan, plan
     from olmax.scale.targets import parse_target
 
-    target, directory = parse_target(args.target), _report_dir(args.report)
+    target = parse_target(args.target)
     if args.goodput is not None and not 0 < args.goodput <= 1:
         raise ConfigError(f"--goodput {args.goodput}: give a fraction in (0, 1], e.g. 0.9")
-    report = plan(load_config(args.config, args.overrides, target.name), target, _mfu(args.mfu), args.goodput)
+    cfg, mfu = load_config(args.config, args.overrides, target.name), _mfu(args.mfu)
+    directory = _report_dir(args.report)
+    report = plan(cfg, target, mfu, args.goodput)
     print(json.dumps(report, indent=2) if args.json else format_plan(report))
     _write_report(report, directory, args.overrides)
 
@@ -102,11 +122,12 @@ def run_compile(args: argparse.Namespace) -> None:
     from olmax.scale.compile import compile_train_step
     from olmax.scale.targets import parse_target
 
-    target, directory = parse_target(args.target), _report_dir(args.report)
+    target = parse_target(args.target)
     cfg, layout = load_config(args.config, args.overrides, target.name), target_layout(args.config, target.name)
     layout = layout and {"target": layout[0], "settings": layout[1]}
+    mfu, directory = _mfu(args.mfu), _report_dir(args.report)
     try:
-        report = compile_train_step(cfg, target, _mfu(args.mfu),
+        report = compile_train_step(cfg, target, mfu,
                                     progress=lambda line: print(f"olmax compile: {line}", file=sys.stderr, flush=True))
     except DoesNotFit as err:
         err.report["layout"] = layout
@@ -120,7 +141,7 @@ def run_compile(args: argparse.Namespace) -> None:
 
 
 def run_report(args: argparse.Namespace) -> None:
-    from olmax.scale.report import markdown_table, write, write_comparison
+    from olmax.scale.report import markdown_table, unusable, write, write_comparison
 
     reports = []
     for path in args.reports:
@@ -128,12 +149,11 @@ def run_report(args: argparse.Namespace) -> None:
             reports.append(json.loads(open(path).read()))
         except (OSError, ValueError) as err:
             raise ConfigError(f"{path}: not a report.json olmax wrote ({err}); give the report.json of a --report")
-        if not {"config", "target"} <= set(reports[-1]):
-            raise ConfigError(f"{path}: not a report.json olmax wrote (no config or target); give the report.json "
-                              "of a --report")
-    _report_dir(args.out)
+        if why := unusable(reports[-1]):
+            raise ConfigError(f"{path}: not a report.json olmax wrote ({why}); give the report.json of a --report")
+    directory = _report_dir(args.out, "--out")
     print(markdown_table(reports))
-    written = write(reports[0], args.out) if len(reports) == 1 else write_comparison(reports, args.out)
+    written = write(reports[0], directory) if len(reports) == 1 else write_comparison(reports, directory)
     print(f"olmax: report {written}", file=sys.stderr)
 
 

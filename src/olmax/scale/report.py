@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import html
 import json
-from pathlib import Path
+
+from olmax import storage
 
 GiB = 2**30
 FAMILY_ORDER = ["embeddings", "attention projections", "MLP", "experts", "router", "norms", "LM head"]
@@ -112,7 +113,7 @@ def _mesh(r: dict) -> str:
            _table(["axis", "size", "physical dimensions it spans"], rows, {1})]
     for axis in r["mesh_axes"]:
         if axis["size"] > 1:
-            out.append(f"<h3>{html.escape(axis['axis'])} ({axis['size']}): devices coloured by their "
+            out.append(f"<h3>{html.escape(axis['axis'])} ({html.escape(str(axis['size']))}): devices coloured by their "
                        f"{html.escape(axis['axis'])} index</h3>" + _chip_picture(r["chips"], axis["axis"], axis["size"]))
     return "\n".join(out) + "</section>"
 
@@ -125,7 +126,7 @@ def _place(at: dict) -> tuple[int, int, int]:
 
 
 def _chip_picture(chips: list[dict], axis: str, size: int) -> str:
-    places = [_place(c["at"]) for c in chips]
+    places, name = [_place(c["at"]) for c in chips], html.escape(axis)
     cores = 2 if any(c["at"].get("core") for c in chips) else 1
     columns = max(p[1] for p in places) // (2 if "x" in chips[0]["at"] and cores == 1 else 1) + 1
     rows, panels = max(p[2] for p in places) + 1, max(p[0] for p in places) + 1
@@ -140,18 +141,22 @@ def _chip_picture(chips: list[dict], axis: str, size: int) -> str:
         px, py = panel % per_row * (columns + 1) * cell, panel // per_row * (rows * cell + 18) + 14
         hue = round(300 * chip["index"][axis] / max(1, size - 1))
         parts.append(f'<rect x="{px + column * cell}" y="{py + row * cell}" width="{cell - 1}" height="{cell - 1}" '
-                     f'fill="hsl({hue},65%,55%)"><title>{html.escape(str(chip["at"]))}: {axis} '
-                     f'{chip["index"][axis]}</title></rect>')
+                     f'fill="hsl({hue},65%,55%)"><title>{html.escape(str(chip["at"]))}: {name} '
+                     f'{html.escape(str(chip["index"][axis]))}</title></rect>')
     for panel in range(panels):
         if panels > 1:
             px, py = panel % per_row * (columns + 1) * cell, panel // per_row * (rows * cell + 18)
             parts.append(f'<text x="{px}" y="{py + 11}">z {panel}</text>')
-    legend = (f'<text x="{width + 8}" y="26">{axis} 0</text><rect x="{width + 8}" y="32" width="80" height="8" '
-              f'fill="url(#hue)"/><text x="{width + 8}" y="54">{axis} {size - 1}</text>')
+    legend = (f'<text x="{width + 8}" y="26">{name} 0</text><rect x="{width + 8}" y="32" width="80" height="8" '
+              f'fill="url(#hue)"/><text x="{width + 8}" y="54">{name} {size - 1}</text>')
     gradient = ('<defs><linearGradient id="hue">' + "".join(
         f'<stop offset="{k / 4}" stop-color="hsl({75 * k},65%,55%)"/>' for k in range(5)) + "</linearGradient></defs>")
-    return (f'<svg width="{width + 100}" height="{max(height, 60)}" role="img" aria-label="{axis} on the slice">'
+    return (f'<svg width="{width + 100}" height="{max(height, 60)}" role="img" aria-label="{name} on the slice">'
             f'{gradient}{"".join(parts)}{legend}</svg>')
+
+
+def _colour(segment: str) -> str:
+    return SEGMENT_COLOURS.get(segment, "#bbb")  # a segment this olmax does not draw: grey
 
 
 def _memory_bar(r: dict, width: int = 900, whole: bool = True) -> str:
@@ -162,8 +167,8 @@ def _memory_bar(r: dict, width: int = 900, whole: bool = True) -> str:
     for segment in stack:
         w = segment["bytes"] / device * width
         parts.append(f'<rect x="{x:.2f}" y="0" width="{max(w, 0):.2f}" height="26" '
-                     f'fill="{SEGMENT_COLOURS[segment["segment"]]}" stroke="#fff" stroke-width="0.5">'
-                     f'<title>{segment["segment"]}: {segment["bytes"] / GiB:.2f} GiB</title></rect>')
+                     f'fill="{_colour(segment["segment"])}" stroke="#fff" stroke-width="0.5">'
+                     f'<title>{html.escape(segment["segment"])}: {segment["bytes"] / GiB:.2f} GiB</title></rect>')
         x += w
     peak_x = r["peak"] / device * width
     parts.append(f'<line x1="{peak_x:.2f}" x2="{peak_x:.2f}" y1="-4" y2="30" stroke="#000" stroke-width="1.5"/>')
@@ -186,7 +191,8 @@ def _memory(r: dict) -> str:
                 f"{gib('memory_per_device', r['memory_per_device'])} GiB ({html.escape(r['compiler_error'])}). "
                 f"Arguments: parameters {gib('parameters', r['parameters'])}, optimizer state "
                 f"{gib('optimizer_state', r['optimizer_state'])}, batch {gib('batch', r['batch'])} GiB.</p></section>")
-    rows = [[f'<span class="swatch" style="background:{SEGMENT_COLOURS[s["segment"]]}"></span>{s["segment"]}',
+    rows = [[f'<span class="swatch" style="background:{_colour(s["segment"])}"></span>'
+             f'{html.escape(s["segment"])}',
              gib(f"memory_stack.{i}.bytes", s["bytes"]), f"{s['bytes'] / r['memory_per_device']:.1%}"]
             for i, s in enumerate(r["memory_stack"])]
     added = sum(s["bytes"] for s in r["memory_stack"][:-1])
@@ -223,7 +229,7 @@ def _parameters(r: dict) -> str:
     total = sum(p["bytes_per_device"] for p in r["parameter_table"])
     return ('<section id="parameters"><h2>Parameters</h2><p class="note">Every parameter (stacked over layers), its '
             "global shape, its partition spec (the mesh axes that split each dimension, - for none) and what one "
-            f"device holds, {r['parameter_table'][0]['dtype']}. Total {total / GiB:,.2f} GiB a device.</p>"
+            f"device holds, {html.escape(r['parameter_table'][0]['dtype'])}. Total {total / GiB:,.2f} GiB a device.</p>"
             + _table(["family", "parameter", "global shape", "partition spec", "a device"], rows, {4})
             + "</section>")
 
@@ -283,10 +289,10 @@ def _schedule_grid(s: dict, index: int, path: str) -> str:
                 colour = f"hsl({(mb * 47) % 360},{60 if kind == 'F' else 35}%,{62 if kind == 'F' else 42}%)"
                 parts.append(f'<rect x="{x}" y="{y}" width="{cell_w - 1}" height="{half - 1}" fill="{colour}" '
                              f'class="busy"><title>tick {t}, stage {s_i}: {"forward" if kind == "F" else "backward"} '
-                             f"of micro-batch {mb} through chunk {chunk}</title></rect>")
+                             f"of micro-batch {html.escape(str(mb))} through chunk {html.escape(str(chunk))}</title></rect>")
                 if cell_w >= 16:
                     label = f"{kind}{mb}" if cell_w >= 26 else str(mb)
-                    parts.append(f'<text x="{x + 2}" y="{y + half * 0.72:.1f}" fill="#fff">{label}</text>')
+                    parts.append(f'<text x="{x + 2}" y="{y + half * 0.72:.1f}" fill="#fff">{html.escape(label)}</text>')
     width, height = left + len(ticks) * cell_w + 10, top + stages * cell_h + 20
     parts.append(f'<text x="{left}" y="{height - 4}">tick 0 .. {len(ticks) - 1}</text>')
     idle = ('<defs><pattern id="idle" width="6" height="6" patternUnits="userSpaceOnUse" '
@@ -295,7 +301,8 @@ def _schedule_grid(s: dict, index: int, path: str) -> str:
     return (f'<h3 data-schedule="{html.escape(s["schedule"])}">{html.escape(s["name"])}'
             f'{" (configured)" if s["configured"] else ""}: bubble '
             f"{fact(f'{path}.{index}.bubble_fraction', s['bubble_fraction'], format(s['bubble_fraction'], '.1%'))}, "
-            f"{s['microbatches']} micro-batches, up to {s['in_flight_microbatches']} kept per stage</h3>"
+            f"{html.escape(str(s['microbatches']))} micro-batches, up to {html.escape(str(s['in_flight_microbatches']))} "
+            "kept per stage</h3>"
             f'<div class="scroll"><svg width="{width}" height="{height}">{idle}{"".join(parts)}</svg></div>')
 
 
@@ -351,7 +358,8 @@ def _target(r: dict) -> str:
     program = r.get("program")
     kernels = ("<p>Custom calls in the compiled program: "
                + html.escape(", ".join(f"{k} x{n}" for k, n in program["custom_calls"].items()) or "none")
-               + f"; {program['float8_matmuls']} of {program['matmuls']} matmuls float8.</p>" if program else "")
+               + f"; {html.escape(str(program['float8_matmuls']))} of {html.escape(str(program['matmuls']))} matmuls "
+               "float8.</p>" if program else "")
     return (f'<section id="target"><h2>Target {html.escape(r["target"])}</h2><h3>Flag profile</h3>{flag_text}'
             f"<h3>Attention kernel tiles</h3>{tile_text}{kernels}</section>")
 
@@ -367,13 +375,29 @@ def _document(title: str, body: str) -> str:
             f"<style>{STYLE}</style></head><body>{body}</body></html>\n")
 
 
-def write(report: dict, directory: str | Path) -> Path:
-    """DIR/report.json and DIR/index.html; returns the page's path."""
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    (directory / "report.json").write_text(json.dumps(report, indent=1) + "\n")
-    (directory / "index.html").write_text(page(report))
-    return directory / "index.html"
+def write(report: dict, directory: str) -> str:
+    """DIR/report.json and DIR/index.html (DIR a local directory or a bucket URL); returns the page's path."""
+    return _write(directory, report, page(report))
+
+
+def _write(directory: str, report: dict, html_page: str) -> str:
+    storage.write_bytes(storage.join(directory, "report.json"), (json.dumps(report, indent=1) + "\n").encode())
+    storage.write_bytes(storage.join(directory, "index.html"), html_page.encode())
+    return storage.join(directory, "index.html")
+
+
+def unusable(report) -> str | None:
+    """Why a report.json read back cannot be shown (a field missing, or of another kind than olmax writes), or
+    None: its page, alone and beside others, and its Markdown row are drawn to find out."""
+    if not isinstance(report, dict) or not {"config", "target"} <= set(report):
+        return "no config or target"
+    try:
+        page(report), comparison_page([report]), markdown_table([report])
+    except KeyError as err:
+        return f"no field {err.args[0]!r} where the page reads one"
+    except (TypeError, ValueError, AttributeError, IndexError, ZeroDivisionError) as err:
+        return f"a field of another kind than olmax writes: {type(err).__name__}: {err}"
+    return None
 
 
 # --- several reports -----------------------------------------------------------------------------------------------
@@ -472,9 +496,5 @@ def markdown_table(reports: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def write_comparison(reports: list[dict], directory: str | Path) -> Path:
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    (directory / "report.json").write_text(json.dumps({"reports": reports}, indent=1) + "\n")
-    (directory / "index.html").write_text(comparison_page(reports))
-    return directory / "index.html"
+def write_comparison(reports: list[dict], directory: str) -> str:
+    return _write(directory, {"reports": reports}, comparison_page(reports))
