@@ -30,6 +30,7 @@ import json
 import logging
 import os
 import re
+import time
 from pathlib import Path
 
 from olmax import storage
@@ -168,6 +169,14 @@ def replace_own(path: str | os.PathLike, text: str) -> None:
         with os.fdopen(fd, "w") as f:
             f.write(text)
         os.replace(partial, path)
+
+
+def set_aside(path: Path) -> Path:
+    """Rename `path`, a file olmax cannot use, out of its way (PATH.damaged-TIME), kept for a person to look at;
+    the new path."""
+    aside = path.with_name(f"{path.name}.damaged-{time.strftime('%Y%m%d-%H%M%S')}")
+    os.rename(path, aside)
+    return aside
 
 
 def own_dir(path: str | os.PathLike) -> Path:

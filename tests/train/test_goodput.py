@@ -129,3 +129,71 @@ def test_plan_turns_chip_hours_into_what_the_run_costs_at_a_goodput(capsys):
     at_goodput = json.loads(capsys.readouterr().out)["exact_window"]
     assert at_goodput["chip_hours_at_goodput"] == pytest.approx(plain["exact_window"]["chip_hours"] / 0.8)
     assert main(["plan", "olmo3_7b", "--target", "tpu:v5p:4x4x8", "--goodput", "1.5"]) == 2
+
+
+def _edited(record: dict, edit) -> str:
+    record = json.loads(json.dumps(record))
+    edit(record)
+    return json.dumps(record)
+
+
+def _set(record, path, value):
+    *parents, leaf = path
+    for key in parents:
+        record = record[key]
+    record[leaf] = value
+
+
+# A record olmax cannot account for: the words its error names it by
+DAMAGED = {
+    "negative seconds": (lambda r: _set(r, ("attempts", 0, "seconds", "productive"), -500.0),
+                         "attempt 1's seconds['productive'] is -500.0"),
+    "NaN seconds": (lambda r: _set(r, ("attempts", 0, "seconds", "checkpoint"), float("nan")),
+                    "attempt 1's seconds['checkpoint'] is nan"),
+    "an infinite end": (lambda r: _set(r, ("attempts", 1, "ended"), float("inf")), "attempt 2's ended is inf"),
+    "an end before the start": (lambda r: _set(r, ("attempts", 1, "ended"), r["attempts"][1]["started"] - 100),
+                                "attempt 2 ended"),
+    "an unknown category": (lambda r: _set(r, ("attempts", 0, "seconds", "coffee"), 3.0), "['coffee']"),
+    "an attempt that is no record": (lambda r: r["attempts"].append("not an attempt"),
+                                     'attempt 3 is "not an attempt", not a record'),
+    "a snapshot without its step": (lambda r: _set(r, ("attempts", 0, "snapshots", 0, "step"), "one"),
+                                    "attempt 1's snapshot"),
+}
+
+
+@pytest.fixture
+def record(tmp_path) -> dict:
+    """A run's record of two attempts, as the trainer writes it (no training: the marks only)."""
+    (tmp_path / "kept").mkdir()
+    for _ in range(2):
+        goodput = Goodput(tmp_path / "kept")
+        goodput.resumed(0)
+        goodput.step_done(1)
+        goodput.close()
+    return json.loads(RunDir(tmp_path / "kept").goodput.read_text())
+
+
+@pytest.mark.parametrize("damage", DAMAGED)
+def test_a_record_olmax_cannot_account_for_is_exit_2_naming_the_field(tmp_path, record, capsys, damage):
+    edit, words = DAMAGED[damage]
+    RunDir(tmp_path).goodput.write_text(_edited(record, edit))
+    assert main(["goodput", str(tmp_path), "--png", str(tmp_path / "goodput.png")]) == 2
+    [line] = capsys.readouterr().err.splitlines()
+    assert line.startswith(f"olmax: BadInput: {RunDir(tmp_path).goodput} cannot be read (") and words in line, line
+    assert not (tmp_path / "goodput.png").exists()
+
+
+@pytest.mark.parametrize("damage", [*DAMAGED, "torn"])
+def test_a_resume_keeps_a_damaged_record_aside_and_says_so(tmp_path, record, caplog, damage):
+    """The next attempt starts a new record and the damaged one is kept, whole, beside it (it was dropped without a
+    word, or crashed every resume: a KeyError or TypeError, exit 1, which `olmax launch` retried for ever)."""
+    damaged = json.dumps(record)[:200] if damage == "torn" else _edited(record, DAMAGED[damage][0])
+    path = RunDir(tmp_path).goodput
+    path.write_text(damaged)
+    goodput = Goodput(tmp_path)
+    goodput.resumed(0)
+    goodput.step_done(1)
+    [aside] = tmp_path.glob("goodput.json.damaged-*")
+    assert aside.read_text() == damaged and f"{path} cannot be accounted for" in caplog.text
+    assert f"kept as {aside}" in caplog.text
+    assert len(read_record(path.read_text())["attempts"]) == 1

@@ -27,12 +27,16 @@ from __future__ import annotations
 import atexit
 import contextlib
 import json
+import logging
+import math
 import os
 import time
 from pathlib import Path
 
 from olmax.errors import DiskFull, RunDirError
-from olmax.run_dir import RunDir, replace_own
+from olmax.run_dir import RunDir, replace_own, set_aside
+
+log = logging.getLogger(__name__)
 
 WORK = ("productive", "data wait", "evaluation")  # redone after a restart when it was not checkpointed
 CATEGORIES = ("start-up", "compilation", *WORK, "checkpoint", "shutdown", "lost work", "between attempts")
@@ -59,10 +63,49 @@ def process_start_time() -> float:
 
 
 def read_record(text: str) -> dict:
+    """The record in `text`, or ValueError naming the field olmax cannot account for: not JSON, a field missing or
+    of another kind, seconds or times negative or not finite, a category it does not know. Categories an older
+    olmax did not have count 0."""
     record = json.loads(text)
     if not isinstance(record, dict) or not isinstance(record.get("attempts"), list):
         raise ValueError("not a goodput record (no attempts)")
+    for number, attempt in enumerate(record["attempts"], start=1):
+        where = f"attempt {number}"
+        if not isinstance(attempt, dict):
+            raise ValueError(f"{where} is {json.dumps(attempt)[:40]}, not a record")
+        _seconds(attempt.get("started"), f"{where}'s started")
+        if _seconds(attempt.get("ended"), f"{where}'s ended") < attempt["started"]:
+            raise ValueError(f"{where} ended ({attempt['ended']}) before it started ({attempt['started']})")
+        for field in ("first_step", "last_step", "lost_steps"):
+            if attempt.get(field) is not None and not _count(attempt[field]):
+                raise ValueError(f"{where}'s {field} is {attempt[field]!r}, not a step")
+        _categories(attempt.get("seconds"), f"{where}'s seconds")
+        if not isinstance(attempt.get("snapshots"), list):
+            raise ValueError(f"{where} has no list of snapshots")
+        for snapshot in attempt["snapshots"]:
+            if not isinstance(snapshot, dict) or not _count(snapshot.get("step")):
+                raise ValueError(f"{where}'s snapshot {json.dumps(snapshot)[:40]} has no step")
+            _categories(snapshot.get("seconds"), f"{where}'s snapshot of step {snapshot['step']}")
     return record
+
+
+def _count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _seconds(value, what: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise ValueError(f"{what} is {value!r}, not a number of seconds >= 0")
+    return value
+
+
+def _categories(seconds, what: str) -> None:
+    if not isinstance(seconds, dict):
+        raise ValueError(f"{what} is {json.dumps(seconds)[:40]}, not seconds by category")
+    if unknown := sorted(set(seconds) - set(CATEGORIES)):
+        raise ValueError(f"{what} has categories olmax does not know: {unknown} (known: {', '.join(CATEGORIES)})")
+    for category in CATEGORIES:
+        _seconds(seconds.setdefault(category, 0.0), f"{what}[{category!r}]")
 
 
 def totals(record: dict) -> dict[str, float]:
@@ -87,8 +130,10 @@ class Goodput:
         if enabled and self.path.exists():
             try:
                 self.record = read_record(self.path.read_text())
-            except ValueError:  # written by something else, or torn outside olmax's atomic replace
-                self.record = {"attempts": []}
+            except ValueError as err:  # written by something else, or torn outside olmax's atomic replace
+                aside = set_aside(self.path)
+                log.warning("%s cannot be accounted for (%s): kept as %s; the run's goodput record starts again "
+                            "with this attempt", self.path, err, aside)
         now = time.time()
         self.last, self.started_with_process = now if started is None else started, started is not None
         self.attempt = {"started": self.last, "ended": now, "seconds": dict.fromkeys(CATEGORIES, 0.0),
