@@ -140,7 +140,22 @@ def test_every_float_must_be_finite(tmp_path, capsys, value):
     ("tiny_moe", ["model.moe.num_experts=6", "mesh.expert=4"],
      "model.moe.num_experts 6 do not divide over mesh.expert 4"),
     ("tiny", ["train.steps=3000000000"], "train.steps: Input should be less than or equal to 2147483647"),
-    ("tiny", ["output_dir={run}/{{foo}}"], "output_dir '{run}/{{foo}}': only {{name}} (the run's name) may stand"),
+    ("tiny", ["output_dir={run}/{{foo}}"], "output_dir: the one placeholder is {{name}}, the run's name, as it is"),
+    # str.format reached the name's attributes, or padded it (an AttributeError traceback, a docstring in the path)
+    *[("tiny", [f"output_dir={{run}}/{{{{{field}}}}}"], "output_dir: the one placeholder is {{name}}")
+      for field in ("name.foo", "name.__doc__", "name:>300", "name!r", "0", "")],
+    *[("tiny", [f"output_dir={{run}}", f"launch.records_dir={{run}}/{{{{{field}}}}}"],
+       "launch.records_dir: the one placeholder is {{name}}") for field in ("name.foo", "name.__doc__", "name:>300")],
+    ("tiny", ["name=" + "n" * 300, "output_dir={run}/{{name}}"], "is 300 bytes, over the 255 a name in a path"),
+    ("tiny", ["output_dir={run}/" + "n" * 300], "is 300 bytes, over the 255 a name in a path can have"),
+    ("tiny", ["output_dir={run}", "launch.records_dir=" + "/x" * 2100], "is 4200 bytes, over the 4096 of a path"),
+    ("tiny", ['name="a\\u0000b"'], "name holds a NUL byte, which no name or path can hold"),
+    ("tiny", ['output_dir="{run}\\u0000"'], "output_dir holds a NUL byte"),
+    ("tiny", ['data.paths=["a", "b\\u0000"]'], "data.paths[1] holds a NUL byte"),
+    ("tiny", ["train.seed=99999999999999999999"], "train.seed: Input should be less than 9223372036854775808"),
+    ("tiny", ["data.seed=-1"], "data.seed: Input should be greater than or equal to 0"),
+    ("tiny", ["train.hang_timeout=1e300"], "train.hang_timeout: Input should be less than or equal to 604800"),
+    ("tiny", ["train.hang_timeout=1e-9"], "train.hang_timeout: Input should be greater than or equal to 10"),
     ("{tmp}/a.yaml", [], ("config files name each other as base in a cycle ({tmp}/a.yaml -> {tmp}/b.yaml -> "
                           "{tmp}/a.yaml)")),
 ])

@@ -13,6 +13,7 @@ import importlib
 import json
 import math
 import os
+import string
 import types
 import typing
 from pathlib import Path
@@ -27,6 +28,8 @@ PRESET_DIR = Path(__file__).parent / "configs"
 MAX_STEPS = 2**31 - 1  # the step counter (and the LR schedule's arithmetic) is int32 on the device
 REMAT_NAMES = ("qkv_proj", "out_proj", "mlpwi_0", "mlpwi_1", "mlpwo", "context")
 DType = Literal["float32", "bfloat16"]
+SEED_LIMIT = 2**63  # seeds are int64: jax.random.key and numpy's PCG64 take no larger
+NAME_MAX, PATH_MAX = 255, 4096  # bytes in a path component and in a whole path, as Linux file systems take them
 
 
 def declared_above(module: str, check: str):
@@ -35,6 +38,30 @@ def declared_above(module: str, check: str):
     name when a config is validated, so every config is checked whatever was imported first, and those packages
     import this one, not the other way round."""
     return getattr(importlib.import_module(module), check)
+
+
+def check_placeholders(value: str) -> str:
+    """ValueError unless `value`'s only placeholder is a bare {name} (str.format would reach attributes of the name,
+    `{name.__doc__}`, or pad it, `{name:>300}`)."""
+    try:
+        fields = [(name, spec, conversion) for _, name, spec, conversion in string.Formatter().parse(value)
+                  if name is not None]
+    except ValueError:
+        fields = [(None, None, None)]
+    if any(field != ("name", "", None) for field in fields):
+        raise ValueError("the one placeholder is {name}, the run's name, as it is (write a brace as {{ or }})")
+    return value
+
+
+def check_path_length(path: str, field: str) -> None:
+    """ValueError when `path` (a local path or a URL) is longer than a file system or a bucket takes."""
+    parts = path.split("://", 1)[-1].split("/")
+    if too_long := [part for part in parts if len(part.encode()) > NAME_MAX]:
+        raise ValueError(f"{field} {path[:80]}...: {too_long[0][:40]}... is {len(too_long[0].encode())} bytes, over "
+                         f"the {NAME_MAX} a name in a path can have; shorten it (or the run's name in it)")
+    if len(path.encode()) > PATH_MAX:
+        raise ValueError(f"{field} {path[:80]}... is {len(path.encode())} bytes, over the {PATH_MAX} of a path; "
+                         "shorten it")
 
 
 class Section(BaseModel):
@@ -336,7 +363,7 @@ class DataConfig(Section):
     )
     requested_tokens: int | None = Field(None, gt=0, description="tokens the sources' mix is built to hold")
     sequence_length: int = Field(8192, gt=1)
-    seed: int = 34521
+    seed: int = Field(34521, ge=0, lt=SEED_LIMIT)
     eos_id: int = Field(100257, ge=0)
     pad_id: int = Field(100277, ge=0)
     token_dtype: Literal["uint16", "uint32"] = "uint32"
@@ -408,11 +435,13 @@ class TrainConfig(Section):
     micro_batch_per_device: int | None = Field(
         None, gt=0, description="instances per device per micro-step; None = whole global batch in one micro-step"
     )
-    seed: int = 0
+    seed: int = Field(0, ge=-SEED_LIMIT, lt=SEED_LIMIT)
     log_every: int = Field(1, gt=0)
     hang_timeout: float = Field(
-        600.0, gt=0, description="seconds without a finished step after which a multi-process run is taken for "
-        "stopped and exits 75 (at least 5 x the slowest step so far; olmax.train.watchdog)")
+        600.0, ge=10, le=7 * 86400, description="seconds without a finished step after which a multi-process run is "
+        "taken for stopped and exits 75 (at least 5 x the slowest step so far; olmax.train.watchdog): from 10 (the "
+        "watchdog reads the processes' heartbeats over 3 s) to a week (JAX's heartbeat timeout, 10 x this, is a "
+        "C int of seconds)")
 
 
 MESH_AXES = ("data", "stage", "fsdp", "expert", "tensor")  # outermost first: neighbours share the inner axes
@@ -505,7 +534,7 @@ class EvalConfig(Section):
     every: int | None = Field(None, gt=0, description="evaluate `sets` every N steps; None = no in-loop LM eval")
     sets: list[EvalSetConfig] = Field(default_factory=list, description="labeled held-out sets (Paloma-style domains)")
     tokens: int | None = Field(None, gt=0, description="tokens per set: whole documents chosen by `seed`; None = all")
-    seed: int = Field(0, description="the eval order depends on nothing but the set and this seed")
+    seed: int = Field(0, ge=0, lt=SEED_LIMIT, description="the eval order depends on nothing but the set and this seed")
     batch_instances: int | None = Field(None, gt=0, description="rows per eval batch; None = the training micro-batch")
     harness_tasks: list[str] = Field(default_factory=list, description="lm-eval-harness tasks, `name` or `name:shots`")
     harness_every: int | None = Field(None, gt=0, description="run harness_tasks every N steps; None = never")
@@ -561,12 +590,7 @@ class LaunchConfig(Section):
         if "://" in value:
             raise ValueError("must be a filesystem path (the launcher appends to its records and Slurm writes its "
                              "output there), not a bucket")
-        try:
-            value.format(name="")
-        except (KeyError, IndexError, ValueError):
-            raise ValueError(f"{value!r}: the one placeholder is {{name}} (write a brace as {{{{ "
-                             "or }})") from None
-        return value
+        return check_placeholders(value)
 
 
 class StorageConfig(Section):
@@ -589,6 +613,8 @@ class RunConfig(Section):
     eval: EvalConfig = Field(default_factory=EvalConfig)
     launch: LaunchConfig = Field(default_factory=LaunchConfig)
     storage: StorageConfig = Field(default_factory=StorageConfig)
+
+    _output_dir = field_validator("output_dir")(check_placeholders)
 
     @property
     def run_dir(self) -> Path:
@@ -645,11 +671,9 @@ class RunConfig(Section):
         if self.model.moe is not None and self.model.moe.num_experts % self.mesh.expert:
             raise ValueError(f"model.moe.num_experts {self.model.moe.num_experts} do not divide over mesh.expert "
                              f"{self.mesh.expert}; make the experts a multiple of it")
-        try:
-            self.output_dir.format(name=self.name)
-        except (KeyError, IndexError, ValueError):
-            raise ValueError(f"output_dir {self.output_dir!r}: only {{name}} (the run's name) may stand in braces; "
-                             "double any other brace ({{ }})") from None
+        check_path_length(self.run_location, "output_dir")
+        if self.launch.records_dir is not None:
+            check_path_length(self.launch.records_dir.format(name=self.name), "launch.records_dir")
         return self
 
 
@@ -825,7 +849,21 @@ def writable_dir(path: Path, field: str) -> Path:
     return path
 
 
+def _nul_bytes(value, where: str):
+    """The dotted places of the strings in `value` that hold a NUL byte (which no path, name or command can)."""
+    if isinstance(value, str) and "\0" in value:
+        yield where
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            yield from _nul_bytes(item, f"{where}.{key}".lstrip("."))
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            yield from _nul_bytes(item, f"{where}[{i}]")
+
+
 def validate(tree: dict, source: str = "config") -> RunConfig:
+    if found := next(_nul_bytes(tree, ""), None):
+        raise ConfigError(f"{source}: {found} holds a NUL byte, which no name or path can hold; remove it")
     try:
         return RunConfig.model_validate(tree)
     except ValidationError as err:

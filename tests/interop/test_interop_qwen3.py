@@ -3,10 +3,12 @@ parity judged against HF's float64 logits, and the tiny_qwen3 preset from traini
 
 import argparse
 import json
+import shutil
 
 import numpy as np
 import pytest
 import torch
+from safetensors.numpy import save_file
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from olmax.checkpoint import Checkpointer, run_meta
@@ -136,3 +138,50 @@ def test_hf_configs_olmax_cannot_read_as_qwen3_are_named(tmp_path):
                             ({"attention_bias": True}, "attention_bias")):
         with pytest.raises(InteropError, match=message):
             families.from_hf(config | change, name="x")
+
+
+def _damaged_tensor(directory, name, value):
+    tensors = read_tensors(directory)
+    tensors[name][3 % len(tensors[name])] = value
+    save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
+
+
+# An HF directory that cannot be converted: what is done to it, and the words of the one line that says so
+BAD_HF = {
+    "a NaN weight": (lambda d: _damaged_tensor(d, "model.layers.1.mlp.up_proj.weight", np.nan),
+                     "tensor model.layers.1.mlp.up_proj.weight holds nan (at [3, 0])"),
+    "an infinite weight": (lambda d: _damaged_tensor(d, "model.norm.weight", -np.inf),
+                           "tensor model.norm.weight holds -inf (at [3])"),
+    "a billion layers": (lambda d: _config(d, num_hidden_layers=10**9),
+                         "config.json implies 11,000,000,003 tensors (Qwen3ForCausalLM: 1,000,000,000 layers), the "
+                         "safetensors files hold 25"),
+    "config.json a list": (lambda d: (d / "config.json").write_text("[1, 2, 3]"),
+                           "config.json holds list, not the object of settings"),
+    "no attention heads": (lambda d: _config(d, num_attention_heads=0), "num_attention_heads is 0; it is a size"),
+    "a vocabulary size in quotes": (lambda d: _config(d, vocab_size="512"), "vocab_size is '512'; it is a size"),
+}
+
+
+def _config(directory, **change):
+    path = directory / "config.json"
+    path.write_text(json.dumps(json.loads(path.read_text()) | change))
+
+
+@pytest.fixture(scope="module")
+def qwen3_dir(tmp_path_factory):
+    return make_qwen3_model(tmp_path_factory.mktemp("qwen3") / "hf", layers=2)
+
+
+@pytest.mark.parametrize("damage", BAD_HF)
+def test_an_hf_model_that_cannot_be_converted_is_one_line_exit_2(tmp_path, qwen3_dir, capsys, damage):
+    """Refused before anything is written, naming the field or the tensor (NaN weights were converted with exit 0,
+    a billion layers grew the process to 19 GB before the kernel killed something, the rest were tracebacks)."""
+    from olmax.cli import main
+
+    edit, words = BAD_HF[damage]
+    shutil.copytree(qwen3_dir, tmp_path / "hf")
+    edit(tmp_path / "hf")
+    assert main(["convert", "hf-to-olmax", str(tmp_path / "hf"), "--out", str(tmp_path / "out")]) == 2
+    [line] = capsys.readouterr().err.splitlines()
+    assert line.startswith("olmax: InteropError: ") and words in line, line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]

@@ -93,7 +93,7 @@ def _manifest(tmp_path, capsys, target, monkeypatch):
 def test_jobset_for_a_v5p_128_slice(tmp_path, capsys, monkeypatch):
     m = _manifest(tmp_path, capsys, "tpu:v5p:4x4x4", monkeypatch)
     assert (m["apiVersion"], m["kind"]) == ("jobset.x-k8s.io/v1alpha2", "JobSet")
-    assert m["metadata"] == {"name": "olmo3-7b-stage1", "annotations": {
+    assert m["metadata"] == {"name": "olmo3-7b-stage1-dff40122", "annotations": {
         "alpha.jobset.sigs.k8s.io/exclusive-topology": "cloud.google.com/gke-nodepool"}}
     assert m["spec"]["failurePolicy"] == {"maxRestarts": 10, "rules": [
         {"name": "bad-input", "action": "FailJobSet", "onJobFailureReasons": ["PodFailurePolicy"]}]}
@@ -127,7 +127,7 @@ def test_jobset_for_two_gpu_hosts_tells_each_pod_its_place(tmp_path, capsys, mon
     [container] = pod["containers"]
     assert container["resources"]["limits"] == {"nvidia.com/gpu": 8}
     assert container["env"] == [
-        {"name": "OLMAX_COORDINATOR", "value": "olmo3-7b-stage1-slice-0-0.olmo3-7b-stage1:8476"},
+        {"name": "OLMAX_COORDINATOR", "value": "olmo3-7b-stage1-dff40122-slice-0-0.olmo3-7b-stage1-dff40122:8476"},
         {"name": "OLMAX_NUM_PROCESSES", "value": "2"},
         {"name": "OLMAX_PROCESS_ID", "valueFrom": {"fieldRef": {
             "fieldPath": "metadata.annotations['batch.kubernetes.io/job-completion-index']"}}},

@@ -52,6 +52,8 @@ def read_hf_config(src: Path) -> dict:
         config = json.loads(path.read_text())
     except json.JSONDecodeError as err:
         raise InteropError(f"{path} is not valid JSON: {err}") from None
+    if not isinstance(config, dict):
+        raise InteropError(f"{path} holds {type(config).__name__}, not the object of settings an HF config.json is")
     architectures = config.get("architectures") or []
     model_type = config.get("model_type")
     if model_type not in families.HF_CLASSES or architectures not in ([], [families.HF_CLASSES[model_type]]):
@@ -137,16 +139,21 @@ def check_hf_tensors(found: dict, src: Path, m: ModelConfig) -> None:
 def load_hf_params(src: Path, cfg: RunConfig) -> dict:
     """olmax float32 params (numpy) from the safetensors files, one slab of a tensor in flight at a time."""
     m = cfg.model
-    tensors = families.foreign_tensors(m)
     files = hf_tensor_files(src)
-    check_hf_tensors(_tensor_headers(files), src, m)
+    found = _tensor_headers(files)
+    if (implied := families.foreign_tensor_count(m)) != len(found):  # before listing them: config.json may be huge
+        raise InteropError(f"{src}: config.json implies {implied:,} tensors ({families.HF_CLASSES[m.family]}: "
+                           f"{m.n_layers:,} layers), the safetensors files hold {len(found):,}; check config.json's "
+                           "num_hidden_layers (and experts) against the weights")
+    tensors = families.foreign_tensors(m)
+    check_hf_tensors(found, src, m)
     params = jax.tree.map(lambda shape: np.zeros(shape, np.float32), families.param_shapes(m),
                           is_leaf=lambda s: isinstance(s, tuple))
     for path in sorted(set(files.values())):
         header, start = stream.read_header(path)
         with open(path, "rb") as f:
             for name, entry in header.items():
-                stream.read_into(f, start, entry, families.foreign_view(params, *tensors[name], m))
+                stream.read_into(f, start, name, entry, families.foreign_view(params, *tensors[name], m))
     return params
 
 

@@ -66,8 +66,9 @@ def _slabs(shape: tuple[int, ...], itemsize: int):
         yield slice(r0, min(r0 + rows, shape[0]))
 
 
-def read_into(f, start: int, entry: dict, target: np.ndarray) -> None:
-    """Fill `target` (any strided view of the tensor's shape) with the tensor, converting the dtype."""
+def read_into(f, start: int, name: str, entry: dict, target: np.ndarray) -> None:
+    """Fill `target` (any strided view of the tensor's shape) with tensor `name`, converting the dtype; its values
+    must be finite (a NaN or an infinity in a weight makes every step's loss NaN)."""
     dtype, shape = np.dtype(DTYPES[entry["dtype"]]), tuple(entry["shape"])
     row_bytes = math.prod(shape[1:]) * dtype.itemsize
     f.seek(start + entry["data_offsets"][0])
@@ -75,7 +76,13 @@ def read_into(f, start: int, entry: dict, target: np.ndarray) -> None:
         buf = np.empty((rows.stop - rows.start) * row_bytes, np.uint8)
         if f.readinto(buf) != buf.size:
             raise InteropError(f"{f.name}: ended inside a tensor; the file is truncated")
-        target[rows] = buf.view(dtype).reshape(-1, *shape[1:])
+        slab = buf.view(dtype).reshape(-1, *shape[1:])
+        if not np.isfinite(slab).all():
+            index = np.unravel_index(np.flatnonzero(~np.isfinite(slab))[0], slab.shape)
+            at = (index[0] + rows.start, *index[1:])
+            raise InteropError(f"{f.name}: tensor {name} holds {slab[index]} (at {list(map(int, at))}); olmax "
+                               "imports finite weights only: use a checkpoint that is not damaged")
+        target[rows] = slab
 
 
 def write_file(path: Path, tensors: dict[str, np.ndarray], dtype, metadata: dict | None = None) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 
 from olmax.arguments import config_arguments
@@ -139,9 +140,11 @@ def run_launch(args: argparse.Namespace) -> None:
     from olmax.launch.launcher import Backoff
 
     if args.launch_mode in ("local", "slurm"):
-        if args.max_retries < 0 or args.retry_backoff < 0 or args.backoff_factor < 1 or args.backoff_max < 0:
+        seconds = (args.retry_backoff, args.backoff_factor, args.backoff_max)
+        if args.max_retries < 0 or not all(map(math.isfinite, seconds)) or args.retry_backoff < 0 \
+                or args.backoff_factor < 1 or args.backoff_max < 0:
             raise ConfigError(f"olmax launch {args.launch_mode}: need --max-retries >= 0, --retry-backoff >= 0, "
-                              "--backoff-factor >= 1 and --backoff-max >= 0")
+                              "--backoff-factor >= 1 and --backoff-max >= 0, all finite")
         retries = {"backoff": Backoff(args.retry_backoff, args.backoff_factor, args.backoff_max),
                    "max_retries": args.max_retries}
     if args.launch_mode == "local":
@@ -153,8 +156,8 @@ def run_launch(args: argparse.Namespace) -> None:
     elif args.launch_mode == "slurm":
         from olmax.launch.slurm import SlurmLauncher
 
-        if args.poll_seconds <= 0 or args.status_seconds <= 0:
-            raise ConfigError("olmax launch slurm: need --poll-seconds > 0 and --status-seconds > 0")
+        if not (0 < args.poll_seconds < math.inf and 0 < args.status_seconds < math.inf):
+            raise ConfigError("olmax launch slurm: need --poll-seconds > 0 and --status-seconds > 0, finite")
         launcher = SlurmLauncher(args.config, args.overrides, poll=args.poll_seconds,
                                  status_seconds=args.status_seconds, **retries)
     elif args.launch_mode == "tpu-pod":

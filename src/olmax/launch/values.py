@@ -59,12 +59,11 @@ def sbatch_option(value: str) -> str:
 
 def k8s_name(text: str, room: int = 0) -> str:
     """A DNS-1035 label (lowercase letters, digits, '-'; starts with a letter; at most 63 characters less `room`,
-    for what Kubernetes appends) naming `text`: the name itself with '_' and '.' as '-' where that is one, else
-    what is left of it after a hash of the whole, so that two names never give one label."""
+    for what Kubernetes appends) naming `text`: the name itself where that is one, else what is left of it and a
+    hash of the whole, so that two names never give one label (`a_b`, `a.b` and `a-b` are three)."""
     limit = DNS_LABEL_LENGTH - room
-    name = re.sub(r"[_.]", "-", text)
-    if DNS_LABEL.fullmatch(name) and len(name) <= limit:
-        return name
+    if DNS_LABEL.fullmatch(text) and len(text) <= limit:
+        return text
     digest = hashlib.sha256(text.encode()).hexdigest()[:8]
     kept = re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")
     kept = (kept if kept[:1].isalpha() else f"run-{kept}".rstrip("-"))[:limit - len(digest) - 1].rstrip("-")

@@ -113,6 +113,12 @@ def foreign_tensors(cfg: ModelConfig, naming: str = "hf") -> dict[str, tuple[Par
     return out
 
 
+def foreign_tensor_count(cfg: ModelConfig, naming: str = "hf") -> int:
+    """len(foreign_tensors(cfg, naming)), counted without listing them."""
+    return sum(math.prod(p.shape[:int(p.stacked) + int("{expert}" in getattr(p, naming))])
+               for p in table(cfg) if getattr(p, naming) is not None)
+
+
 def foreign_view(params: dict, p: Param, index: tuple[int, ...], cfg: ModelConfig, cut_vocab: bool = True):
     """The view of an olmax (numpy) array holding one foreign tensor, in the foreign layout: the slice at
     `index`, the real vocabulary (`cut_vocab`), [out, in]; writing into it writes the olmax array."""
@@ -146,10 +152,12 @@ def from_hf(hf: dict, name: str, where: str = "config.json") -> RunConfig:
     }
     if bad := {k: got for k, (got, want) in unsupported.items() if got != want}:
         raise InteropError(f"{where}: unsupported settings {bad} (olmax's families have no biases and a SiLU MLP)")
-    missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                           "num_attention_heads") if k not in hf]
-    if missing:
+    sizes = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+    if missing := [k for k in sizes if k not in hf]:
         raise InteropError(f"{where}: missing fields {missing}")
+    for field in (*sizes, "num_key_value_heads", "head_dim", "num_experts", "num_experts_per_tok"):
+        if field in hf and hf[field] is not None and (type(hf[field]) is not int or hf[field] < 1):
+            raise InteropError(f"{where}: {field} is {hf[field]!r}; it is a size: a whole number of at least 1")
     n_heads, d_model = hf["num_attention_heads"], hf["hidden_size"]
     head_dim = hf.get("head_dim")
     model = {

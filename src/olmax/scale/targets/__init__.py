@@ -10,7 +10,9 @@ TensorCores per chip, each a JAX device), https://cloud.google.com/tpu/docs/v5e 
 NVIDIA's H100 and H200 datasheets (989 TFLOP/s without sparsity), NVIDIA's HGX page
 (https://www.nvidia.com/en-us/data-center/hgx/: FP16/BF16 36 PFLOP/s for 8 B200s and for 8 B300s, with
 sparsity: 2250 TFLOP/s a GPU dense; FP8 and MXFP8 twice that, 4500). B200 and B300 memory is what nvidia-smi
-reports on HGX hosts (183,359 and 275,040 MiB); their target configs cite the rest.
+reports on HGX hosts (183,359 and 275,040 MiB); their target configs cite the rest. A TPU slice is at most a pod:
+256 chips of v5e or v6e (16x16; https://cloud.google.com/tpu/docs/v5e, https://cloud.google.com/tpu/docs/v6e),
+8,960 of v5p (https://cloud.google.com/tpu/docs/v5p), 9,216 of TPU7x (https://cloud.google.com/tpu/docs/tpu7x).
 """
 
 from __future__ import annotations
@@ -36,13 +38,14 @@ class Accelerator:
     peak_flops_per_chip: float  # dense bf16
     devices_per_chip: int = 1
     target_config: str | None = None  # GPUs: a GpuTargetConfigProto text file in this package
+    pod_chips: int | None = None  # TPUs: the chips of a whole pod, the largest slice
 
 
 ACCELERATORS = {
-    "v5e": Accelerator("tpu", round(15.75 * GiB), 197e12),
-    "v5p": Accelerator("tpu", round(95.74 * GiB), 459e12),
-    "v6e": Accelerator("tpu", round(31.25 * GiB), 918e12),
-    "tpu7x": Accelerator("tpu", round(94.75 * GiB), 2307e12, devices_per_chip=2),
+    "v5e": Accelerator("tpu", round(15.75 * GiB), 197e12, pod_chips=256),
+    "v5p": Accelerator("tpu", round(95.74 * GiB), 459e12, pod_chips=8960),
+    "v6e": Accelerator("tpu", round(31.25 * GiB), 918e12, pod_chips=256),
+    "tpu7x": Accelerator("tpu", round(94.75 * GiB), 2307e12, devices_per_chip=2, pod_chips=9216),
     "h100": Accelerator("gpu", 81_559 * 2**20, 989e12, target_config="h100_sxm.txtpb"),
     "h200": Accelerator("gpu", 143_771 * 2**20, 989e12, target_config="h200_sxm.txtpb"),
     "b200": Accelerator("gpu", 183_359 * 2**20, 2250e12, target_config="b200_sxm.txtpb"),
@@ -120,6 +123,9 @@ def parse_target(name: str) -> Target:
             raise TargetError(f"target {name!r}: a TPU slice without the hardware is whole hosts of "
                               f"{HOST_CHIPS[0]}x{HOST_CHIPS[1]} chips (its first two sizes even and not 0), as in "
                               f"tpu:{kind}:2x2, 2x4, 4x4x8")
+        if math.prod(dims) > ACCELERATORS[kind].pod_chips:
+            raise TargetError(f"target {name!r} is {math.prod(dims)} chips, more than a whole {kind} pod "
+                              f"({ACCELERATORS[kind].pod_chips} chips): give a slice of at most that many")
         return Target(f"tpu:{kind}:{topology}", kind, topology, math.prod(dims))
     if match := re.fullmatch(r"gpu:(\w+?)x(\d+)", name):
         kind, count = match.group(1), int(match.group(2))
