@@ -144,7 +144,7 @@ def test_every_float_must_be_finite(tmp_path, capsys, value):
     # str.format reached the name's attributes, or padded it (an AttributeError traceback, a docstring in the path)
     *[("tiny", [f"output_dir={{run}}/{{{{{field}}}}}"], "output_dir: the one placeholder is {{name}}")
       for field in ("name.foo", "name.__doc__", "name:>300", "name!r", "0", "")],
-    *[("tiny", [f"output_dir={{run}}", f"launch.records_dir={{run}}/{{{{{field}}}}}"],
+    *[("tiny", ["output_dir={run}", f"launch.records_dir={{run}}/{{{{{field}}}}}"],
        "launch.records_dir: the one placeholder is {{name}}") for field in ("name.foo", "name.__doc__", "name:>300")],
     ("tiny", ["name=" + "n" * 300, "output_dir={run}/{{name}}"], "is 300 bytes, over the 255 a name in a path"),
     ("tiny", ["output_dir={run}/" + "n" * 300], "is 300 bytes, over the 255 a name in a path can have"),
