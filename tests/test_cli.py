@@ -223,6 +223,10 @@ REFUSED_UP_FRONT = {
     "compile for a 3x3 TPU slice": (["compile", "tiny", "--target", "tpu:v5e:3x3"], ["whole hosts of 2x2 chips"]),
     "compile for a 1x1 TPU slice": (["compile", "tiny", "--target", "tpu:v5e:1x1"], ["whole hosts of 2x2 chips"]),
     "plan for no GPUs": (["plan", "tiny", "--target", "gpu:h100x0", "--mfu", "0.4"], ["has no GPUs"]),
+    "plan for more chips than a v5e pod": (["plan", "tiny", "--target", "tpu:v5e:32x32"],
+                                           ["1024 chips, more than a whole v5e pod (256 chips)"]),
+    "compile for more chips than a v5p pod": (["compile", "tiny", "--target", "tpu:v5p:32x32x16"],
+                                              ["16384 chips, more than a whole v5p pod (8960 chips)"]),
     "resume-check resuming after the end": (["resume-check", "tiny", "--at", "5", "--steps", "4"],
                                             ["--at 5 must be between 0 and --steps 4"]),
 }

@@ -61,6 +61,10 @@ def test_old_local_spelling_dry_run_matches_the_new(tmp_path, capsys):
     (["launch", "--k8s", "--nprocs", "2", "tiny"], "drop --nprocs"),
     (["launch", "local", "tiny", "--nprocs", "0"], "--nprocs >= 1"),
     (["launch", "slurm", "tiny", "--poll-seconds", "0"], "--poll-seconds > 0"),
+    # nan was taken, and written into launch.jsonl as `"sleep": NaN`, which is no JSON
+    *[(["launch", mode, "tiny", flag, value], "all finite") for mode in ("local", "slurm") for value in ("nan", "inf")
+      for flag in ("--retry-backoff", "--backoff-factor", "--backoff-max")],
+    (["launch", "slurm", "tiny", "--status-seconds", "nan"], "--status-seconds > 0, finite"),
 ])
 def test_launch_refusals_are_exit_2_with_one_line(capsys, argv, says):
     assert main(argv) == 2
