@@ -91,7 +91,7 @@ def cmd_train(args) -> None:
     try:
         train(cfg, make_eval=make_in_loop_eval, on_start=start, started=process_start_time())
     except BaseException as err:
-        host_log.info("stopped: %s: %s", type(err).__name__, err)
+        host_log.info("stopped: %s", f"{type(err).__name__}: {err}")  # a record that keeps no frame alive
         raise
     else:
         host_log.info("finished")

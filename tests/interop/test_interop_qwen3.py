@@ -153,8 +153,8 @@ BAD_HF = {
     "an infinite weight": (lambda d: _damaged_tensor(d, "model.norm.weight", -np.inf),
                            "tensor model.norm.weight holds -inf (at [3])"),
     "a billion layers": (lambda d: _config(d, num_hidden_layers=10**9),
-                         "config.json implies 11,000,000,003 tensors (Qwen3ForCausalLM: 1,000,000,000 layers), the "
-                         "safetensors files hold 25"),
+                         "config.json implies 11,000,000,003 tensors (Qwen3ForCausalLM: 1,000,000,000 layers), more "
+                         "than twice the 25 the safetensors files hold"),
     "config.json a list": (lambda d: (d / "config.json").write_text("[1, 2, 3]"),
                            "config.json holds list, not the object of settings"),
     "no attention heads": (lambda d: _config(d, num_attention_heads=0), "num_attention_heads is 0; it is a size"),

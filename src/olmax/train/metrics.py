@@ -121,10 +121,12 @@ class MetricsWriter:
 
     def close(self) -> None:
         if self.enabled:
-            with writing(self.tensorboard):
-                self.events.close()
-            with writing(self.jsonl):
-                self.file.close()
+            try:
+                with writing(self.tensorboard):
+                    self.events.close()
+            finally:
+                with writing(self.jsonl):
+                    self.file.close()
 
 
 def _histogram(values: list[float], bins: int = 30) -> HistogramProto:
