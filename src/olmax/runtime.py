@@ -19,7 +19,8 @@ restore, compilation) neither prints a KeyboardInterrupt traceback nor kills the
 process in the middle of XLA's work, and none is lost: blocked before any other
 thread exists, they are blocked in every thread started later (numpy's, XLA's),
 so no thread can take one and drop it, and pending signals survive the restart
-above.
+above. `preemption_signals` is the handler a training process then runs: it
+sets a flag and takes no lock.
 
 Before any of that, `skip_absent_tpus` keeps JAX off its TPU backend on a machine
 with no accelerator attached: with the `aot` extra installed, JAX would otherwise load
@@ -30,6 +31,7 @@ and takes libtpu's one-process lockfile for the life of the process.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import ctypes
 import importlib.util
 import os
@@ -114,6 +116,39 @@ def hold_stop_signals() -> None:
 def release_stop_signals() -> None:
     """Unblock SIGINT/SIGTERM in this thread: those that came while held run the handlers installed now."""
     signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+
+
+class StopSignals:
+    """Whether SIGTERM/SIGINT came: a plain attribute, set by the handler (this object). A handler runs on the main
+    thread between two of its bytecodes, wherever that thread is, so it takes no lock: threading.Event.set took its
+    condition's lock, which the main thread held when a second SIGTERM came while the first one's handler was
+    inside Event.set (a deadlock, or a traceback in the handler)."""
+
+    def __init__(self):
+        self.came = False
+
+    def __call__(self, signum, frame) -> None:
+        self.came = True
+
+
+@contextlib.contextmanager
+def preemption_signals():
+    """StopSignals, set by SIGTERM/SIGINT while inside, or already before when they arrived during start-up (signal
+    handlers only exist on the main thread). Once it is set, SIGTERM keeps setting it after the block: the process
+    is on its way out with its checkpoint written (olmax.cli keeps ignoring it as the process exits)."""
+    stop = StopSignals()
+    if threading.current_thread() is not threading.main_thread():
+        yield stop
+        return
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+    release_stop_signals()
+    try:
+        yield stop
+    finally:
+        if stop.came:  # stopping already: a repeated SIGTERM (srun ending a job's other tasks once one has
+            del previous[signal.SIGTERM]  # exited 75, a second notice) must not cut the checkpointed exit short
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def drop_held_signals() -> None:

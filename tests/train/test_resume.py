@@ -85,49 +85,6 @@ def test_sigterm_repeated_while_the_run_stops_does_not_cut_its_exit_short(tmp_pa
     assert [p.name for p in (run / "checkpoints").iterdir() if p.name.isdigit()], "its checkpoint written"
 
 
-# A SIGTERM at every line the stop handler runs, each handled at once by the same handler (nested): what a repeated
-# SIGTERM does when it comes while the first one's handler runs. A handler that takes a lock (threading.Event.set)
-# waits there for itself; faulthandler then ends the process with its stacks instead of a hung test.
-NESTED_SIGNALS = """
-import faulthandler, os, signal, sys
-faulthandler.dump_traceback_later(60, exit=True)
-from olmax.train.trainer import preemption_signals, stop_requested
-
-def every_line(frame, event, arg):
-    if event == "line":
-        os.kill(os.getpid(), signal.SIGTERM)
-    return every_line
-
-with preemption_signals() as stop:
-    handler, nested = signal.getsignal(signal.SIGTERM), []
-
-    def again(signum, frame):
-        trace = sys.gettrace()
-        sys.settrace(None)
-        handler(signum, frame)
-        nested.append(signum)
-        sys.settrace(trace)
-
-    def first(signum, frame):
-        signal.signal(signal.SIGTERM, again)
-        sys.settrace(every_line)
-        handler(signum, frame)
-        sys.settrace(None)
-
-    signal.signal(signal.SIGTERM, first)
-    os.kill(os.getpid(), signal.SIGTERM)
-    signal.signal(signal.SIGTERM, handler)
-    print(len(nested) > 0, stop_requested(stop))
-"""
-
-
-def test_a_signal_while_the_stop_handler_runs_is_taken_too():
-    """The stop handler takes no lock: SIGTERMs that come while it runs, at any of its lines, are handled at once
-    (deterministic: each line of the first handler delivers one), and the run stops as asked."""
-    done = subprocess.run([sys.executable, "-c", NESTED_SIGNALS], capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0 and done.stdout.split() == ["True", "True"], done.stderr[-3000:]
-
-
 @pytest.mark.slow
 def test_kill_9_during_checkpointing_leaves_a_resumable_run(tmp_path, shards, continuous):
     run = tmp_path / "kill"

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import signal
-import threading
 from pathlib import Path
 
 import jax
@@ -29,7 +27,7 @@ from olmax.model.transformer import compute_dtype
 from olmax.parallel import pipeline
 from olmax.parallel.mesh import make_layout
 from olmax.run_dir import RunDir
-from olmax.runtime import release_stop_signals
+from olmax.runtime import StopSignals, preemption_signals
 from olmax.train.bucket_run import BucketRun
 from olmax.train.goodput import Goodput
 from olmax.train.metrics import MetricsWriter, console_line, device_peak_flops
@@ -56,39 +54,6 @@ def check_finite(params, when: str, checkpointer: Checkpointer) -> None:
             f"({f'the latest is {latest}' if latest else 'there is none'}). Lower optim.lr or raise "
             "schedule.warmup_steps, then run again"
         )
-
-
-class StopSignals:
-    """Whether SIGTERM/SIGINT came: a plain attribute, set by the handler (this object). A handler runs on the main
-    thread between two of its bytecodes, wherever that thread is, so it takes no lock: threading.Event.set took its
-    condition's lock, which the main thread held when a second SIGTERM came while the first one's handler was
-    inside Event.set (a deadlock, or a traceback in the handler)."""
-
-    def __init__(self):
-        self.came = False
-
-    def __call__(self, signum, frame) -> None:
-        self.came = True
-
-
-@contextlib.contextmanager
-def preemption_signals():
-    """StopSignals, set by SIGTERM/SIGINT while inside, or already before when they arrived during start-up (signal
-    handlers only exist on the main thread). Once it is set, SIGTERM keeps setting it after the block: the process
-    is on its way out with its checkpoint written (olmax.cli keeps ignoring it as the process exits)."""
-    stop = StopSignals()
-    if threading.current_thread() is not threading.main_thread():
-        yield stop
-        return
-    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
-    release_stop_signals()
-    try:
-        yield stop
-    finally:
-        if stop.came:  # stopping already: a repeated SIGTERM (srun ending a job's other tasks once one has
-            del previous[signal.SIGTERM]  # exited 75, a second notice) must not cut the checkpointed exit short
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
 
 
 def stop_requested(stop: StopSignals) -> bool:
