@@ -77,6 +77,11 @@ class Node:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.process.pid, signal.SIGKILL)
         self.process.wait()
+        deadline = time.monotonic() + 60
+        with contextlib.suppress(ProcessLookupError):  # the group is empty: none of its processes writes any more
+            while time.monotonic() < deadline:
+                os.killpg(self.process.pid, 0)
+                time.sleep(0.05)
         subprocess.run(["rm", "-rf", self.temp_dir])
 
 
