@@ -9,8 +9,9 @@ through it.
 
 Next-token loss, OLMo-core's reduction: labels are the inputs shifted left; the last position of each
 instance has no label; pad labels are ignored when `mask_pad`; an instance masked by the data filters
-loses all its labels but still counts in the denominator, so the loss of a batch does not jump when the
-filter fires.
+loses all its labels but still counts in the denominator, as T positions (OLMo-core's `labels.shape[1]`,
+one more than the T - 1 labels an instance has), so the loss of a batch does not jump when the filter
+fires and equals OLMo-core's when it does.
 """
 
 from __future__ import annotations
@@ -62,6 +63,14 @@ def label_mask(input_ids: jax.Array, pad_id: int, mask_pad: bool) -> jax.Array:
         labels = jnp.roll(input_ids, -1, axis=1)
         mask &= labels != pad_id
     return mask
+
+
+def label_count(input_ids: jax.Array, instance_mask: jax.Array, pad_id: int, mask_pad: bool) -> jax.Array:
+    """The loss's denominator for rows [N, T] (float32, at least 1): the labels of the kept instances, plus T
+    for each masked one (OLMo-core's train module adds `labels.shape[1]` per masked instance)."""
+    kept = (label_mask(input_ids, pad_id, mask_pad) & instance_mask[:, None]).sum()
+    masked = (~instance_mask).sum() * input_ids.shape[1]
+    return jnp.maximum(kept + masked, 1).astype(jnp.float32)
 
 
 def _lse_and_target(logits: tuple[jax.Array], labels: jax.Array):

@@ -31,7 +31,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from olmax.config import ConfigError, RunConfig
 from olmax.model import families, transformer
 from olmax.model.block import training_hooks
-from olmax.model.loss import label_mask, loss_sums
+from olmax.model.loss import label_count, label_mask, loss_sums
 from olmax.parallel import pipeline
 from olmax.parallel.mesh import Layout
 from olmax.train import zero
@@ -162,8 +162,8 @@ def make_train_step(cfg: RunConfig, layout: Layout):
 
     def train_step(state: TrainState, batch: dict):
         input_ids, instance_mask = batch["input_ids"], batch["instance_mask"]
-        all_rows = input_ids.reshape(-1, input_ids.shape[-1])
-        n_labels = jnp.maximum(label_mask(all_rows, cfg.data.pad_id, loss_cfg.mask_pad).sum(), 1).astype(jnp.float32)
+        n_labels = label_count(input_ids.reshape(-1, input_ids.shape[-1]), instance_mask.reshape(-1), cfg.data.pad_id,
+                               loss_cfg.mask_pad)
         n_micro = input_ids.shape[0]
 
         def accumulate(carry, inputs):
