@@ -55,14 +55,58 @@ def measure_matmul_flops(dtype=jnp.float32, size: int = 1024, repeats: int = 10)
     return 2 * size**3 / best
 
 
+# Float32 FLOPs a core's vector units can do per cycle, by the first of these instruction sets that /proc/cpuinfo
+# lists: two FMA units of the vector width on x86 since Haswell and Skylake-SP (fewer on some parts: the peak is
+# then generous, never short), four 128-bit FMA pipes on the widest Arm cores. XLA:CPU computes matmuls of every
+# dtype in these units (measured on an AVX-512 Xeon with AMX, 2026-12-05: 156 GFLOP/s float32, 160 bfloat16).
+FLOPS_PER_CYCLE = (("avx512f", 64), ("fma", 32), ("avx", 16), ("sse2", 8), ("asimd", 32))
+
+
+def cpu_peak_flops(cpuinfo: str, max_khz: dict[int, int], usable: set[int]) -> float | None:
+    """The peak FLOP/s of this process's CPU cores: physical cores x clock x FLOPs a core does per cycle, from
+    /proc/cpuinfo's text (`cpuinfo`), each logical CPU's maximum clock in kHz where cpufreq gives it (`max_khz`)
+    and the logical CPUs this process may run on (`usable`). A fact of the hardware, the same whatever else the
+    machine is doing; None where the text does not say enough (no clock, an unknown instruction set)."""
+    processors = [dict((k.strip(), v.strip()) for k, _, v in (line.partition(":") for line in block.splitlines()))
+                  for block in cpuinfo.strip().split("\n\n")]
+    processors = [p for p in processors if p.get("processor", "").isdigit() and int(p["processor"]) in usable]
+    if not processors:
+        return None
+    cores = len({(p.get("physical id"), p.get("core id", p["processor"])) for p in processors})
+    clock_ghz = max(max_khz[int(p["processor"])] / 1e6 if int(p["processor"]) in max_khz
+                    else float(p.get("cpu MHz", 0)) / 1e3 for p in processors)
+    flags = set((processors[0].get("flags") or processors[0].get("Features") or "").split())
+    per_cycle = next((n for flag, n in FLOPS_PER_CYCLE if flag in flags), None)
+    return cores * clock_ghz * 1e9 * per_cycle if per_cycle and clock_ghz > 0 else None
+
+
+def this_cpu_peak_flops() -> float | None:
+    """cpu_peak_flops of this machine (cpufreq's cpuinfo_max_freq, the clock the cores may reach, where the kernel
+    has it; else /proc/cpuinfo's `cpu MHz`, constant on a virtual machine)."""
+    try:
+        cpuinfo = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return None
+    max_khz = {}
+    for path in Path("/sys/devices/system/cpu").glob("cpu[0-9]*/cpufreq/cpuinfo_max_freq"):
+        with contextlib.suppress(OSError, ValueError):
+            max_khz[int(path.parent.parent.name.removeprefix("cpu"))] = int(path.read_text())
+    return cpu_peak_flops(cpuinfo, max_khz, os.sched_getaffinity(0))
+
+
 @functools.cache
-def device_peak_flops(dtype_name: str) -> float:
-    """Datasheet peak for known accelerators; otherwise (CPU) the measured matmul peak for the dtype."""
-    kind = jax.devices()[0].device_kind
+def device_peak_flops(dtype_name: str) -> float | None:
+    """Each device's peak FLOP/s: the datasheet's dense bf16 figure on known accelerators, the measured matmul peak
+    on other accelerators, and on a CPU this process's share of its cores' peak (the CPU's devices share its
+    cores); None where the CPU does not say what it is."""
+    device = jax.local_devices()[0]
     for prefix, peak in PEAK_BF16_FLOPS.items():
-        if kind.startswith(prefix):
+        if device.device_kind.startswith(prefix):
             return peak
-    return measure_matmul_flops(jnp.dtype(dtype_name))
+    if device.platform != "cpu":
+        return measure_matmul_flops(jnp.dtype(dtype_name))
+    peak = this_cpu_peak_flops()
+    return None if peak is None else peak / jax.local_device_count()
 
 
 class MetricsWriter:
@@ -145,6 +189,7 @@ def console_line(step: int, total: int, m: dict[str, float]) -> str:
     return (
         f"step {step}/{total}  CE {m['train/CE loss']:.4f}  Z {m['train/Z loss']:.2e}{experts}  "
         f"gnorm {m['optim/total grad norm']:.3f}  lr {m['optim/LR (group 0)']:.3e}  "
-        f"TPS/dev {m.get('throughput/device/TPS', 0):,.0f}  MFU {m.get('throughput/device/MFU', 0):.1f}%{skipped}"
+        f"TPS/dev {m.get('throughput/device/TPS', 0):,.0f}"
+        + (f"  MFU {m['throughput/device/MFU']:.1f}%" if "throughput/device/MFU" in m else "") + skipped
         + (f"  | held-out CE{evals}" if evals else "")
     )

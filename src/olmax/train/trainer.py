@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import sys
 from pathlib import Path
 
 import jax
@@ -160,21 +161,34 @@ def _train(cfg: RunConfig, quiet: bool, make_eval, bucket: BucketRun | None, run
     peak = device_peak_flops(np.dtype(compute_dtype(cfg.impl, layout)).name)
     history, pending = [], None
     clock = StepClock()
+    mfu_bug_said = False
 
     def tokens_after(step: int) -> int:
         return tokens_before + (step - start) * tokens_per_step
 
     def finish(step: int, metrics, eval_metrics: dict, in_flight=None) -> None:
         """Log step `step`; `in_flight` is (step, metrics) of the step dispatched after it, if any."""
+        nonlocal mfu_bug_said
         values = {k: v.tolist() if np.ndim(v) else float(v) for k, v in jax.device_get(metrics).items()} | eval_metrics
-        clock.done(step)
         tps = tokens_per_step / clock.seconds(step) / jax.device_count()
         values.update({
             "throughput/total tokens": tokens_after(step),
             "throughput/device/TPS": tps,
-            "throughput/device/MFU": 100.0 * tps * flops_per_token / peak,
             "io/retries": storage.retries(),  # transient bucket faults retried so far (0 on local disk)
         } | goodput.metrics())
+        if peak is not None:
+            mfu = 100.0 * tps * flops_per_token / peak
+            if mfu <= 100.0:
+                values["throughput/device/MFU"] = mfu
+            elif not mfu_bug_said:  # a bug, said once; never a figure
+                mfu_bug_said = True
+                line = (f"olmax: bug: step {step}'s MFU came out at {mfu:.1f}% ({tps:,.0f} tokens/s a device x "
+                        f"{flops_per_token / 1e9:.3g} GFLOP a token, against a peak of {peak / 1e9:,.1f} GFLOP/s a "
+                        "device): the step's time or the device's peak is wrong; MFU above 100% is left out of the "
+                        "metrics. Please report this line")
+                log.warning(line)
+                if not quiet and jax.process_index() == 0:
+                    print(line, file=sys.stderr, flush=True)
         writer.write(step, values)
         history.append({"step": step, **values})
         if not np.isfinite(values["train/CE loss"]):  # a skipped spike, or parameters gone for good
@@ -185,7 +199,6 @@ def _train(cfg: RunConfig, quiet: bool, make_eval, bucket: BucketRun | None, run
             if bucket:  # uploaded once the step in flight is done, so that the upload is in no step's time
                 if in_flight:
                     jax.block_until_ready(in_flight[1])
-                    clock.done(in_flight[0])
                 writer.flush()
                 bucket.push_metrics()
 
@@ -205,8 +218,11 @@ def _train(cfg: RunConfig, quiet: bool, make_eval, bucket: BucketRun | None, run
                 rows = next(loader)
                 goodput.mark("data wait")
                 batch = place_batch(rows, sharding, micro_rows)
+                if pending:  # the step before ends before this one is dispatched: each is timed from its own start
+                    jax.block_until_ready(pending[1])
                 clock.dispatching(step)
                 state, metrics = step_fn(state, batch)
+                clock.dispatched(step, metrics)
                 goodput.mark("compilation" if step == start + 1 else "productive")
                 if pending:
                     finish(*pending, in_flight=(step, metrics))
@@ -217,7 +233,6 @@ def _train(cfg: RunConfig, quiet: bool, make_eval, bucket: BucketRun | None, run
                 eval_due = evaluate is not None and evaluate.due(step)
                 if eval_due or save:
                     jax.block_until_ready(metrics)
-                    clock.done(step)
                     if eval_due:
                         goodput.mark("productive")
                         pending[2].update(evaluate(step, state.params))
@@ -242,6 +257,7 @@ def _train(cfg: RunConfig, quiet: bool, make_eval, bucket: BucketRun | None, run
                 finish(*pending)
             saver.finish()
     finally:
+        clock.close()
         loader.close()
         writer.close()
         try:
