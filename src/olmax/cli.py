@@ -7,7 +7,7 @@ import json
 import signal
 import sys
 
-from olmax.arguments import config_arguments
+from olmax.arguments import config_arguments, given, old_spelling
 from olmax.errors import ExitCode, OlmaxError
 from olmax.runtime import (LIBTPU_LOCKFILE, STOP_SIGNALS, drop_held_signals, end_process, hold_stop_signals,
                            libtpu_lock_holder, quiet_cuda_plugin, release_stop_signals, skip_absent_tpus)
@@ -141,8 +141,10 @@ def cmd_goodput(args) -> None:
         print(json.dumps(record, indent=2))
         return
     print(report(record))
-    plot(record, Path(args.png), title=storage.basename(args.run))
-    print(f"wrote {args.png}")
+    out = given(args, "out", "--out") or storage.join(args.run, "goodput.png")  # never the current directory
+    with storage.staged(out) as png:
+        plot(record, Path(png), title=storage.basename(args.run))
+    print(f"wrote {out}")
 
 
 def cmd_demo(args) -> None:
@@ -194,7 +196,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("goodput", help="where a run's wall time went, by category, over its restarts")
     p.add_argument("run", help="the run directory (output_dir), local or in a bucket")
-    p.add_argument("--png", default="goodput.png", help="the plot of its attempts (default ./goodput.png)")
+    p.add_argument("--out", help="the PNG of its attempts (default: goodput.png in the run directory)")
+    old_spelling(p, "--png", "out", "write --out FILE")
     p.add_argument("--json", action="store_true", help="print the record instead")
     p.set_defaults(func=cmd_goodput)
 

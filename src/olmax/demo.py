@@ -30,6 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
+from olmax import progress
 from olmax.config import load_config
 from olmax.run_dir import RunDir
 
@@ -77,8 +78,8 @@ def build_corpus(out: Path) -> dict[str, int]:
     return counts
 
 
-def prepare_data(cache: Path, vocab_size: int, fresh: bool) -> dict:
-    """Corpus, tokenizer and shards, built once and reused while the cache key matches."""
+def prepare_data(cache: Path, vocab_size: int, fresh: bool, doing: list[str]) -> dict:
+    """Corpus, tokenizer and shards, built once and reused while the cache key matches; `doing[0]` is the stage."""
     from olmax.data.shards import Source, write_mix_file
     from olmax.data.tokenize import tokenize_corpus, train_tokenizer
 
@@ -92,6 +93,7 @@ def prepare_data(cache: Path, vocab_size: int, fresh: bool) -> dict:
     started = time.perf_counter()
 
     def stage(line: str) -> None:  # building the data takes about a minute: say what is being done
+        doing[0] = line
         print(f"demo: [{time.perf_counter() - started:4.0f} s] {line}", flush=True)
 
     stage(f"building the corpus from the standard library ({sysconfig.get_paths()['stdlib']})")
@@ -226,7 +228,14 @@ def run_demo(overrides: list[str], fresh: bool, moe: bool = False) -> Path:
     cfg = load_config("demo_moe" if moe else "demo", overrides)
     suffix = "_moe" if moe else ""
     out = cfg.run_dir.parent
-    data = prepare_data(out / "cache", cfg.model.vocab_size, fresh)
+    doing = ["reading the data cache"]  # what the demo waits for, said in its silences (training says its own)
+    began = time.perf_counter()
+
+    def silences():
+        return progress.ticking(lambda _: f"demo: [{time.perf_counter() - began:4.0f} s] still {doing[0]}", "stdout")
+
+    with silences():
+        data = prepare_data(out / "cache", cfg.model.vocab_size, fresh, doing)
     shards = data["shards"]
     previous = out / f"report{suffix}.json"
     previous_losses = None
@@ -240,22 +249,26 @@ def run_demo(overrides: list[str], fresh: bool, moe: bool = False) -> Path:
     losses = [h["train/CE loss"] for h in history]
     same_as_previous = None if previous_losses is None else previous_losses == losses
 
-    checkpointer = Checkpointer(RunDir(cfg.run_dir).checkpoints, cfg.checkpoint)
-    state, _, _ = restore_or_init(cfg, make_layout(cfg.mesh), checkpointer)
-    checkpointer.close()
-    samples = greedy_samples(cfg, state.params, data["tokenizer"],
-                             ["def __init__(self", "import os\n", "class ", "Return the"], new_tokens=48)
-    selection = eval_selection(cfg)
-    labels = [s.label for s in selection.sets]
-    baselines = {d: unigram_baseline(shards[f"{d}-train"]["paths"], selection, labels.index(d),
-                                     cfg.model.vocab_size, cfg.data.token_dtype) for d in DOMAINS}
-    scored = {d: {"documents": selection.documents[labels.index(d)], "tokens": selection.tokens[labels.index(d)]}
-              for d in DOMAINS}
-    plot_curves(history, baselines, out / f"loss_curves{suffix}.png")
-    if moe:
-        plot_expert_load(cfg, history, out / "expert_load_moe.png")
-    report = write_report(out, cfg, data, history, baselines, scored, samples, train_seconds, same_as_previous,
-                          suffix)
+    with silences():
+        doing[0] = "restoring the trained model and writing greedy samples (compiling its decoding first)"
+        checkpointer = Checkpointer(RunDir(cfg.run_dir).checkpoints, cfg.checkpoint)
+        state, _, _ = restore_or_init(cfg, make_layout(cfg.mesh), checkpointer)
+        checkpointer.close()
+        samples = greedy_samples(cfg, state.params, data["tokenizer"],
+                                 ["def __init__(self", "import os\n", "class ", "Return the"], new_tokens=48)
+        doing[0] = "computing the unigram baselines of the held-out sets"
+        selection = eval_selection(cfg)
+        labels = [s.label for s in selection.sets]
+        baselines = {d: unigram_baseline(shards[f"{d}-train"]["paths"], selection, labels.index(d),
+                                         cfg.model.vocab_size, cfg.data.token_dtype) for d in DOMAINS}
+        scored = {d: {"documents": selection.documents[labels.index(d)], "tokens": selection.tokens[labels.index(d)]}
+                  for d in DOMAINS}
+        doing[0] = "plotting the curves and writing the report"
+        plot_curves(history, baselines, out / f"loss_curves{suffix}.png")
+        if moe:
+            plot_expert_load(cfg, history, out / "expert_load_moe.png")
+        report = write_report(out, cfg, data, history, baselines, scored, samples, train_seconds, same_as_previous,
+                              suffix)
     print(f"demo: report in {report}")
     return report
 

@@ -40,6 +40,7 @@ import signal
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 from typing import NoReturn
 
@@ -52,6 +53,7 @@ GOOGLE_PCI_VENDOR = "0x1ae0"  # TPU chips show up as Google's PCI devices (as JA
 NVIDIA_DEVICES = ("/dev/nvidia0", "/dev/nvidiactl", "/dev/dxg")  # JAX's test for a visible NVIDIA GPU
 LIBTPU_LOCKFILE = Path("/tmp/libtpu_lockfile")  # libtpu's lock on the machine's TPU chips
 CUDA_PLUGIN = "jax_cuda12_plugin"
+LAUNCHER_STARTED = "OLMAX_LAUNCHER_STARTED"  # set by `olmax launch` for its first attempt: when the launcher started
 CUDA_PLUGIN_NOISE = ("All log messages before absl::InitializeLog() is called", "cudart_stub.cc",
                      "Could not find cuda drivers on your machine")
 
@@ -191,3 +193,13 @@ def restart_with_huge_pages() -> None:
         sys.stdout.flush()
         sys.stderr.flush()
         os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
+
+
+def process_start_time() -> float:
+    """When this process started (Linux: /proc, to the clock tick), else now."""
+    try:
+        ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+    except (OSError, ValueError, IndexError):
+        return time.time()
+    boot = time.time() - time.clock_gettime(time.CLOCK_BOOTTIME)  # /proc/stat's btime is whole seconds
+    return boot + ticks / os.sysconf("SC_CLK_TCK")

@@ -256,8 +256,11 @@ def test_cli_options_and_a_real_bad_input_child_exit_2_without_retry(tmp_path, c
 
 
 def test_defaults_and_refusals():
+    """On one host a restart is cheap: the first backoff is 10 s (300 s cost a tiny run killed once 65.6% of its wall
+    time), doubling per failure in a row up to an hour; a Slurm job's resubmission still starts at 300 s."""
     args = _parse(["launch", "local", "tiny"])
-    assert (args.retry_backoff, args.backoff_factor, args.backoff_max, args.max_retries, args.nprocs) == (300, 2, 3600, 50, 1)
+    assert (args.retry_backoff, args.backoff_factor, args.backoff_max, args.max_retries, args.nprocs) == (10, 2, 3600, 50, 1)
+    assert _parse(["launch", "slurm", "tiny"]).retry_backoff == 300
     with pytest.raises(ConfigError, match="--nprocs >= 1"):
         args.func(_parse(["launch", "local", "tiny", "--nprocs", "0"]))
     with pytest.raises(ConfigError, match="train.steps"):
@@ -294,3 +297,18 @@ def test_a_bucket_runs_launch_records_go_to_a_directory_here(tmp_path, capsys, m
     err = capsys.readouterr().err
     assert "launch.records_dir: must be a filesystem path" in err and err.count("gs://runs/records") == 1
     assert sorted(p.name for p in tmp_path.iterdir()) == ["rec"]
+
+
+def test_a_backoff_says_how_long_is_left_in_every_silence(tmp_path, capsys, monkeypatch):
+    """A backoff is not a silence: every progress.SILENCE seconds (30; 0.2 here) a line says how long it has left
+    before which attempt (a 300 s backoff used to print nothing)."""
+    from olmax import progress
+
+    monkeypatch.setattr(progress, "SILENCE", 0.2)
+    supervisor = Supervisor("tiny", [f"output_dir={tmp_path}/run", "train.steps=12"], command=FAKE_COMMAND,
+                            env={**os.environ, "FAKE_PLAN": json.dumps([{"exit": 1}])}, backoff=Backoff(1.0, 2, 1.0),
+                            max_retries=1, echo=lambda line: None)
+    assert supervisor.run() == 1
+    ticks = [line for line in capsys.readouterr().err.splitlines() if "backing off" in line]
+    assert ticks and all(line.startswith("olmax launch: backing off: ") and "s of 1 left before attempt 2 (1 failures "
+                         "in a row)" in line for line in ticks), ticks

@@ -36,7 +36,7 @@ def add_commands(subparsers) -> None:
                   "devices.")
     local.add_argument("--nprocs", type=int, default=1, metavar="N",
                        help="processes of one multi-process run (jax.distributed over 127.0.0.1) (default 1)")
-    _retries(local, "restarts")
+    _retries(local, "restarts", first_backoff=10.0)
 
     slurm = _mode(modes, "slurm", "a Slurm batch job, requeued after preemptions and submitted again after failures",
                   "Writes the batch script (the config's launch.slurm section) to RECORDS/slurm/job.sh, submits it "
@@ -47,7 +47,7 @@ def add_commands(subparsers) -> None:
     slurm.add_argument("--status-seconds", type=float, default=600.0, metavar="S",
                        help="say the job's state and the run's last committed step when it changes and every S "
                             "seconds while it does not (default 600)")
-    _retries(slurm, "runs of the job")
+    _retries(slurm, "runs of the job", first_backoff=300.0)
 
     tpu = _mode(modes, "tpu-pod", "the run on every worker of a Cloud TPU VM, started once, detached",
                 "Installs olmax on every worker of TPU VM NAME (gcloud compute tpus tpu-vm ssh --worker=all) and "
@@ -88,9 +88,10 @@ def _mode(modes, name: str, summary: str, description: str, *first: tuple[str, s
     return p
 
 
-def _retries(p: argparse.ArgumentParser, what: str) -> None:
-    p.add_argument("--retry-backoff", type=float, default=300.0, metavar="S",
-                   help="seconds before the first restart after a failure (default 300)")
+def _retries(p: argparse.ArgumentParser, what: str, first_backoff: float) -> None:
+    p.add_argument("--retry-backoff", type=float, default=first_backoff, metavar="S",
+                   help=f"seconds before the first restart after a failure (default {first_backoff:g}); an attempt "
+                        "that wrote a checkpoint starts the count again")
     p.add_argument("--backoff-factor", type=float, default=2.0, metavar="F",
                    help="each further failure in a row waits F times longer (default 2)")
     p.add_argument("--backoff-max", type=float, default=3600.0, metavar="S",
@@ -138,6 +139,7 @@ def with_mode(argv: list[str]) -> list[str]:
 def run_launch(args: argparse.Namespace) -> None:
     from olmax.errors import ConfigError
     from olmax.launch.launcher import Backoff
+    from olmax.runtime import process_start_time
 
     if args.launch_mode in ("local", "slurm"):
         seconds = (args.retry_backoff, args.backoff_factor, args.backoff_max)
@@ -152,7 +154,7 @@ def run_launch(args: argparse.Namespace) -> None:
 
         if args.nprocs < 1:
             raise ConfigError("olmax launch local: need --nprocs >= 1")
-        launcher = Supervisor(args.config, args.overrides, nprocs=args.nprocs, **retries)
+        launcher = Supervisor(args.config, args.overrides, nprocs=args.nprocs, started=process_start_time(), **retries)
     elif args.launch_mode == "slurm":
         from olmax.launch.slurm import SlurmLauncher
 

@@ -36,7 +36,7 @@ from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
-from olmax import storage
+from olmax import progress, storage
 from olmax.config import RunConfig, load_config, writable_dir
 from olmax.errors import NOT_RETRIED, ExitCode
 from olmax.run_dir import RunDir, open_own, writing
@@ -154,7 +154,7 @@ class Launcher:
     run_dir_is_here = True  # the run directory is a path on this machine (or a bucket), not on the job's hosts
 
     def __init__(self, config: str, overrides: list[str] = (), *, backoff: Backoff = Backoff(), max_retries: int = 50,
-                 target: str | None = None, sleep=None, echo=None):
+                 target: str | None = None, sleep=None, echo=None, started: float | None = None):
         if max_retries < 0:
             raise ValueError(f"need max_retries >= 0, got {max_retries}")
         self.config, self.overrides = config, list(overrides)
@@ -168,7 +168,8 @@ class Launcher:
         self._signals: list[int] = []  # SIGTERM/SIGINT as they came; the main thread acts on them (`wait`)
         self._acted = 0  # of them
         self._wakeup = self._wake = None  # while `run` runs, a pipe a signal writes to, waking `wait`
-        self.sleep = sleep or self.wait  # a signal cuts a backoff short
+        self.sleep = sleep or self._back_off  # a signal cuts a backoff short
+        self.started = time.time() if started is None else started  # for the goodput record's launcher start-up
         self._attempt = 0
 
     # ---- what each mode provides -------------------------------------------------------------
@@ -226,6 +227,13 @@ class Launcher:
             os.close(self._wakeup)
             os.close(self._wake)
             self._wakeup = self._wake = None
+
+    def _back_off(self, seconds: float) -> None:
+        """Wait `seconds` before the next attempt, saying in each silence how long is left; a signal cuts it short."""
+        line = lambda waited: (f"olmax launch: backing off: {seconds - waited:.0f} s of {seconds:g} left before "
+                               f"attempt {self._attempt + 1} ({self.policy.failures_in_a_row} failures in a row)")
+        with progress.ticking(line):
+            self.wait(seconds)
 
     def _on_signal(self, sig, frame) -> None:
         """Note the signal for the main thread, which acts on it (`wait`, `act_on_signals`): a handler runs on the

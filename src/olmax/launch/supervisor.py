@@ -29,6 +29,7 @@ from contextlib import contextmanager
 from olmax import run_lock, storage
 from olmax.launch.distributed import ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID
 from olmax.errors import NOT_RETRIED, ExitCode
+from olmax.runtime import LAUNCHER_STARTED
 from olmax.launch.launcher import (
     Attempt,
     Backoff,  # noqa: F401 (the local launcher's callers build theirs with it)
@@ -86,6 +87,7 @@ class Supervisor(Launcher):
         self.stop_grace = stop_grace
         self.on_start = on_start  # called with the list of Popen handles of each attempt (tests inject faults)
         self._procs: list[subprocess.Popen] = []
+        self._submitted = False
 
     def render(self) -> str:
         processes = f"# {self.nprocs} processes of one run, each with OLMAX_* variables\n" if self.nprocs > 1 else ""
@@ -121,7 +123,10 @@ class Supervisor(Launcher):
         started = time.time()
         # libc is loaded here, not in the forked child (loading a library after fork can deadlock).
         preexec = functools.partial(_exit_with, os.getpid(), ctypes.CDLL(None)) if sys.platform == "linux" else None
-        self._procs = [subprocess.Popen(self.argv, env=env, start_new_session=True, preexec_fn=preexec)
+        # The first attempt's process counts the launcher's own start-up in its goodput record.
+        first = {LAUNCHER_STARTED: repr(self.started)} if not self._submitted else {}
+        self._submitted = True
+        self._procs = [subprocess.Popen(self.argv, env={**env, **first}, start_new_session=True, preexec_fn=preexec)
                        for env in self._child_envs()]
         self.act_on_signals()  # one that came while the processes were starting
         if self._stop_signal is not None:

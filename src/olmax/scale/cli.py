@@ -119,6 +119,7 @@ def run_plan(args: argparse.Namespace) -> None:
 
 def run_compile(args: argparse.Namespace) -> None:
     from olmax.errors import DoesNotFit
+    from olmax.progress import ticking
     from olmax.scale.compile import compile_train_step
     from olmax.scale.targets import parse_target
 
@@ -126,9 +127,15 @@ def run_compile(args: argparse.Namespace) -> None:
     cfg, layout = load_config(args.config, args.overrides, target.name), target_layout(args.config, target.name)
     layout = layout and {"target": layout[0], "settings": layout[1]}
     mfu, directory = _mfu(args.mfu), _report_dir(args.report)
+    phase = ["starting"]
+
+    def say(line: str) -> None:
+        phase[0] = line
+        print(f"olmax compile: {line}", file=sys.stderr, flush=True)
+
     try:
-        report = compile_train_step(cfg, target, mfu,
-                                    progress=lambda line: print(f"olmax compile: {line}", file=sys.stderr, flush=True))
+        with ticking(lambda seconds: f"olmax compile: [{seconds:.0f} s] still waiting for XLA (last: {phase[0]})"):
+            report = compile_train_step(cfg, target, mfu, progress=say)
     except DoesNotFit as err:
         err.report["layout"] = layout
         print(json.dumps(err.report, indent=2) if args.json else format_compile(err.report))

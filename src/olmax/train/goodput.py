@@ -4,6 +4,7 @@ The trainer marks the end of each piece of work with its category (`mark`): the 
 previous mark goes to that category, so the categories of an attempt add up to its wall time by
 construction. The categories:
 
+    launcher start-up  `olmax launch`'s own start, before its first attempt's process started
     start-up         process start to the first step: imports, data, restore, building the step
     compilation      the first step's call: tracing and compiling the step
     productive       the steps' work (the device computing, logging)
@@ -35,11 +36,12 @@ from pathlib import Path
 
 from olmax.errors import DiskFull, RunDirError
 from olmax.run_dir import RunDir, replace_own, set_aside
+from olmax.runtime import LAUNCHER_STARTED, process_start_time  # noqa: F401 - the CLI takes it from here
 
 log = logging.getLogger(__name__)
 
 WORK = ("productive", "data wait", "evaluation")  # redone after a restart when it was not checkpointed
-CATEGORIES = ("start-up", "compilation", *WORK, "checkpoint", "shutdown", "lost work", "between attempts")
+CATEGORIES = ("launcher start-up", "start-up", "compilation", *WORK, "checkpoint", "shutdown", "lost work", "between attempts")
 KEPT_SNAPSHOTS = 8  # a resume restores one of the last few checkpoints (one save in flight at most)
 
 
@@ -50,16 +52,6 @@ _AT_EXIT: list[Goodput] = []
 def _record_exit() -> None:
     for goodput in _AT_EXIT:
         goodput._at_exit()
-
-
-def process_start_time() -> float:
-    """When this process started (Linux: /proc, to the clock tick), else now."""
-    try:
-        ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
-    except (OSError, ValueError, IndexError):
-        return time.time()
-    boot = time.time() - time.clock_gettime(time.CLOCK_BOOTTIME)  # /proc/stat's btime is whole seconds
-    return boot + ticks / os.sysconf("SC_CLK_TCK")
 
 
 def read_record(text: str) -> dict:
@@ -138,6 +130,10 @@ class Goodput:
         self.last, self.started_with_process = now if started is None else started, started is not None
         self.attempt = {"started": self.last, "ended": now, "seconds": dict.fromkeys(CATEGORIES, 0.0),
                         "first_step": None, "last_step": None, "snapshots": []}
+        launcher_started = os.environ.get(LAUNCHER_STARTED) if started is not None else None
+        if launcher_started:  # this process is `olmax launch`'s first attempt: the attempt began with the launcher
+            self.attempt["started"] = float(launcher_started)
+            self.attempt["seconds"]["launcher start-up"] = max(0.0, started - float(launcher_started))
         self.record["attempts"].append(self.attempt)
         self._logged = totals(self.record)
 

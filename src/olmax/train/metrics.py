@@ -13,6 +13,7 @@ import contextlib
 import functools
 import json
 import logging
+import os
 import secrets
 import time
 from pathlib import Path

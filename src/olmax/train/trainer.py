@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 
-from olmax import run_lock, storage
+from olmax import progress, run_lock, storage
 from olmax.checkpoint import Checkpointer, run_meta
 from olmax.checkpoint.async_save import AsyncSaver
 from olmax.config import ConfigError, RunConfig, writable_dir
@@ -105,7 +105,10 @@ def train(cfg: RunConfig, *, quiet: bool = False, make_eval=None, on_start=None,
             check_outputs(run_dir)
         if on_start is not None:
             on_start(None if bucket else run_dir)
-        return _train(cfg, quiet, make_eval, bucket, run_dir, started)
+        doing = ["restoring the run's state or initializing it"]  # what the run waits for, said in its silences
+        with progress.ticking(lambda seconds: f"olmax: [{seconds:.0f} s] {doing[0]}", "stdout") \
+                if not quiet and jax.process_index() == 0 else contextlib.nullcontext():
+            return _train(cfg, quiet, make_eval, bucket, run_dir, started, doing)
 
 
 def check_outputs(run_dir) -> None:
@@ -120,7 +123,8 @@ def check_outputs(run_dir) -> None:
                               f"{'directory' if directory else 'file'} there: move it away or set another output_dir")
 
 
-def _train(cfg: RunConfig, quiet: bool, make_eval, bucket: BucketRun | None, run_dir: Path, started) -> list[dict]:
+def _train(cfg: RunConfig, quiet: bool, make_eval, bucket: BucketRun | None, run_dir: Path, started,
+           doing: list[str]) -> list[dict]:
     goodput = Goodput(run_dir, started, enabled=jax.process_index() == 0)
     layout = make_layout(cfg.mesh)
     micro_rows = micro_batch_rows(cfg, layout.data_parallel_size)
@@ -221,6 +225,8 @@ def _train(cfg: RunConfig, quiet: bool, make_eval, bucket: BucketRun | None, run
                 if pending:  # the step before ends before this one is dispatched: each is timed from its own start
                     jax.block_until_ready(pending[1])
                 clock.dispatching(step)
+                doing[0] = (f"compiling the train step (step {step})" if step == start + 1
+                            else f"training: step {step} of {last} running ({cfg.train.log_every} steps a line)")
                 state, metrics = step_fn(state, batch)
                 clock.dispatched(step, metrics)
                 goodput.mark("compilation" if step == start + 1 else "productive")
@@ -235,6 +241,7 @@ def _train(cfg: RunConfig, quiet: bool, make_eval, bucket: BucketRun | None, run
                     jax.block_until_ready(metrics)
                     if eval_due:
                         goodput.mark("productive")
+                        doing[0] = f"evaluating at step {step}"
                         pending[2].update(evaluate(step, state.params))
                         goodput.mark("evaluation")
                     if save:
@@ -246,6 +253,7 @@ def _train(cfg: RunConfig, quiet: bool, make_eval, bucket: BucketRun | None, run
                             bucket.push_metrics()
                         goodput.mark("productive")
                         check_finite(state.params, f"checked before writing checkpoint {step}", checkpointer)
+                        doing[0] = f"writing checkpoint {step} (or waiting for the save before it)"
                         saver.save(step, state, run_meta(cfg, step, loader.state_dict(), tokens_after(step),
                                                          data_offset))
                         goodput.saved(step)
@@ -255,6 +263,7 @@ def _train(cfg: RunConfig, quiet: bool, make_eval, bucket: BucketRun | None, run
                 goodput.step_done(step)
             if pending:
                 finish(*pending)
+            doing[0] = "finishing the last checkpoint's write"
             saver.finish()
     finally:
         clock.close()
