@@ -72,6 +72,16 @@ def test_ironwood_compiles_with_its_sparsecore_flag_profile(capsys, monkeypatch)
     assert report["program"]["sparsecore_collectives"] > 0
     table = format_compile(report)
     assert "XLA flags (tpu7x profile): --xla_tpu_enable_async_collective_fusion_fuse_all_gather=false" in table
+    # The tiny model's memory in its own units (it read 0.00 GiB everywhere), and no summed temporaries (buffers
+    # that never all coexist: for the 7B recipe 101.06 GiB beside a peak of 78.74) as if they were held.
+    assert re.search(r"peak \(compiler\) +[\d.]+ MiB", table) and re.search(r"parameters \(fp32\) +[\d.]+ KiB", table)
+    assert not re.search(r"\b0\.00 [KMG]iB", table) and "temporaries" not in table
+    from olmax.scale.report import markdown_table, page
+
+    html_page = page(report)
+    assert " MiB" in html_page and " KiB" in html_page and "0.00 GiB" not in html_page
+    assert "never all live at once" in html_page  # the page says what the compiler's total of temporaries is
+    assert " MiB (0.0%)" in markdown_table([report]) and not re.search(r"\b0\.00 [KMG]iB", markdown_table([report]))
     monkeypatch.setitem(targets.XLA_FLAGS, "tpu7x", {"xla_tpu_no_such_flag": True})
     with pytest.raises(jax.errors.JaxRuntimeError, match="xla_tpu_no_such_flag"):
         compile_train_step(load_config("tiny"), parse_target("tpu:tpu7x:2x2x1"), mfu=0.4)

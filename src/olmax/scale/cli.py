@@ -175,10 +175,12 @@ FP8_NOTE = {False: "", True: " (fp8 projections)", "mxfp8": " (MXFP8 projections
 
 
 def format_compile(r: dict) -> str:
+    from olmax.scale.report import size
+
     device = r["memory_per_device"]
 
-    def row(label: str, value: float, share: bool = False) -> str:
-        return f"{label:36}{value / 2**30:10.2f}" + (f"   {value / device:.1%} of the device" if share else "")
+    def row(label: str, value: float, share: bool = False) -> str:  # in the unit that shows the value best
+        return f"{label:36}{size(value):>12}" + (f"   {value / device:.1%} of the device" if share else "")
 
     mesh = " x ".join(f"{axis} {size}" for axis, size in r["mesh"].items())
     lines = [
@@ -191,7 +193,7 @@ def format_compile(r: dict) -> str:
         *([f"layout for {r['layout']['target']} from the config: {' '.join(r['layout']['settings'])}"]
           if r.get("layout") else []),
         "",
-        f"{'per device':36}{'GiB':>10}",
+        "per device",
         row("device memory", device),
     ]
     if "peak" in r:
@@ -203,7 +205,6 @@ def format_compile(r: dict) -> str:
             row("    batch", r["batch"]),
             row("  gradients (fp32)", r["gradients"]),
             row("  activations and other buffers", r["peak"] - r["arguments"] - r["gradients"]),
-            row("temporaries (compiler's total)", r["temporaries"]),
         ]
     else:
         if "required" in r:

@@ -37,7 +37,8 @@ def fact(path: str, value, text: str | None = None) -> str:
 
 
 def gib(path: str, value: int) -> str:
-    return fact(path, value, f"{value / GiB:,.2f}")
+    """A memory figure on the page, in the unit that shows it best (`size`)."""
+    return fact(path, value, size(value))
 
 
 def size(value: int) -> str:
@@ -77,7 +78,7 @@ def _header(r: dict) -> str:
                                     if r.get("overrides") else "") + "</p>"]
     fits = _fits(r)
     if fits is not None:
-        figure = (f"peak {gib('peak', r['peak'])} GiB of {gib('memory_per_device', r['memory_per_device'])} GiB "
+        figure = (f"peak {gib('peak', r['peak'])} of {gib('memory_per_device', r['memory_per_device'])} "
                   f"a device ({r['peak'] / r['memory_per_device']:.1%})" if "peak" in r
                   else html.escape(r["compiler_error"]))
         verdict = "fits" if fits else "does not fit"
@@ -168,15 +169,15 @@ def _memory_bar(r: dict, width: int = 900, whole: bool = True) -> str:
         w = segment["bytes"] / device * width
         parts.append(f'<rect x="{x:.2f}" y="0" width="{max(w, 0):.2f}" height="26" '
                      f'fill="{_colour(segment["segment"])}" stroke="#fff" stroke-width="0.5">'
-                     f'<title>{html.escape(segment["segment"])}: {segment["bytes"] / GiB:.2f} GiB</title></rect>')
+                     f'<title>{html.escape(segment["segment"])}: {size(segment["bytes"])}</title></rect>')
         x += w
     peak_x = r["peak"] / device * width
     parts.append(f'<line x1="{peak_x:.2f}" x2="{peak_x:.2f}" y1="-4" y2="30" stroke="#000" stroke-width="1.5"/>')
     parts.append(f'<rect x="0" y="0" width="{width}" height="26" fill="none" stroke="#555"/>')
-    parts.append(f'<text x="0" y="42">0</text><text x="{width}" y="42" text-anchor="end">{device / GiB:,.2f} GiB'
+    parts.append(f'<text x="0" y="42">0</text><text x="{width}" y="42" text-anchor="end">{size(device)}'
                  f'{"" if whole else " (peak)"}</text>')
     if whole and 60 < peak_x < width - 120:
-        parts.append(f'<text x="{peak_x:.0f}" y="42" text-anchor="middle">peak {r["peak"] / GiB:,.2f}</text>')
+        parts.append(f'<text x="{peak_x:.0f}" y="42" text-anchor="middle">peak {size(r["peak"])}</text>')
     return f'<svg width="{width + 10}" height="52" viewBox="-2 -6 {width + 10} 52">{"".join(parts)}</svg>'
 
 
@@ -185,12 +186,12 @@ def _memory(r: dict) -> str:
         return ""
     if "memory_stack" not in r:
         needed = r.get("required")
-        text = (f"The compiler needs {gib('required', needed)} GiB of temporaries on top of the arguments"
+        text = (f"The compiler needs {gib('required', needed)} of temporaries on top of the arguments"
                 if needed else "The compiler gave no figures")
         return (f'<section id="memory"><h2>Memory per device</h2><p>{text}; the device has '
-                f"{gib('memory_per_device', r['memory_per_device'])} GiB ({html.escape(r['compiler_error'])}). "
+                f"{gib('memory_per_device', r['memory_per_device'])} ({html.escape(r['compiler_error'])}). "
                 f"Arguments: parameters {gib('parameters', r['parameters'])}, optimizer state "
-                f"{gib('optimizer_state', r['optimizer_state'])}, batch {gib('batch', r['batch'])} GiB.</p></section>")
+                f"{gib('optimizer_state', r['optimizer_state'])}, batch {gib('batch', r['batch'])}.</p></section>")
     rows = [[f'<span class="swatch" style="background:{_colour(s["segment"])}"></span>'
              f'{html.escape(s["segment"])}',
              gib(f"memory_stack.{i}.bytes", s["bytes"]), f"{s['bytes'] / r['memory_per_device']:.1%}"]
@@ -199,17 +200,17 @@ def _memory(r: dict) -> str:
     return (
         '<section id="memory"><h2>Memory per device</h2>'
         f"<p class=\"note\">One program runs on every device (SPMD), so every device holds the same: the bar is "
-        f"the {gib('memory_per_device', r['memory_per_device'])} GiB of one device, the black line the compiler's "
-        f"peak ({gib('peak', r['peak'])} GiB, from the compiled program's memory analysis). Parameters, optimizer "
-        f"state and batch are the program's arguments ({gib('arguments', r['arguments'])} GiB); gradients are a "
+        f"the {gib('memory_per_device', r['memory_per_device'])} of one device, the black line the compiler's "
+        f"peak ({gib('peak', r['peak'])}, from the compiled program's memory analysis). Parameters, optimizer "
+        f"state and batch are the program's arguments ({gib('arguments', r['arguments'])}); gradients are a "
         "float32 copy of the parameters; the activations kept for the backward are estimated from the remat "
         "policy and the shapes (the compiler does not label its buffers); temporaries are the rest of the "
-        f"peak (the compiler's total of temporaries, counted over the whole program, is "
-        f"{gib('temporaries', r['temporaries'])} GiB).</p>"
+        f"peak (the compiler's total of temporaries, {gib('temporaries', r['temporaries'])}, sums every temporary "
+        "buffer of the whole program, buffers that are never all live at once: it can exceed the peak).</p>"
         + "<h3>The device</h3>" + _memory_bar(r) + "<h3>The peak, at full width</h3>" + _memory_bar(r, whole=False)
-        + _table(["segment", "GiB", "of the device"], rows, {1, 2})
-        + f'<p>Segments below the peak add up to <span id="memory-sum">{added / GiB:,.2f}</span> GiB, the '
-        f"compiler's peak is {r['peak'] / GiB:,.2f} GiB.</p></section>")
+        + _table(["segment", "size", "of the device"], rows, {1, 2})
+        + f'<p>Segments below the peak add up to <span id="memory-sum">{size(added)}</span>, the '
+        f"compiler's peak is {size(r['peak'])}.</p></section>")
 
 
 def _parameters(r: dict) -> str:
@@ -229,7 +230,7 @@ def _parameters(r: dict) -> str:
     total = sum(p["bytes_per_device"] for p in r["parameter_table"])
     return ('<section id="parameters"><h2>Parameters</h2><p class="note">Every parameter (stacked over layers), its '
             "global shape, its partition spec (the mesh axes that split each dimension, - for none) and what one "
-            f"device holds, {html.escape(r['parameter_table'][0]['dtype'])}. Total {total / GiB:,.2f} GiB a device.</p>"
+            f"device holds, {html.escape(r['parameter_table'][0]['dtype'])}. Total {size(total)} a device.</p>"
             + _table(["family", "parameter", "global shape", "partition spec", "a device"], rows, {4})
             + "</section>")
 
@@ -412,9 +413,9 @@ def _schedule_of(r: dict) -> dict | None:
 
 def _per_device(r: dict) -> str:
     if "peak" in r:
-        return f"peak {r['peak'] / GiB:.2f} ({r['peak'] / r['memory_per_device']:.1%})"
+        return f"peak {size(r['peak'])} ({r['peak'] / r['memory_per_device']:.1%})"
     if "required" in r:
-        return f"needs {r['required'] / GiB:.2f} (compiler) + arguments {(r['parameters'] + r['optimizer_state'] + r['batch']) / GiB:.2f}"
+        return f"needs {size(r['required'])} (compiler) + arguments {size(r['parameters'] + r['optimizer_state'] + r['batch'])}"
     return "-"
 
 
@@ -424,7 +425,7 @@ def comparison_rows(reports: list[dict]) -> list[tuple[str, list[str]]]:
         return [f(r) for r in reports]
 
     def stack(name):
-        return each(lambda r: next((f"{s['bytes'] / GiB:.2f}" for s in r.get("memory_stack", [])
+        return each(lambda r: next((size(s['bytes']) for s in r.get("memory_stack", [])
                                     if s["segment"] == name), "-"))
 
     def bubble(r):
@@ -436,8 +437,8 @@ def comparison_rows(reports: list[dict]) -> list[tuple[str, list[str]]]:
     return [
         ("mesh", each(lambda r: " x ".join(f"{a} {n}" for a, n in r.get("mesh", {}).items() if n > 1) or "-")),
         ("fits", each(lambda r: {True: "yes", False: "no", None: "-"}[_fits(r)])),
-        ("per device (GiB)", each(_per_device)),
-        ("device (GiB)", each(lambda r: f"{r['memory_per_device'] / GiB:.2f}" if "memory_per_device" in r else "-")),
+        ("per device", each(_per_device)),
+        ("device", each(lambda r: size(r['memory_per_device']) if "memory_per_device" in r else "-")),
         *[(f"  {name}", stack(name)) for name in SEGMENT_COLOURS],
         ("pipeline bubble", each(bubble)),
         *[(f"collectives over {a} (MiB a step)", each(lambda r, a=a: f"{sum(c['bytes_per_step'] for c in r.get('collectives', {}).get('by_axis', []) if c['axes'] == a) / 2**20:,.1f}"))
@@ -478,8 +479,8 @@ MARKDOWN_COLUMNS = [  # (header, right-aligned, the cell of a report and its con
     ("bubble", True, lambda r, s: _bubble(s) if s else "-"),
     ("mb x tokens, micro-steps", False, lambda r, s: f"{r['instances_per_device_micro_step']} x "
      f"{r['sequence_length']}, {r['micro_steps']}" if "micro_steps" in r else "-"),
-    ("per device (GiB)", False, lambda r, s: _per_device(r)),
-    ("device (GiB)", True, lambda r, s: f"{r['memory_per_device'] / GiB:.2f}" if "memory_per_device" in r else "-"),
+    ("per device", False, lambda r, s: _per_device(r)),
+    ("device", True, lambda r, s: size(r['memory_per_device']) if "memory_per_device" in r else "-"),
     ("fits", False, lambda r, s: {True: "yes", False: "**no**", None: "-"}[_fits(r)]),
     ("step s at the MFU", True, lambda r, s: f"{_plan_of(r)['exact_window']['step_seconds']:,.3f}"),
     ("compile s", True, lambda r, s: f"{r['compile_seconds']:,.0f}" if "compile_seconds" in r else "-"),
