@@ -30,7 +30,13 @@ def _run_in_sandbox(tmp_path, script: str) -> None:
     assert not (sandbox / "pwned").exists(), f"the script ran a payload:\n{script}"
 
 
+DATA = 'data.paths=["gs://tokens/part-0.npy"]'  # a cluster job's preview refuses a config without data, as train does
+
+
 def _launch(capsys, *argv) -> tuple[int, str, str]:
+    argv = list(argv)
+    if argv[0] in ("slurm", "k8s"):
+        argv.insert(argv.index("tiny") + 1, DATA)
     code = main(["launch", *argv])
     out, err = capsys.readouterr()
     return code, out, err
@@ -135,3 +141,27 @@ def test_a_records_dir_with_an_unknown_placeholder_is_exit_2(tmp_path, capsys):
     code, out, err = _launch(capsys, "local", "--dry-run", "tiny", f"output_dir={tmp_path}/run",
                              "launch.records_dir=runs/{oops}")
     assert code == 2 and "the one placeholder is {name}" in err and "Traceback" not in err
+
+
+def test_cluster_previews_refuse_what_the_run_would_and_warn_of_what_may_not_work_there(tmp_path, capsys):
+    """`launch slurm --dry-run tiny` printed a script for a config that `olmax train tiny` refuses at once (no
+    data); a JobSet's relative output_dir would be written inside the pods' containers. Refused, exit 2, one line,
+    nothing printed; what this machine cannot check is a warning on stderr, before the script."""
+    for argv in (["slurm", "--dry-run", "tiny"], ["k8s", "--dry-run", "--target", "gpu:h100x16", "--image", "i", "tiny"]):
+        code, out, err = main(["launch", *argv]), *capsys.readouterr()
+        assert code == 2 and out == "" and err == ("olmax: DataError: no data: set data.paths (token shards in mix "
+                                                   "order) or data.mix_file\n"), err
+    code, out, err = _launch(capsys, "k8s", "--dry-run", "--target", "gpu:h100x16", "--image", "i", "tiny")
+    assert code == 2 and out == "" and len(err.splitlines()) == 1, err
+    assert "output_dir runs/tiny is relative: the pods would write the run inside their containers" in err
+    code, out, err = _launch(capsys, "k8s", "--dry-run", "--target", "gpu:h100x16", "--image", "i", "tiny",
+                             "output_dir=/mnt/runs/tiny")
+    assert code == 0 and yaml.safe_load(out)["kind"] == "JobSet"
+    assert err == ("olmax launch k8s: warning: output_dir /mnt/runs/tiny is a path in the pods, and the JobSet mounts "
+                   "no volume: add one holding it to jobset.yaml (GCS FUSE, Filestore), or give a bucket URL\n")
+    code, out, err = main(["launch", "slurm", "--dry-run", "tiny", f"data.mix_file={tmp_path}/mix.txt"]), *capsys.readouterr()
+    assert code == 0 and out.startswith("#!/bin/bash")  # the launcher's machine may not see the nodes' disks
+    assert err == (f"olmax launch slurm: warning: data.mix_file {tmp_path}/mix.txt is not on this machine: the job's "
+                   "nodes must all see it at that path (a shared filesystem), or give a bucket URL\n")
+    code, out, err = _launch(capsys, "slurm", "--dry-run", "tiny", f"data.mix_file={tmp_path}/mix.txt")
+    assert code == 2 and out == "" and "set either data.paths or data.mix_file, not both" in err

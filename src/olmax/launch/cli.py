@@ -178,6 +178,9 @@ def run_launch(args: argparse.Namespace) -> None:
             raise ConfigError("olmax launch k8s: need --max-retries >= 0 and --grace-seconds >= 1")
         launcher = K8sLauncher(args.config, args.overrides, target=parse_target(args.target), image=args.image,
                                max_retries=args.max_retries, grace_seconds=args.grace_seconds)
+    if args.launch_mode in ("slurm", "k8s"):  # the processes start elsewhere: what they would refuse, refused here
+        for warning in launcher.check():
+            print(f"olmax launch {args.launch_mode}: warning: {warning}", file=sys.stderr, flush=True)
     if args.dry_run:
         print(launcher.render(), end="")
         return

@@ -200,6 +200,14 @@ class K8sLauncher(Launcher):
     def render(self) -> str:
         return yaml.safe_dump(self.manifest, sort_keys=False)
 
+    def path_warning(self, field: str, path: str) -> str | None:
+        if field == "output_dir" and not Path(path).is_absolute():
+            raise ConfigError(f"output_dir {path} is relative: the pods would write the run inside their containers, "
+                              "lost with them; give a bucket URL (gs://..., s3://...) or an absolute path on a volume "
+                              "you mount in the JobSet")
+        return (f"{field} {path} is a path in the pods, and the JobSet mounts no volume: add one holding it to "
+                "jobset.yaml (GCS FUSE, Filestore), or give a bucket URL")
+
     def submit(self) -> int:
         path = RunDir(self.records).jobset
         path.parent.mkdir(parents=True, exist_ok=True)

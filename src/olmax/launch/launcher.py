@@ -38,6 +38,7 @@ from pathlib import Path
 
 from olmax import progress, storage
 from olmax.config import RunConfig, load_config, writable_dir
+from olmax.data.shards import resolve_sources
 from olmax.errors import NOT_RETRIED, ExitCode
 from olmax.run_dir import RunDir, open_own, writing
 from olmax.runtime import release_stop_signals
@@ -192,6 +193,22 @@ class Launcher:
     def holding(self):
         """A context held for the whole launch (the local supervisor holds the run's lock)."""
         return nullcontext()
+
+    def check(self) -> list[str]:
+        """Before a cluster job is printed or submitted: refuse (exit 2) what its processes would refuse at once,
+        and return what cannot work there for all this machine can tell, as warnings (`path_warning`)."""
+        data = self.cfg.data
+        if not data.sources and not (data.mix_file and not data.paths):
+            resolve_sources(data.paths, data.mix_file)  # no data, or two kinds: `olmax train`'s own refusal
+        paths = {"output_dir": self.cfg.run_location, "data.mix_file": data.mix_file, "data.mix_base_dir":
+                 data.mix_base_dir, **{f"data.paths[{i}]": path for i, path in enumerate(data.paths)},
+                 **{f"data.sources[{s.name}]": path for s in data.sources for path in s.paths}}
+        return [warning for field, path in paths.items() if path and not storage.is_remote(path)
+                if (warning := self.path_warning(field, str(path)))]
+
+    def path_warning(self, field: str, path: str) -> str | None:
+        """Why a local path (`field`'s) may not work where the job runs, if it may not."""
+        return None
 
     # ---- the protocol ------------------------------------------------------------------------
 

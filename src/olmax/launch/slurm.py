@@ -140,6 +140,12 @@ class SlurmLauncher(Launcher):
     def render(self) -> str:
         return self.script
 
+    def path_warning(self, field: str, path: str) -> str | None:
+        if field == "output_dir" or Path(path).exists():
+            return None  # the run directory is made where it is missing
+        return (f"{field} {path} is not on this machine: the job's nodes must all see it at that path (a shared "
+                "filesystem), or give a bucket URL")
+
     def submit(self) -> str:
         path = script_path(self.records)
         own_dir(path.parent)
