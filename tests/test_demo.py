@@ -82,3 +82,21 @@ def test_the_loss_picture_draws_each_domains_unigram_baseline(tmp_path):
     legend = plot_curves(metrics, {"code": 6.9, "prose": 6.7}, tmp_path / "curves.png")
     assert legend == ["code", "code unigram baseline", "prose", "prose unigram baseline"]
     assert (tmp_path / "curves.png").stat().st_size > 10_000
+
+
+def test_the_legend_covers_no_curve():
+    """It sat inside the held-out panel, over the code curve; now beside the panel, clear of every point."""
+    import matplotlib.pyplot as plt
+
+    from olmax.demo import curves_figure
+
+    metrics = [{"step": step, "train/CE loss": 9.0 - step / 50, "eval/lm/code/CE loss": 8.0 - step / 60,
+                "eval/lm/prose/CE loss": 8.5 - step / 70} for step in range(0, 301, 100)]
+    fig, ax, legend = curves_figure(metrics, {"code": 6.9, "prose": 6.7})
+    fig.canvas.draw()
+    box = legend.get_window_extent()
+    assert box.x0 >= ax.get_window_extent().x1  # beside the panel, not on it
+    assert box.x1 <= fig.bbox.x1  # and inside the picture
+    for line in ax.get_lines():
+        assert not any(box.contains(x, y) for x, y in ax.transData.transform(line.get_xydata())), line.get_label()
+    plt.close(fig)

@@ -164,15 +164,16 @@ def greedy_samples(cfg, params, tokenizer_path: str, prompts: list[str], new_tok
     return samples
 
 
-def plot_curves(metrics: list[dict], baselines: dict[str, float], path: Path) -> list[str]:
-    """Train loss, and held-out loss per domain against its unigram baseline (dashed, the domain's colour); the
-    held-out panel's legend."""
+def curves_figure(metrics: list[dict], baselines: dict[str, float]):
+    """Train loss, and held-out loss per domain against its unigram baseline (dashed, the domain's colour): the
+    figure, its held-out panel and that panel's legend, which sits beside the panel (inside it, it covered the
+    code curve)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (train_ax, eval_ax) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (train_ax, eval_ax) = plt.subplots(1, 2, figsize=(12, 4))
     steps = [m["step"] for m in metrics]
     train_ax.plot(steps, [m["train/CE loss"] for m in metrics], lw=0.8)
     train_ax.set(title="train CE loss", xlabel="step", ylabel="nats/token")
@@ -182,11 +183,19 @@ def plot_curves(metrics: list[dict], baselines: dict[str, float], path: Path) ->
         eval_ax.axhline(baselines[domain], color=line.get_color(), ls="--", lw=0.8,
                         label=f"{domain} unigram baseline")
     eval_ax.set(title="held-out CE loss per domain", xlabel="step", ylabel="nats/token")
-    legend = [text.get_text() for text in eval_ax.legend().get_texts()]
+    legend = eval_ax.legend(loc="upper left", bbox_to_anchor=(1.02, 1), borderaxespad=0)
     fig.tight_layout()
+    return fig, eval_ax, legend
+
+
+def plot_curves(metrics: list[dict], baselines: dict[str, float], path: Path) -> list[str]:
+    """`curves_figure` as a PNG; the held-out panel's legend."""
+    import matplotlib.pyplot as plt
+
+    fig, _, legend = curves_figure(metrics, baselines)
     fig.savefig(path, dpi=100)
     plt.close(fig)
-    return legend
+    return [text.get_text() for text in legend.get_texts()]
 
 
 def plot_expert_load(cfg, metrics: list[dict], path: Path) -> None:

@@ -33,6 +33,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import ctypes
+import importlib.abc
 import importlib.util
 import os
 import platform
@@ -72,29 +73,52 @@ def skip_absent_tpus() -> None:
 
 
 def quiet_cuda_plugin() -> None:
-    """Load JAX and register its plugins now, dropping the CUDA plugin's start-up lines, on a machine with no
-    NVIDIA GPU where the plugin is installed (the aot-gpu extra, to compile for GPUs): its native code printed
-    `Could not find cuda drivers on your machine` with absl's pre-init warning four times in every command,
-    three when JAX loads and one when its plugins register. Registering creates no backend, so a multi-process
-    run still joins its cluster first. Anything else written to stderr meanwhile is passed on."""
-    if (any(map(os.path.exists, NVIDIA_DEVICES)) or importlib.util.find_spec(CUDA_PLUGIN) is None
-            or "jax" in sys.modules):
+    """Drop the CUDA plugin's start-up lines on a machine with no NVIDIA GPU where the plugin is installed (the
+    aot-gpu extra, to compile for GPUs): its native code printed `Could not find cuda drivers on your machine`
+    with absl's pre-init warning four times in every process, three when JAX loads and one when its plugins
+    register. JAX is not loaded here (a command refusing bad input never loads it): the first `import jax`
+    after this call loads it and registers its plugins with those lines dropped; registering creates no
+    backend, so a multi-process run still joins its cluster first. Anything else written to stderr meanwhile is
+    passed on. olmax's package import calls it, so a script using olmax's modules is quiet too."""
+    if (any(map(os.path.exists, NVIDIA_DEVICES)) or "jax" in sys.modules
+            or any(isinstance(finder, _QuietJaxImport) for finder in sys.meta_path)
+            or importlib.util.find_spec(CUDA_PLUGIN) is None):
         return
-    sys.stderr.flush()
-    saved = os.dup(2)
-    with tempfile.TemporaryFile() as caught:
-        os.dup2(caught.fileno(), 2)
-        try:
-            from jax._src import xla_bridge
+    sys.meta_path.insert(0, _QuietJaxImport())
 
-            xla_bridge._discover_and_register_pjrt_plugins()
-        finally:
-            os.dup2(saved, 2)
-            os.close(saved)
-            caught.seek(0)
-            for line in caught.read().decode(errors="replace").splitlines(keepends=True):
-                if not any(noise in line for noise in CUDA_PLUGIN_NOISE):
-                    sys.stderr.write(line)
+
+class _QuietJaxImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """The first `import jax`: JAX's own loading, and its plugins' registration, with stderr caught and the CUDA
+    plugin's lines dropped."""
+
+    def find_spec(self, name, path, target=None):
+        if name != "jax":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec("jax")
+        self.loader, spec.loader = spec.loader, self
+        return spec
+
+    def create_module(self, spec):
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module) -> None:
+        sys.stderr.flush()
+        saved = os.dup(2)
+        with tempfile.TemporaryFile() as caught:
+            os.dup2(caught.fileno(), 2)
+            try:
+                self.loader.exec_module(module)
+                from jax._src import xla_bridge
+
+                xla_bridge._discover_and_register_pjrt_plugins()
+            finally:
+                os.dup2(saved, 2)
+                os.close(saved)
+                caught.seek(0)
+                for line in caught.read().decode(errors="replace").splitlines(keepends=True):
+                    if not any(noise in line for noise in CUDA_PLUGIN_NOISE):
+                        sys.stderr.write(line)
 
 
 def libtpu_lock_holder() -> int | None:
