@@ -9,7 +9,7 @@ import threading
 import time
 from typing import Callable
 
-SILENCE = 30.0
+SILENCE = 30.0  # the longest silence; a line comes after 5/6 of it, so that a late tick still keeps the promise
 
 
 class _Watched:
@@ -28,15 +28,15 @@ class _Watched:
 
 @contextlib.contextmanager
 def ticking(line: Callable[[float], str], stream: str = "stderr"):
-    """Inside the block, whenever sys.`stream` ("stdout" or "stderr") has been silent for SILENCE seconds, write
-    `line(seconds since the block began)` to it."""
+    """Inside the block, whenever sys.`stream` ("stdout" or "stderr") has been silent for 5/6 of SILENCE seconds,
+    write `line(seconds since the block began)` to it."""
     watched = _Watched(getattr(sys, stream))
     setattr(sys, stream, watched)
     began, stop = time.monotonic(), threading.Event()
 
     def tick() -> None:
         while not stop.wait(min(1.0, SILENCE / 4)):
-            if time.monotonic() - watched.written >= SILENCE:
+            if time.monotonic() - watched.written >= SILENCE * 5 / 6:
                 print(line(time.monotonic() - began), file=watched, flush=True)
 
     thread = threading.Thread(target=tick, name="olmax progress", daemon=True)
