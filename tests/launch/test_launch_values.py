@@ -35,7 +35,7 @@ DATA = 'data.paths=["gs://tokens/part-0.npy"]'  # a cluster job's preview refuse
 
 def _launch(capsys, *argv) -> tuple[int, str, str]:
     argv = list(argv)
-    if argv[0] in ("slurm", "k8s"):
+    if argv[0] in ("slurm", "k8s") and not any(arg.startswith("data.") for arg in argv):
         argv.insert(argv.index("tiny") + 1, DATA)
     code = main(["launch", *argv])
     out, err = capsys.readouterr()
@@ -159,9 +159,9 @@ def test_cluster_previews_refuse_what_the_run_would_and_warn_of_what_may_not_wor
     assert code == 0 and yaml.safe_load(out)["kind"] == "JobSet"
     assert err == ("olmax launch k8s: warning: output_dir /mnt/runs/tiny is a path in the pods, and the JobSet mounts "
                    "no volume: add one holding it to jobset.yaml (GCS FUSE, Filestore), or give a bucket URL\n")
-    code, out, err = main(["launch", "slurm", "--dry-run", "tiny", f"data.mix_file={tmp_path}/mix.txt"]), *capsys.readouterr()
+    code, out, err = _launch(capsys, "slurm", "--dry-run", "tiny", f"data.mix_file={tmp_path}/mix.txt")
     assert code == 0 and out.startswith("#!/bin/bash")  # the launcher's machine may not see the nodes' disks
     assert err == (f"olmax launch slurm: warning: data.mix_file {tmp_path}/mix.txt is not on this machine: the job's "
                    "nodes must all see it at that path (a shared filesystem), or give a bucket URL\n")
-    code, out, err = _launch(capsys, "slurm", "--dry-run", "tiny", f"data.mix_file={tmp_path}/mix.txt")
+    code, out, err = _launch(capsys, "slurm", "--dry-run", "tiny", DATA, f"data.mix_file={tmp_path}/mix.txt")
     assert code == 2 and out == "" and "set either data.paths or data.mix_file, not both" in err
