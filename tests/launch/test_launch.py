@@ -287,9 +287,10 @@ def test_a_bucket_runs_launch_records_go_to_a_directory_here(tmp_path, capsys, m
     from olmax.cli import main
 
     monkeypatch.chdir(tmp_path)
-    assert main(["launch", "slurm", "tiny", "output_dir=gs://runs/tiny", "--dry-run"]) == 0
+    data = 'data.paths=["gs://tokens/part-0.npy"]'
+    assert main(["launch", "slurm", "tiny", data, "output_dir=gs://runs/tiny", "--dry-run"]) == 0
     assert f"#SBATCH --output={tmp_path}/runs/gs/runs/tiny/slurm/%j.out" in capsys.readouterr().out
-    assert main(["launch", "k8s", "tiny", "output_dir=gs://runs/tiny", f"launch.records_dir={tmp_path}/rec/{{name}}",
+    assert main(["launch", "k8s", "tiny", data, "output_dir=gs://runs/tiny", f"launch.records_dir={tmp_path}/rec/{{name}}",
                  "--target", "tpu:v5p:2x2x2", "--image", "olmax:1"]) == 0
     assert (tmp_path / "rec" / "tiny" / "jobset.yaml").is_file()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["rec"]

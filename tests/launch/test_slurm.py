@@ -132,8 +132,11 @@ def test_the_batch_script_asks_for_requeue_a_warning_signal_and_one_srun_task_pe
     assert 'if [ "$code" -eq 75 ]; then scontrol requeue "$SLURM_JOB_ID"; fi\nexit "$code"\n' in script
 
 
+DATA = 'data.paths=["gs://tokens/part-0.npy"]'  # a preview refuses a config without data, as train does
+
+
 def test_dry_run_prints_the_script_and_writes_nothing(tmp_path, capsys):
-    assert main(["launch", "slurm", "--dry-run", "tiny", f"output_dir={tmp_path}/run",
+    assert main(["launch", "slurm", "--dry-run", "tiny", f"output_dir={tmp_path}/run", DATA,
                  "launch.slurm.tasks_per_node=2"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("#!/bin/bash\n") and "#SBATCH --ntasks-per-node=2\n" in out and "\nsrun " in out
@@ -145,7 +148,7 @@ def test_dry_run_prints_the_script_and_writes_nothing(tmp_path, capsys):
 
 
 def test_the_old_spelling_prints_the_same_script_and_one_line_saying_so(tmp_path, capsys):
-    run = [f"output_dir={tmp_path}/run", "launch.slurm.tasks_per_node=2"]
+    run = [f"output_dir={tmp_path}/run", DATA, "launch.slurm.tasks_per_node=2"]
     assert main(["launch", "slurm", "--dry-run", "tiny", *run]) == 0
     new = capsys.readouterr()
     assert main(["launch", "--slurm", "--dry-run", "tiny", *run]) == 0
