@@ -299,17 +299,3 @@ def test_a_bucket_runs_launch_records_go_to_a_directory_here(tmp_path, capsys, m
     assert "launch.records_dir: must be a filesystem path" in err and err.count("gs://runs/records") == 1
     assert sorted(p.name for p in tmp_path.iterdir()) == ["rec"]
 
-
-def test_a_backoff_says_how_long_is_left_in_every_silence(tmp_path, capsys, monkeypatch):
-    """A backoff is not a silence: every progress.SILENCE seconds (30; 0.2 here) a line says how long it has left
-    before which attempt (a 300 s backoff used to print nothing)."""
-    from olmax import progress
-
-    monkeypatch.setattr(progress, "SILENCE", 0.2)
-    supervisor = Supervisor("tiny", [f"output_dir={tmp_path}/run", "train.steps=12"], command=FAKE_COMMAND,
-                            env={**os.environ, "FAKE_PLAN": json.dumps([{"exit": 1}])}, backoff=Backoff(1.0, 2, 1.0),
-                            max_retries=1, echo=lambda line: None)
-    assert supervisor.run() == 1
-    ticks = [line for line in capsys.readouterr().err.splitlines() if "backing off" in line]
-    assert ticks and all(line.startswith("olmax launch: backing off: ") and "s of 1 left before attempt 2 (1 failures "
-                         "in a row)" in line for line in ticks), ticks

@@ -214,7 +214,7 @@ def record(tmp_path) -> dict:
 def test_a_record_olmax_cannot_account_for_is_exit_2_naming_the_field(tmp_path, record, capsys, damage):
     edit, words = DAMAGED[damage]
     RunDir(tmp_path).goodput.write_text(_edited(record, edit))
-    assert main(["goodput", str(tmp_path), "--png", str(tmp_path / "goodput.png")]) == 2
+    assert main(["goodput", str(tmp_path), "--out", str(tmp_path / "goodput.png")]) == 2
     [line] = capsys.readouterr().err.splitlines()
     assert line.startswith(f"olmax: BadInput: {RunDir(tmp_path).goodput} cannot be read (") and words in line, line
     assert not (tmp_path / "goodput.png").exists()

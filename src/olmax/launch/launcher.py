@@ -36,7 +36,7 @@ from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
-from olmax import progress, storage
+from olmax import storage
 from olmax.config import RunConfig, load_config, writable_dir
 from olmax.data.shards import resolve_sources
 from olmax.errors import NOT_RETRIED, ExitCode
@@ -169,7 +169,7 @@ class Launcher:
         self._signals: list[int] = []  # SIGTERM/SIGINT as they came; the main thread acts on them (`wait`)
         self._acted = 0  # of them
         self._wakeup = self._wake = None  # while `run` runs, a pipe a signal writes to, waking `wait`
-        self.sleep = sleep or self._back_off  # a signal cuts a backoff short
+        self.sleep = sleep or self.wait  # a signal cuts a backoff short
         self.started = time.time() if started is None else started  # for the goodput record's launcher start-up
         self._attempt = 0
 
@@ -244,13 +244,6 @@ class Launcher:
             os.close(self._wakeup)
             os.close(self._wake)
             self._wakeup = self._wake = None
-
-    def _back_off(self, seconds: float) -> None:
-        """Wait `seconds` before the next attempt, saying in each silence how long is left; a signal cuts it short."""
-        line = lambda waited: (f"olmax launch: backing off: {seconds - waited:.0f} s of {seconds:g} left before "
-                               f"attempt {self._attempt + 1} ({self.policy.failures_in_a_row} failures in a row)")
-        with progress.ticking(line):
-            self.wait(seconds)
 
     def _on_signal(self, sig, frame) -> None:
         """Note the signal for the main thread, which acts on it (`wait`, `act_on_signals`): a handler runs on the
