@@ -10,6 +10,8 @@ CACHE_HOME = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(CACHE_HOME, "olmax", "jax-tests"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+# Ahead-of-time compiles (olmax compile, plan, tune) are kept by their program in a cache of the suite's own.
+os.environ.setdefault("OLMAX_COMPILE_CACHE", os.path.join(CACHE_HOME, "olmax", "compiles-tests"))
 # `olmax train` run in-process (olmax.cli.main) must not restart the test process with glibc's huge pages.
 os.environ["OLMAX_HUGE_PAGES"] = "0"
 

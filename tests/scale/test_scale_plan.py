@@ -128,25 +128,73 @@ def test_bad_mfu_is_a_config_error(capsys):
     assert "--mfu 44.5" in capsys.readouterr().err
 
 
-def test_plan_and_compile_share_the_mfu_default(capsys):
-    """Neither requires --mfu; both assume the same 40%, and say so."""
+def test_plan_and_compile_share_the_predicted_step(capsys):
+    """Neither assumes an MFU: both compile the step and predict its time (40% was the old assumption)."""
     assert main(["plan", "tiny", "--target", "tpu:v5p:2x2x2", "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["mfu"] == 0.4
+    report = json.loads(capsys.readouterr().out)
+    assert report["mfu"] is None and report["mfu_from"] == "predicted"
+    assert report["exact_window"]["mfu"] == pytest.approx(report["step_time"]["mfu"])
     from olmax.cli import build_parser
 
     compile_args = build_parser().parse_args(["compile", "tiny", "--target", "tpu:v5p:2x2x2"])
-    assert compile_args.mfu == 0.4
+    assert compile_args.mfu is None
 
 
 def test_a_tiny_models_plan_prints_figures_not_zeros(capsys):
     """The table had fixed units and decimals: every figure of tiny's plan read 0.00 or 0. Units scale down
-    (MFLOP, microseconds) and small figures keep four significant digits."""
+    (MFLOP, milliseconds) and small figures keep four significant digits."""
     from olmax.cli import main
 
     assert main(["plan", "tiny", "--target", "tpu:v5p:2x2x2"]) == 0
     table = capsys.readouterr().out.split("\n\n")[1].splitlines()[1:]
-    assert len(table) == 7
+    assert len(table) == 8
     for row in table:
         figures = row[24:].split()
-        assert len(figures) == 2 and all(float(f.replace(",", "")) > 0 for f in figures), row
-    assert "train MFLOP / token" in table[0] and "step time (us)" in table[3]
+        assert len(figures) == 2 and all(float(f.replace(",", "").rstrip("%")) > 0 for f in figures), row
+    assert "train MFLOP / token" in table[0] and "MFU" in table[2] and "step time (ms)" in table[4]
+
+
+needs_tpu = pytest.mark.skipif(bool(__import__("olmax.scale.targets", fromlist=["aot_missing"]).aot_missing("tpu")),
+                               reason="needs the aot extra")
+SMALL = ["tiny", "model.d_model=256", "model.mlp_hidden=768", "model.n_heads=4", "model.n_kv_heads=4",
+         "data.sequence_length=512", "impl.attention.block=128"]
+
+
+def predicted(capsys, *overrides: str) -> dict:
+    assert main(["plan", *SMALL, *overrides, "--target", "tpu:v5p:2x2x1", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["mfu_from"] == "predicted"
+    prediction = report["step_time"]
+    # the step is its breakdown: compute by category plus the collectives' exposed time
+    assert sum(prediction["seconds"].values()) == pytest.approx(prediction["step_seconds"], rel=1e-9)
+    assert report["exact_window"]["step_seconds"] == pytest.approx(prediction["step_seconds"])
+    return prediction
+
+
+@needs_tpu
+def test_the_plan_predicts_from_the_compiled_program_and_moves_as_its_breakdown_says(capsys):
+    """No --mfu: the step is compiled and its time predicted. Recomputing the forward pass in the backward
+    (remat full) adds matmul work: the matmul column grows and the step with it. Sharding the weights over 4
+    devices (FSDP) instead of replicating them (data parallel) gathers them every layer: the collectives grow
+    and the step with them. Each change in the step is the change its breakdown shows."""
+    none, full = predicted(capsys, "impl.remat=none"), predicted(capsys, "impl.remat=full")
+    assert full["seconds"]["matmul"] > none["seconds"]["matmul"] and full["executed_flops"] > none["executed_flops"]
+    assert full["step_seconds"] > none["step_seconds"]
+    fsdp, data = predicted(capsys, "mesh.fsdp=4"), predicted(capsys, "mesh.fsdp=1", "mesh.data=4")
+    assert fsdp["collectives"]["total_seconds"] > data["collectives"]["total_seconds"]
+    assert fsdp["seconds"]["collective"] > data["seconds"]["collective"]
+    assert fsdp["step_seconds"] > data["step_seconds"]
+    moved = {c: fsdp["seconds"][c] - data["seconds"][c] for c in fsdp["seconds"]}
+    assert max(moved, key=lambda c: abs(moved[c])) == "collective"
+
+
+@needs_tpu
+def test_the_plan_prints_its_breakdown_and_an_mfu_still_overrides_it(capsys):
+    assert main(["plan", *SMALL, "--target", "tpu:v5p:2x2x1"]) == 0
+    out = capsys.readouterr().out
+    assert "at the step time predicted from the compiled program" in out
+    assert "where the time goes" in out and "exposed collectives" in out and "sliding" in out
+    assert main(["plan", *SMALL, "--target", "tpu:v5p:2x2x1", "--mfu", "0.5", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["mfu_from"] == "given" and "step_time" not in report
+    assert report["exact_window"]["mfu"] == pytest.approx(0.5)

@@ -230,8 +230,8 @@ ENTRY %main (a: f32[8]) -> f32[8] {
 }
 """
     found = collectives(hlo, {"a": 2, "b": 2})
-    assert found == {"by_axis": [{"axes": "a+b", "kind": "all-reduce", "count": 1, "bytes_per_step": 32},
-                                 {"axes": "b", "kind": "all-gather", "count": 4, "bytes_per_step": 4 * 32}],
+    assert found == {"by_axis": [{"axes": "a+b", "kind": "all-reduce", "as": None, "count": 1, "bytes_per_step": 32},
+                                 {"axes": "b", "kind": "all-gather", "as": None, "count": 4, "bytes_per_step": 4 * 32}],
                      "loops_without_trip_count": 0}
 
 

@@ -116,7 +116,8 @@ def block(cfg: ModelConfig, p: dict, x: jax.Array, *, rope: tuple, attention: Ca
     v = dense(a, p["v_proj"], "qkv_proj").reshape(B, T, cfg.kv_heads, Dh)
     q, k = rope_lib.apply(q, *rope), rope_lib.apply(k, *rope)
     q = q * jnp.asarray(1 / math.sqrt(Dh), q.dtype)  # on q in the compute dtype, for every implementation
-    context, state = attention(q, k, v)
+    with jax.named_scope("attention"):
+        context, state = attention(q, k, v)
     context = checkpoint_name(context, "context")
     attn_out = dense(context.reshape(B, T, cfg.n_heads * Dh), p["o_proj"], "out_proj")
     h = constrain(layout, x + (attn_out if pre else rms_norm(attn_out, p["attn_norm"], cfg.norm_eps)), ACTIVATION)

@@ -139,8 +139,9 @@ def _group_fn(cfg: ModelConfig, impl: ImplConfig, positions: np.ndarray, layout:
             auxes = []
             for i, kind in enumerate(cfg.layer_pattern):
                 p = jax.tree.map(lambda a: a[i], group_params)
-                x, aux, _ = block(cfg, p, x, rope=ropes[kind], attention=attentions[i], mlp=_with_key(mlp, keys, i),
-                                  layout=layout, dense=dense)
+                with jax.named_scope(f"layer{i}.{kind}"):  # for the step-time model's breakdown by layer kind
+                    x, aux, _ = block(cfg, p, x, rope=ropes[kind], attention=attentions[i],
+                                      mlp=_with_key(mlp, keys, i), layout=layout, dense=dense)
                 auxes.append(aux)
             return x, jax.tree.map(lambda *a: jnp.stack(a), *auxes)
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import collections
 import math
-import re
 
 import jax
 import numpy as np
@@ -14,6 +13,7 @@ import numpy as np
 from olmax.config import ConfigError, RunConfig
 from olmax.parallel import pipeline
 from olmax.parallel.mesh import Layout
+from olmax.scale import hlo
 
 PHYSICAL_DIMENSIONS = ("x", "y", "z")
 FAMILIES = {  # a parameter's name -> its family
@@ -82,35 +82,7 @@ def _spec_entry(entry) -> str | None:
 
 # --- collectives, read from the compiled HLO text ---------------------------------------------------------------
 
-COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute",
-               "ragged-all-to-all")
-_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%([\w.-]+) = (.+?) ([a-z][\w-]*)\((.*)$")
-_COMPUTATION = re.compile(r"^(ENTRY )?%([\w.-]+) .*\{$")
-_ARRAY = re.compile(r"\b(pred|[suf]\d+|bf16|f8\w*|c64|c128)\[([\d,]*)\]")
-_BITS = {"pred": 8, "bf16": 16}
-
-
-def _array_bytes(type_text: str) -> list[int]:
-    """Bytes of each array in an HLO type (a tuple has several)."""
-    sizes = []
-    for dtype, dims in _ARRAY.findall(type_text):
-        bits = _BITS.get(dtype) or int(re.sub(r"\D", "", dtype.split("e")[0]) or 8)
-        sizes.append(math.prod(int(d) for d in dims.split(",") if d) * bits // 8)
-    return sizes
-
-
-def _groups(rest: str, n_devices: int) -> list[list[int]]:
-    if found := re.search(r"source_target_pairs=\{(.*?)\}\}", rest):
-        return [[int(v) for v in pair.split(",")] for pair in re.findall(r"\{?(\d+,\d+)", found.group(1))]
-    if found := re.search(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", rest):
-        groups, size, dims, perm = found.groups()
-        ids = np.arange(n_devices).reshape([int(d) for d in dims.split(",")])
-        if perm:
-            ids = ids.transpose([int(p) for p in perm.split(",")])
-        return ids.reshape(int(groups), int(size)).tolist()
-    if found := re.search(r"replica_groups=\{(\{[\d,{}]*\})\}", rest):
-        return [[int(v) for v in g.split(",")] for g in re.findall(r"\{([\d,]+)\}", found.group(1))]
-    return [list(range(n_devices))]
+COLLECTIVES = hlo.COLLECTIVES
 
 
 def _axes_of(groups: list[list[int]], mesh_shape: dict) -> str:
@@ -120,62 +92,79 @@ def _axes_of(groups: list[list[int]], mesh_shape: dict) -> str:
     return "+".join(varying) or "-"
 
 
-def collectives(hlo: str, mesh_shape: dict) -> dict:
+def _produced_by_update(module: hlo.Module, computation: hlo.Computation, name: str) -> bool:
+    """Whether an operand is a dynamic-update-slice (a shard written into a buffer of zeros), or a fusion whose
+    result is one."""
+    source = computation.by_name.get(name)
+    if source is None:
+        return False
+    if source.op == "dynamic-update-slice":
+        return True
+    if source.op == "fusion" and (fused := module.computation(source.calls()[0])) is not None:
+        return fused.root.op == "dynamic-update-slice"
+    return False
+
+
+def implemented(module: hlo.Module, computation: hlo.Computation, instruction: hlo.Instruction,
+                readers: dict) -> str | None:
+    """What an all-reduce really is. The TPU compiler turns FSDP's all-gathers into all-reduces of the device's
+    shard written into zeros (each device contributes its slice, the sum is the whole), and reduce-scatters into
+    all-reduces of which each device keeps its slice: the bytes are an all-reduce's, the purpose a gather's or a
+    scatter's."""
+    if instruction.op.removesuffix("-start") != "all-reduce":
+        return None
+    if instruction.operands and all(_produced_by_update(module, computation, o) for o in instruction.operands):
+        return "all-gather"
+    users = readers.get(instruction.name, [])
+    while users and all(u.op == "get-tuple-element" for u in users):
+        users = [r for u in users for r in readers.get(u.name, [])]
+    if users and all(u.op in ("dynamic-slice", "all-reduce-done") or "dynamic-slice" in u.name for u in users):
+        return "reduce-scatter"
+    return None
+
+
+def collectives(text: str, mesh_shape: dict) -> dict:
     """Collectives per mesh axis and kind: how many the step runs and the bytes each device sends or receives
-    per step (the larger of a collective's input and output). A loop body counts as often as its loop runs where
-    the loop's condition compares with a constant (a scan's); other loops (an MoE's expert block loops, bounded
-    by data) count once, and `loops_without_trip_count` says how many such loop runs there were."""
+    per step (the larger of a collective's inputs and outputs). An all-reduce that stands for an all-gather or a
+    reduce-scatter says so (`as`). A loop body counts as often as its loop runs where the compiler knows the trip
+    count or the loop's condition compares with one constant (a scan's); other loops (an MoE's expert block
+    loops, bounded by data) count once, and `loops_without_trip_count` says how many such loop runs there were."""
+    module = hlo.Module(text)
     n_devices = math.prod(mesh_shape.values())
-    computations, current, types = {}, None, {}
-    for line in hlo.splitlines():
-        if found := _COMPUTATION.match(line):
-            current = computations.setdefault(found.group(2), {"calls": [], "ops": [], "entry": bool(found.group(1)),
-                                                               "bounds": []})
-            continue
-        found = _INSTRUCTION.match(line)
-        if not found or current is None:
-            continue
-        name, type_text, op, rest = found.groups()
-        types[name] = type_text
-        if op == "constant" and re.fullmatch(r"s32\[\]\S*", type_text):
-            current["bounds"].append(int(re.match(r"-?\d+", rest).group()))
-        if op == "while":
-            body = re.search(r"body=%([\w.-]+)", rest).group(1)
-            condition = re.search(r"condition=%([\w.-]+)", rest).group(1)
-            current["calls"].append((body, condition))
-            continue
-        for callee in re.findall(r"(?:to_apply|calls|true_computation|false_computation)=%([\w.-]+)", rest):
-            current["calls"].append((callee, 1))
-        for branches in re.findall(r"branch_computations=\{([^}]*)\}", rest):
-            current["calls"] += [(b.strip().lstrip("%"), 1) for b in branches.split(",")]
-        kind = op.removesuffix("-start")
-        if kind in COLLECTIVES and not op.endswith("-done"):
-            operands = re.findall(r"%([\w.-]+)", rest.split(")")[0])
-            sizes = _array_bytes(type_text) + [b for o in operands for b in _array_bytes(types.get(o, ""))]
-            current["ops"].append((kind, _axes_of(_groups(rest, n_devices), mesh_shape), max(sizes, default=0)))
     totals = collections.defaultdict(lambda: {"count": 0, "bytes_per_step": 0})
     unknown = 0
 
     def visit(name: str, times: int, depth: int = 0):
         nonlocal unknown
-        computation = computations.get(name)
+        computation = module.computation(name)
         if computation is None or depth > 64:
             return
-        for kind, axes, size in computation["ops"]:
-            entry = totals[(axes, kind)]
-            entry["count"] += times
-            entry["bytes_per_step"] += times * size
-        for callee, trips in computation["calls"]:
-            if isinstance(trips, str):  # a while body: a scan's loop compares its counter with one constant
-                bounds = computations.get(trips, {}).get("bounds", [])
-                unknown += len(bounds) != 1
-                trips = bounds[0] if len(bounds) == 1 else 1
-            visit(callee, times * trips, depth + 1)
+        readers = collections.defaultdict(list)
+        for instruction in computation.instructions:
+            for operand in instruction.operands:
+                readers[operand].append(instruction)
+        for instruction in computation.instructions:
+            kind = instruction.op.removesuffix("-start")
+            if instruction.op == "while":
+                trips = module.trip_count(instruction, computation)
+                unknown += trips is None
+                visit((instruction.attribute("body") or "").lstrip("%"), times * (trips or 1), depth + 1)
+                continue
+            if kind in COLLECTIVES and not instruction.op.endswith("-done"):
+                arrays = [a for o in instruction.operands
+                          for a in (computation.by_name[o].outputs if o in computation.by_name else [])]
+                inputs, outputs = sum(a.bytes for a in arrays), sum(a.bytes for a in instruction.results(arrays))
+                axes = _axes_of(hlo.replica_groups(instruction, n_devices), mesh_shape)
+                entry = totals[(axes, kind, implemented(module, computation, instruction, readers))]
+                entry["count"] += times
+                entry["bytes_per_step"] += times * int(max(inputs, outputs))
+            for callee in instruction.calls():
+                if instruction.op != "fusion":
+                    visit(callee, times, depth + 1)
 
-    for name, computation in computations.items():
-        if computation["entry"]:
-            visit(name, 1)
-    rows = [{"axes": axes, "kind": kind, **v} for (axes, kind), v in sorted(totals.items())]
+    visit(module.entry, 1)
+    rows = [{"axes": axes, "kind": kind, "as": purpose, **v}
+            for (axes, kind, purpose), v in sorted(totals.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2] or ""))]
     return {"by_axis": rows, "loops_without_trip_count": unknown}
 
 

@@ -10,13 +10,13 @@ from pathlib import Path
 
 from olmax.config import ConfigError, load_config, target_layout
 
-DEFAULT_MFU = 0.4  # about what OLMo-core published for its 1B (39-40%) and 7B (47-48%) on H100s
-
 
 def add_commands(subparsers) -> None:
     p = subparsers.add_parser(
-        "plan", help="chip-seconds per step, step time, tokens/s per chip and chip-hours of a run at an MFU",
-        description="Arithmetic from the model's FLOP count and the target's peak: no compilation. TARGET is "
+        "plan", help="chip-seconds per step, step time, tokens/s per chip and chip-hours of a run on a target",
+        description="Compiles the train step for the target (as `olmax compile`; cached by program) and predicts its "
+        "time from the compiled program with the step-time model, then prints the run's cost at that step and where "
+        "the step's time goes. With --mfu X it is arithmetic at that MFU instead, with no compilation. TARGET is "
         "tpu:KIND:TOPOLOGY (tpu:v5p:4x4x8, tpu:tpu7x:4x4x4) or gpu:KINDxN (gpu:h100x8).",
     )
     p.add_argument("config", help="preset name (olmo3_7b, tiny, ...) or a YAML path")
@@ -93,12 +93,13 @@ def _write_report(report: dict, directory: str | None, overrides: list[str]) -> 
 
 
 def _mfu_option(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--mfu", type=float, default=DEFAULT_MFU,
-                        help=f"model FLOPs utilization the step time and throughput assume (default {DEFAULT_MFU})")
+    parser.add_argument("--mfu", type=float,
+                        help="cost the run at this model FLOPs utilization instead of the step time the step-time "
+                        "model predicts from the compiled program")
 
 
-def _mfu(value: float) -> float:
-    if not 0 < value <= 1:
+def _mfu(value: float | None) -> float | None:
+    if value is not None and not 0 < value <= 1:
         raise ConfigError(f"--mfu {value}: give a fraction in (0, 1], e.g. 0.445")
     return value
 
@@ -112,9 +113,35 @@ def run_plan(args: argparse.Namespace) -> None:
         raise ConfigError(f"--goodput {args.goodput}: give a fraction in (0, 1], e.g. 0.9")
     cfg, mfu = load_config(args.config, args.overrides, target.name), _mfu(args.mfu)
     directory = _report_dir(args.report)
-    report = plan(cfg, target, mfu, args.goodput)
-    print(json.dumps(report, indent=2) if args.json else format_plan(report))
+    prediction = None
+    if mfu is None:
+        compiled = _compile(args, target)
+        prediction = compiled.get("step_time")
+        if prediction is None:
+            from olmax.errors import DoesNotFit
+
+            err = DoesNotFit(compiled["compiler_error"], compiled)
+            print(format_plan(plan(cfg, target, goodput=args.goodput)))
+            print(f"olmax: {err.line()}; no step to predict (--mfu X costs it at an assumed MFU)", file=sys.stderr)
+            sys.exit(err.exit_code)
+    report = plan(cfg, target, mfu, args.goodput, prediction)
+    if prediction is not None:
+        report["step_time"] = prediction
+    print(json.dumps(report, indent=2) if args.json else format_plan(report, prediction))
     _write_report(report, directory, args.overrides)
+
+
+def _compile(args: argparse.Namespace, target) -> dict:
+    """The compile report of the config for the target (its DoesNotFit report when the step does not fit)."""
+    from olmax.errors import DoesNotFit
+    from olmax.scale.compile import compile_train_step
+
+    cfg = load_config(args.config, args.overrides, target.name)
+    try:
+        return compile_train_step(cfg, target, _mfu(args.mfu), progress=lambda line: print(
+            f"olmax {args.func.__name__.removeprefix('run_')}: {line}", file=sys.stderr, flush=True))
+    except DoesNotFit as err:
+        return err.report
 
 
 def run_compile(args: argparse.Namespace) -> None:
@@ -231,8 +258,15 @@ def format_compile(r: dict) -> str:
         "",
         f"TFLOP / device-step    {exact['tflop_per_device_step']:,.1f} (sliding windows exact), "
         f"{full['tflop_per_device_step']:,.1f} (every layer global)",
-        f"at {r['plan']['mfu']:.1%} MFU (exact count): step {exact['step_seconds']:,.2f} s, "
-        f"{exact['tokens_per_second_per_chip']:,.0f} tokens/s per chip",
-        f"compile {r['compile_seconds']:,.0f} s",
     ]
+    if "step_seconds" in exact:
+        how = "given" if r["plan"]["mfu_from"] == "given" else "predicted"
+        lines.append(f"{how}: step {exact['step_seconds']:,.3g} s, MFU {exact['mfu']:.1%} (exact count), "
+                     f"{full['mfu']:.1%} (every layer global), {exact['tokens_per_second_per_chip']:,.0f} tokens/s "
+                     "per chip")
+    if r.get("step_time"):
+        from olmax.scale.plan import format_prediction
+
+        lines += format_prediction(r["step_time"])
+    lines.append(f"compile {r['compile_seconds']:,.0f} s" + (" (cached program)" if r.get("compile_cached") else ""))
     return "\n".join(lines)

@@ -17,9 +17,14 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import gzip
+import hashlib
+import json
 import math
+import os
 import re
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -31,7 +36,7 @@ from olmax.errors import DoesNotFit
 from olmax.model import attention, transformer
 from olmax.model.moe import sublayer
 from olmax.parallel.mesh import Layout, make_layout, platform
-from olmax.scale import anatomy
+from olmax.scale import anatomy, step_time
 from olmax.scale.plan import plan
 from olmax.scale.targets import GiB, Target, compile_only_devices
 from olmax.train.step import abstract_state, batch_shardings, jit_train_step, micro_batch_rows
@@ -100,6 +105,110 @@ def xla_cost(compiled) -> dict:
     return {"flops": cost.get("flops"), "bytes_accessed": cost.get("bytes accessed")}
 
 
+def attention_info(cfg: RunConfig, layout: Layout) -> step_time.AttentionInfo:
+    """What the step-time model needs to know of the attention kernels: each layer kind's window, Splash's tiles
+    (cuDNN's kernels are costed at 128-token tiles, their own)."""
+    seq = cfg.data.sequence_length
+    windows = {kind: (cfg.model.sliding_window if kind == "sliding" else None) for kind in set(cfg.model.layer_pattern)}
+    tiles = _attention_tiles(cfg, layout)
+    if tiles:
+        return step_time.AttentionInfo(seq, windows, tiles["block_q"], tiles["block_kv"])
+    return step_time.AttentionInfo(seq, windows, 128, 128)
+
+
+def cache_dir() -> Path:
+    """Where compiled programs are kept by their program (`OLMAX_COMPILE_CACHE`, or the user's cache directory)."""
+    home = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(os.environ.get("OLMAX_COMPILE_CACHE") or os.path.join(home, "olmax", "compiles"))
+
+
+def _cache_key(lowered_text: str, target: Target) -> str:
+    facts = json.dumps({"program": hashlib.sha256(lowered_text.encode()).hexdigest(), "target": target.name,
+                        "flags": target.xla_flags, "jax": jax.__version__}, sort_keys=True)
+    return hashlib.sha256(facts.encode()).hexdigest()[:32]
+
+
+def compiled_program(lowered, target: Target, progress=lambda line: None) -> dict:
+    """The compiled program of `lowered` for `target`: its optimized HLO text, memory figures and compile time,
+    from the cache when the same program was compiled for the same target, compiler flags and JAX before.
+    A compile the compiler refuses for memory is cached too (its error); other failures raise."""
+    key = _cache_key(lowered.as_text(), target)
+    entry = cache_dir() / key
+    if (entry / "result.json").is_file():
+        result = json.loads((entry / "result.json").read_text())
+        if (entry / "program.hlo.gz").is_file():
+            result["text"] = gzip.decompress((entry / "program.hlo.gz").read_bytes()).decode()
+        result["cached"] = True
+        return result
+    start = time.perf_counter()
+    try:
+        with _without_persistent_cache(), _ticking(progress, start):
+            compiled = lowered.compile(compiler_options=target.xla_flags or None)
+    except jax.errors.JaxRuntimeError as err:
+        if "RESOURCE_EXHAUSTED" not in str(err):
+            raise
+        result = {"compile_seconds": time.perf_counter() - start, "error": str(err)}
+    else:
+        memory = compiled.memory_analysis()
+        result = {"compile_seconds": time.perf_counter() - start, "text": compiled.as_text(),
+                  "peak": memory.peak_memory_in_bytes, "arguments": memory.argument_size_in_bytes,
+                  "temporaries": memory.temp_size_in_bytes, "xla_cost": xla_cost(compiled)}
+    _store(entry, result)
+    return {**result, "cached": False}
+
+
+def _store(entry: Path, result: dict) -> None:
+    """Written beside, then renamed: a reader sees a whole entry or none (two compiles of one program race
+    harmlessly)."""
+    entry.parent.mkdir(parents=True, exist_ok=True)
+    partial = entry.parent / f".{entry.name}.{os.getpid()}"
+    partial.mkdir(exist_ok=True)
+    if "text" in result:
+        (partial / "program.hlo.gz").write_bytes(gzip.compress(result["text"].encode(), compresslevel=6))
+    (partial / "result.json").write_text(json.dumps({k: v for k, v in result.items() if k != "text"}))
+    try:
+        partial.rename(entry)
+    except OSError:  # another process stored it first
+        for child in partial.iterdir():
+            child.unlink()
+        partial.rmdir()
+
+
+@contextlib.contextmanager
+def _ticking(progress, start: float, every: float = 30.0):
+    """A progress line every `every` seconds while the compiler runs: a big program compiles for minutes."""
+    import threading
+
+    stop = threading.Event()
+
+    def tick():
+        while not stop.wait(every):
+            progress(f"still compiling ({time.perf_counter() - start:.0f} s)")
+
+    thread = threading.Thread(target=tick, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+
+
+def predicted_step(cfg: RunConfig, target: Target, layout: Layout, text: str) -> dict:
+    """The step-time model's prediction for the compiled program `text` of this config on this target."""
+    from olmax.model import flops
+
+    seq = cfg.data.sequence_length
+    count = flops.count(cfg.model, seq)
+    tokens = cfg.train.global_batch_instances * seq
+    coords = [c["at"] for c in anatomy.chip_grid(layout)]
+    prediction = step_time.predict(text, step_time.target_hardware(target), coords, attention_info(cfg, layout),
+                                   count.per_token * tokens / target.devices)
+    prediction["mfu_all_global"] = count.per_token_all_global * tokens / target.devices / (
+        prediction["step_seconds"] * prediction["constants"]["peak_flops_per_device"])
+    return prediction
+
+
 @contextlib.contextmanager
 def _without_persistent_cache():
     """JAX's persistent compilation cache off for a compile-only executable, which cannot be loaded back from it
@@ -113,10 +222,10 @@ def _without_persistent_cache():
             compilation_cache.reset_cache()
 
 
-def compile_train_step(cfg: RunConfig, target: Target, mfu: float, progress=lambda line: None) -> dict:
-    """Compile the step for `target` and report per-device memory, FLOPs and time at `mfu`; `progress` is told
-    each phase (tracing, lowering, compiling) as it starts, with the time so far: a big model's compile runs
-    for minutes.
+def compile_train_step(cfg: RunConfig, target: Target, mfu: float | None = None, progress=lambda line: None) -> dict:
+    """Compile the step for `target` and report per-device memory, FLOPs, the step-time model's prediction, and
+    the run's cost at that prediction (or at `mfu` where one is given); `progress` is told each phase (tracing,
+    lowering, compiling) as it starts, with the time so far, and every 30 s while the compiler runs.
 
     Raises DoesNotFit (with the report) when the step needs more memory per device than the target has.
     """
@@ -150,7 +259,6 @@ def compile_train_step(cfg: RunConfig, target: Target, mfu: float, progress=lamb
         "parameters": params,
         "optimizer_state": optimizer,
         "batch": device_bytes(batch),
-        "plan": plan(cfg, target, mfu),
         "mesh_axes": anatomy.mesh_axes(layout),
         "chips": anatomy.chip_grid(layout),
         "parameter_table": anatomy.parameter_table(state.params),
@@ -163,32 +271,29 @@ def compile_train_step(cfg: RunConfig, target: Target, mfu: float, progress=lamb
     progress(f"lowering ({time.perf_counter() - start:.0f} s)")
     lowered = traced.lower()
     progress(f"compiling ({time.perf_counter() - start:.0f} s)")
-    start = time.perf_counter()
-    try:
-        with _without_persistent_cache():
-            compiled = lowered.compile(compiler_options=target.xla_flags or None)
-    except jax.errors.JaxRuntimeError as err:
-        if "RESOURCE_EXHAUSTED" not in str(err):
-            raise
-        report["compile_seconds"] = time.perf_counter() - start
-        report["compiler_error"] = str(err).splitlines()[0]
-        report.update(_hbm_figures(str(err)))
-        raise DoesNotFit(report["compiler_error"], report) from None
-    report["compile_seconds"] = time.perf_counter() - start
-    memory = compiled.memory_analysis()
-    text = compiled.as_text()
+    result = compiled_program(lowered, target, progress)
+    report["compile_seconds"] = result["compile_seconds"]
+    report["compile_cached"] = result["cached"]
+    if "error" in result:
+        report["compiler_error"] = result["error"].splitlines()[0]
+        report.update(_hbm_figures(result["error"]))
+        report["plan"] = plan(cfg, target, mfu)
+        raise DoesNotFit(report["compiler_error"], report)
+    text = result["text"]
     report["program"] = program_ops(text)
     report["collectives"] = anatomy.collectives(text, dict(mesh.shape))
-    report["xla_cost"] = xla_cost(compiled)
+    report["xla_cost"] = result["xla_cost"]
     report.update({
         # What the compiler's own out-of-memory check compares with the device: the most bytes live at
         # once, arguments included. The TPU compiler's temp_size can exceed it: not a figure to fit by.
-        "peak": memory.peak_memory_in_bytes,
-        "arguments": memory.argument_size_in_bytes,
-        "temporaries": memory.temp_size_in_bytes,
+        "peak": result["peak"],
+        "arguments": result["arguments"],
+        "temporaries": result["temporaries"],
         # The gradient is a float32 copy of the parameters, and the clip needs all of it at once.
         "gradients": params,
     })
+    report["step_time"] = predicted_step(cfg, target, layout, text)
+    report["plan"] = plan(cfg, target, mfu, prediction=report["step_time"])
     report["memory_stack"] = anatomy.memory_stack(report)
     if report["peak"] > report["memory_per_device"]:
         raise DoesNotFit(

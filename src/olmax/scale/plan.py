@@ -1,6 +1,7 @@
-"""What a run costs on a target at an assumed MFU: chip-seconds per step, step time, chip-hours.
+"""What a run costs on a target: chip-seconds per step, step time, chip-hours, at the step time the
+step-time model predicts from the compiled program (olmax.scale.step_time) or at an MFU the user gives.
 
-Chip-seconds per step = training FLOPs of the global batch / (MFU x the chip's peak), the same on any
+At an MFU, chip-seconds per step = training FLOPs of the global batch / (MFU x the chip's peak), the same on any
 slice of one chip kind (the published OLMo 3 7B accounting: 0.76 s x 256 Ironwood chips ~ 3.05 s x 64
 chips ~ 195 chip-s). Both FLOP counts are given: sliding windows counted exactly, and every layer
 counted as global attention, the convention of MaxText's published MFU. The same wall time is a lower
@@ -18,21 +19,24 @@ from olmax.scale.targets import Target
 COUNTS = {"exact_window": "sliding windows exact", "all_global": "every layer global"}
 
 
-def plan(cfg: RunConfig, target: Target, mfu: float, goodput: float | None = None) -> dict:
-    """`goodput`: the share of wall time spent on productive steps (`olmax goodput` measures it); the chip-hours
-    the run really costs are the steps' chip-hours over it."""
+def plan(cfg: RunConfig, target: Target, mfu: float | None = None, goodput: float | None = None,
+         prediction: dict | None = None) -> dict:
+    """The run's cost at `mfu` where one is given, else at the predicted step (`prediction`, the step-time
+    model's report), else FLOPs alone. `goodput`: the share of wall time spent on productive steps (`olmax
+    goodput` measures it); the chip-hours the run really costs are the steps' chip-hours over it."""
     seq = cfg.data.sequence_length
     count = flops.count(cfg.model, seq)
     tokens_per_step = cfg.train.global_batch_instances * seq
-    sustained_per_chip = mfu * target.accelerator.peak_flops_per_chip
+    peak = target.accelerator.peak_flops_per_chip
+    step_seconds = prediction["step_seconds"] if prediction and mfu is None else None
     report = {
         "config": cfg.name,
         "target": target.name,
         "chips": target.chips,
         "devices": target.devices,
         "mfu": mfu,
-        "peak_tflops_per_chip": target.accelerator.peak_flops_per_chip / 1e12,
-        "sustained_tflops_per_device": sustained_per_chip / target.accelerator.devices_per_chip / 1e12,
+        "mfu_from": "given" if mfu is not None else ("predicted" if step_seconds else None),
+        "peak_tflops_per_chip": peak / 1e12,
         "tokens_per_step": tokens_per_step,
         "steps": cfg.train.steps,
         "tokens": tokens_per_step * cfg.train.steps,
@@ -43,17 +47,23 @@ def plan(cfg: RunConfig, target: Target, mfu: float, goodput: float | None = Non
     }
     per_token = {"exact_window": count.per_token, "all_global": count.per_token_all_global}
     for key, flops_per_token in per_token.items():
-        chip_seconds = flops_per_token * tokens_per_step / sustained_per_chip
-        report[key] = {
-            "train_flops_per_token": flops_per_token,
-            "tflop_per_device_step": flops_per_token * tokens_per_step / target.devices / 1e12,
-            "chip_seconds_per_step": chip_seconds,
-            "step_seconds": chip_seconds / target.chips,
-            "tokens_per_second_per_chip": tokens_per_step / chip_seconds,
-            "chip_hours": chip_seconds * cfg.train.steps / 3600,
-            "chip_hours_at_goodput": chip_seconds * cfg.train.steps / 3600 / goodput if goodput else None,
-            "chip_hours_per_trillion_tokens": chip_seconds / tokens_per_step * 1e12 / 3600,
-        }
+        step_flops = flops_per_token * tokens_per_step
+        row = {"train_flops_per_token": flops_per_token, "tflop_per_device_step": step_flops / target.devices / 1e12}
+        if mfu is not None or step_seconds:
+            chip_seconds = step_flops / (mfu * peak) if mfu is not None else step_seconds * target.chips
+            row.update({
+                "mfu": step_flops / (chip_seconds * peak),
+                "chip_seconds_per_step": chip_seconds,
+                "step_seconds": chip_seconds / target.chips,
+                "tokens_per_second_per_chip": tokens_per_step / chip_seconds,
+                "chip_hours": chip_seconds * cfg.train.steps / 3600,
+                "chip_hours_at_goodput": chip_seconds * cfg.train.steps / 3600 / goodput if goodput else None,
+                "chip_hours_per_trillion_tokens": chip_seconds / tokens_per_step * 1e12 / 3600,
+            })
+        report[key] = row
+    report["sustained_tflops_per_device"] = (report["exact_window"]["tflop_per_device_step"]
+                                             / report["exact_window"]["step_seconds"]
+                                             if "step_seconds" in report["exact_window"] else None)
     return report
 
 
@@ -82,28 +92,45 @@ def _figure(value: float) -> str:
     return f"{value:,.0f}" if abs(value) >= 100 or value == 0 else f"{value:.4g}"
 
 
-def format_plan(report: dict) -> str:
+def _bytes(size: float) -> str:
+    unit = next((u for u in ("GiB", "MiB", "KiB") if size >= 2 ** {"GiB": 30, "MiB": 20, "KiB": 10}[u]), "B")
+    return f"{_figure(size / 2 ** {'GiB': 30, 'MiB': 20, 'KiB': 10, 'B': 0}[unit])} {unit}"
+
+
+def format_plan(report: dict, prediction: dict | None = None) -> str:
+    """The plan as a table (both FLOP counts), with the predicted step's breakdown where there is one."""
     exact = report["exact_window"]
     flop_scale, flop = _prefix(exact["train_flops_per_token"], 1e9)
     step_scale, step = _prefix(exact["tflop_per_device_step"] * 1e12, 1e12)
-    time_scale, time_unit = next(((scale, u) for scale, u in TIME_UNITS if exact["step_seconds"] >= scale),
-                                 TIME_UNITS[-1])
     rows = [
         (f"train {flop}FLOP / token", "train_flops_per_token", lambda v: _figure(v / flop_scale)),
         (f"{step}FLOP / device-step", "tflop_per_device_step", lambda v: _figure(v * 1e12 / step_scale)),
-        ("chip-seconds / step", "chip_seconds_per_step", _figure),
-        (f"step time ({time_unit})", "step_seconds", lambda v: _figure(v / time_scale)),
-        ("tokens / s / chip", "tokens_per_second_per_chip", _figure),
-        ("chip-hours", "chip_hours", _figure),
-        ("chip-hours / T tokens", "chip_hours_per_trillion_tokens", _figure),
     ]
-    if report["goodput"]:
-        rows.append((f"chip-h at {report['goodput']:.0%} goodput", "chip_hours_at_goodput", _figure))
+    timed = "step_seconds" in exact
+    if timed:
+        time_scale, time_unit = next(((scale, u) for scale, u in TIME_UNITS if exact["step_seconds"] >= scale),
+                                     TIME_UNITS[-1])
+        rows += [
+            ("MFU", "mfu", lambda v: f"{100 * v:.3g}%"),
+            ("chip-seconds / step", "chip_seconds_per_step", _figure),
+            (f"step time ({time_unit})", "step_seconds", lambda v: _figure(v / time_scale)),
+            ("tokens / s / chip", "tokens_per_second_per_chip", _figure),
+            ("chip-hours", "chip_hours", _figure),
+            ("chip-hours / T tokens", "chip_hours_per_trillion_tokens", _figure),
+        ]
+        if report["goodput"]:
+            rows.append((f"chip-h at {report['goodput']:.0%} goodput", "chip_hours_at_goodput", _figure))
     token_scale, token_prefix = _prefix(report["tokens"], 1e12)
+    if report["mfu_from"] == "given":
+        how = (f"at {report['mfu']:.1%} MFU (given) of {report['peak_tflops_per_chip']:,.0f} TFLOP/s per chip "
+               f"({report['sustained_tflops_per_device']:,.1f} TFLOP/s per device)")
+    elif report["mfu_from"] == "predicted":
+        how = (f"at the step time predicted from the compiled program, of {report['peak_tflops_per_chip']:,.0f} "
+               f"TFLOP/s per chip ({report['sustained_tflops_per_device']:,.1f} TFLOP/s per device)")
+    else:
+        how = "FLOPs only (no prediction: the step was not compiled; --mfu X gives a cost at an assumed MFU)"
     lines = [
-        f"{report['config']} on {report['target']}: {report['chips']} chips, {report['devices']} devices, "
-        f"at {report['mfu']:.1%} MFU of {report['peak_tflops_per_chip']:,.0f} TFLOP/s per chip "
-        f"({report['sustained_tflops_per_device']:,.1f} TFLOP/s per device)",
+        f"{report['config']} on {report['target']}: {report['chips']} chips, {report['devices']} devices, {how}",
         f"{report['steps']:,} steps of {report['tokens_per_step']:,} tokens = "
         f"{_figure(report['tokens'] / token_scale)}{token_prefix} tokens",
         "",
@@ -113,4 +140,35 @@ def format_plan(report: dict) -> str:
         lines.append(f"{label:24}{fmt(report['exact_window'][key]):>24}{fmt(report['all_global'][key]):>24}")
     if report["pipeline"]:
         lines += ["", f"pipeline: {report['pipeline']['summary']}; the MFU above is of the whole step, bubble included"]
+    if prediction:
+        lines += ["", *format_prediction(prediction)]
     return "\n".join(lines)
+
+
+REGIONS = ("sliding", "global", "embedding and head", "optimizer and gradients", "other")
+LABELS = {"matmul": "matmuls", "attention": "attention", "memory": "memory-bound", "collective": "exposed collectives"}
+
+
+def format_prediction(prediction: dict) -> list[str]:
+    """The predicted step's time by category and by layer kind, and its collectives, hidden and exposed."""
+    step = prediction["step_seconds"]
+    scale, unit = next(((scale, u) for scale, u in TIME_UNITS if step >= scale), TIME_UNITS[-1])
+    regions = [r for r in REGIONS if r in prediction["by_region"]] + sorted(
+        set(prediction["by_region"]) - set(REGIONS))
+    width = 14
+    lines = [f"predicted step {_figure(step / scale)} {unit}, where the time goes ({unit}, one device):",
+             f"{'':24}" + "".join(f"{r[:width - 1]:>{width}}" for r in regions) + f"{'total':>{width}}"]
+    for category, label in LABELS.items():
+        values = [prediction["by_region"][r][category] for r in regions]
+        lines.append(f"{label:24}" + "".join(f"{_figure(v / scale):>{width}}" for v in values)
+                     + f"{_figure(prediction['seconds'][category] / scale):>{width}}")
+    c = prediction["collectives"]
+    moved = ", ".join(f"{kind} {_bytes(size)}" for kind, size in sorted(c["bytes_by_kind"].items()))
+    lines.append(f"collectives {_figure(c['total_seconds'] / scale)} {unit} on the links ({moved or 'none'}): "
+                 f"{_figure(c['hidden_seconds'] / scale)} {unit} hidden behind compute, "
+                 f"{_figure(c['exposed_seconds'] / scale)} {unit} exposed")
+    k = prediction["constants"]
+    lines.append(f"model constants: matmuls at {k['matmul_efficiency']:.0%} of the {k['peak_flops_per_device'] / 1e12:,.0f} "
+                 f"TFLOP/s peak, memory at {k['memory_efficiency']:.0%} of {k['memory_bandwidth_per_device'] / 1e9:,.0f} "
+                 f"GB/s, links at {k['collective_efficiency']:.0%} (olmax.scale.targets)")
+    return lines

@@ -244,7 +244,8 @@ def _collectives(r: dict) -> str:
     for i, c in enumerate(found["by_axis"]):
         bar = (f'<svg width="210" height="12"><rect width="{200 * c["bytes_per_step"] / largest:.1f}" height="10" '
                f'fill="#4e79a7"/></svg>')
-        rows.append([html.escape(c["axes"]), html.escape(c["kind"]), fact(f"collectives.by_axis.{i}.count", c["count"]),
+        kind = c["kind"] + (f" as {c['as']}" if c.get("as") else "")
+        rows.append([html.escape(c["axes"]), html.escape(kind), fact(f"collectives.by_axis.{i}.count", c["count"]),
                      fact(f"collectives.by_axis.{i}.bytes_per_step", c["bytes_per_step"], size(c["bytes_per_step"])),
                      bar])
     unknown = found["loops_without_trip_count"]
@@ -254,8 +255,15 @@ def _collectives(r: dict) -> str:
             "as often as its loop runs where that is a constant"
             + (f"; {fact('collectives.loops_without_trip_count', unknown)} loop runs whose trip count the HLO "
                "does not state as a constant (an MoE's expert block loops are such) count once" if unknown else "")
-            + ".</p>"
+            + ".</p>" + (_AS_NOTE if any(c.get("as") for c in found["by_axis"]) else "")
             + _table(["mesh axes", "kind", "count a step", "bytes a step", ""], rows, {2, 3}) + "</section>")
+
+
+_AS_NOTE = ('<p class="note">"all-reduce as all-gather": the TPU compiler gathers FSDP-sharded weights with an '
+            "all-reduce: each device writes its shard into a buffer of zeros the size of the whole weight and the "
+            "sum is the whole weight on every device. \"all-reduce as reduce-scatter\": the gradient is summed "
+            "whole and each device keeps its own slice. The bytes are an all-reduce's (each device sends and "
+            "receives the whole buffer, twice (n-1)/n of it over a ring); the step-time model costs them so.</p>")
 
 
 def _phases(s: dict) -> dict:
@@ -326,24 +334,122 @@ def _pipeline(r: dict) -> str:
             + (f"<p>Not allowed here:</p><ul>{''.join(refused)}</ul>" if refused else "") + "</section>")
 
 
-PLAN_ROWS = [("train GFLOP / token", "train_flops_per_token", lambda v: f"{v / 1e9:,.2f}"),
-             ("TFLOP / device-step", "tflop_per_device_step", lambda v: f"{v:,.1f}"),
-             ("chip-seconds / step", "chip_seconds_per_step", lambda v: f"{v:,.1f}"),
-             ("step time (s)", "step_seconds", lambda v: f"{v:,.3f}"),
+PLAN_ROWS = [("train GFLOP / token", "train_flops_per_token", lambda v: f"{v / 1e9:,.4g}"),
+             ("TFLOP / device-step", "tflop_per_device_step", lambda v: f"{v:,.4g}"),
+             ("MFU", "mfu", lambda v: f"{v:.1%}"),
+             ("chip-seconds / step", "chip_seconds_per_step", lambda v: f"{v:,.4g}"),
+             ("step time (s)", "step_seconds", lambda v: f"{v:,.4g}"),
              ("tokens / s / chip", "tokens_per_second_per_chip", lambda v: f"{v:,.0f}"),
-             ("chip-hours", "chip_hours", lambda v: f"{v:,.0f}"),
-             ("chip-hours / T tokens", "chip_hours_per_trillion_tokens", lambda v: f"{v:,.0f}")]
+             ("chip-hours", "chip_hours", lambda v: f"{v:,.4g}"),
+             ("chip-hours / T tokens", "chip_hours_per_trillion_tokens", lambda v: f"{v:,.4g}")]
 
 
 def _plan(r: dict) -> str:
     plan, prefix = _plan_of(r), "plan." if "plan" in r else ""
     rows = [[label] + [fact(f"{prefix}{count}.{key}", plan[count][key], fmt(plan[count][key]))
-                       for count in ("exact_window", "all_global")] for label, key, fmt in PLAN_ROWS]
-    return (f'<section id="plan"><h2>Plan: cost at {fact(prefix + "mfu", plan["mfu"], format(plan["mfu"], ".1%"))} MFU'
-            f"</h2><p>{fact(prefix + 'chips', plan['chips'])} chips at "
+                       for count in ("exact_window", "all_global")]
+            for label, key, fmt in PLAN_ROWS if key in plan["exact_window"]]
+    if plan.get("mfu_from") == "given":
+        title = f'cost at {fact(prefix + "mfu", plan["mfu"], format(plan["mfu"], ".1%"))} MFU (given)'
+    elif plan.get("mfu_from") == "predicted":
+        title = "cost at the predicted step"
+    else:
+        title = "FLOPs (no step time: the step did not compile)"
+    return (f'<section id="plan"><h2>Plan: {title}</h2><p>{fact(prefix + "chips", plan["chips"])} chips at '
             f"{plan['peak_tflops_per_chip']:,.0f} TFLOP/s peak each; {fact(prefix + 'steps', plan['steps'])} steps "
             f"of {fact(prefix + 'tokens_per_step', plan['tokens_per_step'])} tokens.</p>"
             + _table(["", "sliding windows exact", "every layer global"], rows, {1, 2}) + "</section>")
+
+
+CATEGORY_COLOURS = {"matmul": "#4e79a7", "attention": "#f28e2b", "memory": "#59a14f", "hidden": "#b8b8b8",
+                    "exposed": "#d62728"}
+CATEGORY_NAMES = {"matmul": "matmuls", "attention": "attention", "memory": "memory-bound",
+                  "collective": "exposed collectives"}
+
+
+def _seconds(value: float) -> str:
+    for scale, unit in ((1.0, "s"), (1e-3, "ms"), (1e-6, "us")):
+        if value >= scale:
+            return f"{value / scale:,.4g} {unit}"
+    return f"{value * 1e6:.3g} us"
+
+
+def _step_time(r: dict) -> str:
+    """The predicted step: where its time goes by category and layer kind, its collectives, and one step as a
+    timeline of the compute and the links."""
+    p = r.get("step_time")
+    if not p:
+        return ""
+    regions = list(p["by_region"])
+    rows = [[html.escape(CATEGORY_NAMES[c])]
+            + [fact(f"step_time.by_region.{region}.{c}", p["by_region"][region][c], _seconds(p["by_region"][region][c]))
+               for region in regions]
+            + [fact(f"step_time.seconds.{c}", p["seconds"][c], _seconds(p["seconds"][c]))] for c in CATEGORY_NAMES]
+    table = _table(["", *(html.escape(region) for region in regions), "total"], rows, set(range(1, len(regions) + 2)))
+    c, k = p["collectives"], p["constants"]
+    mfu = (f", MFU {fact('step_time.mfu', p['mfu'], format(p['mfu'], '.1%'))} (exact FLOP count)"
+           if p.get("mfu") is not None else "")
+    summary = (f"<p>Predicted step {fact('step_time.step_seconds', p['step_seconds'], _seconds(p['step_seconds']))}"
+               f"{mfu}. Collectives take {_seconds(c['total_seconds'])} on the links: "
+               f"{fact('step_time.collectives.hidden_seconds', c['hidden_seconds'], _seconds(c['hidden_seconds']))} "
+               f"hidden behind compute, "
+               f"{fact('step_time.collectives.exposed_seconds', c['exposed_seconds'], _seconds(c['exposed_seconds']))} "
+               "exposed.</p>")
+    note = ('<p class="note">From the compiled program: each op costed by a roofline (its FLOPs at the matrix '
+            f"unit's rate, {k['matmul_efficiency']:.0%} of the {k['peak_flops_per_device'] / 1e12:,.0f} TFLOP/s "
+            f"peak, derated where its dimensions do not fill the unit; its bytes at {k['memory_efficiency']:.0%} "
+            f"of {k['memory_bandwidth_per_device'] / 1e9:,.0f} GB/s of HBM), collectives on the target's links at "
+            f"{k['collective_efficiency']:.0%} of their rate, loops times their trip counts, asynchronous "
+            "collectives hidden behind the compute scheduled between their start and done. The constants and their "
+            "sources: olmax.scale.targets.</p>")
+    return (f'<section id="step-time"><h2>Predicted step time</h2>{note}{summary}{table}'
+            f"{_timeline(p['timeline'], p['step_seconds'])}</section>")
+
+
+def _timeline(events: list[dict], total: float, width: int = 1180) -> str:
+    """One step from left to right: the compute (coloured by what it is), the links (grey: a collective hidden
+    behind compute; red: the compute waits for it), and the layers the compute belongs to."""
+    if not events or total <= 0:
+        return ""
+    left, lane_h = 70, 22
+    scale = (width - left - 10) / total
+    lanes = {"compute": 18, "links": 18 + lane_h + 6}
+    parts = [f'<text x="0" y="{lanes["compute"] + 15}">compute</text>',
+             f'<text x="0" y="{lanes["links"] + 15}">links</text>']
+    bands, exposed = [], 0
+    for e in events:
+        x, w = left + e["start"] * scale, max((e["end"] - e["start"]) * scale, 0.3)
+        colour = CATEGORY_COLOURS.get(e["category"], "#999")
+        klass = f'event {html.escape(e["category"])}'
+        title = ""
+        if e["category"] == "exposed":
+            exposed += 1
+            title = (f"<title>{html.escape(str(e['label']))}: compute waits {_seconds(e['end'] - e['start'])} for a "
+                     "collective</title>")
+        parts.append(f'<rect class="{klass}" x="{x:.2f}" y="{lanes[e["lane"]]}" width="{w:.2f}" height="{lane_h}" '
+                     f'fill="{colour}">{title}</rect>')
+        if e["lane"] == "compute":
+            if bands and bands[-1][2] == e["label"]:
+                bands[-1][1] = e["end"]
+            else:
+                bands.append([e["start"], e["end"], e["label"]])
+    y = lanes["links"] + lane_h + 8
+    for i, (start, end, label) in enumerate(bands):
+        x, w = left + start * scale, (end - start) * scale
+        parts.append(f'<rect class="layer" x="{x:.2f}" y="{y}" width="{max(w, 0.3):.2f}" height="10" '
+                     f'fill="{"#ddd" if i % 2 else "#eee"}"><title>{html.escape(str(label))}</title></rect>')
+        if w > 60:
+            parts.append(f'<text x="{x + 2:.1f}" y="{y + 22}">{html.escape(str(label))}</text>')
+    parts.append(f'<text x="{left}" y="{y + 38}">0</text>'
+                 f'<text x="{width - 80}" y="{y + 38}">{html.escape(_seconds(total))}</text>')
+    legend = " ".join(f'<span class="swatch" style="background:{colour}"></span>{html.escape(name)}'
+                      for name, colour in (("matmuls", CATEGORY_COLOURS["matmul"]),
+                                           ("attention", CATEGORY_COLOURS["attention"]),
+                                           ("memory-bound", CATEGORY_COLOURS["memory"]),
+                                           ("collective hidden", CATEGORY_COLOURS["hidden"]),
+                                           ("collective exposed", CATEGORY_COLOURS["exposed"])))
+    return (f'<h3>One step</h3><p>{legend}</p><div class="scroll"><svg class="timeline" data-exposed="{exposed}" '
+            f'width="{width}" height="{y + 46}">{"".join(parts)}</svg></div>')
 
 
 def _target(r: dict) -> str:
@@ -367,7 +473,7 @@ def _target(r: dict) -> str:
 
 def page(r: dict) -> str:
     body = "\n".join(s for s in (_header(r), _mesh(r), _memory(r), _parameters(r), _collectives(r), _pipeline(r),
-                                 _plan(r), _target(r)) if s)
+                                 _plan(r), _step_time(r), _target(r)) if s)
     return _document(f"olmax: {r['config']} on {r['target']}", body)
 
 
@@ -443,9 +549,10 @@ def comparison_rows(reports: list[dict]) -> list[tuple[str, list[str]]]:
         ("pipeline bubble", each(bubble)),
         *[(f"collectives over {a} (MiB a step)", each(lambda r, a=a: f"{sum(c['bytes_per_step'] for c in r.get('collectives', {}).get('by_axis', []) if c['axes'] == a) / 2**20:,.1f}"))
           for a in axes],
-        ("chip-seconds / step", [f"{p['chip_seconds_per_step']:,.1f}" for p in plan]),
-        ("step time (s)", [f"{p['step_seconds']:,.3f}" for p in plan]),
-        ("chip-hours", [f"{p['chip_hours']:,.0f}" for p in plan]),
+        ("MFU", [f"{p['mfu']:.1%}" if "mfu" in p else "-" for p in plan]),
+        ("chip-seconds / step", [f"{p['chip_seconds_per_step']:,.4g}" if "mfu" in p else "-" for p in plan]),
+        ("step time (s)", [f"{p['step_seconds']:,.4g}" if "mfu" in p else "-" for p in plan]),
+        ("chip-hours", [f"{p['chip_hours']:,.4g}" if "mfu" in p else "-" for p in plan]),
         ("compile s", each(lambda r: f"{r['compile_seconds']:,.0f}" if "compile_seconds" in r else "-")),
     ]
 
@@ -482,7 +589,8 @@ MARKDOWN_COLUMNS = [  # (header, right-aligned, the cell of a report and its con
     ("per device", False, lambda r, s: _per_device(r)),
     ("device", True, lambda r, s: size(r['memory_per_device']) if "memory_per_device" in r else "-"),
     ("fits", False, lambda r, s: {True: "yes", False: "**no**", None: "-"}[_fits(r)]),
-    ("step s at the MFU", True, lambda r, s: f"{_plan_of(r)['exact_window']['step_seconds']:,.3f}"),
+    ("step s", True, lambda r, s: f"{_plan_of(r)['exact_window']['step_seconds']:,.4g}"
+     if "step_seconds" in _plan_of(r)["exact_window"] else "-"),
     ("compile s", True, lambda r, s: f"{r['compile_seconds']:,.0f}" if "compile_seconds" in r else "-"),
 ]
 

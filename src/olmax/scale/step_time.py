@@ -1,0 +1,725 @@
+"""A step's time predicted from its compiled program: a roofline per op, loops times their trip counts,
+collectives costed on the target's links, asynchronous collectives hidden behind the compute scheduled
+between their start and their done.
+
+Every op of the optimized, scheduled HLO (olmax.scale.hlo) is costed on one device:
+
+- compute (fusions, matmuls, kernels, copies): the larger of its FLOPs at the matrix unit's rate and its
+  bytes at the memory's bandwidth. A matmul's rate is the device's peak for its operands' dtype, times the
+  hardware's achievable fraction (`Hardware.matmul_efficiency`), times how well its dimensions fill the
+  matrix unit's tile (a contraction of 128 on a 256-wide systolic array runs at half the rate). Attention
+  kernels (Splash on TPU, cuDNN's on GPU) are costed from their shapes, the blocks their mask leaves, and
+  the matmuls each of them runs (forward 2, Splash's dq 3 and dkv 4, cuDNN's backward 5).
+- collectives: their bytes per device over the links the group spans, with the algorithm the platform uses
+  (a bidirectional ring per torus dimension, all dimensions at once on a TPU slice with wraparound; NVLink
+  within a GPU host and the hosts' network between them; all-to-all by the bisection).
+- the schedule: ops run in the order the compiler scheduled them; an asynchronous collective (a `-start` /
+  `-done` pair, or an async call) runs beside the compute between its start and its done, and only what is
+  left when the done is reached is exposed. A loop's body is simulated twice (a collective started in one
+  iteration may finish in the next) and its second iteration counts for all the rest.
+
+The result says where the time goes: matmuls, attention, memory-bound work and exposed collectives, by layer
+kind (from the op names the model's named scopes write), plus a timeline of one step for the layout page.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+import re
+from dataclasses import dataclass, field
+
+
+from olmax.scale import hlo
+
+FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all", "partition-id", "replica-id",
+        "opt-barrier", "add-dependency", "domain", "iota"}
+COLLECTIVES = hlo.COLLECTIVES
+CATEGORIES = ("matmul", "attention", "memory", "collective")  # compute categories, then exposed communication
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """One device of a target as the model sees it (rates are per device, bytes per second one way)."""
+
+    name: str
+    platform: str  # tpu, gpu or cpu
+    matmul_flops: dict  # operand dtype -> dense FLOP/s at the datasheet's peak
+    matmul_efficiency: float  # the fraction of that peak a large matmul sustains
+    memory_bandwidth: float
+    memory_efficiency: float
+    tile: tuple[int, int, int]  # the matrix unit's (m, n, k): dimensions are padded to multiples of these
+    link_bandwidth: float = 0.0  # TPU: one ICI link, one way; GPU: NVLink per GPU, one way
+    network_bandwidth: float = 0.0  # GPU: between hosts, per GPU, one way
+    collective_efficiency: float = 1.0
+    collective_latency: float = 0.0  # seconds per collective
+    op_overhead: float = 0.0  # seconds per op launched (measured on the CPU; negligible on accelerators)
+    torus: tuple[int, ...] = ()  # TPU: chips per dimension of the slice
+    wraparound: bool = False  # TPU: the slice's dimensions close into rings
+    devices_per_chip: int = 1
+    hosts: int = 1  # GPU: hosts of `devices_per_host`
+    devices_per_host: int = 8
+
+
+@dataclass
+class Cost:
+    seconds: float
+    category: str  # matmul, attention, memory (compute) or a collective's kind
+    flops: float = 0.0
+    bytes: float = 0.0
+
+
+# --- compute ops --------------------------------------------------------------------------------------------------
+
+def _fill(size: int, tile: int) -> float:
+    """How much of a matrix unit's `tile`-wide dimension `size` fills, on average over the tiles it takes."""
+    return size / (math.ceil(size / tile) * tile) if size else 1.0
+
+
+def _matmul_seconds(flops: float, dtype: str, m: int, n: int, k: int, hw: Hardware) -> float:
+    peak = hw.matmul_flops.get(dtype) or hw.matmul_flops.get("f8" if dtype.startswith("f8") else "bf16")
+    # the stationary operand's free dimension is the one that fills the unit better (the compiler picks it)
+    fill = _fill(k, hw.tile[2]) * max(_fill(n, hw.tile[1]), _fill(m, hw.tile[1])) * _fill(min(m, n), hw.tile[0])
+    return flops / (peak * hw.matmul_efficiency * fill)
+
+
+def _dims(labels: str, shape: tuple[int, ...], letters: str) -> list[int]:
+    return [shape[i] for i, c in enumerate(labels) if c in letters]
+
+
+def _valid_taps(in_size: int, window: int, stride: int, pad_lo: int, lhs_dilation: int, rhs_dilation: int,
+                out_size: int) -> int:
+    """Summed over the output positions of one spatial dimension, the window taps that land on real input
+    (not padding): a convolution that expresses a batched matmul pads its window mostly with zeros."""
+    total = 0
+    dilated = (in_size - 1) * lhs_dilation + 1
+    for o in range(out_size):
+        for t in range(window):
+            at = o * stride + t * rhs_dilation - pad_lo
+            total += 0 <= at < dilated and at % lhs_dilation == 0
+    return total
+
+
+def convolution(instruction: hlo.Instruction, operands: list[hlo.Array]) -> tuple[float, int, int, int, str]:
+    """(FLOPs, m, n, k, operand dtype) of a convolution (the form the TPU compiler gives its matmuls)."""
+    lhs, rhs = operands[0], operands[1]
+    out = instruction.outputs[0]
+    labels = re.match(r"(\w+)_(\w+)->(\w+)", instruction.attribute("dim_labels") or "b0f_0io->b0f")
+    lhs_l, rhs_l, out_l = labels.groups()
+    window = instruction.attribute("window") or ""
+    sizes = [int(v) for v in re.findall(r"\d+", re.search(r"size=([\dx]+)", window).group(1))] if "size=" in window else []
+    n_spatial = len(sizes)
+
+    def per_dim(key, default):
+        found = re.search(rf"{key}=([\d_x-]+)", window)
+        if not found:
+            return [default] * n_spatial
+        return [tuple(int(v) for v in part.split("_")) if "_" in part else int(part)
+                for part in found.group(1).split("x")]
+
+    pads, strides = per_dim("pad", (0, 0)), per_dim("stride", 1)
+    lhs_dil, rhs_dil = per_dim("lhs_dilate", 1), per_dim("rhs_dilate", 1)
+    taps = 1
+    for d in range(n_spatial):
+        digit = str(d)
+        taps *= _valid_taps(lhs.dims[lhs_l.index(digit)], sizes[d], strides[d], pads[d][0], lhs_dil[d], rhs_dil[d],
+                            out.dims[out_l.index(digit)])
+    batch = math.prod(_dims(out_l, out.dims, "b"))
+    features_out = math.prod(_dims(out_l, out.dims, "f"))
+    features_in = math.prod(_dims(rhs_l, rhs.dims, "i"))
+    flops = 2.0 * batch * features_out * features_in * taps
+    spatial_out = math.prod(out.dims[out_l.index(str(d))] for d in range(n_spatial)) if n_spatial else 1
+    return flops, batch * spatial_out, features_out, features_in * max(1, taps // max(spatial_out, 1)), lhs.dtype
+
+
+def dot(instruction: hlo.Instruction, operands: list[hlo.Array], numbers: dict | None = None
+        ) -> tuple[float, int, int, int, str]:
+    """(FLOPs, m, n, k, operand dtype) of a dot, from its dimension numbers (the attributes' or a GEMM custom
+    call's backend config)."""
+    lhs, rhs = operands[0], operands[1]
+
+    def dims(side, what):  # HLO text says lhs_contracting_dims, a backend config lhs_contracting_dimensions
+        if numbers is not None:
+            return [int(v) for v in numbers.get(f"{side}_{what}_dimensions", [])]
+        value = instruction.attribute(f"{side}_{what}_dims")
+        return [int(v) for v in re.findall(r"\d+", value)] if value else []
+
+    lhs_contract, rhs_contract = dims("lhs", "contracting"), dims("rhs", "contracting")
+    lhs_batch, rhs_batch = dims("lhs", "batch"), dims("rhs", "batch")
+    k = math.prod(lhs.dims[i] for i in lhs_contract)
+    batch = math.prod(lhs.dims[i] for i in lhs_batch)
+    m = math.prod(s for i, s in enumerate(lhs.dims) if i not in lhs_contract and i not in lhs_batch)
+    n = math.prod(s for i, s in enumerate(rhs.dims) if i not in rhs_contract and i not in rhs_batch)
+    return 2.0 * batch * m * n * k, batch * m, n, k, lhs.dtype
+
+
+@dataclass
+class AttentionInfo:
+    """What the compiled program cannot say about its attention kernels: each layer's mask, from the config."""
+
+    sequence: int
+    windows: dict  # layer kind (sliding, global) -> window in tokens or None
+    block_q: int = 512
+    block_kv: int = 512
+
+    def attended(self, kind: str | None, seq: int) -> float:
+        """Keys per query the kernel computes: every block the mask does not leave empty, in whole blocks."""
+        window = self.windows.get(kind) if kind else None
+        bq, bk = min(self.block_q, seq), min(self.block_kv, seq)
+        blocks = 0
+        for qb in range(math.ceil(seq / bq)):
+            q_lo, q_hi = qb * bq, min(seq, (qb + 1) * bq) - 1
+            k_lo = 0 if window is None else max(0, q_lo - window + 1)
+            blocks += q_hi // bk - k_lo // bk + 1
+        return blocks * bk * bq / seq
+
+
+MATMULS = {"fwd": 2, "dq": 3, "dkv": 4, "bwd": 5}  # per attention kernel: Splash's three, cuDNN's backward
+
+
+def _attention_kernel(name: str, target: str, instruction: hlo.Instruction, operands: list[hlo.Array],
+                      kind: str | None, attention: AttentionInfo | None, hw: Hardware) -> Cost | None:
+    if target == "tpu_custom_call":
+        found = re.match(r"splash_m[hq]a_(fwd|dq|dkv)", name)
+    else:
+        found = re.match(r"__cudnn\$fmha\w*?(Backward)?$", target)
+    if not found or attention is None:
+        return None
+    part = (found.group(1) or "fwd") if target == "tpu_custom_call" else ("bwd" if found.group(1) else "fwd")
+    q = max((a for a in operands if len(a.dims) == 4), key=lambda a: math.prod(a.dims), default=None)
+    if q is None:
+        return None
+    # q is [batch, heads, sequence, head_dim] for Splash, [batch, sequence, heads, head_dim] for cuDNN
+    b, heads, seq, head_dim = (q.dims if target == "tpu_custom_call" else (q.dims[0], q.dims[2], q.dims[1], q.dims[3]))
+    flops = 2.0 * MATMULS[part] * b * heads * seq * attention.attended(kind, seq) * head_dim
+    # every product of the kernel contracts over or produces head_dim: it fills the unit as head_dim does
+    seconds = _matmul_seconds(flops, q.dtype, seq, head_dim, head_dim, hw)
+    moved = sum(a.bytes for a in operands if not a.on_chip) + sum(a.bytes for a in instruction.outputs)
+    return Cost(max(seconds, moved / (hw.memory_bandwidth * hw.memory_efficiency)), "attention", flops, moved)
+
+
+GEMM_TARGETS = ("__cublas$gemm", "__cublas$lt$matmul", "__cublas$lt$matmul$f8", "__cudnn$blockScaledDot",
+                "__onednn$matmul")
+
+
+class ProgramCost:
+    """Costs of a module's ops, memoised per instruction (a loop body's ops are costed once)."""
+
+    def __init__(self, module: hlo.Module, hw: Hardware, coords: list[dict] | None,
+                 attention: AttentionInfo | None = None):
+        self.module, self.hw, self.coords, self.attention = module, hw, coords or [], attention
+        self.n_devices = max(len(self.coords), 1)
+        self._fusions: dict[str, tuple] = {}
+
+    def operands(self, computation: hlo.Computation, instruction: hlo.Instruction) -> list[hlo.Array]:
+        found = []
+        for name in instruction.operands:
+            source = computation.by_name.get(name)
+            found += source.outputs if source is not None else []
+        return found
+
+    # -- fusions: their matmuls and the bytes they really read and write
+    def _fused(self, name: str) -> tuple[float, float, int, int, int, str, bool]:
+        """(matmul FLOPs, FLOP-weighted m, n, k, operand dtype, in attention) of a fused computation."""
+        if name in self._fusions:
+            return self._fusions[name]
+        computation = self.module.computation(name)
+        flops, shape, dtype = 0.0, (0, 0, 0), "bf16"
+        for inner in computation.instructions if computation else []:
+            found = None
+            if inner.op == "convolution":
+                found = convolution(inner, self.operands(computation, inner))
+            elif inner.op == "dot":
+                found = dot(inner, self.operands(computation, inner))
+            elif inner.op == "fusion":
+                sub = self._fused(inner.calls()[0])
+                found = (sub[0], sub[1], sub[2], sub[3], sub[4]) if sub[0] else None
+            if found and found[0] > 0:
+                if found[0] > flops:
+                    shape, dtype = found[1:4], found[4]
+                flops += found[0]
+        self._fusions[name] = (flops, *shape, dtype, False)
+        return self._fusions[name]
+
+    def _bytes(self, computation: hlo.Computation, instruction: hlo.Instruction) -> float:
+        """Bytes an op moves to and from memory: its operands and outputs in HBM; a fused parameter that is only
+        sliced counts the slices; an output updated in place (dynamic-update-slice) counts the update."""
+        outputs = [a for a in instruction.outputs if not a.on_chip]
+        inputs = self.operands(computation, instruction)
+        if instruction.op == "fusion":
+            fused = self.module.computation(instruction.calls()[0])
+            if fused is not None:
+                return self._fused_bytes(fused, inputs) + self._fused_output_bytes(fused, outputs)
+        if instruction.op == "dynamic-update-slice" and len(inputs) > 1:
+            return 2.0 * inputs[1].bytes
+        if instruction.op in ("dynamic-slice", "slice", "gather"):
+            return 2.0 * sum(a.bytes for a in outputs)
+        return sum(a.bytes for a in inputs if not a.on_chip) + sum(a.bytes for a in outputs)
+
+    @staticmethod
+    def _fused_bytes(fused: hlo.Computation, inputs: list[hlo.Array]) -> float:
+        users = collections.defaultdict(list)
+        for inner in fused.instructions:
+            for operand in inner.operands:
+                users[operand].append(inner)
+        total = 0.0
+        params = [i for i in fused.instructions if i.op == "parameter"]
+        for param in params:
+            index = int(re.match(r"\d+", param.arguments).group()) if re.match(r"\d+", param.arguments) else 0
+            array = inputs[index] if index < len(inputs) else (param.outputs or [None])[0]
+            if array is None or array.on_chip:
+                continue
+            readers = users.get(param.name, [])
+            if readers and all(r.op in ("dynamic-slice", "slice", "gather") for r in readers):
+                total += sum(a.bytes for r in readers for a in r.outputs)
+            elif readers and all(r.op == "dynamic-update-slice" and r.operands[0] == param.name for r in readers):
+                continue  # updated in place: the update is counted with the output
+            else:
+                total += array.bytes
+        return total
+
+    @staticmethod
+    def _fused_output_bytes(fused: hlo.Computation, outputs: list[hlo.Array]) -> float:
+        root = fused.root
+        roots = [fused.by_name.get(o) for o in root.operands] if root.op == "tuple" else [root]
+        total = 0.0
+        for array, source in zip(outputs, roots if len(roots) == len(outputs) else [None] * len(outputs)):
+            if source is not None and source.op == "dynamic-update-slice" and len(source.operands) > 1:
+                update = fused.by_name.get(source.operands[1])  # written in place; its inputs are counted as read
+                total += sum(a.bytes for a in (update.outputs if update else [array]))
+            else:
+                total += array.bytes
+        return total
+
+    def compute(self, computation: hlo.Computation, instruction: hlo.Instruction, kind: str | None) -> Cost | None:
+        """The cost of a compute op, or None for ops that cost nothing or are not compute."""
+        op = instruction.op
+        if op in FREE or op in ("while", "conditional", "call") or op.endswith("-done") or op.endswith("-start"):
+            return None
+        hw = self.hw
+        moved = self._bytes(computation, instruction)
+        memory_seconds = moved / (hw.memory_bandwidth * hw.memory_efficiency)
+        flops, matmul_seconds, category = 0.0, 0.0, "memory"
+        found = None
+        if op == "fusion":
+            fused = self._fused(instruction.calls()[0])
+            if fused[0]:
+                found = fused[:5]
+        elif op == "convolution":
+            found = convolution(instruction, self.operands(computation, instruction))
+        elif op == "dot":
+            found = dot(instruction, self.operands(computation, instruction))
+        elif op == "custom-call":
+            target = (instruction.attribute("custom_call_target") or "").strip('"')
+            operands = self.operands(computation, instruction)
+            if (attention := _attention_kernel(instruction.name, target, instruction, operands, kind, self.attention,
+                                               hw)) is not None:
+                return Cost(attention.seconds + hw.op_overhead, "attention", attention.flops, attention.bytes)
+            if target in GEMM_TARGETS and len(operands) >= 2:
+                config = instruction.backend_config
+                numbers = (config.get("gemm_backend_config") or config).get("dot_dimension_numbers")
+                found = dot(instruction, operands, numbers or {"lhs_contracting_dimensions": [len(operands[0].dims) - 1],
+                                                             "rhs_contracting_dimensions": [0]})
+            elif target == "AllocateBuffer":
+                return None
+        if found:
+            flops = found[0]
+            matmul_seconds = _matmul_seconds(flops, found[4], found[1], found[2], found[3], hw)
+            category = "attention" if "/attention/" in f"{instruction.op_name}/" else "matmul"
+        return Cost(max(matmul_seconds, memory_seconds) + hw.op_overhead, category, flops, moved)
+
+    # -- collectives
+    def collective(self, computation: hlo.Computation, instruction: hlo.Instruction, kind: str) -> Cost:
+        """Its bytes a device: the larger of its inputs and its results (a tuple's arrays travel together)."""
+        inputs = self.operands(computation, instruction)
+        size = max(sum(a.bytes for a in inputs), sum(a.bytes for a in instruction.results(inputs)))
+        groups = hlo.replica_groups(instruction, self.n_devices)
+        return Cost(collective_seconds(kind, size, groups[0], self.coords, self.hw), kind, 0.0, size)
+
+
+def collective_seconds(kind: str, size: float, group: list[int], coords: list[dict], hw: Hardware) -> float:
+    """A collective's time on the target's links: `size` bytes per device (the larger of its input and
+    output), the group's members (partition ids) located by `coords`."""
+    n = len(group)
+    if n <= 1 or size == 0:
+        return 0.0
+    if hw.platform == "tpu":
+        ring, link, spread = _torus(group, coords, hw)
+    elif hw.platform == "gpu":
+        ring, link, spread = _gpu(group, coords, hw)
+    else:
+        ring, link, spread = hw.memory_bandwidth, hw.memory_bandwidth, 1.0
+    ring, link = ring * hw.collective_efficiency, link * hw.collective_efficiency
+    share = (n - 1) / n
+    if kind == "all-reduce":
+        seconds = 2 * share * size / ring  # reduce-scatter, then all-gather
+    elif kind in ("all-gather", "reduce-scatter", "collective-broadcast"):
+        seconds = share * size / ring
+    elif kind in ("all-to-all", "ragged-all-to-all"):
+        seconds = size * spread / link
+    else:  # collective-permute: each device sends its buffer over one link
+        seconds = size / link
+    return seconds + hw.collective_latency
+
+
+def _torus(group: list[int], coords: list[dict], hw: Hardware) -> tuple[float, float, float]:
+    """(bytes/s a device puts into the group's rings, one link's bytes/s, all-to-all's bytes per link per byte
+    sent) on a TPU slice. The group's members differ along some torus dimensions; each spanned dimension is a
+    ring both ways round with wraparound (two links a device), a line without (one); all spanned dimensions
+    run at once; a chip's links are shared by its devices. All-to-all is bound by the cut through the largest
+    spanned dimension of size k: half the devices send half their data across it, over 2 n / k links each
+    way with wraparound (half as many without): k B / (8 L), or k B / (4 L)."""
+    points = [coords[i] for i in group] if coords else []
+    spanned = [len({p.get(dim) for p in points}) for dim in ("x", "y", "z")]
+    spanned = [size for size in spanned if size > 1]
+    link = hw.link_bandwidth / hw.devices_per_chip
+    if not spanned:  # the devices of one chip: the die-to-die link is not the bottleneck
+        return hw.memory_bandwidth, hw.memory_bandwidth, 1.0
+    ways = 2 if hw.wraparound else 1
+    return link * ways * len(spanned), link, max(spanned) / (4 * ways)
+
+
+def _gpu(group: list[int], coords: list[dict], hw: Hardware) -> tuple[float, float, float]:
+    """(ring bytes/s per device, one link's, all-to-all's share sent over it) on GPU hosts: NVLink inside a
+    host (through its switches: every GPU at its full NVLink rate), the network between hosts (one NIC a
+    GPU): a ring across hosts runs at the NIC's rate, an all-to-all sends over the network what leaves the
+    host."""
+    hosts = {coords[i].get("host", i // hw.devices_per_host) if coords else i // hw.devices_per_host for i in group}
+    n = len(group)
+    if len(hosts) == 1:
+        return hw.link_bandwidth, hw.link_bandwidth, (n - 1) / n
+    local = n / len(hosts)
+    return hw.network_bandwidth, hw.network_bandwidth, (n - local) / n
+
+
+# --- the schedule -------------------------------------------------------------------------------------------------
+
+LAYER = re.compile(r"/layer(\d+)\.(\w+)/")
+
+
+def layer_of(instruction: hlo.Instruction) -> tuple[str | None, str | None]:
+    """(layer label, layer kind) from the op's name, as the model's named scopes wrote it."""
+    found = LAYER.search(f"/{instruction.op_name}/")
+    if found:
+        return f"layer{found.group(1)}", found.group(2)
+    return None, None
+
+
+def region_of(instruction: hlo.Instruction, layer_kind: str | None) -> str:
+    """What a layer-less op belongs to: the loss and LM head or embedding (inside the loss function), or the
+    optimizer update and gradient reduction (outside it)."""
+    if layer_kind:
+        return layer_kind
+    name = instruction.op_name
+    if not name:
+        return "other"
+    return "embedding and head" if "closed_call" in name else "optimizer and gradients"
+
+
+@dataclass
+class Tally:
+    """Seconds by (category, region), exposed collective seconds, hidden collective seconds, FLOPs."""
+
+    seconds: dict = field(default_factory=lambda: collections.defaultdict(float))
+    hidden: float = 0.0
+    collective_seconds: float = 0.0
+    collective_bytes: dict = field(default_factory=lambda: collections.defaultdict(float))
+    flops: float = 0.0
+    loops_without_trip_count: int = 0
+    events: list = field(default_factory=list)  # (start, end, lane, category, label) of the timeline
+
+
+@dataclass
+class Clock:
+    compute: float = 0.0  # when the compute stream is free
+    links: float = 0.0  # when the collective stream is free
+    copies: float = 0.0  # when the asynchronous copy engine is free
+    pending: dict = field(default_factory=dict)  # async op name -> (start, finish, kind: a collective's or copy)
+    order: list = field(default_factory=list)  # pending names in start order
+
+
+class Simulator:
+    def __init__(self, cost: ProgramCost, keep_events: int = 20000):
+        self.cost, self.keep_events = cost, keep_events
+        self.module = cost.module
+
+    def run(self) -> Tally:
+        tally = Tally()
+        clock = Clock()
+        self._computation(self.module.computation(self.module.entry), clock, tally, 1.0, record=True)
+        tally.total = clock.compute
+        return tally
+
+    def _event(self, tally, record, start, end, lane, category, label):
+        if record and end > start and len(tally.events) < self.keep_events:
+            last = tally.events[-1] if tally.events else None
+            if last and last[2] == lane and last[3] == category and last[4] == label and abs(last[1] - start) < 1e-12:
+                tally.events[-1] = (last[0], end, lane, category, label)
+            else:
+                tally.events.append((start, end, lane, category, label))
+
+    def _computation(self, computation: hlo.Computation, clock: Clock, tally: Tally, weight: float, record: bool,
+                     region: str | None = None, layer: str | None = None, kind: str | None = None):
+        """Ops without an op name (the partitioner's collectives, kernels' custom calls) belong to the layer of the
+        op before them."""
+        for instruction in computation.instructions:
+            label, found = layer_of(instruction)
+            if label or instruction.op_name:
+                layer, kind = label, found
+                region = region_of(instruction, kind)
+            self._instruction(computation, instruction, clock, tally, weight, record, region or "other", layer, kind)
+
+    def _instruction(self, computation, instruction, clock, tally, weight, record, region, layer, kind):
+        op = instruction.op
+        module = self.module
+        if op == "while":
+            body = module.computation((instruction.attribute("body") or "").lstrip("%"))
+            trips = module.trip_count(instruction, computation)
+            if body is None:
+                return
+            if trips is None:  # bounded by data (an MoE's block loops): counted once, and said
+                tally.loops_without_trip_count += 1
+                trips = 1
+            start = clock.compute
+            self._computation(body, clock, tally, weight, record, region, layer)
+            first = clock.compute - start
+            if trips > 1:
+                mark = len(tally.events)
+                second_start = clock.compute
+                self._computation(body, clock, tally, weight * (trips - 1), record, region, layer)
+                per = clock.compute - second_start
+                if record:  # the timeline shows every iteration: the second's events again, shifted
+                    repeat = tally.events[mark:]
+                    for t in range(1, trips - 1):
+                        for (s, e, lane, cat, lab) in repeat:
+                            self._event(tally, True, s + t * per, e + t * per, lane, cat, lab)
+                shift = per * (trips - 2)
+                clock.compute += shift
+                clock.links = max(clock.links + shift, clock.links)
+                clock.copies = max(clock.copies + shift, clock.copies)
+                clock.pending = {k: (a + shift, b + shift, c) for k, (a, b, c) in clock.pending.items()}
+            del first
+            return
+        if op in ("call", "conditional") and not op.endswith("-start"):
+            called = [module.computation(c) for c in instruction.calls()]
+            called = [c for c in called if c is not None]
+            if op == "conditional" and called:
+                # the longest branch: simulate each on a copy of the clock, keep the slowest
+                best = None
+                for branch in called:
+                    trial = Clock(clock.compute, clock.links, clock.copies, dict(clock.pending), list(clock.order))
+                    scratch = Tally()
+                    self._computation(branch, trial, scratch, weight, False, region, layer)
+                    if best is None or trial.compute > best[0].compute:
+                        best = (trial, branch)
+                self._computation(best[1], clock, tally, weight, record, region, layer)
+                return
+            for callee in called:
+                self._computation(callee, clock, tally, weight, record, region, layer)
+            return
+        kind_name = op.removesuffix("-start")
+        if op.endswith("-start") or op == "async-start":
+            self._start(computation, instruction, clock, tally, weight, record, region, layer)
+            return
+        if op.endswith("-done") or op == "async-done":
+            self._done(instruction, clock, tally, weight, record, region, layer)
+            return
+        if kind_name in COLLECTIVES:  # synchronous: the compute waits for it
+            cost = self.cost.collective(computation, instruction, kind_name)
+            start = max(clock.compute, clock.links)
+            end = start + cost.seconds
+            tally.seconds[("collective", region)] += weight * (end - clock.compute)
+            tally.collective_seconds += weight * cost.seconds
+            tally.collective_bytes[kind_name] += weight * cost.bytes
+            self._event(tally, record, start, end, "links", "exposed", layer or region)
+            clock.compute = clock.links = end
+            return
+        cost = self.cost.compute(computation, instruction, kind)
+        if cost is None:
+            return
+        start = clock.compute
+        clock.compute += cost.seconds
+        tally.seconds[(cost.category, region)] += weight * cost.seconds
+        tally.flops += weight * cost.flops
+        self._event(tally, record, start, clock.compute, "compute", cost.category, layer or region)
+
+    def _async_kind(self, instruction: hlo.Instruction) -> tuple[str, hlo.Computation | None, hlo.Instruction | None]:
+        """(collective kind or 'copy' or 'call', the computation and instruction that does the work)."""
+        op = instruction.op
+        if op in ("async-start", "call-start"):
+            called = self.module.computation(instruction.calls()[0]) if instruction.calls() else None
+            if called is not None:
+                root = called.root
+                kind = root.op.removesuffix("-start")
+                if kind in COLLECTIVES:
+                    return kind, called, root
+                return "call", called, root
+            return "call", None, None
+        kind = op.removesuffix("-start")
+        return (kind if kind in COLLECTIVES else "copy"), None, instruction
+
+    def _start(self, computation, instruction, clock, tally, weight, record, region, layer):
+        kind, inner_computation, inner = self._async_kind(instruction)
+        if kind in COLLECTIVES:
+            cost = self.cost.collective(inner_computation or computation, inner, kind)
+            start = max(clock.compute, clock.links)
+            clock.links = start + cost.seconds
+            finish = clock.links
+            tally.collective_seconds += weight * cost.seconds
+            tally.collective_bytes[kind] += weight * cost.bytes
+        elif kind == "call" and inner_computation is not None:
+            # work on another engine (the SparseCores' offloaded collectives): its own clock
+            trial = Clock(max(clock.compute, clock.links), clock.links, clock.copies)
+            scratch = Tally()
+            Simulator(self.cost)._computation(inner_computation, trial, scratch, 1.0, False, region, layer)
+            finish = trial.compute
+            start = max(clock.compute, clock.links)
+            tally.collective_seconds += weight * (finish - trial.links)
+            clock.links = finish
+        else:  # an asynchronous copy (memory space, host offload): the copy engine at HBM bandwidth
+            moved = sum(a.bytes for a in self.cost.operands(computation, instruction))
+            start = max(clock.compute, clock.copies)
+            clock.copies = start + moved / (self.cost.hw.memory_bandwidth * self.cost.hw.memory_efficiency)
+            finish = clock.copies
+        clock.pending[instruction.name] = (start, finish, kind)
+        clock.order.append(instruction.name)
+
+    def _done(self, instruction, clock, tally, weight, record, region, layer):
+        name = next((o for o in instruction.operands if o in clock.pending), None)
+        if name is None:  # started in an earlier loop iteration, passed through the loop's tuple: the oldest alike
+            kind = instruction.op.removesuffix("-done")
+            name = next((n for n in clock.order if clock.pending[n][2] == kind or
+                         (kind == "async" and clock.pending[n][2] != "copy")), None)
+        if name is None:
+            return
+        start, finish, kind = clock.pending.pop(name)
+        on_links = kind != "copy"
+        clock.order.remove(name)
+        if on_links:  # the timeline's links lane: hidden while the compute went on, exposed while it waited
+            self._event(tally, record, start, min(finish, clock.compute), "links", "hidden", layer or region)
+        if finish > clock.compute:
+            exposed = finish - clock.compute
+            tally.seconds[("collective", region)] += weight * exposed
+            if on_links:
+                self._event(tally, record, clock.compute, finish, "links", "exposed", layer or region)
+            clock.compute = finish
+
+
+# --- the prediction -------------------------------------------------------------------------------------------------
+
+def target_hardware(target) -> Hardware:
+    """The model's view of one device of a target (olmax.scale.targets.Target): its datasheet constants."""
+    from olmax.scale.targets import (COLLECTIVE_EFFICIENCY, COLLECTIVE_LATENCY, GPUS_PER_HOST, HBM_EFFICIENCY,
+                                      OP_OVERHEAD)
+
+    a = target.accelerator
+    per_device = 1 / a.devices_per_chip
+    dims = [int(d) for d in target.topology.split("x")]
+    if a.platform == "tpu":
+        # wraparound links close a slice's dimensions into rings on whole cubes of 4x4x4 (3D) or the whole 16x16
+        # pod (2D); smaller slices are meshes
+        wrap = all(d % 4 == 0 for d in dims) if a.torus_dimensions == 3 else all(d == 16 for d in dims)
+        topology = dict(torus=tuple(dims), wraparound=wrap, devices_per_chip=a.devices_per_chip)
+    else:
+        topology = dict(hosts=dims[1], devices_per_host=min(GPUS_PER_HOST, target.chips))
+    return Hardware(
+        name=target.name, platform=a.platform,
+        matmul_flops={"bf16": a.peak_flops_per_chip * per_device, "f8": a.fp8_flops_per_chip * per_device,
+                      "f16": a.peak_flops_per_chip * per_device,
+                      # float32 operands: one bf16 pass on a TPU (XLA's default precision), TF32 (half) on a GPU
+                      "f32": a.peak_flops_per_chip * per_device * (1.0 if a.platform == "tpu" else 0.5)},
+        matmul_efficiency=a.matmul_efficiency, memory_bandwidth=a.memory_bandwidth * per_device,
+        memory_efficiency=HBM_EFFICIENCY, tile=a.matrix_tile, link_bandwidth=a.link_bandwidth,
+        network_bandwidth=a.network_bandwidth, collective_efficiency=COLLECTIVE_EFFICIENCY,
+        collective_latency=COLLECTIVE_LATENCY[a.platform], op_overhead=OP_OVERHEAD[a.platform], **topology)
+
+
+def _downsample(events: list, total: float, limit: int = 4000) -> list:
+    """At most `limit` timeline events: neighbours on one lane with one category and label merged when short."""
+    if len(events) <= limit:
+        return events
+    quantum = total / limit
+    merged = []
+    for event in sorted(events, key=lambda e: (e[2], e[0])):
+        last = merged[-1] if merged else None
+        if last and last[2] == event[2] and last[3] == event[3] and event[0] - last[1] < quantum:
+            merged[-1] = (last[0], max(last[1], event[1]), last[2], last[3], last[4])
+        else:
+            merged.append(event)
+    return sorted(merged, key=lambda e: e[0])[: limit * 2]
+
+
+def predict(text: str, hw: Hardware, coords: list[dict] | None = None, attention: AttentionInfo | None = None,
+            model_flops_per_device: float | None = None) -> dict:
+    """The predicted step of the compiled program `text` (optimized HLO) on `hw`: its time, where the time goes,
+    and, given the model's FLOPs per device and step, the MFU those FLOPs make of the device's peak."""
+    module = hlo.Module(text)
+    simulator = Simulator(ProgramCost(module, hw, coords, attention))
+    tally = simulator.run()
+    step = tally.total
+    by_category = collections.defaultdict(float)
+    by_region = collections.defaultdict(lambda: collections.defaultdict(float))
+    for (category, region), seconds in tally.seconds.items():
+        by_category[category] += seconds
+        by_region[region][category] += seconds
+    peak = hw.matmul_flops["bf16"]
+    report = {
+        "hardware": hw.name,
+        "step_seconds": step,
+        "seconds": {c: by_category.get(c, 0.0) for c in CATEGORIES},
+        "collectives": {"total_seconds": tally.collective_seconds, "exposed_seconds": by_category.get("collective", 0.0),
+                        "hidden_seconds": max(tally.collective_seconds - by_category.get("collective", 0.0), 0.0),
+                        "bytes_by_kind": dict(tally.collective_bytes)},
+        "by_region": {r: {c: v.get(c, 0.0) for c in CATEGORIES} for r, v in sorted(by_region.items())},
+        "executed_flops": tally.flops,
+        "loops_without_trip_count": tally.loops_without_trip_count,
+        "constants": {"matmul_efficiency": hw.matmul_efficiency, "memory_efficiency": hw.memory_efficiency,
+                      "collective_efficiency": hw.collective_efficiency, "peak_flops_per_device": peak,
+                      "memory_bandwidth_per_device": hw.memory_bandwidth},
+        "timeline": [{"start": s, "end": e, "lane": lane, "category": c, "label": label}
+                     for s, e, lane, c, label in _downsample(tally.events, step)],
+    }
+    if model_flops_per_device:
+        report["model_flops_per_device"] = model_flops_per_device
+        report["mfu"] = model_flops_per_device / (step * peak) if step else None
+    return report
+
+
+def measure_cpu(repeats: int = 7) -> Hardware:
+    """This machine's CPU as the model sees it, measured now (each figure the best of `repeats`): the matmul
+    rate of a 1024^3 float32 and bfloat16 matmul, the memory bandwidth of a 256 MiB elementwise pass, and the
+    cost of one op inside a compiled program (a chain of small matmuls XLA cannot fuse, less one)."""
+    import time
+
+    import jax
+    import jax.numpy as jnp
+
+    def best(fn, *args) -> float:
+        jax.block_until_ready(fn(*args))
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            jax.block_until_ready(fn(*args))
+            times.append(time.perf_counter() - start)
+        return min(times)
+
+    rates = {}
+    for dtype in ("f32", "bf16"):
+        a = jnp.ones((1024, 1024), {"f32": jnp.float32, "bf16": jnp.bfloat16}[dtype])
+        rates[dtype] = 2 * 1024**3 / best(jax.jit(jnp.matmul), a, a)
+    big = jnp.ones((64 * 2**20,), jnp.float32)
+    bandwidth = 2 * big.nbytes / best(jax.jit(lambda x: x * 2.0), big)
+
+    def chain(n):
+        def run(x):
+            for _ in range(n):
+                x = jnp.tanh(x @ x)
+            return x
+        return jax.jit(run)
+
+    small = jnp.full((8, 8), 0.1, jnp.float32)
+    per_op = max((best(chain(65), small) - best(chain(1), small)) / 64 / 2, 0.0)  # a dot and a tanh each link
+    return Hardware(name="this CPU", platform="cpu", matmul_flops={"f32": rates["f32"], "bf16": rates["bf16"],
+                                                                   "f16": rates["bf16"]},
+                    matmul_efficiency=1.0, memory_bandwidth=bandwidth, memory_efficiency=1.0, tile=(1, 1, 1),
+                    op_overhead=per_op)

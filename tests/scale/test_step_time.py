@@ -1,0 +1,174 @@
+"""The step-time model's pieces on hand-written programs and small targets: a matmul's cost and the matrix unit's
+tile, a collective's cost on a known topology, loop trip counts, and asynchronous collectives hidden behind
+compute."""
+
+import pytest
+
+from olmax.scale import hlo, step_time
+from olmax.scale.targets import parse_target
+
+TPU = step_time.Hardware("test tpu", "tpu", {"bf16": 100e12, "f32": 100e12}, 1.0, 1e12, 1.0, (8, 256, 256),
+                         link_bandwidth=50e9, collective_efficiency=1.0, torus=(4, 4, 4), wraparound=True)
+
+
+def program(entry: str, *computations: str) -> str:
+    return "HloModule m, is_scheduled=true\n" + "\n".join(computations) + f"\nENTRY %main () -> f32[] {{\n{entry}\n}}\n"
+
+
+def predict(text: str, hw=TPU, coords=None) -> dict:
+    return step_time.predict(text, hw, coords)
+
+
+def dot_program(m: int, n: int, k: int) -> str:
+    return program(f"""  %a = bf16[{m},{k}]{{1,0}} parameter(0)
+  %b = bf16[{k},{n}]{{1,0}} parameter(1)
+  ROOT %d = bf16[{m},{n}]{{1,0}} dot(%a, %b), lhs_contracting_dims={{1}}, rhs_contracting_dims={{0}}""")
+
+
+def test_a_matmul_costs_its_flops_at_the_peak_and_a_half_filled_unit_costs_a_full_one():
+    big = predict(dot_program(8192, 8192, 8192))
+    flops = 2 * 8192**3
+    assert big["executed_flops"] == flops
+    assert big["seconds"]["matmul"] == pytest.approx(flops / 100e12, rel=1e-6)
+    # a contraction of 128 fills half of a 256-wide systolic array: the same time as 256 would take
+    half = predict(dot_program(8192, 8192, 128))["seconds"]["matmul"]
+    full = predict(dot_program(8192, 8192, 256))["seconds"]["matmul"]
+    assert half == pytest.approx(full, rel=1e-6)
+    # and on a 128-wide unit (v5p's) it runs at the full rate: half the time of 256
+    v5p = step_time.Hardware(**{**TPU.__dict__, "tile": (8, 128, 128)})
+    assert predict(dot_program(8192, 8192, 128), v5p)["seconds"]["matmul"] == pytest.approx(full / 2, rel=1e-6)
+
+
+def test_a_small_matmul_is_bound_by_memory():
+    """A matrix-vector product moves its matrix: its time is the bytes at the memory's bandwidth."""
+    found = predict(dot_program(1, 8192, 8192))
+    moved = 2 * (8192 * 8192 + 8192 + 8192)
+    assert found["seconds"]["matmul"] == pytest.approx(moved / 1e12, rel=1e-6)
+
+
+def test_a_convolution_that_pads_its_window_counts_only_the_taps_on_real_input():
+    """The TPU compiler's batched matmul as a convolution: a window of 4 over an input of 1 padded by 3 each side
+    touches one real element per output position (4 matmuls of 64 x 64 x 64, not 16)."""
+    text = program("""  %l = bf16[64,64,1]{1,0,2} parameter(0)
+  %r = bf16[4,64,64]{1,2,0} parameter(1)
+  ROOT %c = bf16[4,64,64]{1,2,0} convolution(%l, %r), window={size=4 pad=3_3 rhs_reversal=1}, dim_labels=fb0_0oi->0fb""")
+    assert predict(text)["executed_flops"] == 2 * 4 * 64 * 64 * 64
+
+
+ALL_GATHER = """  %x = bf16[{shard}]{{0}} parameter(0)
+  ROOT %g = bf16[{whole}]{{0}} all-gather(%x), replica_groups={groups}, dimensions={{0}}"""
+
+
+def coords_4x4x4():
+    return [{"x": i % 4, "y": i // 4 % 4, "z": i // 16, "core": 0} for i in range(64)]
+
+
+def test_a_ring_collective_moves_its_share_over_the_links_its_group_spans():
+    size = 2**30  # bytes of the gathered array a device ends with
+    shard, whole = size // 2 // 4, size // 2
+    # 4 devices along x, a ring with wraparound: (n-1)/n of the bytes over two links (both ways round)
+    along_x = predict(program(ALL_GATHER.format(shard=shard, whole=whole, groups="[16,4]<=[64]")), coords=coords_4x4x4())
+    expected = 3 / 4 * size / (2 * 50e9) + TPU.collective_latency
+    assert along_x["collectives"]["total_seconds"] == pytest.approx(expected, rel=1e-6)
+    # the same over all 64 chips spans three dimensions: six links a chip
+    everyone = predict(program(ALL_GATHER.format(shard=size // 2 // 64, whole=whole, groups="[1,64]<=[64]")),
+                       coords=coords_4x4x4())
+    assert everyone["collectives"]["total_seconds"] == pytest.approx(63 / 64 * size / (6 * 50e9), rel=1e-6)
+    # an all-reduce is a reduce-scatter and an all-gather: twice the bytes
+    reduce = predict(program(f"""  %x = bf16[{whole}]{{0}} parameter(0)
+  ROOT %r = bf16[{whole}]{{0}} all-reduce(%x), replica_groups=[16,4]<=[64], to_apply=%add"""), coords=coords_4x4x4())
+    assert reduce["collectives"]["total_seconds"] == pytest.approx(2 * expected, rel=1e-6)
+    # without wraparound (a slice smaller than a cube) a ring has one link a device: twice as long
+    mesh = step_time.Hardware(**{**TPU.__dict__, "wraparound": False})
+    assert predict(program(ALL_GATHER.format(shard=shard, whole=whole, groups="[16,4]<=[64]")), mesh,
+                   coords_4x4x4())["collectives"]["total_seconds"] == pytest.approx(2 * expected, rel=1e-6)
+
+
+def test_an_all_to_all_is_bound_by_the_bisection_and_a_gpu_host_by_its_network():
+    size = 2**30
+    text = program(f"""  %x = bf16[{size // 2}]{{0}} parameter(0)
+  ROOT %a = bf16[{size // 2}]{{0}} all-to-all(%x), replica_groups=[16,4]<=[64], dimensions={{0}}""")
+    # a ring of 4 with wraparound: k B / (8 L)
+    assert predict(text, coords=coords_4x4x4())["collectives"]["total_seconds"] == pytest.approx(
+        4 * size / (8 * 50e9), rel=1e-6)
+    gpu = step_time.target_hardware(parse_target("gpu:h100x16"))
+    coords = [{"host": i // 8, "device": i} for i in range(16)]
+    gather = ALL_GATHER.format(shard=size // 2 // 8, whole=size // 2, groups="{{0,1,2,3,4,5,6,7},{8,9,10,11,12,13,14,15}}")
+    across = ALL_GATHER.format(shard=size // 2 // 2, whole=size // 2, groups="{{0,8},{1,9},{2,10},{3,11},{4,12},{5,13},{6,14},{7,15}}")
+    inside = predict(program(gather), gpu, coords)["collectives"]["total_seconds"]
+    between = predict(program(across), gpu, coords)["collectives"]["total_seconds"]
+    assert inside == pytest.approx(7 / 8 * size / (450e9 * gpu.collective_efficiency) + gpu.collective_latency)
+    assert between == pytest.approx(1 / 2 * size / (50e9 * gpu.collective_efficiency) + gpu.collective_latency)
+
+
+LOOP = """%cond (p: (s32[], bf16[8192,8192])) -> pred[] {{
+  %p = (s32[], bf16[8192,8192]) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %n = s32[] constant({bound})
+  ROOT %lt = pred[] compare(%i, %n), direction=LT
+}}
+%body (p: (s32[], bf16[8192,8192])) -> (s32[], bf16[8192,8192]) {{
+  %p = (s32[], bf16[8192,8192]) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %x = bf16[8192,8192]{{1,0}} get-tuple-element(%p), index=1
+  %y = bf16[8192,8192]{{1,0}} dot(%x, %x), lhs_contracting_dims={{1}}, rhs_contracting_dims={{0}}
+  ROOT %t = (s32[], bf16[8192,8192]) tuple(%i, %y)
+}}"""
+
+
+@pytest.mark.parametrize("start, bound, config, trips", [
+    (0, 6, "", 6),  # a scan: its counter against one constant
+    (1, 6, "", 5),  # its first iteration peeled by the compiler: the counter starts at 1
+    (0, 99, ', backend_config={"known_trip_count":{"n":"3"}}', 3),  # the compiler's own count wins
+])
+def test_a_loop_costs_its_body_times_its_trip_count(start, bound, config, trips):
+    text = program(f"""  %x = bf16[8192,8192]{{1,0}} parameter(0)
+  %zero = s32[] constant({start})
+  %init = (s32[], bf16[8192,8192]) tuple(%zero, %x)
+  ROOT %w = (s32[], bf16[8192,8192]) while(%init), condition=%cond, body=%body{config}""", LOOP.format(bound=bound))
+    found = predict(text)
+    assert found["executed_flops"] == trips * 2 * 8192**3
+    assert found["loops_without_trip_count"] == 0
+    assert found["step_seconds"] == pytest.approx(trips * 2 * 8192**3 / 100e12, rel=1e-3)
+
+
+ASYNC = """  %w = bf16[{shard}]{{0}} parameter(0)
+  %a = bf16[8192,8192]{{1,0}} parameter(1)
+  %s = (bf16[{shard}]{{0}}, bf16[{whole}]{{0}}) all-gather-start(%w), replica_groups=[16,4]<=[64], dimensions={{0}}
+{between}  %g = bf16[{whole}]{{0}} all-gather-done(%s)
+{after}"""
+MATMUL = "  %{name} = bf16[8192,8192]{{1,0}} dot(%a, %a), lhs_contracting_dims={{1}}, rhs_contracting_dims={{0}}\n"
+
+
+def test_an_asynchronous_collective_is_hidden_behind_the_compute_between_its_start_and_done():
+    size = 2**30
+    gather = 3 / 4 * size / (2 * 50e9) + TPU.collective_latency  # 8.05 ms
+    matmul = 2 * 8192**3 / 100e12  # 11 ms
+    fields = dict(shard=size // 8, whole=size // 2)
+    hidden = predict(program(ASYNC.format(**fields, between=MATMUL.format(name="m1"), after=MATMUL.format(name="m2"))),
+                     coords=coords_4x4x4())
+    assert hidden["collectives"]["exposed_seconds"] == 0
+    assert hidden["collectives"]["hidden_seconds"] == pytest.approx(gather, rel=1e-6)
+    assert hidden["step_seconds"] == pytest.approx(2 * matmul, rel=1e-6)
+    # nothing scheduled between start and done: the compute waits for all of it
+    exposed = predict(program(ASYNC.format(**fields, between="", after=MATMUL.format(name="m1") + MATMUL.format(name="m2"))),
+                      coords=coords_4x4x4())
+    assert exposed["collectives"]["exposed_seconds"] == pytest.approx(gather, rel=1e-6)
+    assert exposed["step_seconds"] == pytest.approx(2 * matmul + gather, rel=1e-6)
+    # on the timeline the wait is one red (exposed) stretch of the links' lane
+    assert [e["category"] for e in exposed["timeline"] if e["lane"] == "links"] == ["exposed"]
+
+
+def test_replica_groups_in_every_form_xla_prints():
+    instruction = hlo.parse_instruction(
+        "  %r = f32[8]{0} all-reduce(%x), replica_groups=mesh['axis_0'=2,'axis_1'=4] {'axis_1'}, to_apply=%add")
+    assert hlo.replica_groups(instruction, 8) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    instruction = hlo.parse_instruction(
+        "  %r = f32[8]{0} all-reduce(%x), replica_groups=mesh['axis_0'=2,'axis_1'=4] {'axis_0'}, to_apply=%add")
+    assert hlo.replica_groups(instruction, 8) == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    # a sub-axis: axis_1 (4) as a pre-size of 2 times the 2 the group varies along (its minor part)
+    instruction = hlo.parse_instruction(
+        "  %r = f32[8]{0} all-reduce(%x), replica_groups=mesh['axis_0'=2,'axis_1'=4] {'axis_1':(2)2}, to_apply=%add")
+    assert hlo.replica_groups(instruction, 8) == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    instruction = hlo.parse_instruction("  %r = f32[8]{0} all-reduce(%x), replica_groups=[2,4]<=[4,2]T(1,0), to_apply=%add")
+    assert hlo.replica_groups(instruction, 8) == [[0, 2, 4, 6], [1, 3, 5, 7]]
