@@ -2,7 +2,8 @@
 # olmax on one NVIDIA H200, in about 8 minutes: the train step at the CPU benchmark's shape and at a slice
 # of the OLMo 3 7B shape, and cuDNN attention against olmax's blocked XLA attention (numerics and time).
 # JSON results go to $OUT (default benchmarks/out/gpu); MFU is against 989 TFLOP/s, the H200's dense bf16
-# peak. The step runs the attention `auto` picks there (cuDNN). Never run by CI; not yet run on a GPU
+# peak. The step runs the attention `auto` picks there (cuDNN); each step row also carries the step-time model's
+# prediction for the GPU it runs on (predicted_step_s beside median_step_s). Never run by CI; not yet run on a GPU
 # (written and checked on a CPU machine: its Python half is tested at toy sizes).
 #
 #   bash benchmarks/gpu.sh

@@ -9,7 +9,10 @@ tokens, the recipe's remat), in bf16, with the attention `auto` picks (cuDNN on 
 compares olmax's cuDNN attention (model/attention/cudnn.py; `--implementation xla` makes the same
 `jax.nn.dot_product_attention` call without cuDNN) with olmax's blocked XLA attention on 7B-shaped
 heads, sliding (4096 keys) and global, forward and gradients, and times both. MFU is against the
-H200's dense bf16 peak, 989 TFLOP/s (NVIDIA's H200 datasheet); FLOPs from olmax.model.flops.
+H200's dense bf16 peak, 989 TFLOP/s (NVIDIA's H200 datasheet); FLOPs from olmax.model.flops. `step` also gives
+the step time the step-time model predicts from the compiled step for the device it runs on (its datasheet
+constants from olmax.scale.targets; on a CPU, the CPU measured now), beside the measured one: the first
+accelerator this runs on checks the model.
 """
 
 from __future__ import annotations
@@ -77,6 +80,7 @@ def step_benchmark(shape: str, steps: int, overrides: list[str] = ()) -> dict:
     start = time.perf_counter()
     one()
     first = time.perf_counter() - start  # compile + one step
+    predicted = predicted_step(cfg, step.lower(state[0], batch).compile().as_text())
     times = timed(one, 1, steps)
     step_s = statistics.median(times)
     per_token = flops.count(cfg.model, seq)
@@ -87,8 +91,23 @@ def step_benchmark(shape: str, steps: int, overrides: list[str] = ()) -> dict:
         "first_step_s": first, "step_s": times, "median_step_s": step_s, "tokens_per_s": tps,
         "mfu_exact_window": tps * per_token.per_token / PEAK_FLOPS,
         "mfu_all_global": tps * per_token.per_token_all_global / PEAK_FLOPS,
-        "peak_device_memory_bytes": peak_device_memory(),
+        "peak_device_memory_bytes": peak_device_memory(), **predicted,
     }
+
+
+def predicted_step(cfg, text: str) -> dict:
+    """The step-time model's prediction for this device: a GPU by its datasheet row, a CPU measured now."""
+    from olmax.scale import step_time
+    from olmax.scale.targets import parse_target, running_target
+
+    name = running_target(jax.devices()[:1])
+    hardware = step_time.target_hardware(parse_target(name)) if name else step_time.measure_cpu()
+    windows = {kind: (cfg.model.sliding_window if kind == "sliding" else None) for kind in set(cfg.model.layer_pattern)}
+    block = 128 if name else cfg.impl.attention.block  # cuDNN's tiles on a GPU, olmax's blocks on a CPU
+    attention = step_time.AttentionInfo(cfg.data.sequence_length, windows, block, block)
+    prediction = step_time.predict(text, hardware, None, attention)
+    return {"predicted_hardware": hardware.name, "predicted_step_s": prediction["step_seconds"],
+            "predicted_seconds": prediction["seconds"]}
 
 
 def attention_benchmark(seq: int, heads: int, kv_heads: int, head_dim: int, window: int | None, block: int,
@@ -144,6 +163,9 @@ def main() -> None:
     args = parser.parse_args()
     if args.what == "step":
         report = step_benchmark(args.shape, args.steps, args.overrides)
+        print(f"step-time model on {report['predicted_hardware']}: predicted {report['predicted_step_s']:.4g} s, "
+              f"measured {report['median_step_s']:.4g} s ({report['predicted_step_s'] / report['median_step_s'] - 1:+.1%})",
+              file=sys.stderr)
     else:  # OLMo 3 7B heads: 32 x 128, sliding layers see 4096 keys
         report = [attention_benchmark(args.seq, 32, 32, 128, window, 512, args.implementation, args.steps)
                   for window in (4096, None)]

@@ -3,13 +3,15 @@
 Shape (default): OLMo 3 blocks, d 512, 8 layers, 8 heads of 64, MLP 1536, vocab 8192,
 window 256 on the 3:1 pattern, sequence 1024, batch 4: 35,668,480 parameters.
 Prints tokens/s, median step time and MFU (training FLOPs from olmax.model.flops, against
-the measured matmul peak of the framework and dtype used) and the peak RSS of each.
+the measured matmul peak of the framework and dtype used) and the peak RSS of each; for olmax also the
+step time the step-time model predicts from the compiled step (olmax.scale.step_time, with this CPU's
+matmul rate, memory and cache bandwidth and per-op cost measured in the same process).
 
 Each row runs in a fresh process, one after another. olmax runs as `olmax train` does,
 with glibc's malloc on transparent huge pages (olmax.runtime); transformers runs as it
 ships, and once more in fp32 with the same malloc setting, so that both comparisons show.
 
-    python benchmarks/train_throughput.py [--steps 10] [--skip-torch] [--olmax key=value ...]
+    python benchmarks/train_throughput.py [--steps 10] [--skip-torch] [--olmax key=value ...] [--preset tiny]
 
 Run it alone on an idle machine: on 2 cores anything beside it moves the figures.
 """
@@ -55,8 +57,24 @@ def timed(step_fn, n_warmup: int, n_steps: int) -> list[float]:
     return times
 
 
-def bench_olmax(overrides: list[str], steps: int, tokens: np.ndarray) -> dict:
-    cfg = load_config("tiny", SHAPE + overrides)
+def shape_config(preset: str, overrides: list[str]):
+    """The benchmark's shape (SHAPE on the tiny preset's recipe), or a preset as it is, on one device."""
+    return load_config("tiny", SHAPE + overrides) if preset == "shape" else load_config(preset, ["mesh.fsdp=1", *overrides])
+
+
+def predicted_step(cfg, step, state, batch) -> float:
+    """The step-time model's prediction for the compiled step on this CPU (measured now, in this process)."""
+    from olmax.scale import step_time
+
+    windows = {kind: (cfg.model.sliding_window if kind == "sliding" else None) for kind in set(cfg.model.layer_pattern)}
+    block = cfg.impl.attention.block
+    attention = step_time.AttentionInfo(cfg.data.sequence_length, windows, block, block)
+    text = step.lower(state, batch).compile().as_text()
+    return step_time.predict(text, step_time.measure_cpu(), None, attention)["step_seconds"]
+
+
+def bench_olmax(overrides: list[str], steps: int, tokens: np.ndarray, preset: str = "shape") -> dict:
+    cfg = shape_config(preset, overrides)
     layout = make_layout(cfg.mesh)
     state = create_state(cfg, layout, jax.random.key(0))
     step = jit_train_step(cfg, layout, cfg.train.global_batch_instances)
@@ -69,7 +87,8 @@ def bench_olmax(overrides: list[str], steps: int, tokens: np.ndarray) -> dict:
 
     times = timed(one, 2, steps)
     dtype = np.dtype(cfg.impl.compute_dtype if cfg.impl.compute_dtype != "auto" else "float32").name
-    return {"cfg": cfg, "times": times, "peak": measure_matmul_flops(jax.numpy.dtype(dtype)), "dtype": dtype}
+    return {"cfg": cfg, "times": times, "peak": measure_matmul_flops(jax.numpy.dtype(dtype)), "dtype": dtype,
+            "predicted_step_s": predicted_step(cfg, step, holder[0], batch)}
 
 
 def bench_transformers(cfg, steps: int, tokens: np.ndarray, autocast_bf16: bool) -> dict:
@@ -118,13 +137,13 @@ def run_row(row: str, args, tokens: np.ndarray) -> dict:
     """One row, in this process (a fresh one: see main)."""
     framework, bf16, _ = ROWS[row]
     if framework == "olmax":
-        r = bench_olmax(args.olmax, args.steps, tokens)
+        r = bench_olmax(args.olmax, args.steps, tokens, args.preset)
         del r["cfg"]
     else:
         import torch
 
         torch.set_num_threads(len(os.sched_getaffinity(0)))
-        r = bench_transformers(load_config("tiny", SHAPE + args.olmax), args.steps, tokens, bf16)
+        r = bench_transformers(shape_config(args.preset, args.olmax), args.steps, tokens, bf16)
     return {**r, "framework": framework, "malloc": os.environ.get("GLIBC_TUNABLES") or "glibc default",
             "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
 
@@ -134,11 +153,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--skip-torch", action="store_true")
     parser.add_argument("--olmax", nargs="*", default=["impl.attention.block=128", "impl.scan_layers=false"], help="extra olmax overrides")
+    parser.add_argument("--preset", default="shape", help="the shape above (default), or a preset as it is (tiny)")
     parser.add_argument("--json", help="also write the results here")
     parser.add_argument("--row", choices=ROWS, help=argparse.SUPPRESS)  # internal: run one row, print its JSON
     args = parser.parse_args()
 
-    cfg = load_config("tiny", SHAPE + args.olmax)
+    cfg = shape_config(args.preset, args.olmax)
     rng = np.random.default_rng(0)
     tokens = rng.integers(2, cfg.model.vocab_size, (cfg.train.global_batch_instances, cfg.data.sequence_length))
     tokens = tokens.astype(np.int32)
@@ -153,7 +173,8 @@ def main() -> None:
     print(f"{'framework':<14}{'dtype':<19}{'malloc':<27}{'tokens/s':>9}{'step s':>8}{'MFU %':>7}"
           f"{'peak GFLOP/s':>13}{'RSS GiB':>9}")
     for row in ["olmax"] if args.skip_torch else list(ROWS):
-        child = [sys.executable, __file__, "--row", row, "--steps", str(args.steps), "--olmax", *args.olmax]
+        child = [sys.executable, __file__, "--row", row, "--steps", str(args.steps), "--preset", args.preset,
+                 "--olmax", *args.olmax]
         env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
         env = huge_pages_env(env) if ROWS[row][2] else env
         out = subprocess.run(child, check=True, capture_output=True, text=True, env=env).stdout
@@ -165,7 +186,11 @@ def main() -> None:
               f"{r['peak'] / 1e9:>13,.0f}{r['peak_rss_gib']:>9.2f}", flush=True)
         report.append({"row": row, "framework": r["framework"], "dtype": r["dtype"], "malloc": r["malloc"],
                        "tokens_per_s": tps, "median_step_s": step_s, "step_s": r["times"], "mfu_percent": mfu,
-                       "matmul_peak_flops": r["peak"], "peak_rss_gib": r["peak_rss_gib"]})
+                       "matmul_peak_flops": r["peak"], "peak_rss_gib": r["peak_rss_gib"],
+                       "predicted_step_s": r.get("predicted_step_s")})
+        if r.get("predicted_step_s"):
+            print(f"  step-time model: predicted {r['predicted_step_s']:.3f} s against {step_s:.3f} s measured "
+                  f"({r['predicted_step_s'] / step_s - 1:+.1%})", flush=True)
     by_row = {r["row"]: r["tokens_per_s"] for r in report}
     for torch_row in ("transformers-fp32", "transformers-fp32-hugepages"):
         if torch_row in by_row:

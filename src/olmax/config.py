@@ -819,9 +819,24 @@ def target_layout(name_or_path: str, target: str | None) -> tuple[str, list[str]
                                  for key, value in _flatten(found[1])])
 
 
+def _overlay(path: str, config: str) -> dict:
+    """A file of settings merged over a config (`olmax train CONFIG best.yaml`, as `olmax tune --out` writes it); its
+    `base:`, if it names one, must be that config."""
+    try:
+        raw = _parsed(Path(path).read_text(), f"config file {path}") or {}
+    except (OSError, UnicodeDecodeError) as err:
+        raise ConfigError(f"config file {path} cannot be read ({err})") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of sections")
+    base = raw.pop("base", None)
+    if base is not None and preset_path(base).resolve() != preset_path(config).resolve():
+        raise ConfigError(f"{path} has base {base}, not {config}: merge it over {base}, or drop its base: line")
+    return raw
+
+
 def load_config(name_or_path: str, overrides: list[str] = (), target: str | None = None) -> RunConfig:
     """A preset name or YAML path (which may name a `base:` preset), its layout for `target` if it has one,
-    then `a.b=value` overrides."""
+    then the overrides in order: `a.b=value`, or a YAML file of settings merged over it."""
     tree = _read_yaml(preset_path(name_or_path))
     layout = _layout_for(_layouts(tree, str(name_or_path)), target, str(name_or_path))
     for key, _ in _flatten(tree):
@@ -829,8 +844,13 @@ def load_config(name_or_path: str, overrides: list[str] = (), target: str | None
     for key, value in _flatten(layout[1] if layout else {}):
         _set_path(tree, key, value)
     for item in overrides:
+        if "=" not in item and item.endswith((".yaml", ".yml")):
+            for key, value in _flatten(_overlay(item, name_or_path)):
+                _known_path(key)
+                _set_path(tree, key, value)
+            continue
         if "=" not in item:
-            raise ConfigError(f"override {item!r} must look like section.key=value")
+            raise ConfigError(f"override {item!r} must look like section.key=value (or be a .yaml file of settings)")
         key, text = item.split("=", 1)
         _known_path(key)
         _set_path(tree, key, _parsed(text, f"override {item!r}: the value"))

@@ -38,4 +38,6 @@ def test_step_benchmark_runs(gpu_bench):
            "model.vocab_size=512", "data.sequence_length=64", "model.sliding_window=16", "impl.attention.block=16"]
     r = gpu_bench.step_benchmark("cpu", steps=1, overrides=toy)
     assert r["tokens_per_step"] == 4 * 64 and r["tokens_per_s"] > 0
+    # the step-time model's prediction for the device it ran on (here this CPU) beside the measurement
+    assert r["predicted_hardware"] == "this CPU" and r["predicted_step_s"] > 0
     assert 0 < r["mfu_exact_window"] < r["mfu_all_global"]

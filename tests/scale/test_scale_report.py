@@ -1,6 +1,7 @@
 """`--report DIR` and `olmax report`: the page of a compile or a plan, opened in a real headless Chromium (Debian's
 `chromium`, installed here as the Slurm tests install slurm-wlm) and read back against report.json."""
 
+import collections
 import json
 import math
 import os
@@ -18,7 +19,7 @@ from olmax.scale.anatomy import collectives
 from olmax.scale.targets import aot_missing
 
 needs_tpu = pytest.mark.skipif(bool(aot_missing("tpu")), reason=str(aot_missing("tpu")))
-SECTIONS = ("mesh", "memory", "parameters", "collectives", "pipeline", "plan", "target")
+SECTIONS = ("mesh", "memory", "parameters", "collectives", "pipeline", "plan", "step-time", "target")
 # a pipelined MoE: stage, fsdp and expert axes, experts, collectives over several axes, 1F1B's tick table
 PIPELINED_MOE = ["tiny_moe", "mesh.stage=2", "mesh.expert=2", "model.n_layers=8", "impl.pipeline.schedule=1f1b",
                  "--target", "tpu:v5p:2x2x2"]
@@ -66,6 +67,7 @@ class Facts(HTMLParser):
     def __init__(self):
         super().__init__()
         self.facts, self.sections, self.idle, self._schedule = {}, [], {}, None
+        self.rects, self.timeline = collections.Counter(), None
 
     def handle_starttag(self, tag, attrs):
         attrs = dict(attrs)
@@ -78,6 +80,10 @@ class Facts(HTMLParser):
             self.idle[self._schedule] = 0
         if tag == "rect" and attrs.get("class") == "idle":
             self.idle[self._schedule] += 1
+        if tag == "rect":
+            self.rects[attrs.get("class")] += 1
+        if tag == "svg" and attrs.get("class") == "timeline":
+            self.timeline = attrs
 
 
 def read_page(dom: str) -> Facts:
@@ -159,6 +165,15 @@ def test_compile_report_renders_with_every_section_and_its_figures(chromium, com
     assert facts.facts["plan.schedules.0.bubble_fraction"] == pytest.approx(1 / 3)  # S - 1 of M + S - 1
     for key in ("chip_seconds_per_step", "step_seconds", "chip_hours"):
         assert f"plan.exact_window.{key}" in facts.facts
+    # the predicted step: its breakdown's figures are the report's, and one step drawn as a timeline with as many
+    # red stretches (the compute waiting for a collective) as the prediction has
+    prediction = report["step_time"]
+    assert facts.facts["step_time.step_seconds"] == prediction["step_seconds"] > 0
+    assert all(f"step_time.seconds.{c}" in facts.facts for c in ("matmul", "attention", "memory", "collective"))
+    events = collections.Counter(e["category"] for e in prediction["timeline"])
+    assert int(facts.timeline["data-exposed"]) == events["exposed"] == facts.rects["event exposed"]
+    assert facts.rects["event matmul"] == events["matmul"] > 0 and facts.rects["event hidden"] == events["hidden"]
+    assert facts.rects["layer"] > 2 * 4  # the layers the compute runs through, forward and backward
 
 
 @pytest.mark.slow  # the fast tier keeps a lighter test of the same module
@@ -166,7 +181,7 @@ def test_compile_report_renders_with_every_section_and_its_figures(chromium, com
 def test_reports_side_by_side(chromium, compiled, tmp_path, capsys):
     """A compile and a plan of another schedule side by side: the page and BENCHMARKS.md's Markdown table."""
     plan_dir = tmp_path / "plan"
-    assert main(["plan", *PIPELINED_MOE[:-3], "impl.pipeline.schedule=gpipe", *PIPELINED_MOE[-2:],
+    assert main(["plan", *PIPELINED_MOE[:-3], "impl.pipeline.schedule=gpipe", *PIPELINED_MOE[-2:], "--mfu", "0.4",
                  "--report", str(plan_dir)]) == 0
     capsys.readouterr()
     assert main(["report", str(compiled / "report.json"), str(plan_dir / "report.json"), "--out",
@@ -182,10 +197,10 @@ def test_reports_side_by_side(chromium, compiled, tmp_path, capsys):
 
 @pytest.mark.slow  # the fast tier keeps a lighter test of the same module
 def test_plan_report_draws_every_schedule(chromium, tmp_path):
-    """A plan needs no compile: the 32B on 4 stages, each schedule's ticks, GPipe's bubble 3 of 11."""
+    """A plan at a given MFU needs no compile: the 32B on 4 stages, each schedule's ticks, GPipe's bubble 3 of 11."""
     directory = tmp_path / "plan"
     assert main(["plan", "olmo3_32b", "mesh.stage=4", "impl.pipeline.microbatches=8", "--target", "tpu:v5p:4x4x8",
-                 "--report", str(directory)]) == 0
+                 "--mfu", "0.4", "--report", str(directory)]) == 0
     report, facts = check_rendered(chromium, directory / "index.html", tmp_path)
     assert facts.sections == ["pipeline", "plan", "target"]
     assert [s["schedule"] for s in report["schedules"] if s["allowed"]] == \
@@ -363,3 +378,27 @@ def test_hostile_names_in_a_fresh_report_are_text(compiled):
     for text in (page(report), comparison_page([report, report])):
         check_inert(text)
     assert page(report).count("&lt;script&gt;") >= 20
+
+
+def test_the_all_reduces_that_are_fsdp_gathers_and_scatters_say_so():
+    """The TPU compiler gathers a sharded weight as an all-reduce of the shard written into zeros, and scatters a
+    gradient as an all-reduce of which each device keeps its slice: the report names both."""
+    hlo = """HloModule m
+ENTRY %main (w: bf16[4,8], g: f32[16,8]) -> bf16[16,8] {
+  %w = bf16[4,8]{1,0} parameter(0)
+  %g = f32[16,8]{1,0} parameter(1)
+  %zeros = bf16[16,8]{1,0} constant({...})
+  %i = s32[] partition-id()
+  %z = s32[] constant(0)
+  %padded = bf16[16,8]{1,0} dynamic-update-slice(%zeros, %w, %i, %z)
+  %whole = bf16[16,8]{1,0} all-reduce(%padded), replica_groups=[1,4]<=[4], to_apply=%add
+  %summed = f32[16,8]{1,0} all-reduce(%g), replica_groups=[1,4]<=[4], to_apply=%add
+  %mine = f32[4,8]{1,0} dynamic-slice(%summed, %i, %z), dynamic_slice_sizes={4,8}
+  %other = f32[16,8]{1,0} all-reduce(%g), replica_groups=[1,4]<=[4], to_apply=%add
+  ROOT %t = (bf16[16,8], f32[4,8], f32[16,8]) tuple(%whole, %mine, %other)
+}
+"""
+    rows = {row["as"]: row for row in collectives(hlo, {"fsdp": 4})["by_axis"]}
+    assert set(rows) == {"all-gather", "reduce-scatter", None}
+    assert all(row["kind"] == "all-reduce" and row["count"] == 1 for row in rows.values())
+    assert rows["all-gather"]["bytes_per_step"] == 16 * 8 * 2 and rows["reduce-scatter"]["bytes_per_step"] == 16 * 8 * 4

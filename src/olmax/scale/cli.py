@@ -45,6 +45,27 @@ def add_commands(subparsers) -> None:
     p.set_defaults(func=run_compile)
 
     p = subparsers.add_parser(
+        "tune", help="search remat, mesh, micro-batch, tiles and flags for the fastest layout that fits a target",
+        description="Enumerates the layouts of the config's step on the target (remat policies, the devices factored "
+        "over data, fsdp, tensor and expert, micro-batches, Splash tiles, the target's XLA flag profile), compiles the "
+        "most promising first (cached by program: a rerun compiles nothing new), judges each by the compiler's peak "
+        "memory and the step-time model's prediction, prunes by memory as it learns, and prints the ranked table.",
+    )
+    p.add_argument("config", help="preset name (olmo3_7b, tiny, ...) or a YAML path")
+    p.add_argument("overrides", nargs="*", help="section.key=value (settings tune does not search)")
+    p.add_argument("--target", required=True, help="tpu:KIND:TOPOLOGY (tpu:v5p:4x4x8) or gpu:KINDxN (gpu:h100x8)")
+    p.add_argument("--budget", type=int, default=24, help="compiles at most (default 24: about an hour for the 7B "
+                   "on a laptop's CPU at 2-3 minutes a compile)")
+    p.add_argument("--headroom", type=float, default=0.1,
+                   help="the share of a device's memory a layout must leave free to count as fitting (default 0.1)")
+    p.add_argument("--jobs", type=int, help="compiles side by side (default: one a core, as many as memory allows)")
+    p.add_argument("--out", metavar="FILE", help="write the best layout as a config file (base: CONFIG, its settings "
+                   "over it): `olmax train FILE`, or `olmax train CONFIG FILE`")
+    p.add_argument("--json", action="store_true", help="print the results as one JSON object")
+    _report_option(p)
+    p.set_defaults(func=run_tune)
+
+    p = subparsers.add_parser(
         "report", help="put the report.json files of several compiles or plans side by side",
         description="Writes OUT/index.html, a comparison page of the reports (memory, pipeline bubble, collectives "
         "per mesh axis, cost), and prints the comparison as a Markdown table in BENCHMARKS.md's form. Of one "
@@ -172,6 +193,46 @@ def run_compile(args: argparse.Namespace) -> None:
     report["layout"] = layout
     print(json.dumps(report, indent=2) if args.json else format_compile(report))
     _write_report(report, directory, args.overrides)
+
+
+def run_tune(args: argparse.Namespace) -> None:
+    from olmax.scale import tune
+    from olmax.scale.targets import aot_missing, parse_target
+
+    target, directory = parse_target(args.target), _report_dir(args.report)
+    if args.budget < 1:
+        raise ConfigError(f"--budget {args.budget}: give the number of compiles to run, at least 1")
+    if not 0 <= args.headroom < 1:
+        raise ConfigError(f"--headroom {args.headroom}: give a fraction in [0, 1), e.g. 0.1")
+    if args.jobs is not None and args.jobs < 1:
+        raise ConfigError(f"--jobs {args.jobs}: give at least 1")
+    if args.out and os.path.isdir(args.out):
+        raise ConfigError(f"--out {args.out}: a directory is there; give a file to write the layout to")
+    if reason := aot_missing(target.platform):
+        raise ConfigError(reason)
+    load_config(args.config, args.overrides, target.name)  # a bad config is refused before any compile
+    search = tune.tune(args.config, args.overrides, target, args.budget, args.headroom,
+                       args.jobs or tune.default_jobs(), tune.print_err)
+    report = {"config": args.config, "overrides": args.overrides, "target": target.name, "budget": args.budget,
+              "headroom": args.headroom, "space": search.size, "compiled": search.compiled, "seconds": search.seconds,
+              "memory_per_device": target.accelerator.memory_per_device,
+              "results": [r.row() for r in search.ranked()]}
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print(tune.table(search, target))
+        print(tune.coverage(search))
+        print(tune.main_line(search))
+    if args.out and search.best is not None:
+        with open(args.out, "w") as f:
+            f.write(tune.overlay(args.config, search, target))
+        print(f"olmax: best layout {args.out}", file=sys.stderr)
+    if directory is not None:
+        from olmax.scale.report import write_tune
+
+        print(f"olmax: report {write_tune(report, directory)}", file=sys.stderr)
+    if search.best is None:
+        sys.exit(1)
 
 
 def run_report(args: argparse.Namespace) -> None:

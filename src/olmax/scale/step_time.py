@@ -53,7 +53,9 @@ class Hardware:
     network_bandwidth: float = 0.0  # GPU: between hosts, per GPU, one way
     collective_efficiency: float = 1.0
     collective_latency: float = 0.0  # seconds per collective
-    op_overhead: float = 0.0  # seconds per op launched (measured on the CPU; negligible on accelerators)
+    op_overhead: float = 0.0  # seconds per op launched
+    cache_bytes: int = 0  # CPU: an op whose bytes fit its last-level cache moves them at cache_bandwidth
+    cache_bandwidth: float = 0.0
     torus: tuple[int, ...] = ()  # TPU: chips per dimension of the slice
     wraparound: bool = False  # TPU: the slice's dimensions close into rings
     devices_per_chip: int = 1
@@ -198,8 +200,7 @@ def _attention_kernel(name: str, target: str, instruction: hlo.Instruction, oper
     return Cost(max(seconds, moved / (hw.memory_bandwidth * hw.memory_efficiency)), "attention", flops, moved)
 
 
-GEMM_TARGETS = ("__cublas$gemm", "__cublas$lt$matmul", "__cublas$lt$matmul$f8", "__cudnn$blockScaledDot",
-                "__onednn$matmul")
+GEMM_TARGETS = ("__cublas$gemm", "__cublas$lt$matmul", "__cublas$lt$matmul$f8", "__onednn$matmul")
 
 
 class ProgramCost:
@@ -269,10 +270,17 @@ class ProgramCost:
             array = inputs[index] if index < len(inputs) else (param.outputs or [None])[0]
             if array is None or array.on_chip:
                 continue
-            readers = users.get(param.name, [])
+            readers, views, todo = [], {param.name}, list(users.get(param.name, []))
+            while todo:  # through the views of it (a bitcast moves nothing) to the ops that read it
+                reader = todo.pop()
+                if reader.op == "bitcast":
+                    views.add(reader.name)
+                    todo += users.get(reader.name, [])
+                else:
+                    readers.append(reader)
             if readers and all(r.op in ("dynamic-slice", "slice", "gather") for r in readers):
                 total += sum(a.bytes for r in readers for a in r.outputs)
-            elif readers and all(r.op == "dynamic-update-slice" and r.operands[0] == param.name for r in readers):
+            elif readers and all(r.op == "dynamic-update-slice" and r.operands[0] in views for r in readers):
                 continue  # updated in place: the update is counted with the output
             else:
                 total += array.bytes
@@ -298,7 +306,8 @@ class ProgramCost:
             return None
         hw = self.hw
         moved = self._bytes(computation, instruction)
-        memory_seconds = moved / (hw.memory_bandwidth * hw.memory_efficiency)
+        cached = 0 < moved <= hw.cache_bytes
+        memory_seconds = moved / (hw.cache_bandwidth if cached else hw.memory_bandwidth * hw.memory_efficiency)
         flops, matmul_seconds, category = 0.0, 0.0, "memory"
         found = None
         if op == "fusion":
@@ -315,7 +324,11 @@ class ProgramCost:
             if (attention := _attention_kernel(instruction.name, target, instruction, operands, kind, self.attention,
                                                hw)) is not None:
                 return Cost(attention.seconds + hw.op_overhead, "attention", attention.flops, attention.bytes)
-            if target in GEMM_TARGETS and len(operands) >= 2:
+            if target == "__cudnn$blockScaledDot" and len(operands) >= 2:
+                # jax.nn.scaled_matmul's layout: lhs [batch, m, k], rhs [batch, n, k], out [batch, m, n]
+                out, k = instruction.outputs[0], operands[0].dims[-1]
+                found = (2.0 * math.prod(out.dims) * k, math.prod(out.dims[:-1]), out.dims[-1], k, operands[0].dtype)
+            elif target in GEMM_TARGETS and len(operands) >= 2:
                 config = instruction.backend_config
                 numbers = (config.get("gemm_backend_config") or config).get("dot_dimension_numbers")
                 found = dot(instruction, operands, numbers or {"lhs_contracting_dimensions": [len(operands[0].dims) - 1],
@@ -401,7 +414,7 @@ def layer_of(instruction: hlo.Instruction) -> tuple[str | None, str | None]:
     """(layer label, layer kind) from the op's name, as the model's named scopes wrote it."""
     found = LAYER.search(f"/{instruction.op_name}/")
     if found:
-        return f"layer{found.group(1)}", found.group(2)
+        return f"layer{found.group(1)}.{found.group(2)}", found.group(2)
     return None, None
 
 
@@ -687,9 +700,11 @@ def predict(text: str, hw: Hardware, coords: list[dict] | None = None, attention
 
 def measure_cpu(repeats: int = 7) -> Hardware:
     """This machine's CPU as the model sees it, measured now (each figure the best of `repeats`): the matmul
-    rate of a 1024^3 float32 and bfloat16 matmul, the memory bandwidth of a 256 MiB elementwise pass, and the
-    cost of one op inside a compiled program (a chain of small matmuls XLA cannot fuse, less one)."""
+    rate of a 1024^3 float32 and bfloat16 matmul; the bandwidth of an elementwise pass over 256 MiB (memory)
+    and over 4 MiB (its last-level cache, whose size sysfs gives); the cost of one op inside a compiled program
+    (a chain of 257 small matmuls against a chain of 1)."""
     import time
+    from pathlib import Path
 
     import jax
     import jax.numpy as jnp
@@ -707,8 +722,11 @@ def measure_cpu(repeats: int = 7) -> Hardware:
     for dtype in ("f32", "bf16"):
         a = jnp.ones((1024, 1024), {"f32": jnp.float32, "bf16": jnp.bfloat16}[dtype])
         rates[dtype] = 2 * 1024**3 / best(jax.jit(jnp.matmul), a, a)
-    big = jnp.ones((64 * 2**20,), jnp.float32)
-    bandwidth = 2 * big.nbytes / best(jax.jit(lambda x: x * 2.0), big)
+    double = jax.jit(lambda x: x * 2.0)
+    bandwidth = {}
+    for size in (2**20, 64 * 2**20):  # float32 elements: 4 MiB, 256 MiB
+        x = jnp.ones((size,), jnp.float32)
+        bandwidth[size] = 2 * x.nbytes / best(double, x)
 
     def chain(n):
         def run(x):
@@ -718,8 +736,10 @@ def measure_cpu(repeats: int = 7) -> Hardware:
         return jax.jit(run)
 
     small = jnp.full((8, 8), 0.1, jnp.float32)
-    per_op = max((best(chain(65), small) - best(chain(1), small)) / 64 / 2, 0.0)  # a dot and a tanh each link
+    per_op = max((best(chain(257), small) - best(chain(1), small)) / 256, 0.0)
+    sizes = [Path(p).read_text().strip() for p in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size")]
+    cache = max((int(v[:-1]) * {"K": 2**10, "M": 2**20}[v[-1]] for v in sizes if v[-1] in "KM"), default=0)
     return Hardware(name="this CPU", platform="cpu", matmul_flops={"f32": rates["f32"], "bf16": rates["bf16"],
                                                                    "f16": rates["bf16"]},
-                    matmul_efficiency=1.0, memory_bandwidth=bandwidth, memory_efficiency=1.0, tile=(1, 1, 1),
-                    op_overhead=per_op)
+                    matmul_efficiency=1.0, memory_bandwidth=bandwidth[64 * 2**20], memory_efficiency=1.0,
+                    tile=(1, 1, 1), op_overhead=per_op, cache_bytes=cache, cache_bandwidth=bandwidth[2**20])

@@ -1,0 +1,408 @@
+"""`olmax tune`: the fastest layout that fits, found before the hardware exists.
+
+The space is every way to lay the config's step out on the target: the remat policy (which named activations
+the backward pass keeps: none of them, any set of them, or everything), the mesh (the target's devices factored
+over data, fsdp and tensor, and expert for an MoE), the micro-batch a device runs, Splash's tiles on a TPU, and
+the target's XLA flag profile against the compiler's defaults. Each candidate is compiled ahead of time
+(`olmax compile`'s step; programs cached by their text, so a rerun or a longer search compiles only what is new),
+judged by the compiler's peak memory (it fits with `headroom` to spare) and by the step-time model's prediction.
+
+The search takes candidates in the order a quick estimate puts them (the recipe's FLOPs plus what the remat
+policy recomputes, the weights the mesh moves, and the memory they keep), compiles up to `budget` of them, and
+prunes by memory as it learns: a candidate that keeps everything an out-of-memory one keeps, and more (a superset
+of its saved activations, a larger micro-batch, the same mesh, tiles and flags), is out of memory too, and is not
+compiled. What did not compile for another reason is listed with the reason.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import itertools
+import math
+import multiprocessing
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+
+from olmax.config import RunConfig, load_config
+from olmax.model import flops
+from olmax.scale.report import size
+from olmax.scale.targets import Target
+
+NAMED = ("qkv_proj", "out_proj", "mlpwi_0", "mlpwi_1", "mlpwo", "context")  # what a remat policy can keep
+EVERYTHING = frozenset({*NAMED, "*"})  # remat none: every activation kept, named or not
+
+
+@dataclass(frozen=True)
+class Candidate:
+    mesh: tuple[tuple[str, int], ...]  # (axis, size) for data, fsdp, tensor, expert
+    saved: frozenset  # the activations kept for the backward pass (EVERYTHING: remat none)
+    micro_batch: int  # instances a device runs a micro-step
+    tiles: int | None  # Splash's query and key tile, None where it has none
+    flags: bool  # the target's XLA flag profile
+
+    @property
+    def remat(self):
+        if self.saved == EVERYTHING:
+            return "none"
+        return [n for n in NAMED if n in self.saved] if self.saved else "full"
+
+    def overrides(self) -> list[str]:
+        remat = self.remat if isinstance(self.remat, str) else "[" + ",".join(self.remat) + "]"
+        found = [f"mesh.{axis}={size}" for axis, size in self.mesh] + [f"impl.remat={remat}",
+                                                                       f"train.micro_batch_per_device={self.micro_batch}"]
+        if self.tiles:
+            found += [f"impl.attention.splash.block_q={self.tiles}", f"impl.attention.splash.block_kv={self.tiles}",
+                      f"impl.attention.splash.block_kv_compute={self.tiles}"]
+        return found
+
+    def describe(self) -> str:
+        mesh = " x ".join(f"{axis} {size}" for axis, size in self.mesh if size > 1) or "one device"
+        remat = self.remat if isinstance(self.remat, str) else "+".join(self.remat)
+        tiles = f", tiles {self.tiles}" if self.tiles else ""
+        return f"{mesh}; remat {remat}; micro-batch {self.micro_batch}{tiles}; flags {'on' if self.flags else 'off'}"
+
+    def same_but_memory(self, other: Candidate) -> bool:
+        return (self.mesh, self.tiles, self.flags) == (other.mesh, other.tiles, other.flags)
+
+    def keeps_at_least(self, other: Candidate) -> bool:
+        """Everything `other` keeps in memory, this keeps too: its saved activations and its micro-batch."""
+        return self.same_but_memory(other) and self.saved >= other.saved and self.micro_batch >= other.micro_batch
+
+
+def pruned_by(candidate: Candidate, out_of_memory: list[Candidate]) -> Candidate | None:
+    """The out-of-memory candidate that proves this one out of memory too, if any."""
+    return next((o for o in out_of_memory if candidate.keeps_at_least(o)), None)
+
+
+# --- the space ----------------------------------------------------------------------------------------------------
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def meshes(cfg: RunConfig, devices: int) -> list[tuple[tuple[str, int], ...]]:
+    """The target's devices factored over the mesh axes the model allows: tensor parallelism up to 8 (within a
+    host or a torus dimension) dividing the heads, expert parallelism dividing the experts (an MoE), the rest data
+    x fsdp; the batch must split over the data-parallel devices, and the config's pipeline stages stay."""
+    m = cfg.model
+    stage = cfg.mesh.stage
+    found = []
+    heads = math.gcd(m.n_heads, m.kv_heads)
+    for tensor in [t for t in _divisors(min(8, devices)) if heads % t == 0 and m.mlp_hidden % t == 0]:
+        experts = _divisors(m.moe.num_experts) if m.mlp == "moe" else [1]
+        for expert in [e for e in experts if devices % (stage * tensor * e) == 0]:
+            rest = devices // (stage * tensor * expert)
+            for data in _divisors(rest):
+                fsdp = rest // data
+                if cfg.train.global_batch_instances % (data * fsdp * expert):
+                    continue
+                found.append((("data", data), ("fsdp", fsdp), ("tensor", tensor), ("expert", expert),
+                              ("stage", stage)))
+    return found
+
+
+def remat_policies() -> list[frozenset]:
+    """Keeping nothing, every set of the named activations, and everything."""
+    return ([frozenset(c) for r in range(len(NAMED) + 1) for c in itertools.combinations(NAMED, r)] + [EVERYTHING])
+
+
+def space(cfg: RunConfig, target: Target) -> list[Candidate]:
+    seq = cfg.data.sequence_length
+    tiles = [None]
+    if target.platform == "tpu" and cfg.impl.attention.implementation in ("auto", "splash"):
+        tiles = [t for t in (512, 1024, 2048) if t <= seq and seq % t == 0] or [None]
+    flags = [True, False] if target.xla_flags else [False]
+    found = []
+    for mesh in meshes(cfg, target.devices):
+        dp = math.prod(size for axis, size in mesh if axis in ("data", "fsdp", "expert"))
+        per_device = cfg.train.global_batch_instances // dp
+        for micro in [b for b in _divisors(per_device) if b & (b - 1) == 0 or b == per_device]:
+            for saved, tile, flag in itertools.product(remat_policies(), tiles, flags):
+                found.append(Candidate(mesh, saved, micro, tile, flag))
+    return found
+
+
+# --- a quick estimate, to try the most promising first ---------------------------------------------------------------
+
+def estimate(cfg: RunConfig, target: Target, candidate: Candidate) -> tuple[float, float]:
+    """(seconds, bytes a device) before compiling: the training FLOPs and what the policy recomputes at the
+    matmul rate, the weights the mesh gathers each micro-step and the gradients it reduces at the links' rate,
+    and the parameters, optimizer state and saved activations a device keeps. Only an order for the search:
+    the compiled program and the step-time model judge."""
+    from olmax.scale.anatomy import saved_activation_bytes
+
+    m, seq = cfg.model, cfg.data.sequence_length
+    mesh = dict(candidate.mesh)
+    count = flops.count(m, seq)
+    tokens = cfg.train.global_batch_instances * seq / target.devices
+    hidden = m.moe.top_k * m.moe.expert_hidden if m.mlp == "moe" else m.mlp_hidden
+    per_token = {"qkv_proj": (m.n_heads + 2 * m.kv_heads) * m.head_size * m.d_model,
+                 "out_proj": m.n_heads * m.head_size * m.d_model, "mlpwi_0": m.d_model * hidden,
+                 "mlpwi_1": m.d_model * hidden, "mlpwo": hidden * m.d_model,
+                 "context": 2 * m.n_heads * m.head_size * min(seq, m.sliding_window or seq)}
+    kept = NAMED if candidate.saved == EVERYTHING else candidate.saved
+    recompute = sum(2 * v for name, v in per_token.items() if name not in kept) * m.n_layers
+    a = target.accelerator
+    rate = a.peak_flops_per_chip / a.devices_per_chip * a.matmul_efficiency
+    compute = tokens * (count.per_token + recompute) / rate
+    weights = 2 * count.params  # bf16 bytes
+    micro_steps = cfg.train.global_batch_instances // (candidate.micro_batch * math.prod(
+        size for axis, size in candidate.mesh if axis in ("data", "fsdp", "expert")))
+    fsdp, data, tensor = mesh["fsdp"], mesh["data"], mesh["tensor"]
+    link = max(a.link_bandwidth, a.network_bandwidth, 1.0) * 2
+    moved = (2 * micro_steps + 1) * weights / tensor * (fsdp - 1) / max(fsdp, 1) + 2 * weights * (data - 1) / data
+    moved += 4 * m.n_layers * tokens * m.d_model * 2 * (tensor - 1) / tensor  # tensor parallel activations
+    comm = moved / link
+    shards = fsdp * tensor * mesh["expert"] * mesh["stage"]
+    state = count.params * (4 + 4 + 4 + 4) / shards  # fp32 parameters, gradients and two moments
+    activations = saved_activation_bytes(
+        cfg.model_copy(update={"impl": cfg.impl.model_copy(update={"remat": candidate.remat})}),
+        candidate.micro_batch * seq, 2) / tensor
+    return max(compute, comm) + 0.1 * min(compute, comm), state + activations
+
+
+# --- the search -----------------------------------------------------------------------------------------------------
+
+@dataclass
+class Result:
+    candidate: Candidate
+    status: str  # fits, over (fits the device, not the headroom), out of memory, failed, pruned
+    peak: int | None = None
+    step_seconds: float | None = None
+    mfu: float | None = None
+    tokens_per_chip: float | None = None
+    compile_seconds: float = 0.0
+    cached: bool = False
+    reason: str = ""
+    by: Candidate | None = None  # pruned: the out-of-memory candidate that proves it
+
+    def row(self) -> dict:
+        return {"layout": self.candidate.describe(), "overrides": self.candidate.overrides(),
+                "flags": self.candidate.flags, "status": self.status, "peak": self.peak,
+                "step_seconds": self.step_seconds, "mfu": self.mfu, "tokens_per_second_per_chip": self.tokens_per_chip,
+                "compile_seconds": self.compile_seconds, "cached": self.cached, "reason": self.reason,
+                "pruned_by": self.by.describe() if self.by else None}
+
+
+def evaluate(config: str, overrides: list[str], target_name: str, candidate: Candidate, headroom: float) -> Result:
+    """Compile one candidate and predict its step (run in a worker process: compiles run side by side)."""
+    from olmax.errors import DoesNotFit
+    from olmax.scale import targets
+    from olmax.scale.compile import compile_train_step
+
+    target = targets.parse_target(target_name)
+    if not candidate.flags:
+        target = _without_flags(target)
+    start = time.perf_counter()
+    try:
+        cfg = load_config(config, [*overrides, *candidate.overrides()], target.name)
+        report = compile_train_step(cfg, target)
+    except DoesNotFit as err:
+        report = err.report
+        if "step_time" not in report:  # the TPU compiler refused it
+            return Result(candidate, "out of memory", report.get("required"), reason=report.get("compiler_error", ""),
+                          compile_seconds=time.perf_counter() - start, cached=bool(report.get("compile_cached")))
+    except Exception as err:  # noqa: BLE001 - a candidate the compiler or the config refuses is listed with why
+        return Result(candidate, "failed", reason=f"{type(err).__name__}: {str(err).splitlines()[0][:300]}",
+                      compile_seconds=time.perf_counter() - start)
+    prediction = report["step_time"]
+    limit = report["memory_per_device"] * (1 - headroom)
+    status = ("fits" if report["peak"] <= limit else "over headroom" if report["peak"] <= report["memory_per_device"]
+              else "out of memory")
+    tokens = cfg.train.global_batch_instances * cfg.data.sequence_length
+    return Result(candidate, status, report["peak"], prediction["step_seconds"], prediction["mfu"],
+                  tokens / prediction["step_seconds"] / target.chips, report["compile_seconds"],
+                  bool(report.get("compile_cached")))
+
+
+def _without_flags(target: Target) -> Target:
+    """The target compiled with the compiler's defaults (its flag profile off)."""
+    return _NoFlags(target.name, target.kind, target.topology, target.chips)
+
+
+class _NoFlags(Target):
+    @property
+    def xla_flags(self) -> dict:
+        return {}
+
+
+@dataclass
+class Search:
+    results: list[Result] = field(default_factory=list)
+    size: int = 0
+    compiled: int = 0  # compiles run (not from the cache)
+    seconds: float = 0.0
+
+    def ranked(self) -> list[Result]:
+        order = {"fits": 0, "over headroom": 1, "out of memory": 2, "failed": 3, "pruned": 4}
+        return sorted(self.results, key=lambda r: (order[r.status], r.step_seconds or math.inf))
+
+    @property
+    def best(self) -> Result | None:
+        return next((r for r in self.ranked() if r.status == "fits"), None)
+
+
+def ordered(candidates: list[Candidate], key) -> list[Candidate]:
+    """The search's order: by the estimate, alternating with the best of each layout not yet tried (its mesh,
+    micro-batch, tiles and flags), so that a small budget sees many meshes, not one mesh's remat policies."""
+    ranked = sorted(candidates, key=key)
+    leaders, seen = [], set()
+    for c in ranked:
+        group = (c.mesh, c.micro_batch, c.tiles, c.flags)
+        if group not in seen:
+            seen.add(group)
+            leaders.append(c)
+    order, taken = [], set()
+    for pair in itertools.zip_longest(leaders, ranked):
+        for c in pair:
+            if c is not None and c not in taken:
+                taken.add(c)
+                order.append(c)
+    return order
+
+
+def tune(config: str, overrides: list[str], target: Target, budget: int, headroom: float = 0.1, jobs: int = 1,
+         progress=lambda line: None) -> Search:
+    cfg = load_config(config, overrides, target.name)
+    candidates = space(cfg, target)
+    device_memory = target.accelerator.memory_per_device * (1 - headroom)
+
+    def key(c: Candidate):
+        seconds, memory = estimate(cfg, target, c)
+        return (memory > device_memory, seconds, memory)
+
+    candidates = ordered(candidates, key)
+    search = Search(size=len(candidates))
+    out_of_memory: list[Candidate] = []
+    start = time.perf_counter()
+    todo = iter(candidates)
+    evaluated = 0
+    with _pool(jobs) as pool:
+        while evaluated < budget:
+            batch = []
+            for candidate in todo:
+                if (by := pruned_by(candidate, out_of_memory)) is not None:
+                    search.results.append(Result(candidate, "pruned", by=by,
+                                                 reason=f"keeps everything {by.describe()} keeps, which ran out of "
+                                                 "memory"))
+                    continue
+                batch.append(candidate)
+                if len(batch) == min(jobs, budget - evaluated):
+                    break
+            if not batch:
+                break
+            futures = [pool.submit(evaluate, config, overrides, target.name, c, headroom) for c in batch]
+            for future in _ticking(futures, progress, start, evaluated, budget, search):
+                result = future.result()
+                evaluated += 1
+                search.results.append(result)
+                search.compiled += not result.cached and result.status != "failed"
+                if result.status == "out of memory":
+                    out_of_memory.append(result.candidate)
+                elapsed = time.perf_counter() - start
+                eta = elapsed / evaluated * (min(budget, len(candidates)) - evaluated)
+                figure = (f"{result.step_seconds:.4g} s, peak {size(result.peak)}" if result.step_seconds
+                          else result.reason[:100])
+                progress(f"[{evaluated}/{budget}] {result.candidate.describe()}: {result.status}, {figure}"
+                         f"{' (cached)' if result.cached else ''}; {elapsed:.0f} s so far, about {eta:.0f} s left")
+    search.seconds = time.perf_counter() - start
+    return search
+
+
+def _pool(jobs: int):
+    """Worker processes to compile side by side, or this process for one job at a time (no start-up to pay)."""
+    if jobs > 1:
+        return concurrent.futures.ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn"))
+    return _InProcess()
+
+
+class _InProcess(concurrent.futures.Executor):
+    def submit(self, fn, /, *args, **kwargs):
+        future = concurrent.futures.Future()
+        try:
+            future.set_result(fn(*args, **kwargs))
+        except BaseException as err:  # noqa: BLE001 - handed to the caller as a process pool would
+            future.set_exception(err)
+        return future
+
+
+def _ticking(futures, progress, start, evaluated, budget, search):
+    """The futures as they finish, with a line every 30 s while they compile (a big step compiles for minutes)."""
+    pending = set(futures)
+    while pending:
+        done, pending = concurrent.futures.wait(pending, timeout=30, return_when=concurrent.futures.FIRST_COMPLETED)
+        if not done:
+            progress(f"[{evaluated}/{budget}] still compiling {len(pending)} candidate(s) "
+                     f"({time.perf_counter() - start:.0f} s so far)")
+        yield from done
+
+
+def default_jobs() -> int:
+    """Compiles side by side: one a core, as many as the host's available memory holds at about 6 GiB each (a
+    7B TPU compile's host peak was 4.1-4.3 GiB)."""
+    try:
+        available = next(int(line.split()[1]) * 1024 for line in open("/proc/meminfo") if line.startswith("MemAvailable"))
+    except (OSError, StopIteration):
+        available = 8 * 2**30
+    return max(1, min(len(os.sched_getaffinity(0)), available // (6 * 2**30)))
+
+
+# --- what it writes -------------------------------------------------------------------------------------------------
+
+def table(search: Search, target: Target, limit: int | None = None) -> str:
+    lines = [f"{'#':>3}  {'step s':>9} {'MFU':>7} {'tokens/s/chip':>14} {'peak':>11}  {'status':15} layout"]
+    shown = [r for r in search.ranked() if r.status != "pruned"]
+    for i, r in enumerate(shown[:limit] if limit else shown, 1):
+        step = f"{r.step_seconds:9.4g}" if r.step_seconds else f"{'-':>9}"
+        mfu = f"{100 * r.mfu:6.3g}%" if r.mfu else f"{'-':>7}"
+        tps = f"{r.tokens_per_chip:14,.0f}" if r.tokens_per_chip else f"{'-':>14}"
+        peak = f"{size(r.peak):>11}" if r.peak else f"{'-':>11}"
+        lines.append(f"{i:3}  {step} {mfu} {tps} {peak}  {r.status:15} {r.candidate.describe()}"
+                     + (f"  ({r.reason})" if r.status == "failed" else ""))
+    return "\n".join(lines)
+
+
+def coverage(search: Search) -> str:
+    counts = {s: sum(r.status == s for r in search.results)
+              for s in ("fits", "over headroom", "out of memory", "failed", "pruned")}
+    tried = len(search.results) - counts["pruned"]
+    left = search.size - len(search.results)
+    return (f"searched {len(search.results)} of {search.size} layouts: {tried} compiled ({search.compiled} new, "
+            f"{tried - search.compiled - counts['failed']} from the cache), {counts['pruned']} pruned as out of memory "
+            f"by a layout that keeps less; {counts['fits']} fit, {counts['over headroom']} over the headroom, "
+            f"{counts['out of memory']} out of memory, {counts['failed']} failed; {left} not reached within the budget; "
+            f"{search.seconds:.0f} s")
+
+
+def overlay(config: str, search: Search, target: Target) -> str:
+    """The best layout as a config file: `base:` the config tuned (so it runs as it is), its settings over it (so
+    it merges: `olmax train CONFIG best.yaml`)."""
+    import yaml
+
+    best = search.best
+    tree: dict = {}
+    for item in best.candidate.overrides():
+        key, value = item.split("=", 1)
+        node = tree
+        *path, last = key.split(".")
+        for part in path:
+            node = node.setdefault(part, {})
+        node[last] = yaml.safe_load(value)
+    head = (f"# olmax tune {config} --target {target.name}: the fastest layout that fits ({best.candidate.describe()})\n"
+            f"# predicted step {best.step_seconds:.4g} s, MFU {100 * best.mfu:.3g}%, peak {size(best.peak)} a device\n")
+    flag_note = ("" if best.candidate.flags or not target.xla_flags else
+                 f"# compiled with the compiler's default flags: unset the {target.kind} profile on the chips\n")
+    return head + flag_note + yaml.safe_dump({"base": config, **tree}, sort_keys=False)
+
+
+def main_line(search: Search) -> str:
+    best = search.best
+    if best is None:
+        return "no layout fits within the headroom among those searched; raise --budget or --headroom"
+    return f"best: {best.candidate.describe()} at {best.step_seconds:.4g} s a step"
+
+
+def print_err(line: str) -> None:
+    print(f"olmax tune: {line}", file=sys.stderr, flush=True)

@@ -1,0 +1,100 @@
+"""`olmax tune` on a small target: the pruning rule, the search order, a rerun that compiles nothing new, and the
+written layout, which trains and compiles to the layout the table reported."""
+
+import json
+
+import pytest
+
+from olmax.cli import main
+from olmax.config import load_config
+from olmax.scale import tune
+from olmax.scale.targets import aot_missing, parse_target
+
+needs_tpu = pytest.mark.skipif(bool(aot_missing("tpu")), reason=str(aot_missing("tpu")))
+MESH = (("data", 1), ("fsdp", 8), ("tensor", 1), ("expert", 1), ("stage", 1))
+
+
+def candidate(saved, micro=2, mesh=MESH, tiles=None, flags=False):
+    return tune.Candidate(mesh, frozenset(saved), micro, tiles, flags)
+
+
+def test_a_layout_that_keeps_more_than_one_out_of_memory_is_out_of_memory_too():
+    oom = candidate({"qkv_proj", "context"}, micro=2)
+    assert tune.pruned_by(candidate({"qkv_proj", "context", "mlpwo"}, micro=2), [oom]) == oom  # saves a superset
+    assert tune.pruned_by(candidate({"qkv_proj", "context"}, micro=4), [oom]) == oom  # a larger micro-batch
+    assert tune.pruned_by(candidate(tune.EVERYTHING, micro=2), [oom]) == oom  # remat none keeps everything
+    # keeping less, or the same on another mesh, tiles or flags, is not proven out of memory
+    assert tune.pruned_by(candidate({"qkv_proj"}, micro=2), [oom]) is None
+    assert tune.pruned_by(candidate({"qkv_proj", "context"}, micro=1), [oom]) is None
+    other = (("data", 2), ("fsdp", 4), ("tensor", 1), ("expert", 1), ("stage", 1))
+    assert tune.pruned_by(candidate({"qkv_proj", "context", "mlpwo"}, mesh=other), [oom]) is None
+    assert tune.pruned_by(candidate({"qkv_proj", "context", "mlpwo"}, flags=True), [oom]) is None
+    assert tune.pruned_by(candidate({"qkv_proj", "context", "mlpwo"}, tiles=1024), [oom]) is None
+
+
+def test_the_space_covers_remat_meshes_and_micro_batches_and_the_order_sees_many_meshes_first():
+    cfg, target = load_config("tiny"), parse_target("tpu:v5p:2x2x2")
+    space = tune.space(cfg, target)
+    assert {c.remat if isinstance(c.remat, str) else "some" for c in space} == {"none", "full", "some"}
+    assert len({c.saved for c in space}) == 2 ** len(tune.NAMED) + 1
+    meshes = {c.mesh for c in space}
+    # 8 devices over data x fsdp, tensor parallelism up to tiny's 2 KV heads
+    assert {dict(m)["tensor"] for m in meshes} == {1, 2}
+    assert all(dict(m)["data"] * dict(m)["fsdp"] * dict(m)["tensor"] == 8 for m in meshes)
+    assert {c.micro_batch for c in space if dict(c.mesh)["fsdp"] == 8} == {1, 2}  # 16 instances over 8: 2 a device
+    order = tune.ordered(space, lambda c: tune.estimate(cfg, target, c))
+    assert sorted(order, key=id) == sorted(space, key=id) and len(set(order)) == len(space)
+    first = order[:8]
+    assert len({(c.mesh, c.micro_batch) for c in first}) >= 4
+
+
+@pytest.fixture(scope="module")
+def tuned(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("tune")
+    args = ["tune", "tiny", "--target", "tpu:v5p:2x2x2", "--budget", "4", "--jobs", "1", "--json"]
+    return directory, args
+
+
+@needs_tpu
+def test_tune_ranks_what_it_compiled_and_a_rerun_compiles_nothing_new(tuned, capsys):
+    directory, args = tuned
+    assert main([*args, "--out", str(directory / "best.yaml"), "--report", str(directory / "page")]) == 0
+    first = json.loads(capsys.readouterr().out)
+    compiled = [r for r in first["results"] if r["status"] != "pruned"]
+    # (compiled now, or by an earlier run into the suite's compile cache)
+    assert len(compiled) == 4 and first["space"] > 100
+    fitting = [r for r in compiled if r["status"] == "fits"]
+    assert fitting and fitting == sorted(fitting, key=lambda r: r["step_seconds"])
+    assert first["results"][0]["status"] == "fits"
+    assert main(args) == 0
+    again = json.loads(capsys.readouterr().out)
+    assert again["compiled"] == 0 and all(r["cached"] for r in again["results"] if r["status"] != "pruned")
+    assert [r["layout"] for r in again["results"]] == [r["layout"] for r in first["results"]]
+    page = (directory / "page" / "index.html").read_text()
+    assert page.count('class="candidate fits"') == len(fitting) and "<script" not in page
+
+
+@needs_tpu
+def test_the_written_layout_trains_and_compiles_to_the_layout_reported(tuned, capsys, synth_mix, tmp_path):
+    directory, args = tuned
+    best_file = directory / "best.yaml"
+    if not best_file.exists():
+        assert main([*args, "--out", str(best_file)]) == 0
+        capsys.readouterr()
+    assert main(args) == 0
+    best = json.loads(capsys.readouterr().out)["results"][0]
+    # merged over the config it was tuned for, it is that layout: the same compile, the same prediction
+    assert main(["compile", "tiny", str(best_file), "--target", "tpu:v5p:2x2x2", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["step_time"]["step_seconds"] == pytest.approx(best["step_seconds"])
+    assert report["peak"] == best["peak"] and report["compile_cached"]
+    overrides = dict(o.split("=", 1) for o in best["overrides"])
+    assert report["mesh"] == {k.split(".")[1]: int(v) for k, v in overrides.items() if k.startswith("mesh.")}
+    # and it trains: two steps on the suite's 8 devices, the file as the config itself (base: tiny)
+    run = tmp_path / "run"
+    assert main(["train", str(best_file), "train.steps=2", "checkpoint.every=2", f"data.mix_file={synth_mix}",
+                 f"output_dir={run}"]) == 0
+    assert len((run / "metrics.jsonl").read_text().splitlines()) >= 1
+    # a layout file for another config is refused, naming both
+    assert main(["train", "tiny_moe", str(best_file), f"output_dir={tmp_path}/other"]) == 2
+    assert "has base tiny, not tiny_moe" in capsys.readouterr().err
