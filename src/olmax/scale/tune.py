@@ -10,8 +10,9 @@ judged by the compiler's peak memory (it fits with `headroom` to spare) and by t
 The search takes candidates in the order a quick estimate puts them (the recipe's FLOPs plus what the remat
 policy recomputes, the weights the mesh moves, and the memory they keep), compiles up to `budget` of them, and
 prunes by memory as it learns: a candidate that keeps everything an out-of-memory one keeps, and more (a superset
-of its saved activations, a larger micro-batch, the same mesh, tiles and flags), is out of memory too, and is not
-compiled. What did not compile for another reason is listed with the reason.
+of its saved activations, a larger micro-batch, the same mesh and flags; Splash's tiles live in VMEM, not HBM), is
+out of memory too, and is not compiled; and the estimate's memory is rescaled by what the compiler said of the
+candidates so far, so the search moves to what fits. What did not compile for another reason is listed with the reason.
 """
 
 from __future__ import annotations
@@ -64,7 +65,8 @@ class Candidate:
         return f"{mesh}; remat {remat}; micro-batch {self.micro_batch}{tiles}; flags {'on' if self.flags else 'off'}"
 
     def same_but_memory(self, other: Candidate) -> bool:
-        return (self.mesh, self.tiles, self.flags) == (other.mesh, other.tiles, other.flags)
+        """The same layout but for what it keeps (Splash's tiles live in the cores' VMEM, not in HBM)."""
+        return (self.mesh, self.flags) == (other.mesh, other.flags)
 
     def keeps_at_least(self, other: Candidate) -> bool:
         """Everything `other` keeps in memory, this keeps too: its saved activations and its micro-batch."""
@@ -202,7 +204,8 @@ def evaluate(config: str, overrides: list[str], target_name: str, candidate: Can
     except DoesNotFit as err:
         report = err.report
         if "step_time" not in report:  # the TPU compiler refused it
-            return Result(candidate, "out of memory", report.get("required"), reason=report.get("compiler_error", ""),
+            needs = report.get("required") and report["required"] + report["parameters"] + report["optimizer_state"]
+            return Result(candidate, "out of memory", needs, reason=report.get("compiler_error", ""),
                           compile_seconds=time.perf_counter() - start, cached=bool(report.get("compile_cached")))
     except Exception as err:  # noqa: BLE001 - a candidate the compiler or the config refuses is listed with why
         return Result(candidate, "failed", reason=f"{type(err).__name__}: {str(err).splitlines()[0][:300]}",
@@ -245,12 +248,12 @@ class Search:
 
 
 def ordered(candidates: list[Candidate], key) -> list[Candidate]:
-    """The search's order: by the estimate, alternating with the best of each layout not yet tried (its mesh,
-    micro-batch, tiles and flags), so that a small budget sees many meshes, not one mesh's remat policies."""
+    """The search's order: by the estimate, alternating with the best of each mesh and micro-batch not yet tried,
+    so that a small budget sees many meshes, not one mesh's remat policies."""
     ranked = sorted(candidates, key=key)
     leaders, seen = [], set()
     for c in ranked:
-        group = (c.mesh, c.micro_batch, c.tiles, c.flags)
+        group = (c.mesh, c.micro_batch)
         if group not in seen:
             seen.add(group)
             leaders.append(c)
@@ -268,29 +271,29 @@ def tune(config: str, overrides: list[str], target: Target, budget: int, headroo
     cfg = load_config(config, overrides, target.name)
     candidates = space(cfg, target)
     device_memory = target.accelerator.memory_per_device * (1 - headroom)
+    estimates = {c: estimate(cfg, target, c) for c in candidates}
+    scale = [1.0]  # the compiler's peak over the estimate's, the largest seen so far
 
     def key(c: Candidate):
-        seconds, memory = estimate(cfg, target, c)
-        return (memory > device_memory, seconds, memory)
+        seconds, memory = estimates[c]
+        return (memory * scale[0] > device_memory, seconds, memory)
 
-    candidates = ordered(candidates, key)
+    remaining = ordered(candidates, key)
     search = Search(size=len(candidates))
     out_of_memory: list[Candidate] = []
     start = time.perf_counter()
-    todo = iter(candidates)
     evaluated = 0
     with _pool(jobs) as pool:
-        while evaluated < budget:
+        while evaluated < budget and remaining:
             batch = []
-            for candidate in todo:
+            while remaining and len(batch) < min(jobs, budget - evaluated):
+                candidate = remaining.pop(0)
                 if (by := pruned_by(candidate, out_of_memory)) is not None:
                     search.results.append(Result(candidate, "pruned", by=by,
                                                  reason=f"keeps everything {by.describe()} keeps, which ran out of "
                                                  "memory"))
                     continue
                 batch.append(candidate)
-                if len(batch) == min(jobs, budget - evaluated):
-                    break
             if not batch:
                 break
             futures = [pool.submit(evaluate, config, overrides, target.name, c, headroom) for c in batch]
@@ -301,12 +304,15 @@ def tune(config: str, overrides: list[str], target: Target, budget: int, headroo
                 search.compiled += not result.cached and result.status != "failed"
                 if result.status == "out of memory":
                     out_of_memory.append(result.candidate)
+                if result.peak:
+                    scale[0] = max(scale[0], result.peak / estimates[result.candidate][1])
                 elapsed = time.perf_counter() - start
                 eta = elapsed / evaluated * (min(budget, len(candidates)) - evaluated)
                 figure = (f"{result.step_seconds:.4g} s, peak {size(result.peak)}" if result.step_seconds
                           else result.reason[:100])
                 progress(f"[{evaluated}/{budget}] {result.candidate.describe()}: {result.status}, {figure}"
                          f"{' (cached)' if result.cached else ''}; {elapsed:.0f} s so far, about {eta:.0f} s left")
+            remaining = ordered(remaining, key)  # what the compiler said reorders the rest
     search.seconds = time.perf_counter() - start
     return search
 
