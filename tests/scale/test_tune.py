@@ -9,6 +9,7 @@ from olmax.cli import main
 from olmax.config import load_config
 from olmax.scale import tune
 from olmax.scale.targets import aot_missing, parse_target
+from test_scale_report import check_rendered, chromium  # noqa: F401 (chromium: a fixture)
 
 needs_tpu = pytest.mark.skipif(bool(aot_missing("tpu")), reason=str(aot_missing("tpu")))
 MESH = (("data", 1), ("fsdp", 8), ("tensor", 1), ("expert", 1), ("stage", 1))
@@ -57,7 +58,7 @@ def tuned(tmp_path_factory):
 
 
 @needs_tpu
-def test_tune_ranks_what_it_compiled_and_a_rerun_compiles_nothing_new(tuned, capsys):
+def test_tune_ranks_what_it_compiled_and_a_rerun_compiles_nothing_new(tuned, capsys, chromium, tmp_path):
     directory, args = tuned
     assert main([*args, "--out", str(directory / "best.yaml"), "--report", str(directory / "page")]) == 0
     first = json.loads(capsys.readouterr().out)
@@ -71,8 +72,10 @@ def test_tune_ranks_what_it_compiled_and_a_rerun_compiles_nothing_new(tuned, cap
     again = json.loads(capsys.readouterr().out)
     assert again["compiled"] == 0 and all(r["cached"] for r in again["results"] if r["status"] != "pruned")
     assert [r["layout"] for r in again["results"]] == [r["layout"] for r in first["results"]]
-    page = (directory / "page" / "index.html").read_text()
-    assert page.count('class="candidate fits"') == len(fitting) and "<script" not in page
+    # the page: every compiled layout a point on the chart of speed against memory, its figures the report's
+    report, facts = check_rendered(chromium, directory / "page" / "index.html", tmp_path)
+    assert facts.sections == ["chart", "candidates"]
+    assert (directory / "page" / "index.html").read_text().count('class="candidate fits"') == len(fitting)
 
 
 @needs_tpu
