@@ -409,8 +409,11 @@ def _step_time(r: dict) -> str:
             f"{k['collective_efficiency']:.0%} of their rate, loops times their trip counts, asynchronous "
             "collectives hidden behind the compute scheduled between their start and done. The constants and their "
             "sources: olmax.scale.targets.</p>")
+    until = p.get("timeline_until", p["step_seconds"])
+    cut = (f"<p class=\"note\">The timeline shows the first {_seconds(until)} of the step: it has more ops than a page "
+           "draws.</p>" if until < p["step_seconds"] else "")
     return (f'<section id="step-time"><h2>Predicted step time</h2>{note}{summary}{table}'
-            f"{_timeline(p['timeline'], p['step_seconds'])}</section>")
+            f"{_timeline(p['timeline'], p['step_seconds'])}{cut}</section>")
 
 
 def _timeline(events: list[dict], total: float, width: int = 1180) -> str:

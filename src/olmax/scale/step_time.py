@@ -439,6 +439,8 @@ class Tally:
     collective_bytes: dict = field(default_factory=lambda: collections.defaultdict(float))
     flops: float = 0.0
     loops_without_trip_count: int = 0
+    total: float = 0.0  # the step's seconds
+    timeline_cut: float = math.inf  # where the timeline stops, when a step has more events than it keeps
     events: list = field(default_factory=list)  # (start, end, lane, category, label) of the timeline
 
 
@@ -452,7 +454,7 @@ class Clock:
 
 
 class Simulator:
-    def __init__(self, cost: ProgramCost, keep_events: int = 20000):
+    def __init__(self, cost: ProgramCost, keep_events: int = 200_000):
         self.cost, self.keep_events = cost, keep_events
         self.module = cost.module
 
@@ -464,7 +466,9 @@ class Simulator:
         return tally
 
     def _event(self, tally, record, start, end, lane, category, label):
-        if record and end > start and len(tally.events) < self.keep_events:
+        if record and end > start and len(tally.events) >= self.keep_events:
+            tally.timeline_cut = min(tally.timeline_cut, start)
+        elif record and end > start:
             last = tally.events[-1] if tally.events else None
             if last and last[2] == lane and last[3] == category and last[4] == label and abs(last[1] - start) < 1e-12:
                 tally.events[-1] = (last[0], end, lane, category, label)
@@ -493,9 +497,7 @@ class Simulator:
             if trips is None:  # bounded by data (an MoE's block loops): counted once, and said
                 tally.loops_without_trip_count += 1
                 trips = 1
-            start = clock.compute
             self._computation(body, clock, tally, weight, record, region, layer)
-            first = clock.compute - start
             if trips > 1:
                 mark = len(tally.events)
                 second_start = clock.compute
@@ -506,12 +508,11 @@ class Simulator:
                     for t in range(1, trips - 1):
                         for (s, e, lane, cat, lab) in repeat:
                             self._event(tally, True, s + t * per, e + t * per, lane, cat, lab)
-                shift = per * (trips - 2)
+                shift = per * (trips - 2)  # the iterations after the second, which take as long
                 clock.compute += shift
-                clock.links = max(clock.links + shift, clock.links)
-                clock.copies = max(clock.copies + shift, clock.copies)
+                clock.links += shift
+                clock.copies += shift
                 clock.pending = {k: (a + shift, b + shift, c) for k, (a, b, c) in clock.pending.items()}
-            del first
             return
         if op in ("call", "conditional") and not op.endswith("-start"):
             called = [module.computation(c) for c in instruction.calls()]
@@ -691,6 +692,7 @@ def predict(text: str, hw: Hardware, coords: list[dict] | None = None, attention
                       "memory_bandwidth_per_device": hw.memory_bandwidth},
         "timeline": [{"start": s, "end": e, "lane": lane, "category": c, "label": label}
                      for s, e, lane, c, label in _downsample(tally.events, step)],
+        "timeline_until": min(tally.timeline_cut, step),
     }
     if model_flops_per_device:
         report["model_flops_per_device"] = model_flops_per_device
