@@ -203,6 +203,11 @@ def evaluate(config: str, overrides: list[str], target_name: str, candidate: Can
         report = compile_train_step(cfg, target)
     except DoesNotFit as err:
         report = err.report
+        if "step_time" not in report and "VmemOom" in report.get("compiler_error", ""):
+            # Splash's tiles do not fit the cores' VMEM: a failure of this layout's tiles, not of its HBM
+            return Result(candidate, "failed", reason="the attention tiles do not fit the cores' VMEM ("
+                          + report["compiler_error"][:120] + ")", compile_seconds=time.perf_counter() - start,
+                          cached=bool(report.get("compile_cached")))
         if "step_time" not in report:  # the TPU compiler refused it
             needs = report.get("required") and report["required"] + report["parameters"] + report["optimizer_state"]
             return Result(candidate, "out of memory", needs, reason=report.get("compiler_error", ""),
@@ -276,7 +281,9 @@ def tune(config: str, overrides: list[str], target: Target, budget: int, headroo
 
     def key(c: Candidate):
         seconds, memory = estimates[c]
-        return (memory * scale[0] > device_memory, seconds, memory)
+        # the estimate cannot tell Splash's tiles apart: the config's own first, larger ones after
+        tiles = 0 if c.tiles in (None, cfg.impl.attention.splash.block_q) else c.tiles / cfg.data.sequence_length
+        return (memory * scale[0] > device_memory, seconds * (1 + tiles), memory)
 
     remaining = ordered(candidates, key)
     search = Search(size=len(candidates))
