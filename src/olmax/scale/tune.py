@@ -11,8 +11,9 @@ The search takes candidates in the order a quick estimate puts them (the recipe'
 policy recomputes, the weights the mesh moves, and the memory they keep), compiles up to `budget` of them, and
 prunes by memory as it learns: a candidate that keeps everything an out-of-memory one keeps, and more (a superset
 of its saved activations, a larger micro-batch, the same mesh and flags; Splash's tiles live in VMEM, not HBM), is
-out of memory too, and is not compiled; and the estimate's memory is rescaled by what the compiler said of the
-candidates so far, so the search moves to what fits. What did not compile for another reason is listed with the reason.
+out of memory too, and is not compiled; and the estimate is rescaled by what the compiler and the step-time model
+said of the candidates so far (its memory by the largest miss, its time per mesh), so the search moves to what
+fits and runs fast. What did not compile for another reason is listed with the reason.
 """
 
 from __future__ import annotations
@@ -155,7 +156,9 @@ def estimate(cfg: RunConfig, target: Target, candidate: Candidate) -> tuple[floa
     fsdp, data, tensor = mesh["fsdp"], mesh["data"], mesh["tensor"]
     link = max(a.link_bandwidth, a.network_bandwidth, 1.0) * 2
     moved = (2 * micro_steps + 1) * weights / tensor * (fsdp - 1) / max(fsdp, 1) + 2 * weights * (data - 1) / data
-    moved += 4 * m.n_layers * tokens * m.d_model * 2 * (tensor - 1) / tensor  # tensor parallel activations
+    # tensor parallelism: each device sees its group's tokens, and sums the attention's and the MLP's outputs over
+    # the group in the forward pass, the backward pass and the recomputation (6 all-reduces a layer)
+    moved += 6 * m.n_layers * tokens * tensor * m.d_model * 2 * 2 * (tensor - 1) / tensor
     comm = moved / link
     shards = fsdp * tensor * mesh["expert"] * mesh["stage"]
     state = count.params * (4 + 4 + 4 + 4) / shards  # fp32 parameters, gradients and two moments
@@ -278,9 +281,12 @@ def tune(config: str, overrides: list[str], target: Target, budget: int, headroo
     device_memory = target.accelerator.memory_per_device * (1 - headroom)
     estimates = {c: estimate(cfg, target, c) for c in candidates}
     scale = [1.0]  # the compiler's peak over the estimate's, the largest seen so far
+    speed: dict = {}  # a mesh -> the step-time model's prediction over the estimate, for the meshes compiled
 
     def key(c: Candidate):
         seconds, memory = estimates[c]
+        known = sorted(speed.values())
+        seconds *= speed.get(c.mesh, known[len(known) // 2] if known else 1.0)
         # the estimate cannot tell Splash's tiles apart: the config's own first, larger ones after
         tiles = 0 if c.tiles in (None, cfg.impl.attention.splash.block_q) else c.tiles / cfg.data.sequence_length
         return (memory * scale[0] > device_memory, seconds * (1 + tiles), memory)
@@ -313,6 +319,8 @@ def tune(config: str, overrides: list[str], target: Target, budget: int, headroo
                     out_of_memory.append(result.candidate)
                 if result.peak:
                     scale[0] = max(scale[0], result.peak / estimates[result.candidate][1])
+                if result.step_seconds:
+                    speed[result.candidate.mesh] = result.step_seconds / estimates[result.candidate][0]
                 elapsed = time.perf_counter() - start
                 eta = elapsed / evaluated * (min(budget, len(candidates)) - evaluated)
                 figure = (f"{result.step_seconds:.4g} s, peak {size(result.peak)}" if result.step_seconds
