@@ -232,7 +232,9 @@ def run_tune(args: argparse.Namespace) -> None:
 
         print(f"olmax: report {write_tune(report, directory)}", file=sys.stderr)
     if search.best is None:
-        sys.exit(1)
+        from olmax.errors import ExitCode
+
+        sys.exit(ExitCode.FAILED)
 
 
 def run_report(args: argparse.Namespace) -> None:

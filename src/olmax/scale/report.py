@@ -428,6 +428,8 @@ def _timeline(events: list[dict], total: float, width: int = 1180) -> str:
              f'<text x="0" y="{lanes["links"] + 15}">links</text>']
     bands, exposed = [], 0
     for e in events:
+        if e["lane"] not in lanes:  # a report.json olmax did not write
+            continue
         x, w = left + e["start"] * scale, max((e["end"] - e["start"]) * scale, 0.3)
         colour = CATEGORY_COLOURS.get(e["category"], "#999")
         klass = f'event {html.escape(e["category"])}'
