@@ -134,14 +134,11 @@ def run_plan(args: argparse.Namespace) -> None:
         raise ConfigError(f"--goodput {args.goodput}: give a fraction in (0, 1], e.g. 0.9")
     cfg, mfu = load_config(args.config, args.overrides, target.name), _mfu(args.mfu)
     directory = _report_dir(args.report)
-    prediction = None
+    prediction, err = None, None
     if mfu is None:
-        compiled = _compile(args, target)
+        compiled, err = _compile(args, target)
         prediction = compiled.get("step_time")
         if prediction is None:
-            from olmax.errors import DoesNotFit
-
-            err = DoesNotFit(compiled["compiler_error"], compiled)
             print(format_plan(plan(cfg, target, goodput=args.goodput)))
             print(f"olmax: {err.line()}; no step to predict (--mfu X costs it at an assumed MFU)", file=sys.stderr)
             sys.exit(err.exit_code)
@@ -150,49 +147,48 @@ def run_plan(args: argparse.Namespace) -> None:
         report["step_time"] = prediction
     print(json.dumps(report, indent=2) if args.json else format_plan(report, prediction))
     _write_report(report, directory, args.overrides)
+    if err is not None:  # a GPU step that compiled but needs more memory than the device has: predicted, refused
+        print(f"olmax: {err.line()}", file=sys.stderr)
+        sys.exit(err.exit_code)
 
 
-def _compile(args: argparse.Namespace, target) -> dict:
-    """The compile report of the config for the target (its DoesNotFit report when the step does not fit)."""
-    from olmax.errors import DoesNotFit
-    from olmax.scale.compile import compile_train_step
-
-    cfg = load_config(args.config, args.overrides, target.name)
-    try:
-        return compile_train_step(cfg, target, _mfu(args.mfu), progress=lambda line: print(
-            f"olmax {args.func.__name__.removeprefix('run_')}: {line}", file=sys.stderr, flush=True))
-    except DoesNotFit as err:
-        return err.report
-
-
-def run_compile(args: argparse.Namespace) -> None:
+def _compile(args: argparse.Namespace, target):
+    """(the compile report of the config for the target, the DoesNotFit when the step does not fit), saying each phase
+    and, in every 30 s of silence, what it still waits for."""
     from olmax.errors import DoesNotFit
     from olmax.progress import ticking
     from olmax.scale.compile import compile_train_step
-    from olmax.scale.targets import parse_target
 
-    target = parse_target(args.target)
-    cfg, layout = load_config(args.config, args.overrides, target.name), target_layout(args.config, target.name)
-    layout = layout and {"target": layout[0], "settings": layout[1]}
-    mfu, directory = _mfu(args.mfu), _report_dir(args.report)
+    command = f"olmax {args.func.__name__.removeprefix('run_')}"
+    cfg = load_config(args.config, args.overrides, target.name)
     phase = ["starting"]
 
     def say(line: str) -> None:
         phase[0] = line
-        print(f"olmax compile: {line}", file=sys.stderr, flush=True)
+        print(f"{command}: {line}", file=sys.stderr, flush=True)
 
     try:
-        with ticking(lambda seconds: f"olmax compile: [{seconds:.0f} s] still waiting for XLA (last: {phase[0]})"):
-            report = compile_train_step(cfg, target, mfu, progress=say)
+        with ticking(lambda seconds: f"{command}: [{seconds:.0f} s] still waiting for XLA (last: {phase[0]})"):
+            return compile_train_step(cfg, target, _mfu(args.mfu), progress=say), None
     except DoesNotFit as err:
-        err.report["layout"] = layout
-        print(json.dumps(err.report, indent=2) if args.json else format_compile(err.report))
-        _write_report(err.report, directory, args.overrides)
-        print(f"olmax: {err.line()}", file=sys.stderr)
-        sys.exit(err.exit_code)
+        return err.report, err
+
+
+def run_compile(args: argparse.Namespace) -> None:
+    from olmax.scale.targets import parse_target
+
+    target = parse_target(args.target)
+    load_config(args.config, args.overrides, target.name)  # refused before anything else
+    layout = target_layout(args.config, target.name)
+    layout = layout and {"target": layout[0], "settings": layout[1]}
+    directory = _report_dir(args.report)
+    report, err = _compile(args, target)
     report["layout"] = layout
     print(json.dumps(report, indent=2) if args.json else format_compile(report))
     _write_report(report, directory, args.overrides)
+    if err is not None:
+        print(f"olmax: {err.line()}", file=sys.stderr)
+        sys.exit(err.exit_code)
 
 
 def run_tune(args: argparse.Namespace) -> None:

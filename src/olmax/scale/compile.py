@@ -128,7 +128,7 @@ def _cache_key(lowered_text: str, target: Target) -> str:
     return hashlib.sha256(facts.encode()).hexdigest()[:32]
 
 
-def compiled_program(lowered, target: Target, progress=lambda line: None) -> dict:
+def compiled_program(lowered, target: Target) -> dict:
     """The compiled program of `lowered` for `target`: its optimized HLO text, memory figures and compile time,
     from the cache when the same program was compiled for the same target, compiler flags and JAX before.
     A compile the compiler refuses for memory is cached too (its error); other failures raise."""
@@ -142,7 +142,7 @@ def compiled_program(lowered, target: Target, progress=lambda line: None) -> dic
         return result
     start = time.perf_counter()
     try:
-        with _without_persistent_cache(), _ticking(progress, start):
+        with _without_persistent_cache():
             compiled = lowered.compile(compiler_options=target.xla_flags or None)
     except jax.errors.JaxRuntimeError as err:
         if "RESOURCE_EXHAUSTED" not in str(err):
@@ -172,26 +172,6 @@ def _store(entry: Path, result: dict) -> None:
         for child in partial.iterdir():
             child.unlink()
         partial.rmdir()
-
-
-@contextlib.contextmanager
-def _ticking(progress, start: float, every: float = 30.0):
-    """A progress line every `every` seconds while the compiler runs: a big program compiles for minutes."""
-    import threading
-
-    stop = threading.Event()
-
-    def tick():
-        while not stop.wait(every):
-            progress(f"still compiling ({time.perf_counter() - start:.0f} s)")
-
-    thread = threading.Thread(target=tick, daemon=True)
-    thread.start()
-    try:
-        yield
-    finally:
-        stop.set()
-        thread.join()
 
 
 def predicted_step(cfg: RunConfig, target: Target, layout: Layout, text: str) -> dict:
@@ -225,7 +205,7 @@ def _without_persistent_cache():
 def compile_train_step(cfg: RunConfig, target: Target, mfu: float | None = None, progress=lambda line: None) -> dict:
     """Compile the step for `target` and report per-device memory, FLOPs, the step-time model's prediction, and
     the run's cost at that prediction (or at `mfu` where one is given); `progress` is told each phase (tracing,
-    lowering, compiling) as it starts, with the time so far, and every 30 s while the compiler runs.
+    lowering, compiling) as it starts, with the time so far.
 
     Raises DoesNotFit (with the report) when the step needs more memory per device than the target has.
     """
@@ -271,7 +251,7 @@ def compile_train_step(cfg: RunConfig, target: Target, mfu: float | None = None,
     progress(f"lowering ({time.perf_counter() - start:.0f} s)")
     lowered = traced.lower()
     progress(f"compiling ({time.perf_counter() - start:.0f} s)")
-    result = compiled_program(lowered, target, progress)
+    result = compiled_program(lowered, target)
     report["compile_seconds"] = result["compile_seconds"]
     report["compile_cached"] = result["cached"]
     if "error" in result:
