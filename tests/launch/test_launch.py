@@ -4,6 +4,7 @@ import argparse
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -299,3 +300,18 @@ def test_a_bucket_runs_launch_records_go_to_a_directory_here(tmp_path, capsys, m
     assert "launch.records_dir: must be a filesystem path" in err and err.count("gs://runs/records") == 1
     assert sorted(p.name for p in tmp_path.iterdir()) == ["rec"]
 
+
+
+def test_a_long_backoff_says_how_long_it_has_waited_and_how_long_is_left(tmp_path, monkeypatch):
+    """launch local waited out its backoff in silence (300 s after one kill -9 of a tiny run): a wait longer than
+    5/6 of progress.SILENCE says so each time that much has passed, from the main thread (a signal handler may
+    not print: it takes no lock)."""
+    from olmax.launch import launcher
+
+    monkeypatch.setattr(launcher, "SILENCE", 0.6)  # a line every 0.5 s
+    lines = []
+    supervisor = Supervisor("tiny", [f"output_dir={tmp_path}/run"], command=FAKE_COMMAND, echo=lines.append)
+    supervisor.wait(1.2)
+    assert len(lines) == 2, lines
+    assert re.match(r"olmax launch: \[\d+ s\] waiting \d+ s more before attempt 1 ", lines[0]), lines
+    assert "backoff after 0 failure(s) in a row" in lines[0]

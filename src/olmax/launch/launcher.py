@@ -40,6 +40,7 @@ from olmax import storage
 from olmax.config import RunConfig, load_config, writable_dir
 from olmax.data.shards import resolve_sources
 from olmax.errors import NOT_RETRIED, ExitCode
+from olmax.progress import SILENCE
 from olmax.run_dir import RunDir, open_own, writing
 from olmax.runtime import release_stop_signals
 
@@ -252,9 +253,15 @@ class Launcher:
         self._signals.append(sig)
 
     def wait(self, seconds: float) -> None:
-        """Wait up to `seconds`, less when a stop signal comes, and act on the signals that came."""
-        if len(self._signals) == self._acted:
-            select.select([self._wakeup] if self._wakeup is not None else [], [], [], seconds)
+        """Wait up to `seconds`, less when a stop signal comes, and act on the signals that came; a long wait says
+        every 25 s how long it has gone on and how much of it is left (no silence over progress.SILENCE)."""
+        began = time.monotonic()
+        while len(self._signals) == self._acted and (left := seconds - (time.monotonic() - began)) > 0:
+            select.select([self._wakeup] if self._wakeup is not None else [], [], [], min(left, SILENCE * 5 / 6))
+            waited = time.monotonic() - began
+            if len(self._signals) == self._acted and waited < seconds:
+                self.echo(f"olmax launch: [{waited:.0f} s] waiting {seconds - waited:.0f} s more before attempt "
+                          f"{self._attempt + 1} (backoff after {self.policy.failures_in_a_row} failure(s) in a row)")
         self.act_on_signals()
 
     def act_on_signals(self) -> None:
