@@ -12,7 +12,7 @@ policy recomputes, the weights the mesh moves, and the memory they keep), compil
 prunes by memory as it learns: a candidate that keeps everything an out-of-memory one keeps, and more (a superset
 of its saved activations, a larger micro-batch, the same mesh and flags; Splash's tiles live in VMEM, not HBM), is
 out of memory too, and is not compiled; and the estimate is rescaled by what the compiler and the step-time model
-said of the candidates so far (its memory by the largest miss, its time per mesh), so the search moves to what
+said of the candidates so far (its memory and its time, per mesh), so the search moves to what
 fits and runs fast. What did not compile for another reason is listed with the reason.
 """
 
@@ -280,16 +280,22 @@ def tune(config: str, overrides: list[str], target: Target, budget: int, headroo
     candidates = space(cfg, target)
     device_memory = target.accelerator.memory_per_device * (1 - headroom)
     estimates = {c: estimate(cfg, target, c) for c in candidates}
-    scale = [1.0]  # the compiler's peak over the estimate's, the largest seen so far
-    speed: dict = {}  # a mesh -> the step-time model's prediction over the estimate, for the meshes compiled
+    # a mesh -> the compiler's peak over the estimate's (the largest), and the step-time model's prediction over the
+    # estimate's (the latest), for the meshes compiled; a mesh not compiled yet takes the median of the others
+    scale: dict = {}
+    speed: dict = {}
+
+    def learned(table: dict, mesh) -> float:
+        known = sorted(table.values())
+        return table.get(mesh, known[len(known) // 2] if known else 1.0)
 
     def key(c: Candidate):
         seconds, memory = estimates[c]
-        known = sorted(speed.values())
-        seconds *= speed.get(c.mesh, known[len(known) // 2] if known else 1.0)
+        seconds *= learned(speed, c.mesh)
+        memory *= learned(scale, c.mesh)
         # the estimate cannot tell Splash's tiles apart: the config's own first, larger ones after
         tiles = 0 if c.tiles in (None, cfg.impl.attention.splash.block_q) else c.tiles / cfg.data.sequence_length
-        return (memory * scale[0] > device_memory, seconds * (1 + tiles), memory)
+        return (memory > device_memory, seconds * (1 + tiles), memory)
 
     remaining = ordered(candidates, key)
     search = Search(size=len(candidates))
@@ -318,7 +324,8 @@ def tune(config: str, overrides: list[str], target: Target, budget: int, headroo
                 if result.status == "out of memory":
                     out_of_memory.append(result.candidate)
                 if result.peak:
-                    scale[0] = max(scale[0], result.peak / estimates[result.candidate][1])
+                    mesh = result.candidate.mesh
+                    scale[mesh] = max(scale.get(mesh, 0.0), result.peak / estimates[result.candidate][1])
                 if result.step_seconds:
                     speed[result.candidate.mesh] = result.step_seconds / estimates[result.candidate][0]
                 elapsed = time.perf_counter() - start
