@@ -19,9 +19,7 @@ def add_commands(subparsers) -> None:
         "the step's time goes. With --mfu X it is arithmetic at that MFU instead, with no compilation. TARGET is "
         "tpu:KIND:TOPOLOGY (tpu:v5p:4x4x8, tpu:tpu7x:4x4x4) or gpu:KINDxN (gpu:h100x8).",
     )
-    p.add_argument("config", help="preset name (olmo3_7b, tiny, ...) or a YAML path")
-    p.add_argument("overrides", nargs="*", help="section.key=value")
-    p.add_argument("--target", required=True, help="tpu:KIND:TOPOLOGY (tpu:v5p:4x4x8) or gpu:KINDxN (gpu:h100x8)")
+    _config_and_target(p)
     _mfu_option(p)
     p.add_argument("--goodput", type=float, help="the share of wall time that is productive steps (what `olmax "
                    "goodput RUN` measured, e.g. 0.9): adds the chip-hours the run really costs")
@@ -33,12 +31,10 @@ def add_commands(subparsers) -> None:
         "compile", help="compile the train step for a TPU slice or GPU host on this machine; does it fit?",
         description="Compiles the step `olmax train` runs (the config's mesh, remat and micro-batch) for the "
         "target's devices without the hardware, and reports per-device memory at the compiler's peak, the "
-        "parameter / optimizer / activation split, FLOPs and time per step at an MFU. Needs the aot extra (TPU) or "
+        "parameter / optimizer / activation split, FLOPs, and the step's time predicted from the compiled program. Needs the aot extra (TPU) or "
         "the aot-gpu extra (GPU). Exit 1 (DoesNotFit) when the step needs more memory than a device has.",
     )
-    p.add_argument("config", help="preset name (olmo3_7b, tiny, ...) or a YAML path")
-    p.add_argument("overrides", nargs="*", help="section.key=value")
-    p.add_argument("--target", required=True, help="tpu:KIND:TOPOLOGY (tpu:v5p:4x4x8) or gpu:KINDxN (gpu:h100x8)")
+    _config_and_target(p)
     _mfu_option(p)
     p.add_argument("--json", action="store_true", help="print the report as one JSON object")
     _report_option(p)
@@ -51,9 +47,7 @@ def add_commands(subparsers) -> None:
         "most promising first (cached by program: a rerun compiles nothing new), judges each by the compiler's peak "
         "memory and the step-time model's prediction, prunes by memory as it learns, and prints the ranked table.",
     )
-    p.add_argument("config", help="preset name (olmo3_7b, tiny, ...) or a YAML path")
-    p.add_argument("overrides", nargs="*", help="section.key=value (settings tune does not search)")
-    p.add_argument("--target", required=True, help="tpu:KIND:TOPOLOGY (tpu:v5p:4x4x8) or gpu:KINDxN (gpu:h100x8)")
+    _config_and_target(p, "section.key=value (settings tune does not search)")
     p.add_argument("--budget", type=int, default=24, help="compiles at most (default 24: about an hour for the 7B "
                    "on a laptop's CPU at 2-3 minutes a compile)")
     p.add_argument("--headroom", type=float, default=0.1,
@@ -74,6 +68,12 @@ def add_commands(subparsers) -> None:
     p.add_argument("reports", nargs="+", help="report.json files written by --report")
     p.add_argument("--out", required=True, help="directory for index.html and report.json")
     p.set_defaults(func=run_report)
+
+
+def _config_and_target(parser: argparse.ArgumentParser, overrides: str = "section.key=value") -> None:
+    parser.add_argument("config", help="preset name (olmo3_7b, tiny, ...) or a YAML path")
+    parser.add_argument("overrides", nargs="*", help=overrides)
+    parser.add_argument("--target", required=True, help="tpu:KIND:TOPOLOGY (tpu:v5p:4x4x8) or gpu:KINDxN (gpu:h100x8)")
 
 
 def _report_option(parser: argparse.ArgumentParser) -> None:

@@ -84,30 +84,30 @@ COLLECTIVE_LATENCY = {"tpu": 5e-6, "gpu": 5e-6}
 # reference hosts: ConnectX-7 at 400 Gb/s a GPU (DGX H100, H200, B200), ConnectX-8 at 800 Gb/s (HGX B300).
 # Tensor-core tiles: Hopper's wgmma m64nNk16, Blackwell's tcgen05 m128nNk16 (N in steps of 8 or 16).
 TB = 1e12
+TPU_3D = dict(matrix_tile=(8, 128, 128), link_bandwidth=600e9 / 6, matmul_efficiency=MATMUL_EFFICIENCY["tpu"])
+HOPPER = dict(fp8_flops_per_chip=1979e12, matrix_tile=(64, 8, 16), link_bandwidth=450e9, network_bandwidth=50e9,
+              matmul_efficiency=MATMUL_EFFICIENCY["sm_90"])
+BLACKWELL = dict(fp8_flops_per_chip=4500e12, memory_bandwidth=8 * TB, matrix_tile=(128, 16, 16), link_bandwidth=900e9,
+                 matmul_efficiency=MATMUL_EFFICIENCY["sm_100"])
 ACCELERATORS = {
-    "v5e": Accelerator("tpu", round(15.75 * GiB), 197e12, pod_chips=256, fp8_flops_per_chip=197e12, memory_bandwidth=819e9,
-                       matrix_tile=(8, 128, 128), link_bandwidth=200e9 / 4, torus_dimensions=2,
-                       matmul_efficiency=MATMUL_EFFICIENCY["tpu"]),
-    "v5p": Accelerator("tpu", round(95.74 * GiB), 459e12, pod_chips=8960, fp8_flops_per_chip=459e12, memory_bandwidth=2765e9,
-                       matrix_tile=(8, 128, 128), link_bandwidth=600e9 / 6, matmul_efficiency=MATMUL_EFFICIENCY["tpu"]),
-    "v6e": Accelerator("tpu", round(31.25 * GiB), 918e12, pod_chips=256, fp8_flops_per_chip=918e12, memory_bandwidth=1638e9,
-                       matrix_tile=(8, 256, 256), link_bandwidth=400e9 / 4, torus_dimensions=2,
-                       matmul_efficiency=MATMUL_EFFICIENCY["tpu"]),
-    "tpu7x": Accelerator("tpu", round(94.75 * GiB), 2307e12, devices_per_chip=2, pod_chips=9216, fp8_flops_per_chip=4614e12,
-                         memory_bandwidth=7380e9, matrix_tile=(8, 256, 256), link_bandwidth=600e9 / 6,
-                         matmul_efficiency=MATMUL_EFFICIENCY["tpu"]),
-    "h100": Accelerator("gpu", 81_559 * 2**20, 989e12, target_config="h100_sxm.txtpb", fp8_flops_per_chip=1979e12,
-                        memory_bandwidth=3.35 * TB, matrix_tile=(64, 8, 16), link_bandwidth=450e9,
-                        network_bandwidth=50e9, matmul_efficiency=MATMUL_EFFICIENCY["sm_90"]),
-    "h200": Accelerator("gpu", 143_771 * 2**20, 989e12, target_config="h200_sxm.txtpb", fp8_flops_per_chip=1979e12,
-                        memory_bandwidth=4.8 * TB, matrix_tile=(64, 8, 16), link_bandwidth=450e9,
-                        network_bandwidth=50e9, matmul_efficiency=MATMUL_EFFICIENCY["sm_90"]),
-    "b200": Accelerator("gpu", 183_359 * 2**20, 2250e12, target_config="b200_sxm.txtpb", fp8_flops_per_chip=4500e12,
-                        memory_bandwidth=8 * TB, matrix_tile=(128, 16, 16), link_bandwidth=900e9,
-                        network_bandwidth=50e9, matmul_efficiency=MATMUL_EFFICIENCY["sm_100"]),
-    "b300": Accelerator("gpu", 275_040 * 2**20, 2250e12, target_config="b300_sxm.txtpb", fp8_flops_per_chip=4500e12,
-                        memory_bandwidth=8 * TB, matrix_tile=(128, 16, 16), link_bandwidth=900e9,
-                        network_bandwidth=100e9, matmul_efficiency=MATMUL_EFFICIENCY["sm_100"]),
+    "v5e": Accelerator("tpu", round(15.75 * GiB), 197e12, pod_chips=256, fp8_flops_per_chip=197e12,
+                       memory_bandwidth=819e9, **{**TPU_3D, "link_bandwidth": 200e9 / 4}, torus_dimensions=2),
+    "v5p": Accelerator("tpu", round(95.74 * GiB), 459e12, pod_chips=8960, fp8_flops_per_chip=459e12,
+                       memory_bandwidth=2765e9, **TPU_3D),
+    "v6e": Accelerator("tpu", round(31.25 * GiB), 918e12, pod_chips=256, fp8_flops_per_chip=918e12,
+                       memory_bandwidth=1638e9, **{**TPU_3D, "matrix_tile": (8, 256, 256), "link_bandwidth": 400e9 / 4},
+                       torus_dimensions=2),
+    "tpu7x": Accelerator("tpu", round(94.75 * GiB), 2307e12, devices_per_chip=2, pod_chips=9216,
+                         fp8_flops_per_chip=4614e12, memory_bandwidth=7380e9,
+                         **{**TPU_3D, "matrix_tile": (8, 256, 256)}),
+    "h100": Accelerator("gpu", 81_559 * 2**20, 989e12, target_config="h100_sxm.txtpb", memory_bandwidth=3.35 * TB,
+                        **HOPPER),
+    "h200": Accelerator("gpu", 143_771 * 2**20, 989e12, target_config="h200_sxm.txtpb", memory_bandwidth=4.8 * TB,
+                        **HOPPER),
+    "b200": Accelerator("gpu", 183_359 * 2**20, 2250e12, target_config="b200_sxm.txtpb", network_bandwidth=50e9,
+                        **BLACKWELL),
+    "b300": Accelerator("gpu", 275_040 * 2**20, 2250e12, target_config="b300_sxm.txtpb", network_bandwidth=100e9,
+                        **BLACKWELL),
 }
 GPUS_PER_HOST = 8
 KIND_ALIASES = {"ironwood": "tpu7x"}  # the name Google's announcements use for TPU7x
