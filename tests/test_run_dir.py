@@ -69,14 +69,14 @@ def test_a_run_directory_in_a_bucket_names_urls():
 
 # The run's own files and directories, and their .partial files (what train writes, including its lock)
 OWN = ["run.lock", "goodput.json", "goodput.json.partial", "metrics.jsonl", "metrics.jsonl.partial", "checkpoints",
-       "tensorboard", "logs"]
+       "tensorboard", "logs", "wandb.json", "wandb"]
 
 
 @pytest.mark.parametrize("name", OWN)
 def test_a_link_where_train_writes_its_own_file_is_refused_naming_it(tmp_path, capsys, name):
     """A symbolic link planted where olmax writes (its target anywhere) is exit 2 naming it, its target untouched."""
     target = tmp_path / "target"
-    if name in ("checkpoints", "tensorboard", "logs"):
+    if name in ("checkpoints", "tensorboard", "logs", "wandb"):
         target.mkdir()
         (target / "kept").write_text("precious")
     else:

@@ -598,6 +598,19 @@ class StorageConfig(Section):
                                  "resets, timeouts) are retried before the run stops")
 
 
+class WandbConfig(Section):
+    """Weights & Biases logging from process 0 (the `wandb` extra), set as OLMo-core's W&B callback is; W&B's own
+    variables choose the account and the server (WANDB_API_KEY, WANDB_BASE_URL, WANDB_MODE=offline)."""
+
+    enabled: bool = False
+    project: str | None = Field(None, description="None = W&B's default project")
+    entity: str | None = Field(None, description="the team or user; None = the API key's default entity")
+    group: str | None = None
+    name: str | None = Field(None, description="the W&B run's display name; None = the config's name")
+    tags: list[str] = Field(default_factory=list)
+    notes: str | None = None
+
+
 class RunConfig(Section):
     name: str = "run"
     output_dir: str = Field("runs/{name}", description="checkpoints/ and metrics/ go here")
@@ -613,6 +626,7 @@ class RunConfig(Section):
     eval: EvalConfig = Field(default_factory=EvalConfig)
     launch: LaunchConfig = Field(default_factory=LaunchConfig)
     storage: StorageConfig = Field(default_factory=StorageConfig)
+    wandb: WandbConfig = Field(default_factory=WandbConfig)
 
     _output_dir = field_validator("output_dir")(check_placeholders)
 

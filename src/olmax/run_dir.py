@@ -5,6 +5,9 @@
       metrics.jsonl        one JSON record per logged step (olmax.train.metrics)
       tensorboard/events*  the same metrics as TensorBoard event files
       goodput.json         the run's wall time by category, over its attempts (olmax.train.goodput)
+      wandb.json           the id of the run's Weights & Biases run (olmax.train.wandb_log)
+      wandb/               W&B's own files: its logs, and offline its runs' records (`wandb sync` uploads them)
+      page/                `olmax report RUN`'s page of the run: index.html, report.json (olmax.train.run_page)
       run.lock             the lock of the process that holds the run, or a bucket run's lease (olmax.run_lock)
       committed.json       a bucket run's own record of its newest committed step (olmax.train.bucket_run)
       logs/host-NN.log     each process's log (olmax.launch.distributed)
@@ -65,8 +68,11 @@ class RunDir:
     slurm_script = File("slurm/job.sh")
     jobset = File("jobset.yaml")
     committed_record = File("committed.json")  # a bucket run's record of its newest committed step (train.bucket_run)
+    wandb_record = File("wandb.json")
+    wandb_files = File("wandb")
+    page = File("page")
 
-    METRIC_FILES = (metrics.name, tensorboard.name, goodput.name)  # what a bucket run uploads as it goes and `compare` reads
+    METRIC_FILES = (metrics.name, tensorboard.name, goodput.name, wandb_record.name)  # what a bucket run uploads as it goes and `compare` reads
 
     def __init__(self, location: str | os.PathLike):
         self.remote = storage.is_remote(location)
@@ -87,6 +93,11 @@ class RunDir:
                 for depth in range(1, len(parts) + 1):  # slurm/, then slurm/job.sh
                     refuse_link(self.path("/".join(parts[:depth])))
                 refuse_link(self.path(value.name + PARTIAL))
+
+    def checkpoint_meta(self, step: int):
+        """The meta of checkpoint `step` (step, tokens, data position, the resolved config): the JSON file Orbax's
+        JsonSave writes for the checkpoint's `meta` item."""
+        return self.path(f"{self.checkpoints.name}/{step}/meta/metadata")
 
     def host_log(self, process: int) -> Path:
         return self.logs / f"host-{process:02d}.log"

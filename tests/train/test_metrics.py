@@ -1,6 +1,7 @@
 """Metric writers: scalars and vectors (histograms + per-index scalars) in the event files and metrics.jsonl."""
 
 import json
+import time
 
 from testlib import event_histograms as _histograms
 from olmax.eval.curves import read_events
@@ -17,7 +18,9 @@ def test_vector_metrics_are_histograms_and_per_index_scalars(tmp_path):
     histo = _histograms(tmp_path / "tensorboard")[("train/tokens per expert", 1)]
     assert (histo.num, histo.sum, histo.min, histo.max) == (4, 16.0, 0.0, 8.0) and sum(histo.bucket) == 4
     line = json.loads((tmp_path / "metrics.jsonl").read_text())
-    assert line == {"step": 1, "train/CE loss": 2.5, "train/tokens per expert": [3.0, 0.0, 5.0, 8.0]}
+    assert line == {"step": 1, "wall_time": line["wall_time"], "train/CE loss": 2.5,
+                    "train/tokens per expert": [3.0, 0.0, 5.0, 8.0]}
+    assert abs(line["wall_time"] - time.time()) < 60
 
 
 XEON = """processor\t: {n}

@@ -27,6 +27,7 @@ class AsyncSaver:
 
     def __init__(self, checkpointer: Checkpointer, upload=None):
         self.checkpointer, self.upload = checkpointer, upload
+        self.committed = 0  # the newest step this saver wrote and uploaded (0: none yet)
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
 
@@ -58,5 +59,6 @@ class AsyncSaver:
             self.checkpointer.finish()
             if self.upload is not None:
                 self.upload(step, self.checkpointer.all_steps())
+            self.committed = step
         except BaseException as err:  # raised on the training thread by the next save or finish
             self._error = err

@@ -88,7 +88,7 @@ def _read_jsonl(path: Path, metric: str) -> dict[int, float]:
         if metric in row and "step" in row:
             points[int(row["step"])] = float(row[metric])
     if not points:
-        raise EvalError(f"{path} has no {metric!r}; its metrics: {sorted(seen - {'step'})}")
+        raise EvalError(f"{path} has no {metric!r}; its metrics: {sorted(seen - {'step', 'wall_time'})}")
     return points
 
 

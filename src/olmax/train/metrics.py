@@ -1,7 +1,8 @@
 """Metrics every step, with OLMo-core's names, to TensorBoard events, a JSONL file and the console.
 
 TensorBoard event files are the source of truth for long runs; metrics.jsonl is
-the same stream for scripts. On resume at step N both drop whatever a previous
+the same stream for scripts, each record with its step and its wall time (`wall_time`, Unix seconds, as the
+event files keep it). On resume at step N both drop whatever a previous
 attempt logged after step N, so the logs describe one run. A metric may be a
 vector (say tokens per expert): a list in metrics.jsonl, and in the event files a
 histogram of its values plus one scalar per index (`name/0`, `name/1`, ...).
@@ -140,9 +141,12 @@ class MetricsWriter:
                 self.close()
             raise
 
-    def write(self, step: int, metrics: dict[str, float | list[float]]) -> None:
+    def write(self, step: int, metrics: dict[str, float | list[float]]) -> dict:
+        """Log `metrics` at `step`; the record metrics.jsonl keeps of them."""
+        now = time.time()
+        record = {"step": step, "wall_time": now, **metrics}
         if not self.enabled:
-            return
+            return record
         # Tags are OLMo-core's metric names verbatim (tensorboardX's scalar() would turn spaces into `_`).
         values = []
         for name, value in metrics.items():
@@ -152,10 +156,11 @@ class MetricsWriter:
             else:
                 values.append(Summary.Value(tag=name, simple_value=float(value)))
         with writing(self.tensorboard):
-            self.events.write_event(Event(step=step, wall_time=time.time(), summary=Summary(value=values)))
+            self.events.write_event(Event(step=step, wall_time=now, summary=Summary(value=values)))
         with writing(self.jsonl):
-            self.file.write(json.dumps({"step": step, **metrics}) + "\n")
+            self.file.write(json.dumps(record) + "\n")
             self.file.flush()
+        return record
 
     def flush(self) -> None:
         if self.enabled:

@@ -35,6 +35,7 @@ from olmax.train.metrics import MetricsWriter, console_line, device_peak_flops
 from olmax.train.resume import restore_or_init, resume_data, schedule_change
 from olmax.train.step_clock import StepClock
 from olmax.train.step import batch_shardings, jit_train_step, micro_batch_rows
+from olmax.train.wandb_log import WandbLog
 from olmax.train.watchdog import watching
 
 log = logging.getLogger(__name__)
@@ -161,6 +162,7 @@ def _train(cfg: RunConfig, quiet: bool, make_eval, bucket: BucketRun | None, run
     evaluate = make_eval(cfg, layout) if make_eval else None
     sharding = batch_shardings(layout, cfg.data.sequence_length, micro_rows)
     writer = MetricsWriter(run_dir, start, enabled=jax.process_index() == 0)
+    wandb = WandbLog(cfg, run_dir, start, enabled=jax.process_index() == 0)
     flops_per_token = flops.count(cfg.model, cfg.data.sequence_length).per_token
     peak = device_peak_flops(np.dtype(compute_dtype(cfg.impl, layout)).name)
     history, pending = [], None
@@ -193,7 +195,8 @@ def _train(cfg: RunConfig, quiet: bool, make_eval, bucket: BucketRun | None, run
                 log.warning(line)
                 if not quiet and jax.process_index() == 0:
                     print(line, file=sys.stderr, flush=True)
-        writer.write(step, values)
+        wandb.add(writer.write(step, values))
+        wandb.send(saver.committed)
         history.append({"step": step, **values})
         if not np.isfinite(values["train/CE loss"]):  # a skipped spike, or parameters gone for good
             check_finite(state.params, f"train/CE loss {values['train/CE loss']} at step {step}", checkpointer)
@@ -273,6 +276,7 @@ def _train(cfg: RunConfig, quiet: bool, make_eval, bucket: BucketRun | None, run
             saver.finish()  # the save in flight when an error stopped the run
         finally:
             goodput.mark("checkpoint")  # the last save's write
+            wandb.close(saver.committed, failed=sys.exc_info()[0] not in (None, Preempted))
             checkpointer.close()
             goodput.close()
         if bucket:
