@@ -10,30 +10,13 @@ import html
 import json
 
 from olmax import storage
+from olmax.pages import document, fact, table
 
 GiB = 2**30
 FAMILY_ORDER = ["embeddings", "attention projections", "MLP", "experts", "router", "norms", "LM head"]
 SEGMENT_COLOURS = {"parameters": "#4e79a7", "optimizer state": "#f28e2b", "batch and other arguments": "#9c755f",
                    "gradients": "#e15759", "activations kept for the backward": "#76b7b2", "temporaries": "#59a14f",
                    "free": "#f4f4f4"}
-STYLE = """
-body { font: 14px/1.45 system-ui, sans-serif; margin: 24px; max-width: 1220px; color: #222; }
-h1 { font-size: 22px; margin: 0 0 4px; } h2 { font-size: 17px; margin: 28px 0 8px; border-bottom: 1px solid #ccc; }
-h3 { font-size: 14px; margin: 14px 0 4px; }
-table { border-collapse: collapse; margin: 6px 0; } td, th { padding: 2px 10px 2px 0; text-align: left;
-  vertical-align: top; } th { border-bottom: 1px solid #999; } td.n, th.n { text-align: right; }
-code, .mono { font: 12px ui-monospace, monospace; } .note { color: #555; max-width: 1000px; }
-.swatch { display: inline-block; width: 11px; height: 11px; margin-right: 6px; border: 1px solid #888; }
-.verdict-yes { color: #1a7f37; font-weight: bold; } .verdict-no { color: #c62828; font-weight: bold; }
-svg { display: block; margin: 6px 0; } svg text { font: 11px system-ui, sans-serif; }
-.scroll { overflow-x: auto; max-width: 1220px; }
-"""
-
-
-def fact(path: str, value, text: str | None = None) -> str:
-    """A figure on the page, tied to its place in report.json."""
-    shown = text if text is not None else (f"{value:,}" if isinstance(value, int) else str(value))
-    return f'<span data-fact="{html.escape(path)}" data-value="{html.escape(json.dumps(value))}">{html.escape(shown)}</span>'
 
 
 def gib(path: str, value: int) -> str:
@@ -47,13 +30,6 @@ def size(value: int) -> str:
         if value >= scale:
             return f"{value / scale:,.2f} {unit}"
     return f"{value:,} B"
-
-
-def _table(header: list[str], rows: list[list[str]], numeric: set[int] = frozenset()) -> str:
-    th = "".join(f'<th class="{"n" if i in numeric else ""}">{h}</th>' for i, h in enumerate(header))
-    body = "".join("<tr>" + "".join(f'<td class="{"n" if i in numeric else ""}">{c}</td>' for i, c in enumerate(row))
-                   + "</tr>" for row in rows)
-    return f"<table><tr>{th}</tr>{body}</table>"
 
 
 def _plan_of(r: dict) -> dict:
@@ -111,7 +87,7 @@ def _mesh(r: dict) -> str:
            "<p class=\"note\">Mesh axes and the physical dimensions of the slice each one steps along. In the "
            "pictures every device is a square at its place in the slice (one panel per z), coloured by its index "
            "along the axis named above the panel row.</p>",
-           _table(["axis", "size", "physical dimensions it spans"], rows, {1})]
+           table(["axis", "size", "physical dimensions it spans"], rows, {1})]
     for axis in r["mesh_axes"]:
         if axis["size"] > 1:
             out.append(f"<h3>{html.escape(axis['axis'])} ({html.escape(str(axis['size']))}): devices coloured by their "
@@ -208,7 +184,7 @@ def _memory(r: dict) -> str:
         f"peak (the compiler's total of temporaries, {gib('temporaries', r['temporaries'])}, sums every temporary "
         "buffer of the whole program, buffers that are never all live at once: it can exceed the peak).</p>"
         + "<h3>The device</h3>" + _memory_bar(r) + "<h3>The peak, at full width</h3>" + _memory_bar(r, whole=False)
-        + _table(["segment", "size", "of the device"], rows, {1, 2})
+        + table(["segment", "size", "of the device"], rows, {1, 2})
         + f'<p>Segments below the peak add up to <span id="memory-sum">{size(added)}</span>, the '
         f"compiler's peak is {size(r['peak'])}.</p></section>")
 
@@ -231,7 +207,7 @@ def _parameters(r: dict) -> str:
     return ('<section id="parameters"><h2>Parameters</h2><p class="note">Every parameter (stacked over layers), its '
             "global shape, its partition spec (the mesh axes that split each dimension, - for none) and what one "
             f"device holds, {html.escape(r['parameter_table'][0]['dtype'])}. Total {size(total)} a device.</p>"
-            + _table(["family", "parameter", "global shape", "partition spec", "a device"], rows, {4})
+            + table(["family", "parameter", "global shape", "partition spec", "a device"], rows, {4})
             + "</section>")
 
 
@@ -256,7 +232,7 @@ def _collectives(r: dict) -> str:
             + (f"; {fact('collectives.loops_without_trip_count', unknown)} loop runs whose trip count the HLO "
                "does not state as a constant (an MoE's expert block loops are such) count once" if unknown else "")
             + ".</p>" + (_AS_NOTE if any(c.get("as") for c in found["by_axis"]) else "")
-            + _table(["mesh axes", "kind", "count a step", "bytes a step", ""], rows, {2, 3}) + "</section>")
+            + table(["mesh axes", "kind", "count a step", "bytes a step", ""], rows, {2, 3}) + "</section>")
 
 
 _AS_NOTE = ('<p class="note">"all-reduce as all-gather": the TPU compiler gathers FSDP-sharded weights with an '
@@ -363,7 +339,7 @@ def _plan(r: dict) -> str:
     return (f'<section id="plan"><h2>Plan: {title}</h2><p>{fact(prefix + "chips", plan["chips"])} chips at '
             f"{plan['peak_tflops_per_chip']:,.0f} TFLOP/s peak each; {fact(prefix + 'steps', plan['steps'])} steps "
             f"of {fact(prefix + 'tokens_per_step', plan['tokens_per_step'])} tokens.</p>"
-            + _table(["", "sliding windows exact", "every layer global"], rows, {1, 2}) + "</section>")
+            + table(["", "sliding windows exact", "every layer global"], rows, {1, 2}) + "</section>")
 
 
 CATEGORY_COLOURS = {"matmul": "#4e79a7", "attention": "#f28e2b", "memory": "#59a14f", "hidden": "#b8b8b8",
@@ -392,7 +368,7 @@ def _step_time(r: dict) -> str:
             + [fact(f"step_time.by_region.{region}.{c}", p["by_region"][region][c], _seconds(p["by_region"][region][c]))
                for region in regions]
             + [fact(f"step_time.seconds.{c}", p["seconds"][c], _seconds(p["seconds"][c]))] for c in CATEGORY_NAMES]
-    table = _table(["", *(html.escape(region) for region in regions), "total"], rows, set(range(1, len(regions) + 2)))
+    breakdown = table(["", *(html.escape(region) for region in regions), "total"], rows, set(range(1, len(regions) + 2)))
     c, k = p["collectives"], p["constants"]
     mfu = (f", MFU {fact('step_time.mfu', p['mfu'], format(p['mfu'], '.1%'))} (exact FLOP count)"
            if p.get("mfu") is not None else "")
@@ -412,7 +388,7 @@ def _step_time(r: dict) -> str:
     until = p.get("timeline_until", p["step_seconds"])
     cut = (f"<p class=\"note\">The timeline shows the first {_seconds(until)} of the step: it has more ops than a page "
            "draws.</p>" if until < p["step_seconds"] else "")
-    return (f'<section id="step-time"><h2>Predicted step time</h2>{note}{summary}{table}'
+    return (f'<section id="step-time"><h2>Predicted step time</h2>{note}{summary}{breakdown}'
             f"{_timeline(p['timeline'], p['step_seconds'])}{cut}</section>")
 
 
@@ -467,12 +443,12 @@ def _timeline(events: list[dict], total: float, width: int = 1180) -> str:
 def _target(r: dict) -> str:
     flags = r.get("xla_flags")
     tiles = r.get("attention_tiles")
-    flag_text = (_table(["XLA flag", "value"], [[f"<code>{html.escape(k)}</code>", fact(f"xla_flags.{k}", v)]
+    flag_text = (table(["XLA flag", "value"], [[f"<code>{html.escape(k)}</code>", fact(f"xla_flags.{k}", v)]
                                                 for k, v in flags.items()])
                  + "<p>As <code>LIBTPU_INIT_ARGS</code>: <code>"
                  + html.escape(" ".join(f"--{k}={str(v).lower()}" for k, v in flags.items())) + "</code></p>"
                  if flags else "<p>No XLA flag profile for this chip kind: the compiler's defaults.</p>")
-    tile_text = (_table(["tile", "size"], [[html.escape(k), fact(f"attention_tiles.{k}", v)] for k, v in tiles.items()])
+    tile_text = (table(["tile", "size"], [[html.escape(k), fact(f"attention_tiles.{k}", v)] for k, v in tiles.items()])
                  if tiles else f"<p>{html.escape(str(r.get('attention', 'attention')))}: no kernel tiles.</p>")
     program = r.get("program")
     kernels = ("<p>Custom calls in the compiled program: "
@@ -486,12 +462,7 @@ def _target(r: dict) -> str:
 def page(r: dict) -> str:
     body = "\n".join(s for s in (_header(r), _mesh(r), _memory(r), _parameters(r), _collectives(r), _pipeline(r),
                                  _plan(r), _step_time(r), _target(r)) if s)
-    return _document(f"olmax: {r['config']} on {r['target']}", body)
-
-
-def _document(title: str, body: str) -> str:
-    return (f'<!DOCTYPE html><html lang="en"><head><meta charset="utf-8"><title>{html.escape(title)}</title>'
-            f"<style>{STYLE}</style></head><body>{body}</body></html>\n")
+    return document(f"olmax: {r['config']} on {r['target']}", body)
 
 
 def write(report: dict, directory: str) -> str:
@@ -581,8 +552,8 @@ def comparison_page(reports: list[dict]) -> str:
     memory = f'<section id="memory"><h2>Memory per device</h2><p>{legend}</p>{bars}</section>' if bars else ""
     body = (f"<h1>olmax: {len(reports)} reports side by side</h1><ul>{key}</ul>"
             f'<section id="comparison"><h2>Facts</h2><div class="scroll">'
-            f'{_table(["", *letters], rows, set(range(1, len(reports) + 1)))}</div></section>{memory}')
-    return _document("olmax: comparison", body)
+            f'{table(["", *letters], rows, set(range(1, len(reports) + 1)))}</div></section>{memory}')
+    return document("olmax: comparison", body)
 
 
 def _bubble(s: dict) -> str:
@@ -678,9 +649,9 @@ def tune_page(r: dict) -> str:
             f"memory.</p>{best_text}"
             f'<section id="chart"><h2>Speed against memory</h2>{chart}</section>'
             f'<section id="candidates"><h2>Candidates, fastest that fit first</h2><div class="scroll">'
-            + _table(["#", "status", "step s", "MFU", "tokens/s/chip", "peak GiB", "layout", "why"], rows,
+            + table(["#", "status", "step s", "MFU", "tokens/s/chip", "peak GiB", "layout", "why"], rows,
                      {0, 2, 3, 4, 5}) + "</div></section>")
-    return _document(f"olmax tune: {r['config']} on {r['target']}", body)
+    return document(f"olmax tune: {r['config']} on {r['target']}", body)
 
 
 def write_tune(report: dict, directory: str) -> str:
