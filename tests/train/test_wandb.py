@@ -9,6 +9,7 @@ import threading
 import time
 
 import pytest
+from scale.test_scale_report import chromium  # noqa: F401
 from testlib import child_env, read_jsonl
 
 from olmax.config import load_config
@@ -111,9 +112,13 @@ def test_a_wandb_that_fails_never_stops_training(tmp_path, shards, monkeypatch, 
 
 
 @pytest.mark.slow
-def test_a_run_killed_twice_under_launch_is_one_wandb_run_with_every_step_once(tmp_path, shards):
+def test_a_run_killed_twice_under_launch_is_one_wandb_run_with_every_step_once(tmp_path, shards, chromium):
     """`olmax launch local`'s supervisor; each of the first two attempts SIGKILLed a step after a checkpoint W&B
-    has been given: what W&B had not written down yet is sent again by the next attempt, nothing twice."""
+    has been given: what W&B had not written down yet is sent again by the next attempt, nothing twice. The run's
+    page marks both restarts on every chart."""
+    from olmax.cli import main
+    from train.test_run_page import rendered_page
+
     from olmax.launch.supervisor import Backoff, Supervisor
 
     run = tmp_path / "run"
@@ -146,3 +151,6 @@ def test_a_run_killed_twice_under_launch_is_one_wandb_run_with_every_step_once(t
     assert len(list((run / "wandb").glob("offline-run-*"))) == 3
     rows = check_equal_to_metrics_jsonl(run)
     assert [row["_step"] for row in rows] == list(range(1, 13))
+    assert main(["report", str(run)]) == 0
+    report, page = rendered_page(chromium, run, tmp_path)
+    assert report["attempts"] == 3 and len(page.charts) == 8 and all(c["restart"] == 2 for c in page.charts)

@@ -60,13 +60,20 @@ def add_commands(subparsers) -> None:
     p.set_defaults(func=run_tune)
 
     p = subparsers.add_parser(
-        "report", help="put the report.json files of several compiles or plans side by side",
-        description="Writes OUT/index.html, a comparison page of the reports (memory, pipeline bubble, collectives "
-        "per mesh axis, cost), and prints the comparison as a Markdown table in BENCHMARKS.md's form. Of one "
-        "report, OUT gets that report's own page again.",
+        "report", help="the page of a run directory, or of report.json files of compiles and plans side by side",
+        description="Of a run directory (output_dir, local or in a bucket): OUT/index.html (default RUN/page), one "
+        "self-contained page of the run (loss, LR, grad norm and throughput against step and wall time with "
+        "restarts, checkpoints and skipped steps marked; held-out loss per domain; goodput; an MoE's expert load per "
+        "layer; the config and the commands to resume, evaluate and convert), with report.json and config.yaml. Of "
+        "report.json files written by --report: OUT/index.html, a comparison page of the reports (memory, pipeline "
+        "bubble, collectives per mesh axis, cost), and the comparison as a Markdown table in BENCHMARKS.md's form; "
+        "of one report, OUT gets that report's own page again.",
     )
-    p.add_argument("reports", nargs="+", help="report.json files written by --report")
-    p.add_argument("--out", required=True, help="directory for index.html and report.json")
+    p.add_argument("reports", nargs="+", metavar="RUN | REPORT.json",
+                   help="a run directory (local or a bucket URL), or report.json files written by --report")
+    p.add_argument("--out", help="directory for index.html and report.json (a run's default: RUN/page)")
+    p.add_argument("--watch", type=float, metavar="SECONDS",
+                   help="a run's page: write it again every SECONDS while the run goes on (Ctrl-C stops)")
     p.set_defaults(func=run_report)
 
 
@@ -234,20 +241,51 @@ def run_tune(args: argparse.Namespace) -> None:
 
 
 def run_report(args: argparse.Namespace) -> None:
+    from olmax import storage
     from olmax.scale.report import markdown_table, unusable, write, write_comparison
 
+    if len(args.reports) == 1 and (storage.is_remote(args.reports[0]) and not args.reports[0].endswith(".json")
+                                   or os.path.isdir(args.reports[0])):
+        return _run_page(args.reports[0], args.out, args.watch)
+    if args.watch is not None:
+        raise ConfigError("--watch: only a run's page is written again; give one run directory")
     reports = []
     for path in args.reports:
         try:
             reports.append(json.loads(open(path).read()))
         except (OSError, ValueError) as err:
-            raise ConfigError(f"{path}: not a report.json olmax wrote ({err}); give the report.json of a --report")
+            raise ConfigError(f"{path}: not a report.json olmax wrote ({err}); give the report.json of a --report, "
+                              "or a run directory") from None
         if why := unusable(reports[-1]):
             raise ConfigError(f"{path}: not a report.json olmax wrote ({why}); give the report.json of a --report")
+    if args.out is None:
+        raise ConfigError("--out: give the directory for the page of the report.json files")
     directory = _report_dir(args.out, "--out")
     print(markdown_table(reports))
     written = write(reports[0], directory) if len(reports) == 1 else write_comparison(reports, directory)
     print(f"olmax: report {written}", file=sys.stderr)
+
+
+def _run_page(run: str, out: str | None, watch: float | None) -> None:
+    """The page of the run directory `run`, written again every `watch` seconds when given."""
+    import time
+
+    from olmax import storage
+    from olmax.run_dir import RunDir
+    from olmax.train.run_page import write
+
+    if watch is not None and not watch > 0:
+        raise ConfigError(f"--watch {watch}: give the seconds between two writes of the page, e.g. 60")
+    files = RunDir(run)
+    if not any(storage.exists(str(path)) for path in (files.metrics, files.goodput, files.checkpoints)):
+        raise ConfigError(f"{run}: not a run directory (no metrics.jsonl, goodput.json or checkpoints/ there); give "
+                          "the output_dir of an olmax train run, or report.json files of --report")
+    directory = _report_dir(out or str(files.page), "--out")
+    while True:
+        print(f"olmax: run page {write(run, directory)}", file=sys.stderr, flush=True)
+        if watch is None:
+            return
+        time.sleep(watch)
 
 
 def _tiles(tiles: dict | None) -> str:
