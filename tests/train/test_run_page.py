@@ -80,7 +80,7 @@ def test_the_page_of_an_moe_run_with_evaluations(chromium, tmp_path, shards):
     report, page = rendered_page(chromium, run, tmp_path)
     assert page.sections == ["curves", "heldout", "goodput", "expert-load", "commands", "config"]
     assert (page.heatmap["data-layers"], page.heatmap["data-columns"]) == ("4", "6") and page.rects["cell"] == 4 * 6
-    assert report["steps_logged"] == 6 and report["checkpoints"] == [3, 6] and report["attempts"] == 1
+    assert report["steps_logged"] == 6 and report["committed_steps"] == [3, 6] and report["attempts"] == 1
     text = (run / "page" / "index.html").read_text()
     assert f"olmax eval heldout {run}/checkpoints/6 --data web=" in text and "<h3>code</h3>" in text
 

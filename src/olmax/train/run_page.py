@@ -168,7 +168,7 @@ def gather(location: str) -> dict:
     goodput = read_record(goodput.decode()) if goodput else None
     checkpoints = run.committed_steps()
     meta = _read(run.checkpoint_meta(checkpoints[-1])) if checkpoints else None
-    return {"run": str(run.location), "metrics": metrics, "goodput": goodput, "checkpoints": checkpoints,
+    return {"run": str(run.location), "metrics": metrics, "goodput": goodput, "committed_steps": checkpoints,
             "config": json.loads(meta)["config"] if meta else None}
 
 
@@ -178,7 +178,7 @@ def report(facts: dict) -> dict:
     attempts = goodput["attempts"] if goodput else []
     out = {"run": facts["run"], "steps_logged": int(len(steps)),
            "first_step": int(steps[0]) if len(steps) else None, "last_step": int(steps[-1]) if len(steps) else None,
-           "checkpoints": facts["checkpoints"], "attempts": len(attempts),
+           "committed_steps": facts["committed_steps"], "attempts": len(attempts),
            "restarts": [{"step": a["first_step"], "time": a["started"]} for a in attempts[1:]]}
     if len(steps):
         skipped = metrics.column("optim/step skipped")
@@ -194,7 +194,7 @@ def _marks(facts: dict, r: dict, steps: np.ndarray, time: np.ndarray | None) -> 
     """The marks of the step charts and of the wall-time charts (hours since the first record)."""
     every = (facts["config"] or {}).get("checkpoint", {}).get("every")
     last = r["last_step"] or 0
-    saved = sorted(set(facts["checkpoints"]) | (set(range(every, last + 1, every)) if every else set()))
+    saved = sorted(set(facts["committed_steps"]) | (set(range(every, last + 1, every)) if every else set()))
     by_step = {"checkpoint": saved, "skipped": r.get("skipped_steps", []),
                "restart": [x["step"] for x in r["restarts"] if x["step"] is not None]}
     if time is None:
@@ -222,7 +222,7 @@ def page(facts: dict, r: dict, directory: str) -> str:
         f"<p>Steps {fact('first_step', r['first_step'])} to {fact('last_step', r['last_step'])} "
         f"({fact('steps_logged', r['steps_logged'])} logged), {fact('attempts', r['attempts'])} attempt(s), "
         f"{len(r['restarts'])} restart(s), {len(r.get('skipped_steps', []))} skipped step(s); committed checkpoints "
-        f"{html.escape(', '.join(map(str, r['checkpoints'])) or 'none')}.</p>"
+        f"{html.escape(', '.join(map(str, r['committed_steps'])) or 'none')}.</p>"
         '<p class="note">Marks: <span style="color:#c62828">restarts</span> (dashed: where an attempt resumed), '
         '<span style="color:#999">checkpoints</span> and <span style="color:#e6a100">skipped steps</span> (ticks). '
         "Each curve is drawn as the lowest and highest value of the steps in each pixel column.</p>")
@@ -292,7 +292,8 @@ def _expert_load(metrics: Metrics) -> str:
 
 def _config_and_commands(facts: dict, r: dict, directory: str) -> str:
     run, config = r["run"], facts["config"]
-    checkpoint = storage.join(str(RunDir(run).checkpoints), str(r["checkpoints"][-1])) if r["checkpoints"] else None
+    steps = r["committed_steps"]
+    checkpoint = storage.join(str(RunDir(run).checkpoints), str(steps[-1])) if steps else None
     resume = storage.join(directory, "config.yaml")
     sets = (config or {}).get("eval", {}).get("sets", [])
     data = " ".join(f"--data {s['label']}={s['mix_file'] or ','.join(s['paths'])}" for s in sets) or \
