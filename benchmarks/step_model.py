@@ -8,6 +8,7 @@ matmul efficiencies again.
 
     python benchmarks/step_model.py [--rows NAME ...] [--json OUT] [--markdown]
     python benchmarks/step_model.py --constants
+    python benchmarks/step_model.py --config tiny --target tpu:v5p:2x2x1 [key=value ...]   # a row of your own
 
 TPU rows need the aot extra, GPU rows the aot-gpu extra (a row whose extra is missing is reported as such).
 Compiles take minutes each on a laptop (the 7B on 256 Ironwood chips the longest); the predictions do not
@@ -222,10 +223,17 @@ def main() -> None:
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--markdown", action="store_true", help="print BENCHMARKS.md's table")
     parser.add_argument("--constants", action="store_true", help="derive the matmul efficiencies again and stop")
+    parser.add_argument("--config", help="predict this config instead of the table (with --target and overrides)")
+    parser.add_argument("--target", help="the target of --config")
+    parser.add_argument("overrides", nargs="*", help="key=value for --config")
     args = parser.parse_args()
     if args.constants:
         derive_constants()
         return
+    if args.config:
+        result = predict_row(Row("own", args.config, args.target, args.overrides, "", "mfu_all_global", None, ""))
+        print(json.dumps(result, indent=2))
+        sys.exit(0 if "error" not in result else 1)
     wanted = set(args.rows or [r.name for r in ROWS])
     for row in ROWS:  # a comparison needs its reference
         if row.name in wanted and (row.compare_to or row.extra.get("inverse_of")):

@@ -35,6 +35,7 @@ SMALLEST = {
                        "--layers", "1", "--d-model", "32", "--expert-hidden", "32", "--top-k", "2"],
     "run_page.py": ["--steps", "2000", "--layers", "2", "--out", "{tmp}/run"],
     "slow_bucket.py": ["--steps", "3", "--latencies-ms", "direct,20", "--workers", "2"],
+    "step_model.py": ["--config", "tiny", "--target", "tpu:v5p:2x2x1"],
     "step_memory.py": ["tiny", "train.micro_batch_per_device=1", "--devices", "2"],
     "tokenize_throughput.py": ["--megabytes", "0.05", "--vocab-size", "300", "--workers", "1"],
     "tokenize_ray.py": ["--megabytes", "0.2", "--files", "4", "--vocab-size", "300", "--workers", "1", "--nodes", "1"],
