@@ -1,5 +1,5 @@
 """The exit-code contract: every error olmax raises on purpose lives in olmax.errors with its exit code and its one
-line, which the CLI prints without importing jax; the README's table of exit codes is ExitCode's. Bad input is one
+line, which the CLI prints without importing jax; the docs' table of exit codes (docs/reliability.md) is ExitCode's. Bad input is one
 class: every error meaning "the input is wrong" derives from BadInput (exit 2)."""
 
 import ast
@@ -11,12 +11,13 @@ from pathlib import Path
 import pytest
 
 import olmax
+from testlib import docs
+
 from olmax import cli, errors
 from olmax.cli import main
 from olmax.errors import BadInput, ExitCode, OlmaxError
 
 SRC = Path(olmax.__file__).parent
-README = SRC.parents[1] / "README.md"
 
 
 def _error_classes() -> list[type]:
@@ -38,8 +39,8 @@ def test_the_exit_codes():
     assert all(isinstance(cls.exit_code, ExitCode) for cls in _error_classes())
 
 
-def test_the_readme_table_is_the_exit_codes():
-    rows = re.findall(r"^\| (\d+) \| `(\w+)` \| .* \| (yes|no)\b.* \|$", README.read_text(), re.M)
+def test_the_docs_table_is_the_exit_codes():
+    rows = re.findall(r"^\| (\d+) \| `(\w+)` \| .* \| (yes|no)\b.* \|$", docs("reliability.md"), re.M)
     assert rows == [(str(int(code)), code.name, "yes" if code.retried else "no") for code in ExitCode]
 
 

@@ -1,16 +1,19 @@
-"""The README's lists are the code's: its preset list, its command table and its test command (the exit-code
-table is checked in test_errors.py)."""
+"""The docs' lists are the code's: the preset list and the command table (docs/commands.md) and the README's test
+command (the exit-code table is checked in test_errors.py)."""
 
 import argparse
 import re
 import tomllib
 from pathlib import Path
 
+from testlib import docs
+
 from olmax.cli import build_parser
 from olmax.config import presets
 
 ROOT = Path(__file__).parents[1]
 README = (ROOT / "README.md").read_text()
+COMMANDS = docs("commands.md")
 
 
 def _commands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
@@ -18,12 +21,12 @@ def _commands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentPar
 
 
 def test_the_preset_list_is_the_configs():
-    listed = re.search(r"`CONFIG` is a preset \(([^)]*)\)", README).group(1)
+    listed = re.search(r"`CONFIG` is a preset \(([^)]*)\)", COMMANDS).group(1)
     assert set(re.findall(r"`(\w+)`", listed)) == set(presets())  # it lacked tiny_qwen3
 
 
 def test_the_command_table_lists_every_command_and_launch_mode():
-    table = README.split("| command | what it does |", 1)[1].split("\n\n", 1)[0]
+    table = COMMANDS.split("| command | what it does |", 1)[1].split("\n\n", 1)[0]
     cells = [row.split(" | ")[0] for row in table.splitlines()[2:]]
     named = {word for cell in cells for word in re.findall(r"`olmax ([\w-]+)", cell)}
     commands = _commands(build_parser())

@@ -4,6 +4,16 @@ import os
 import subprocess
 from pathlib import Path
 
+ROOT = Path(__file__).parents[1]
+
+
+def docs(page: str | None = None) -> str:
+    """What the docs say: one page of the docs site (`docs("commands.md")`), or without one the README and every
+    page, as one text."""
+    if page is not None:
+        return (ROOT / "docs" / page).read_text()
+    return "\n".join(path.read_text() for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))])
+
 
 def apt_install(*packages: str, check: bool = True) -> subprocess.CompletedProcess:
     """Debian's packages, as the README's test command gets them on a fresh machine: an `apt-get update` first if

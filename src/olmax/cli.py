@@ -161,8 +161,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(
         prog="olmax", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="`olmax COMMAND --help` describes each command. More in README.md in olmax's source: the "
-        "commands, the configs and their keys, the exit codes, runs on Slurm, TPU pods, Kubernetes and buckets.")
+        epilog="`olmax COMMAND --help` describes each command. More in olmax's source: README.md, and docs/, a page "
+        "a topic: the commands, the configs and their keys, the exit codes, runs on Slurm, TPU pods, Kubernetes and "
+        "buckets.")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser(
@@ -173,7 +174,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=f"presets: {', '.join(presets())}\n(or a YAML file, which may start from one with `base: NAME`)\n\n"
         f"exit codes: {', '.join(f'{int(code)} {code.words or code.name.lower()}' for code in ExitCode)}\n"
         "(`olmax launch` runs the run again after "
-        f"{', '.join(str(int(code)) for code in ExitCode if code.retried)}; the README's table says what each means)")
+        f"{', '.join(str(int(code)) for code in ExitCode if code.retried)}; docs/reliability.md's table says what each means)")
     config_arguments(p)
     p.set_defaults(func=cmd_train, handles_stop_signals=True)
 

@@ -2,9 +2,9 @@
 can catch them without loading jax.
 
 `ExitCode` is the contract between a command and whatever runs it: `olmax launch` (the supervisor, the
-Slurm launcher), the Slurm job script and the Kubernetes JobSet read the codes from it, and the README's
-table of exit codes is checked against it. A new code is one line of it: the value, what `olmax launch`
-records for it, and whether it runs the run again after it.
+Slurm launcher), the Slurm job script and the Kubernetes JobSet read the codes from it, and the table of exit codes
+in docs/reliability.md is checked against it. A new code is one line of it: the value, what `olmax launch` records
+for it, and whether it runs the run again after it.
 
 Every error below ends a command with its class's `exit_code` and the one line `olmax: {err.line()}`,
 never a traceback. Every error meaning "the input is wrong" (a config, data file, checkpoint, HF directory,

@@ -7,6 +7,7 @@ import textwrap
 
 import pytest
 import yaml
+from testlib import docs
 
 from olmax.cli import main
 
@@ -134,10 +135,10 @@ def test_jobset_for_two_gpu_hosts_tells_each_pod_its_place(tmp_path, capsys, mon
     ]
 
 
-def test_the_readmes_jobset_is_the_one_olmax_writes(capsys):
-    """The README shows the manifest for olmo3_7b on a v5p-128, failure policy and all, as `--dry-run` prints it."""
-    readme = (pathlib.Path(__file__).parents[2] / "README.md").read_text()
-    shown = readme.split("   ```yaml\n", 1)[1].split("   ```\n", 1)[0]
+def test_the_docs_jobset_is_the_one_olmax_writes(capsys):
+    """docs/clusters.md shows the manifest for olmo3_7b on a v5p-128, failure policy and all, as `--dry-run` prints
+    it."""
+    shown = docs("clusters.md").split("    ```yaml\n", 1)[1].split("    ```\n", 1)[0]
     assert main(["launch", "k8s", "--target", "tpu:v5p:4x4x4", "--image", "us-docker.pkg.dev/my-project/olmax/olmax:0.1.0",
                  "olmo3_7b", "data.mix_file=/mnt/data/OLMo-mix-0925.txt", "output_dir=/mnt/runs/olmo3_7b",
                  "--dry-run"]) == 0

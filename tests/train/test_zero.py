@@ -43,7 +43,7 @@ def _train(tmp_path, shards, name, *overrides):
 
 # The two runs are two compiled programs: XLA may sum the gradient norm's squares in another order in each (seen:
 # 0.48335206 against 0.48335204 at step 14 on an AVX-512 Xeon, 4e-8 relative; bitwise equal on an AMD EPYC), and a
-# clipped step carries such an ulp into the update. The bound leaves room for 20 steps of that; the README states it.
+# clipped step carries such an ulp into the update. The bound leaves room for 20 steps of that; docs/parallelism.md states it.
 RTOL = 1e-5
 
 
