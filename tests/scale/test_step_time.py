@@ -101,31 +101,37 @@ def test_an_all_to_all_is_bound_by_the_bisection_and_a_gpu_host_by_its_network()
     assert between == pytest.approx(1 / 2 * size / (50e9 * gpu.collective_efficiency) + gpu.collective_latency)
 
 
-LOOP = """%cond (p: (s32[], bf16[8192,8192])) -> pred[] {{
-  %p = (s32[], bf16[8192,8192]) parameter(0)
-  %i = s32[] get-tuple-element(%p), index=0
-  %n = s32[] constant({bound})
+LOOP = """%cond (p: (bf16[8192,8192], {t}[])) -> pred[] {{
+  %p = (bf16[8192,8192], {t}[]) parameter(0)
+  %i = {t}[]{{:T(128)}} get-tuple-element(%p), index=1
+  %n = {t}[]{{:T(128)}} constant({bound})
   ROOT %lt = pred[] compare(%i, %n), direction=LT
 }}
-%body (p: (s32[], bf16[8192,8192])) -> (s32[], bf16[8192,8192]) {{
-  %p = (s32[], bf16[8192,8192]) parameter(0)
-  %i = s32[] get-tuple-element(%p), index=0
-  %x = bf16[8192,8192]{{1,0}} get-tuple-element(%p), index=1
+%body (p: (bf16[8192,8192], {t}[])) -> (bf16[8192,8192], {t}[]) {{
+  %p = (bf16[8192,8192], {t}[]) parameter(0)
+  %i = {t}[] get-tuple-element(%p), index=1
+  %x = bf16[8192,8192]{{1,0}} get-tuple-element(%p), index=0
   %y = bf16[8192,8192]{{1,0}} dot(%x, %x), lhs_contracting_dims={{1}}, rhs_contracting_dims={{0}}
-  ROOT %t = (s32[], bf16[8192,8192]) tuple(%i, %y)
+  %s = {t}[] constant({step})
+  %next = {t}[] add(%i, %s)
+  ROOT %t = (bf16[8192,8192], {t}[]) tuple(%y, %next)
 }}"""
 
 
-@pytest.mark.parametrize("start, bound, config, trips", [
-    (0, 6, "", 6),  # a scan: its counter against one constant
-    (1, 6, "", 5),  # its first iteration peeled by the compiler: the counter starts at 1
-    (0, 99, ', backend_config={"known_trip_count":{"n":"3"}}', 3),  # the compiler's own count wins
+@pytest.mark.parametrize("start, bound, step, config, counter, trips", [
+    (0, 6, 1, "", "s32", 6),  # a scan: its counter against one constant
+    (1, 6, 1, "", "s32", 5),  # its first iteration peeled by the compiler: the counter starts at 1
+    # a bidirectional windowed einsum (TPU's collective matmul over 32 shards): an unsigned counter, two windows
+    # an iteration, so 16 / 2 iterations
+    (0, 16, 2, "", "u32", 8),
+    (0, 99, 1, ', backend_config={"known_trip_count":{"n":"3"}}', "s32", 3),  # the compiler's own count wins
 ])
-def test_a_loop_costs_its_body_times_its_trip_count(start, bound, config, trips):
+def test_a_loop_costs_its_body_times_its_trip_count(start, bound, step, config, counter, trips):
     text = program(f"""  %x = bf16[8192,8192]{{1,0}} parameter(0)
-  %zero = s32[] constant({start})
-  %init = (s32[], bf16[8192,8192]) tuple(%zero, %x)
-  ROOT %w = (s32[], bf16[8192,8192]) while(%init), condition=%cond, body=%body{config}""", LOOP.format(bound=bound))
+  %zero = {counter}[] constant({start})
+  %init = (bf16[8192,8192], {counter}[]) tuple(%x, %zero)
+  ROOT %w = (bf16[8192,8192], {counter}[]) while(%init), condition=%cond, body=%body{config}""",
+                   LOOP.format(bound=bound, t=counter, step=step))
     found = predict(text)
     assert found["executed_flops"] == trips * 2 * 8192**3
     assert found["loops_without_trip_count"] == 0

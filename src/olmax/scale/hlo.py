@@ -17,6 +17,7 @@ COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "coll
 BYTES = {"pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "s32": 4, "u32": 4, "s64": 8,
          "u64": 8, "bf16": 2, "f16": 2, "f32": 4, "f64": 8, "c64": 8, "c128": 16, "f4e2m1fn": 0.5}
 _ARRAY = re.compile(r"\b([a-z]+\d*(?:e\d+m\d+\w*)?)\[([\d,]*)\](\{[^}]*\})?")
+_INTEGER = re.compile(r"[su](?:8|16|32|64)\[\]\S*")  # an integer scalar's type, with or without a layout
 _HEAD = re.compile(r"^\s*(ROOT )?%([\w.-]+) = ")
 _COMPUTATION = re.compile(r"^(ENTRY )?%([\w.-]+) .*\{$")
 _OP = re.compile(r"([a-z][\w-]*)\(")
@@ -190,29 +191,51 @@ class Module:
         return self.computations.get(name)
 
     def trip_count(self, loop: Instruction, caller: Computation | None = None) -> int | None:
-        """A while loop's trip count: the compiler's, or else a counter compared with one constant in the loop's
-        condition (or in a fusion it calls), less the counter's first value where the caller starts it at a
-        constant (a loop whose first iteration the compiler peeled starts at 1); None when neither says."""
+        """A while loop's trip count: the compiler's, or else a counter compared with one integer constant in the
+        loop's condition (or in a fusion it calls), less the counter's first value where the caller starts it at
+        a constant (a loop whose first iteration the compiler peeled starts at 1), over the body's step. The
+        counter is the tuple element the condition reads (a scan's is the first; a windowed einsum's, an unsigned
+        one further on). None when neither says."""
         if (known := loop.trip_count()) is not None:
             return known
         condition = self.computations.get((loop.attribute("condition") or "").lstrip("%"))
-        bounds, seen, todo = [], set(), [condition] if condition else []
+        bounds, counters, seen, todo = [], [], set(), [condition] if condition else []
         while todo:
             computation = todo.pop()
             seen.add(computation.name)
             for i in computation.instructions:
-                if i.op == "constant" and re.fullmatch(r"s32\[\]\S*", i.type_text) and re.fullmatch(r"-?\d+", i.arguments):
+                if i.op == "constant" and _INTEGER.fullmatch(i.type_text) and re.fullmatch(r"-?\d+", i.arguments):
                     bounds.append(int(i.arguments))
+                if i.op == "get-tuple-element" and computation is condition and _INTEGER.fullmatch(i.type_text):
+                    counters.append(int(i.attribute("index") or 0))
                 todo += [c for name in i.calls() if (c := self.computations.get(name)) and c.name not in seen]
         if len(bounds) != 1:
             return None
+        counter = counters[0] if len(counters) == 1 else 0
         start = 0
         init = caller.by_name.get(loop.operands[0]) if caller and loop.operands else None
-        if init is not None and init.op == "tuple" and init.operands:
-            first = caller.by_name.get(init.operands[0])
+        if init is not None and init.op == "tuple" and len(init.operands) > counter:
+            first = caller.by_name.get(init.operands[counter])
             if first is not None and first.op == "constant" and re.fullmatch(r"-?\d+", first.arguments):
                 start = int(first.arguments)
-        return max(bounds[0] - start, 0)
+        return max(-(-(bounds[0] - start) // self._step(loop, counter)), 0)
+
+    def _step(self, loop: Instruction, counter: int) -> int:
+        """What a loop's body adds to its counter each iteration: the constant in `counter + c` at the counter's
+        place of the body's result (a bidirectional windowed einsum does two windows an iteration and steps by 2),
+        else 1."""
+        body = self.computations.get((loop.attribute("body") or "").lstrip("%"))
+        root = body.root if body and body.instructions else None
+        if root is None or root.op != "tuple" or len(root.operands) <= counter:
+            return 1
+        update = body.by_name.get(root.operands[counter])
+        if update is None or update.op != "add":
+            return 1
+        for name in update.operands:
+            value = body.by_name.get(name)
+            if value is not None and value.op == "constant" and re.fullmatch(r"\d+", value.arguments):
+                return max(int(value.arguments), 1)
+        return 1
 
 
 # --- replica groups -------------------------------------------------------------------------------------------------
