@@ -43,6 +43,8 @@ def test_uncommitted_step_is_not_a_checkpoint_and_pruning_deletes(stores, tmp_pa
     copy = tmp_path / "copy" / "checkpoints"
     assert remote.fetch(f"{run}/checkpoints/4", tmp_path / "copy") == (copy / "4", f"{run}/checkpoints")
     assert (copy / "4" / "meta").read_text() == "4"
-    assert remote.fetch(run, tmp_path / "latest") == (tmp_path / "latest" / "checkpoints" / "4", f"{run}/checkpoints")  # the latest alone
+    latest = tmp_path / "latest" / "checkpoints" / "4"
+    assert remote.fetch(run, tmp_path / "latest") == (latest, f"{run}/checkpoints")  # the latest alone
     assert sorted(p.name for p in (tmp_path / "latest" / "checkpoints").iterdir()) == ["4"]
-    assert remote.fetch(run, tmp_path / "two", step=2) == (tmp_path / "two" / "checkpoints" / "2", f"{run}/checkpoints")
+    two = tmp_path / "two" / "checkpoints" / "2"
+    assert remote.fetch(run, tmp_path / "two", step=2) == (two, f"{run}/checkpoints")

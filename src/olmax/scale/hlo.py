@@ -204,8 +204,8 @@ class Module:
             computation = todo.pop()
             seen.add(computation.name)
             for i in computation.instructions:
-                if i.op == "constant" and _INTEGER.fullmatch(i.type_text) and re.fullmatch(r"-?\d+", i.arguments):
-                    bounds.append(int(i.arguments))
+                if _INTEGER.fullmatch(i.type_text) and (value := _integer(i)) is not None:
+                    bounds.append(value)
                 if i.op == "get-tuple-element" and computation is condition and _INTEGER.fullmatch(i.type_text):
                     counters.append(int(i.attribute("index") or 0))
                 todo += [c for name in i.calls() if (c := self.computations.get(name)) and c.name not in seen]
@@ -215,9 +215,7 @@ class Module:
         start = 0
         init = caller.by_name.get(loop.operands[0]) if caller and loop.operands else None
         if init is not None and init.op == "tuple" and len(init.operands) > counter:
-            first = caller.by_name.get(init.operands[counter])
-            if first is not None and first.op == "constant" and re.fullmatch(r"-?\d+", first.arguments):
-                start = int(first.arguments)
+            start = _integer(caller.by_name.get(init.operands[counter])) or 0
         return max(-(-(bounds[0] - start) // self._step(loop, counter)), 0)
 
     def _step(self, loop: Instruction, counter: int) -> int:
@@ -231,11 +229,15 @@ class Module:
         update = body.by_name.get(root.operands[counter])
         if update is None or update.op != "add":
             return 1
-        for name in update.operands:
-            value = body.by_name.get(name)
-            if value is not None and value.op == "constant" and re.fullmatch(r"\d+", value.arguments):
-                return max(int(value.arguments), 1)
-        return 1
+        steps = [value for name in update.operands if (value := _integer(body.by_name.get(name))) is not None]
+        return max(steps[0], 1) if steps else 1
+
+
+def _integer(instruction: Instruction | None) -> int | None:
+    """An integer constant's value; None for any other instruction."""
+    if instruction is not None and instruction.op == "constant" and re.fullmatch(r"-?\d+", instruction.arguments):
+        return int(instruction.arguments)
+    return None
 
 
 # --- replica groups -------------------------------------------------------------------------------------------------
