@@ -244,3 +244,22 @@ def test_7b_on_four_v5e_chips_does_not_fit(capsys):
     # fp32 parameters and two fp32 Adam moments, a quarter of each per chip
     assert report["parameters"] == pytest.approx(7_298_617_344 * 4 / 4, rel=1e-3)
     assert report["optimizer_state"] == pytest.approx(2 * report["parameters"], rel=1e-3)
+
+
+@needs_tpu
+def test_a_step_lowers_to_the_same_program_whatever_the_process_traced_before():
+    """Splash kernels kept from an earlier trace made JAX hoist a mask table once where a fresh kernel put it in
+    twice: `olmax plan` for one config in one process gave two programs, two predictions (1e-5 apart) and a
+    compile-cache miss. Here the first trace (fresh kernels, as in a new process) and a second are one text."""
+    from olmax.model.attention import splash
+    from olmax.parallel.mesh import make_layout
+    from olmax.scale.compile import abstract_inputs
+    from olmax.train.step import jit_train_step, micro_batch_rows
+
+    cfg = load_config("tiny", ["data.sequence_length=512", "model.sliding_window=256"])
+    layout = make_layout(cfg.mesh, compile_only_devices(parse_target("tpu:v5p:2x2x2")))
+    rows = micro_batch_rows(cfg, layout.data_parallel_size)
+    splash.kernel.cache_clear()  # as a new process starts
+    first, second = (jit_train_step(cfg, layout, rows).lower(*abstract_inputs(cfg, layout, rows)).as_text()
+                     for _ in range(2))
+    assert "splash" in first and first == second

@@ -130,6 +130,10 @@ def _with_key(mlp, keys, i):
 def _group_fn(cfg: ModelConfig, impl: ImplConfig, positions: np.ndarray, layout: Layout | None):
     """stack_group(mlp) -> group(x, (group params, keys)) -> (x, aux): one layer_pattern period of blocks."""
     ropes = {kind: rope_lib.tables(cfg.rope[kind], cfg.head_size, positions) for kind in set(cfg.layer_pattern)}
+    # Splash kernels anew for each forward: JAX tells a trace's constants apart by the object, and a kernel
+    # kept from an earlier trace had its mask tables hoisted once where a new one puts them in twice, so the
+    # same step lowered to another program (another compile, another predicted step) after a first trace.
+    attention_lib.splash.kernel.cache_clear()
     attentions = [attention_lib.make(impl, cfg.window(i), layout) for i in range(len(cfg.layer_pattern))]
     dense = dense_for(impl, layout)
 

@@ -21,7 +21,8 @@ from olmax.config import ConfigError, SplashConfig
 @functools.lru_cache(maxsize=None)
 def kernel(seq: int, heads: int, window: int | None, blocks: tuple[int, int, int], interpret: bool = False):
     """The kernel for `heads` local query heads of sequences of `seq` tokens, with blocks (q, kv, kv_compute)
-    (cached: its mask tables are built in numpy)."""
+    (cached: its mask tables are built in numpy; `transformer` clears the cache for each forward, so a step's
+    program does not depend on what the process traced before)."""
     q_block, kv_block, kv_compute = (min(b, seq) for b in blocks)
     fits = fitted(seq, SplashConfig(block_q=blocks[0], block_kv=blocks[1], block_kv_compute=blocks[2]))
     for name, size in zip(("block_q", "block_kv", "block_kv_compute"), (q_block, kv_block, kv_compute)):
