@@ -28,8 +28,8 @@ from olmax.train.goodput import CATEGORIES, read_record, totals
 CURVES = [("loss", "train/CE loss"), ("LR", "optim/LR (group 0)"), ("grad norm", "optim/total grad norm"),
           ("throughput", "throughput/device/TPS")]
 WIDTH, HEIGHT, LEFT, BOTTOM = 560, 170, 62, 22  # a chart's size and its axes' margins, in pixels
-EVAL = re.compile(rb'"eval/lm/((?:[^"\\]|\\.)*)/CE loss": ')
-LAYER = re.compile(rb'"(train/block (\d+)/load imbalance)": ')
+# the keys not every run logs, found in one pass: held-out losses and an MoE's per-layer load
+OPTIONAL = re.compile(rb'"(eval/lm/(?:[^"\\]|\\.)*/CE loss|train/block \d+/load imbalance)": ')
 GOODPUT_COLOURS = dict(zip(CATEGORIES, ["#bab0ac", "#9c755f", "#f28e2b", "#59a14f", "#edc948", "#76b7b2", "#4e79a7",
                                         "#b07aa1", "#e15759", "#ff9da7"]))
 
@@ -40,10 +40,18 @@ class Metrics:
     def __init__(self, data: bytes):
         self.data = data
         self.steps = np.array(re.findall(rb'\{"step": (\d+)', data), np.int64)
+        self.optional = sorted({json.loads(b'"' + key + b'"') for key in OPTIONAL.findall(data)})
         self._lines = None
+        self._columns = {}
 
     def column(self, name: str) -> np.ndarray:
-        """The metric's value at every step (NaN where a record lacks it)."""
+        """The metric's value at every step (NaN where a record lacks it). Each pass over a long run's file takes
+        a while (about 0.4 s for 580 MB here), so each column is read once."""
+        if name not in self._columns:
+            self._columns[name] = self._read_column(name)
+        return self._columns[name]
+
+    def _read_column(self, name: str) -> np.ndarray:
         values = re.findall(b'"' + re.escape(name.encode()) + rb'": ([^,}\]]*)', self.data)
         if len(values) == len(self.steps):  # in every record: in record order
             return _floats(values)
@@ -243,9 +251,9 @@ def page(facts: dict, r: dict, directory: str) -> str:
 
 
 def _evals(metrics: Metrics) -> str:
-    if b'"eval/lm/' not in metrics.data:
+    labels = [name[len("eval/lm/"):-len("/CE loss")] for name in metrics.optional if name.startswith("eval/lm/")]
+    if not labels:
         return ""
-    labels = sorted({json.loads(b'"' + m + b'"') for m in EVAL.findall(metrics.data)})
     charts = []
     for label in labels:
         points = metrics.sparse(f"eval/lm/{label}/CE loss")
@@ -280,10 +288,12 @@ def _goodput(r: dict) -> str:
 
 
 def _expert_load(metrics: Metrics) -> str:
-    if b'/load imbalance": ' not in metrics.data:
+    names = sorted((int(name.split()[1].split("/")[0]), name) for name in metrics.optional
+                   if name.startswith("train/block "))
+    if not names:
         return ""
-    layers = sorted({int(n) for _, n in LAYER.findall(metrics.data[:1 << 20])})
-    values = np.stack([metrics.column(f"train/block {layer:02d}/load imbalance") for layer in layers])
+    layers = [layer for layer, _ in names]
+    values = np.stack([metrics.column(name) for _, name in names])
     return ('<section id="expert-load"><h2>Expert load per layer</h2><p class="note">The true load of each global '
             "batch: each MoE layer's busiest expert over the mean expert (train/block NN/load imbalance, from the "
             "tokens per expert counted over the whole batch), step by step.</p>"
