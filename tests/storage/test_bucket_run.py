@@ -120,8 +120,12 @@ def test_a_resume_copies_down_only_the_step_it_restores_and_an_older_one_when_th
     continuous = train(load_config("tiny", [*common, f"output_dir={tmp_path}/local", "train.steps=20"]), quiet=True)
     train(load_config("tiny", [*common, f"output_dir={run}", "train.steps=20", "train.stop_after=10"]), quiet=True)
     older = stores.s3.add("delay", method="GET", path=r"/older/checkpoints/5/")  # counts reads of step 5's objects
+    torn = storage.read_bytes(storage.join(run, "goodput.json"))[:100]
+    storage.write_bytes(storage.join(run, "goodput.json"), torn)  # a goodput record cut short
     resumed = train(load_config("tiny", [*common, f"output_dir={run}", "train.steps=20", "train.stop_after=15"]),
                     quiet=True)
+    [aside] = [n for n in storage.listdir(run) if n.startswith("goodput.json.damaged-")]
+    assert storage.read_bytes(storage.join(run, aside)) == torn, "kept in the bucket (it was in staging alone)"
     assert resumed[0]["step"] == 11 and older.hits == 0, "step 10 was restored; step 5 stays in the bucket"
     assert sorted(_committed_steps(run)) == [5, 10, 15], "kept by the rule over the bucket's steps, not the local copy's"
     params = storage.join(run, "checkpoints", "15", "params")
@@ -130,5 +134,6 @@ def test_a_resume_copies_down_only_the_step_it_restores_and_an_older_one_when_th
     storage.write_bytes(storage.join(params, *big.relative_to(tmp_path / "params").parts), b"\0" * 7)  # changed
     fallen_back = train(load_config("tiny", [*common, f"output_dir={run}", "train.steps=20"]), quiet=True)
     assert fallen_back[0]["step"] == 11 and older.hits == 0
+    assert [n for n in storage.listdir(run) if ".damaged-" in n] == [aside], "neither copied down nor up again"
     assert [h["train/CE loss"] for h in resumed + fallen_back] == [h["train/CE loss"] for h in continuous[10:15]] + \
         [h["train/CE loss"] for h in continuous[10:]]

@@ -7,7 +7,8 @@ An older step is copied down only when the newer ones turn out unreadable
 (`fetch`), and the steps the retention rule keeps are judged over the bucket's
 steps, not the local copy's. Then
 metrics, events and the goodput record go up at every log interval and before
-each checkpoint, and each checkpoint step goes up (in the background, see
+each checkpoint (and once, a damaged record the run set aside, so that it is
+kept in the bucket beside the new one, not in the staging directory alone), and each checkpoint step goes up (in the background, see
 olmax.checkpoint.async_save) file by file with its commit marker last; steps
 the checkpointer no longer keeps (keep_last / keep_every) are deleted from the
 bucket. A host that dies loses at most one log interval of metrics, and never
@@ -54,6 +55,7 @@ from olmax.run_dir import RunDir, committed_steps
 log = logging.getLogger(__name__)
 
 FIRST_RELIST_S = 0.5
+DAMAGED = ".damaged-"  # in the name of a file set aside (olmax.run_dir.set_aside)
 
 
 def barrier(name: str) -> None:
@@ -69,12 +71,13 @@ class BucketRun:
         self.staged = RunDir(self.local)
         self.steps: list[int] = []  # the bucket's committed steps at the start
         self.pushed: set[int] = set()
+        self.pushed_aside: set[str] = set()
         self.pull()
 
     def pull(self) -> None:
         names, steps = self._listing()
         for name in names if jax.process_index() == 0 else []:  # it writes the metrics
-            if name not in (RunDir.checkpoints.name, RunDir.committed_record.name):
+            if name not in (RunDir.checkpoints.name, RunDir.committed_record.name) and DAMAGED not in name:
                 storage.download(self.run.path(name), self.staged.path(name))
         pull_steps(self.run.checkpoints, self.staged.checkpoints, steps[-1:])  # the one a resume restores
         self.steps = steps
@@ -124,6 +127,11 @@ class BucketRun:
         for name in RunDir.METRIC_FILES if jax.process_index() == 0 else []:
             if self.staged.path(name).exists():
                 storage.upload(self.staged.path(name), self.run.path(name))
+        for aside in sorted(self.local.glob(f"*{DAMAGED}*")) if jax.process_index() == 0 else []:
+            if aside.name not in self.pushed_aside:
+                storage.upload(aside, self.run.path(aside.name))
+                self.pushed_aside.add(aside.name)
+                log.warning("the damaged record is kept in the bucket as %s", self.run.path(aside.name))
 
     def push_checkpoint(self, step: int, kept: list[int]) -> None:
         """Upload checkpoint `step` (marker last), then delete the bucket's steps neither in `kept` (the local
