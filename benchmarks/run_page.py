@@ -3,7 +3,8 @@
 Writes a run directory whose metrics.jsonl has --steps records of the keys a dense run logs (the tiny preset's
 record, about 1.3 KB), with a loss spike at one step, several restarts in goodput.json, and, with --layers N, an
 MoE's per-layer load; then times the page's generation (`olmax report RUN`, in a process of its own) and its
-rendering in headless Chromium (`--dump-dom`, then a screenshot, written as RUN/page/screenshot.png).
+rendering in headless Chromium (`--dump-dom`), each --repeat times (medians quoted); then a screenshot, written as
+RUN/page/screenshot.png.
 
     python benchmarks/run_page.py --steps 500000 --out /tmp/long-run      # alone on the machine for the figures
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -61,27 +63,31 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=500_000)
     parser.add_argument("--layers", type=int, default=0, help="MoE layers whose load is logged (0: a dense run)")
     parser.add_argument("--out", required=True, help="the run directory to write (replaced)")
+    parser.add_argument("--repeat", type=int, default=3, help="times each figure is measured (the median is quoted)")
     args = parser.parse_args()
     run = RunDir(args.out)
     shutil.rmtree(run.location, ignore_errors=True)
     write_run(run.location, args.steps, args.layers, spike=args.steps // 3)
     size = run.metrics.stat().st_size
-    began = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "olmax.cli", "report", str(run.location)], check=True)
-    generated = time.perf_counter() - began
     page = run.page / "index.html"
     chromium = shutil.which("chromium")
-    rendered = None
-    if chromium:
-        flags = [chromium, "--headless", "--no-sandbox", "--disable-gpu", f"--user-data-dir={run.location}-profile"]
+    flags = [chromium, "--headless", "--no-sandbox", "--disable-gpu", f"--user-data-dir={run.location}-profile"]
+    generated, rendered = [], []
+    for _ in range(args.repeat):
         began = time.perf_counter()
-        subprocess.run([*flags, "--dump-dom", page.as_uri()], check=True, capture_output=True)
-        rendered = time.perf_counter() - began
+        subprocess.run([sys.executable, "-m", "olmax.cli", "report", str(run.location)], check=True)
+        generated.append(round(time.perf_counter() - began, 2))
+        if chromium:
+            began = time.perf_counter()
+            subprocess.run([*flags, "--dump-dom", page.as_uri()], check=True, capture_output=True)
+            rendered.append(round(time.perf_counter() - began, 2))
+    if chromium:
         subprocess.run([*flags, "--window-size=1280,2400", f"--screenshot={run.page / 'screenshot.png'}",
                         page.as_uri()], check=True, capture_output=True)
     print(json.dumps({"steps": args.steps, "layers": args.layers, "metrics_jsonl_bytes": size,
-                      "page_bytes": page.stat().st_size, "generate_s": round(generated, 2),
-                      "chromium_dump_dom_s": rendered and round(rendered, 2)}))
+                      "page_bytes": page.stat().st_size, "generate_s": generated,
+                      "generate_median_s": statistics.median(generated), "chromium_dump_dom_s": rendered,
+                      "chromium_median_s": statistics.median(rendered) if rendered else None}))
 
 
 if __name__ == "__main__":

@@ -33,7 +33,7 @@ SMALLEST = {
                                "train.global_batch_instances=8", "train.micro_batch_per_device=1"],
     "moe_scaling.py": ["--experts", "4", "--dispatch", "blocks", "--steps", "1", "--batch", "2", "--seq", "32",
                        "--layers", "1", "--d-model", "32", "--expert-hidden", "32", "--top-k", "2"],
-    "run_page.py": ["--steps", "2000", "--layers", "2", "--out", "{tmp}/run"],
+    "run_page.py": ["--steps", "2000", "--layers", "2", "--out", "{tmp}/run", "--repeat", "1"],
     "slow_bucket.py": ["--steps", "3", "--latencies-ms", "direct,20", "--workers", "2"],
     "step_model.py": ["--config", "tiny", "--target", "tpu:v5p:2x2x1"],
     "step_memory.py": ["tiny", "train.micro_batch_per_device=1", "--devices", "2"],
