@@ -44,10 +44,16 @@ def test_the_space_covers_remat_meshes_and_micro_batches_and_the_order_sees_many
     assert {dict(m)["tensor"] for m in meshes} == {1, 2}
     assert all(dict(m)["data"] * dict(m)["fsdp"] * dict(m)["tensor"] == 8 for m in meshes)
     assert {c.micro_batch for c in space if dict(c.mesh)["fsdp"] == 8} == {1, 2}  # 16 instances over 8: 2 a device
-    order = tune.ordered(space, lambda c: tune.estimate(cfg, target, c))
+    key = lambda c: tune.estimate(cfg, target, c)  # noqa: E731
+    order = tune.ordered(space, key)
     assert sorted(order, key=id) == sorted(space, key=id) and len(set(order)) == len(space)
     first = order[:8]
     assert len({(c.mesh, c.micro_batch) for c in first}) >= 4
+    # the search orders what is left again after each compile: a mesh not compiled yet, and the estimate's best,
+    # take turns (it reordered by the estimate alone, so with one compile at a time it stayed on one mesh)
+    tried = {(order[0].mesh, order[0].micro_batch)}
+    assert tune.ordered(space, key, tried)[0].mesh != order[0].mesh
+    assert tune.ordered(space, key, tried, leader_first=False)[0] == sorted(space, key=key)[0]
 
 
 @pytest.fixture(scope="module")
@@ -65,6 +71,7 @@ def test_tune_ranks_what_it_compiled_and_a_rerun_compiles_nothing_new(tuned, cap
     compiled = [r for r in first["results"] if r["status"] != "pruned"]
     # (compiled now, or by an earlier run into the suite's compile cache)
     assert len(compiled) == 4 and first["space"] > 100
+    assert len({r["layout"].split(";")[0] for r in compiled}) >= 2, "a mesh not tried yet takes every other turn"
     fitting = [r for r in compiled if r["status"] == "fits"]
     assert fitting and fitting == sorted(fitting, key=lambda r: r["step_seconds"])
     assert first["results"][0]["status"] == "fits"

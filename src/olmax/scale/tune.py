@@ -255,18 +255,21 @@ class Search:
         return next((r for r in self.ranked() if r.status == "fits"), None)
 
 
-def ordered(candidates: list[Candidate], key) -> list[Candidate]:
-    """The search's order: by the estimate, alternating with the best of each mesh and micro-batch not yet tried,
-    so that a small budget sees many meshes, not one mesh's remat policies."""
+def ordered(candidates: list[Candidate], key, tried: set = frozenset(), leader_first: bool = True) -> list[Candidate]:
+    """The search's order: by the estimate, alternating with the best of each mesh not tried yet, then of each mesh
+    and micro-batch not tried yet (`tried`: the (mesh, micro-batch) pairs compiled), so that a small budget sees
+    many meshes, not one mesh's remat policies; `leader_first` False starts with the estimate's best. The search
+    orders what is left again after each compile, alternating which comes first."""
     ranked = sorted(candidates, key=key)
-    leaders, seen = [], set()
+    meshes = {mesh for mesh, _ in tried}
+    best: dict = {}
     for c in ranked:
-        group = (c.mesh, c.micro_batch)
-        if group not in seen:
-            seen.add(group)
-            leaders.append(c)
+        if (c.mesh, c.micro_batch) not in tried:
+            best.setdefault((c.mesh, c.micro_batch), c)
+    leaders = sorted(best.values(), key=lambda c: c.mesh in meshes)  # stable: by the estimate within each
     order, taken = [], set()
-    for pair in itertools.zip_longest(leaders, ranked):
+    pairs = itertools.zip_longest(leaders, ranked) if leader_first else itertools.zip_longest(ranked, leaders)
+    for pair in pairs:
         for c in pair:
             if c is not None and c not in taken:
                 taken.add(c)
@@ -300,6 +303,7 @@ def tune(config: str, overrides: list[str], target: Target, budget: int, headroo
     remaining = ordered(candidates, key)
     search = Search(size=len(candidates))
     out_of_memory: list[Candidate] = []
+    tried: set = set()
     start = time.perf_counter()
     evaluated = 0
     with _pool(jobs) as pool:
@@ -313,6 +317,7 @@ def tune(config: str, overrides: list[str], target: Target, budget: int, headroo
                                                  "memory"))
                     continue
                 batch.append(candidate)
+                tried.add((candidate.mesh, candidate.micro_batch))
             if not batch:
                 break
             futures = [pool.submit(evaluate, config, overrides, target.name, c, headroom) for c in batch]
@@ -334,7 +339,8 @@ def tune(config: str, overrides: list[str], target: Target, budget: int, headroo
                           else result.reason[:100])
                 progress(f"[{evaluated}/{budget}] {result.candidate.describe()}: {result.status}, {figure}"
                          f"{' (cached)' if result.cached else ''}; {elapsed:.0f} s so far, about {eta:.0f} s left")
-            remaining = ordered(remaining, key)  # what the compiler said reorders the rest
+            # what the compiler said reorders the rest; a mesh not tried yet and the estimate's best take turns
+            remaining = ordered(remaining, key, tried, leader_first=evaluated % 2 == 0)
     search.seconds = time.perf_counter() - start
     return search
 
