@@ -56,6 +56,16 @@ def test_the_space_covers_remat_meshes_and_micro_batches_and_the_order_sees_many
     assert tune.ordered(space, key, tried, leader_first=False)[0] == sorted(space, key=key)[0]
 
 
+def test_a_pipelined_config_is_searched_only_at_micro_batches_its_pipeline_can_cut():
+    """Every micro-batch a device runs splits into the pipeline's micro-batches (the 1.2T MoE's 8 stages and 8
+    micro-batches: the search tried micro-batches 1 and 2, each a ConfigError instead of a compile)."""
+    cfg = load_config("tiny", ["model.n_layers=8", "model.layer_pattern=[sliding,global]", "mesh.stage=2",
+                               "mesh.fsdp=1", "impl.pipeline.microbatches=2"])
+    space = tune.space(cfg, parse_target("tpu:v5p:2x2x2"))
+    assert space and {c.micro_batch % 2 for c in space} == {0}
+    assert {dict(c.mesh)["stage"] for c in space} == {2}
+
+
 @pytest.fixture(scope="module")
 def tuned(tmp_path_factory):
     directory = tmp_path_factory.mktemp("tune")

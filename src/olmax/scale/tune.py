@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 from olmax.config import RunConfig, load_config
 from olmax.model import flops
+from olmax.parallel import pipeline
 from olmax.scale.report import size
 from olmax.scale.targets import Target
 
@@ -117,11 +118,13 @@ def space(cfg: RunConfig, target: Target) -> list[Candidate]:
     if target.platform == "tpu" and cfg.impl.attention.implementation in ("auto", "splash"):
         tiles = [t for t in (512, 1024, 2048) if t <= seq and seq % t == 0] or [None]
     flags = [True, False] if target.xla_flags else [False]
+    schedule = pipeline.schedule_for(cfg)
+    split = schedule.microbatches if schedule else 1  # a micro-step's rows are cut into the pipeline's micro-batches
     found = []
     for mesh in meshes(cfg, target.devices):
         dp = math.prod(size for axis, size in mesh if axis in ("data", "fsdp", "expert"))
         per_device = cfg.train.global_batch_instances // dp
-        for micro in [b for b in _divisors(per_device) if b & (b - 1) == 0 or b == per_device]:
+        for micro in [b for b in _divisors(per_device) if (b & (b - 1) == 0 or b == per_device) and b % split == 0]:
             for saved, tile, flag in itertools.product(remat_policies(), tiles, flags):
                 found.append(Candidate(mesh, saved, micro, tile, flag))
     return found
