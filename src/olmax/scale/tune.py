@@ -306,7 +306,6 @@ def tune(config: str, overrides: list[str], target: Target, budget: int, headroo
     remaining = ordered(candidates, key)
     search = Search(size=len(candidates))
     out_of_memory: list[Candidate] = []
-    tried: set = set()
     start = time.perf_counter()
     evaluated = 0
     with _pool(jobs) as pool:
@@ -320,7 +319,6 @@ def tune(config: str, overrides: list[str], target: Target, budget: int, headroo
                                                  "memory"))
                     continue
                 batch.append(candidate)
-                tried.add((candidate.mesh, candidate.micro_batch))
             if not batch:
                 break
             futures = [pool.submit(evaluate, config, overrides, target.name, c, headroom) for c in batch]
@@ -343,6 +341,7 @@ def tune(config: str, overrides: list[str], target: Target, budget: int, headroo
                 progress(f"[{evaluated}/{budget}] {result.candidate.describe()}: {result.status}, {figure}"
                          f"{' (cached)' if result.cached else ''}; {elapsed:.0f} s so far, about {eta:.0f} s left")
             # what the compiler said reorders the rest; a mesh not tried yet and the estimate's best take turns
+            tried = {(r.candidate.mesh, r.candidate.micro_batch) for r in search.results if r.status != "pruned"}
             remaining = ordered(remaining, key, tried, leader_first=evaluated % 2 == 0)
     search.seconds = time.perf_counter() - start
     return search

@@ -8,7 +8,8 @@ An older step is copied down only when the newer ones turn out unreadable
 steps, not the local copy's. Then
 metrics, events and the goodput record go up at every log interval and before
 each checkpoint (and once, a damaged record the run set aside, so that it is
-kept in the bucket beside the new one, not in the staging directory alone), and each checkpoint step goes up (in the background, see
+kept in the bucket beside the new one, not in the staging directory alone),
+and each checkpoint step goes up (in the background, see
 olmax.checkpoint.async_save) file by file with its commit marker last; steps
 the checkpointer no longer keeps (keep_last / keep_every) are deleted from the
 bucket. A host that dies loses at most one log interval of metrics, and never
@@ -71,7 +72,6 @@ class BucketRun:
         self.staged = RunDir(self.local)
         self.steps: list[int] = []  # the bucket's committed steps at the start
         self.pushed: set[int] = set()
-        self.pushed_aside: set[str] = set()
         self.pull()
 
     def pull(self) -> None:
@@ -128,10 +128,9 @@ class BucketRun:
             if self.staged.path(name).exists():
                 storage.upload(self.staged.path(name), self.run.path(name))
         for aside in sorted(self.local.glob(f"*{DAMAGED}*")) if jax.process_index() == 0 else []:
-            if aside.name not in self.pushed_aside:
-                storage.upload(aside, self.run.path(aside.name))
-                self.pushed_aside.add(aside.name)
-                log.warning("the damaged record is kept in the bucket as %s", self.run.path(aside.name))
+            storage.upload(aside, self.run.path(aside.name))
+            aside.unlink()  # kept in the bucket now: uploaded once
+            log.warning("the damaged record is kept in the bucket as %s", self.run.path(aside.name))
 
     def push_checkpoint(self, step: int, kept: list[int]) -> None:
         """Upload checkpoint `step` (marker last), then delete the bucket's steps neither in `kept` (the local
