@@ -320,6 +320,24 @@ def test_hostile_names_in_a_report_are_shown_as_text(chromium, tmp_path, capsys)
     assert Markup(text).tags >= {"svg", "rect", "table"}  # the sections were drawn
 
 
+def test_hostile_names_in_a_report_stay_text_in_its_markdown_table():
+    """The Markdown table `olmax report A.json B.json` prints, with every name made markup, a pipe, a backtick and a
+    line break: rendered (Python-Markdown, as mkdocs renders), each row keeps its cells and no name is markup."""
+    import markdown
+
+    from olmax.scale.report import markdown_table
+
+    report = hostile_report(json.loads(STORED.read_text()))
+    report["overrides"] = [o + "|`x\ny" for o in report["overrides"]]
+    text = markdown_table([report, {**report, "config": report["config"] + "|"}])
+    assert len(text.splitlines()) == 4
+    rendered = markdown.markdown(text, extensions=["tables"])
+    check_inert(rendered)
+    rows = re.findall(r"<tr>(.*?)</tr>", rendered, re.S)
+    assert [row.count("<td") + row.count("<th") for row in rows] == [text.splitlines()[0].count(" | ") + 1] * 3
+    assert rendered.count("&lt;script&gt;") >= 6  # config, overrides and target of both, shown as text
+
+
 def test_a_report_field_of_another_kind_is_text_or_exit_2(capsys, tmp_path):
     """Each value of a report.json, one at a time, made a hostile string where olmax writes a number, a flag, a list
     or nothing: the page shows it as text, or `olmax report` refuses the file in one line, exit 2."""

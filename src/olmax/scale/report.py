@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import html
 import json
+import re
 
 from olmax import storage
 from olmax.pages import document, fact, table
@@ -561,11 +562,23 @@ def _bubble(s: dict) -> str:
     return f"{s['bubble_fraction']:.1%} ({s['stages'] - 1} of {iterations})"
 
 
+def _markdown_text(text: str) -> str:
+    """`text` as the text of a Markdown table's cell: on one line, its markup characters shown as themselves (HTML's
+    as entities, which every renderer reads; a pipe escaped, so that it does not end the cell)."""
+    return re.sub(r"([\\`*\[\]|])", r"\\\1", html.escape(" ".join(str(text).split()), quote=False))
+
+
+def _markdown_code(text: str) -> str:
+    """`text` as code in a Markdown table's cell; as escaped text where a backtick, pipe or line break in it would
+    end the code span or the cell (neither is escaped inside a code span)."""
+    return _markdown_text(text) if re.search(r"[`|\r\n]", text) else f"`{text}`"
+
+
 MARKDOWN_COLUMNS = [  # (header, right-aligned, the cell of a report and its configured schedule; "-": none)
-    ("config", False, lambda r, s: r["config"]),
-    ("overrides", False, lambda r, s: " ".join(f"`{o}`" for o in r.get("overrides", [])) or "(the preset)"),
-    ("target", False, lambda r, s: r["target"]),
-    ("schedule", False, lambda r, s: s["name"] if s else "-"),
+    ("config", False, lambda r, s: _markdown_text(r["config"])),
+    ("overrides", False, lambda r, s: " ".join(_markdown_code(o) for o in r.get("overrides", [])) or "(the preset)"),
+    ("target", False, lambda r, s: _markdown_text(r["target"])),
+    ("schedule", False, lambda r, s: _markdown_text(s["name"]) if s else "-"),
     ("bubble", True, lambda r, s: _bubble(s) if s else "-"),
     ("mb x tokens, micro-steps", False, lambda r, s: f"{r['instances_per_device_micro_step']} x "
      f"{r['sequence_length']}, {r['micro_steps']}" if "micro_steps" in r else "-"),
