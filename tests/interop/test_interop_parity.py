@@ -2,6 +2,7 @@
 
 import argparse
 import json
+import sys
 from typing import NamedTuple
 
 import jax
@@ -161,6 +162,19 @@ def test_parity_cli_json_and_exit_code(tmp_path, capsys):
     assert exit_.value.code == 1
     table = capsys.readouterr().out
     assert "FAIL" in table and "hf: failed kl_mean" in table and "top-1 agreement" in table
+
+
+def test_parity_without_the_test_extra_is_one_line_naming_it(tmp_path, capsys, monkeypatch):
+    """torch and transformers not installed (None in sys.modules: not importable, not found): exit 2, one line
+    naming the extra that brings them, before the checkpoint is read."""
+    hf_dir = make_hf_model(tmp_path / "hf", seed=0)
+    hf_to_olmax(hf_dir, tmp_path / "olmax")
+    capsys.readouterr()
+    for name in ("torch", "transformers"):
+        monkeypatch.setitem(sys.modules, name, None)
+    assert main(["parity", str(tmp_path / "olmax"), "--hf", str(hf_dir)]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "torch and transformers" in err and ".[test]" in err, err
 
 
 def test_parity_refuses_different_models_and_short_inputs(tmp_path):

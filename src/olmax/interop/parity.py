@@ -20,6 +20,7 @@ reproduction's figures (https://github.com/AI-Hypercomputer/maxtext/pull/3886) (
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -254,6 +255,10 @@ def run_parity(ckpt: str | Path, *, hf_dir: str | Path | None = None, olmo_core:
         raise InteropError("nothing to compare against: give an HF directory and/or the olmo-core reference")
     if dtype not in THRESHOLDS:
         raise InteropError(f"--dtype {dtype!r} is not one of {sorted(THRESHOLDS)}")
+    references_need = ["torch", *(["transformers"] if hf_dir is not None else []), *(["olmo_core"] if olmo_core else [])]
+    if missing := [name for name in references_need if importlib.util.find_spec(name) is None]:
+        raise InteropError(f"the references of olmax parity need {' and '.join(missing)}, not installed: install "
+                           "the test extra (pip install -e '.[test]'), which pins them")
     cfg, params, step = load_olmax(ckpt)
     m = cfg.model
     seq_len = seq_len or 2 * m.sliding_window
