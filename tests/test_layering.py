@@ -46,6 +46,28 @@ def test_imports_only_go_down():
     assert not wrong, "\n".join(wrong)
 
 
+def _module_imports() -> dict[str, set[str]]:
+    """{module: the olmax modules (and names in them) it imports, at its top or in a function}."""
+    found = {}
+    for path in ROOT.rglob("*.py"):
+        module = ".".join(("olmax", *path.relative_to(ROOT).with_suffix("").parts)).removesuffix(".__init__")
+        found[module] = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("olmax"):
+                found[module] |= {node.module, *(f"{node.module}.{a.name}" for a in node.names)}
+            elif isinstance(node, ast.Import):
+                found[module] |= {a.name for a in node.names if a.name.startswith("olmax")}
+    return found
+
+
+def test_no_two_modules_import_each_other():
+    """Within a package too: what two modules both need belongs in a third that both import."""
+    imports = _module_imports()
+    pairs = sorted({tuple(sorted((a, b))) for a, targets in imports.items() for b in targets
+                    if b in imports and b != a and a in imports[b]})
+    assert not pairs, pairs
+
+
 def _code(path: Path) -> str:
     """The source without docstrings and comments: names and strings the code uses."""
     tree = ast.parse(path.read_text())

@@ -1,4 +1,4 @@
-"""The `ray` engine of `olmax tokenize`: each task of olmax.data.tokenize a Ray task, on the cluster at --address
+"""The `ray` engine of `olmax tokenize`: each task (olmax.data.tokenize_tasks) a Ray task, on the cluster at --address
 or on a local Ray started for the command and stopped after it.
 
 A task reads its inputs and writes its shards itself; the driver sends the tokenizer once, through Ray's object
@@ -14,7 +14,7 @@ import logging
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from olmax.data.tokenize import Progress, ProgressLine, Settings, Task, _worker, init_worker, run_task
+from olmax.data.tokenize_tasks import Progress, ProgressLine, Settings, Task, init_worker, run_task
 from olmax.errors import DataError, OlmaxError
 
 # Runs of a task after a loss of its worker or node (spot nodes come and go over a long job); Ray's default is 3.
@@ -36,9 +36,7 @@ class _Report:
 
 
 def _tokenize_task(task: Task, settings: Settings, tokenizer_json: str, counter) -> dict:
-    args = (tokenizer_json, settings.eos_id, settings.dtype, settings.skip_bad, True)
-    if _worker.get("args") != args:  # a Ray worker process runs many tasks: it loads the tokenizer once
-        init_worker(*args)
+    init_worker(tokenizer_json, settings.eos_id, settings.dtype, settings.skip_bad, one_of_many=True)
     return run_task(task, settings, map, _Report(counter))
 
 
