@@ -137,6 +137,27 @@ def test_bad_text_input(tmp_path, corpus):
         tokenize_corpus([str(bad)], tmp_path / "d", tokenizer_path=tokenizer, eos_token="<|eot|>", progress=False)
 
 
+def test_a_truncated_zst_fails_as_a_truncated_gz_does_and_all_its_frames_are_read(tmp_path, corpus):
+    """zstandard's stream reader ends silently where a file was cut short, and after its first frame: a directory
+    with half a .zst beside a good file tokenized with exit 0, the rest of its documents missing (with --skip-bad
+    too, its torn last line counted as skipped)."""
+    _, _, tokenizer = corpus
+    lines = [b'{"text": "%d"}\n' % i for i in range(50_000)]
+    whole = zstandard.ZstdCompressor().compress(b"".join(lines))
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "a.jsonl").write_bytes(lines[0])
+    (tmp_path / "in" / "b.jsonl.zst").write_bytes(whole[: len(whole) // 2])
+    for skip_bad in (False, True):
+        with pytest.raises(DataError, match=r"b\.jsonl\.zst: cannot read past line \d+ \(EOFError: the file ends "
+                                            "inside a zstd frame"):
+            tokenize_corpus([str(tmp_path / "in")], tmp_path / f"out-{skip_bad}", tokenizer_path=tokenizer, workers=0,
+                            skip_bad=skip_bad, progress=False)
+    frames = tmp_path / "frames.jsonl.zst"  # as `cat a.zst b.zst` or a multi-threaded zstd writes one
+    frames.write_bytes(b"".join(zstandard.ZstdCompressor().compress(b"".join(lines[i : i + 20_000]))
+                                for i in range(0, len(lines), 20_000)))
+    assert list(read_documents(frames)) == [str(i) for i in range(50_000)]
+
+
 def test_refuses_a_directory_that_is_not_empty(tmp_path, corpus):
     inputs, _, tokenizer = corpus
     tokenize_corpus(inputs[:1], tmp_path, tokenizer_path=tokenizer, workers=0, progress=False)

@@ -100,11 +100,46 @@ def open_binary(path: str):
         if path.endswith(".gz"):
             yield gzip.GzipFile(fileobj=raw)
         elif path.endswith(".zst"):
-            import zstandard
-
-            yield io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(raw))
+            yield io.BufferedReader(ZstdFrames(raw), buffer_size=CHUNK_BYTES)
         else:
             yield raw
+
+
+class ZstdFrames(io.RawIOBase):
+    """The decompressed bytes of every zstd frame of a file, one after another, and EOFError where the file ends
+    inside a frame, as a truncated .gz's reader raises (zstandard's `stream_reader` ends there silently, as at the
+    end of a shorter file, and reads only the first frame)."""
+
+    READ = 1 << 16  # compressed bytes decompressed at a time: their output, held here, stays a few MB
+
+    def __init__(self, raw):
+        import zstandard
+
+        self.raw, self.new_frame = raw, zstandard.ZstdDecompressor().decompressobj
+        self.frame, self.in_frame = self.new_frame(), False  # in_frame: the frame has had input and not ended
+        self.out, self.at = b"", 0  # decompressed bytes not yet read, from `at`
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        while self.at == len(self.out):
+            data = self.raw.read(self.READ)
+            if not data:
+                if self.in_frame:
+                    raise EOFError("the file ends inside a zstd frame: it was cut short")
+                return 0
+            self.out, self.at = b"", 0
+            while data:
+                self.out += self.frame.decompress(data)
+                self.in_frame = not self.frame.eof
+                if self.in_frame:
+                    break
+                data, self.frame = self.frame.unused_data, self.new_frame()  # the next frame's start, if any
+        size = min(len(buffer), len(self.out) - self.at)
+        buffer[:size] = memoryview(self.out)[self.at : self.at + size]
+        self.at += size
+        return size
 
 
 def read_documents(path: str) -> Iterator[str]:
