@@ -86,35 +86,37 @@ def _describe(record: str) -> str:
 
 
 @contextlib.contextmanager
-def hold(run_dir: str | os.PathLike, environ=None):
+def hold(run_dir: str | os.PathLike, environ=None, *, lock: str | os.PathLike | None = None,
+         setting: str = "output_dir"):
     """Hold the run directory's lock inside the block (creating the directory); the identity to pass to the
     processes started for this run as OLMAX_RUN_LOCK. Raises RunDirError when another process holds it or the
     directory cannot be written (read-only, permissions). A bucket URL is held by a lease (see the module's
     doc). A directory it made that holds nothing but the lock when the block ends (the run failed before
-    writing anything) is removed."""
+    writing anything) is removed. Another output is held the same way: `lock` names its lock file (the run
+    directory's run.lock by default) and `setting` the option that names the output, in the errors."""
     if storage.is_remote(run_dir):
-        with _lease(str(run_dir)) as mine:
+        with _lease(str(run_dir).rstrip("/"), str(lock or RunDir(str(run_dir).rstrip("/")).lock), setting) as mine:
             yield mine
         return
     environ = os.environ if environ is None else environ
     run_dir = Path(run_dir)
-    path = RunDir(run_dir).lock
-    made = not run_dir.exists()
+    path = Path(lock or RunDir(run_dir).lock)
+    made = not path.parent.exists()
     try:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        if not os.access(run_dir, os.W_OK):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if not os.access(path.parent, os.W_OK):
             raise PermissionError(errno.EACCES, "permission denied")
         fd = _locked(path)
     except BlockingIOError as err:
         fd, holder = None, os.pread(err.fd, 4096, 0).decode(errors="replace")
         os.close(err.fd)
     except OSError as err:
-        raise RunDirError(f"output_dir {run_dir} cannot be written ({err.strerror}); make it writable or set "
-                          "another output_dir") from None
+        raise RunDirError(f"{setting} {run_dir} cannot be written ({err.strerror}); make it writable or set "
+                          f"another {setting}") from None
     if fd is None:
         if environ.get(ENV_RUN_LOCK) != holder:
-            raise RunDirError(f"output_dir {run_dir} is in use by another run ({_describe(holder)}, per {path}); "
-                              "wait for it to end or stop it, or set another output_dir")
+            raise RunDirError(f"{setting} {run_dir} is in use by another run ({_describe(holder)}, per {path}); "
+                              f"wait for it to end or stop it, or set another {setting}")
         yield holder  # our launcher holds it for us
         return
     try:
@@ -123,9 +125,9 @@ def hold(run_dir: str | os.PathLike, environ=None):
         os.pwrite(fd, mine.encode(), 0)
         yield mine
     finally:
-        if made and os.listdir(run_dir) == [path.name]:
+        if made and path.parent.is_dir() and os.listdir(path.parent) == [path.name]:
             path.unlink()
-            run_dir.rmdir()
+            path.parent.rmdir()
         os.close(fd)  # releases the lock
 
 
@@ -203,8 +205,8 @@ def _fresh(record: dict) -> bool:
 class _Lease:
     """This process's lease on one bucket run directory; `fence` is the check of its writes there."""
 
-    def __init__(self, url: str):
-        self.url, self.path = url, RunDir(url).lock
+    def __init__(self, url: str, path: str, setting: str):
+        self.url, self.path, self.setting = url, path, setting
         self.mine = {"host": socket.gethostname(), "pid": os.getpid(), "pid_namespace": _namespace(),
                      "token": uuid.uuid4().hex}
         self.version: str | None = None  # of the object, as this holder wrote it last
@@ -224,20 +226,20 @@ class _Lease:
         if text is None:  # none there (or gone since)
             version = None
         elif held is None:
-            raise RunDirError(f"output_dir {self.url}: {self.path} holds no olmax lease ({text[:80]!r}); if no run "
-                              f"is using {self.url}, delete {self.path} and run again, else set another output_dir")
+            raise RunDirError(f"{self.setting} {self.url}: {self.path} holds no olmax lease ({text[:80]!r}); if no "
+                              f"run is using {self.url}, delete {self.path} and run again, else set another "
+                              f"{self.setting}")
         if held and _fresh(held):
-            raise RunDirError(f"output_dir {self.url} is in use by another run ({_describe(json.dumps(held))}, per "
-                              f"{self.path}, renewed {time.time() - float(held['renewed']):.0f}s ago); wait for it "
-                              f"to end or stop it (a lease not renewed for {STALE_S:.0f}s is taken over), or set "
-                              "another output_dir")
+            raise RunDirError(f"{self.setting} {self.url} is in use by another run ({_describe(json.dumps(held))}, "
+                              f"per {self.path}, {_renewed(float(held['renewed']))}); wait for it to end or stop it "
+                              f"(a lease not renewed for {STALE_S:.0f}s is taken over), or set another {self.setting}")
         if held:
             log.warning("taking over %s: its holder (%s) stopped renewing it", self.path, _describe(json.dumps(held)))
         if not self._write(version):
             now, _ = _read_lease(self.path)
-            raise RunDirError(f"output_dir {self.url} was taken by another run starting at the same time "
+            raise RunDirError(f"{self.setting} {self.url} was taken by another run starting at the same time "
                               f"({_describe(json.dumps(now)) if now else 'which has let it go since'}, per "
-                              f"{self.path}); set another output_dir, or run again")
+                              f"{self.path}); set another {self.setting}, or run again")
 
     def _write(self, version: str | None) -> bool:
         """Our lease, renewed now, where the object is still at `version` (None: absent): whether it went
@@ -288,9 +290,18 @@ class _Lease:
                     pass  # another run's now: left alone
 
 
+def _renewed(stamp: float) -> str:
+    """When a lease stamped `stamp` (its holder's clock) was renewed, by this host's clock."""
+    age = time.time() - stamp
+    if age > -1:  # a second's skew is within what the clocks of two hosts disagree by anyway
+        return f"renewed {max(age, 0):.0f}s ago"
+    return (f"renewed {-age:.0f}s from now by this host's clock: the two hosts' clocks disagree (a lease is judged "
+            "by the time its holder stamps on it; keep the clocks in sync, e.g. with NTP)")
+
+
 @contextlib.contextmanager
-def _lease(url: str):
-    lease = _Lease(url.rstrip("/"))
+def _lease(url: str, path: str, setting: str):
+    lease = _Lease(url, path, setting)
     lease.take()
     _HELD[lease.url] = lease
     storage.fence(lease.url, lease.fence)

@@ -73,6 +73,16 @@ def test_a_fresh_lease_naming_this_host_and_a_pid_gone_here_is_not_taken_over(st
     assert json.loads(storage.read_text(f"{run}/run.lock"))["token"] == "theirs"
 
 
+def test_a_lease_renewed_ahead_of_this_hosts_clock_is_named_as_the_clocks_disagreeing(stores):
+    run = f"s3://{stores.bucket}/run"
+    storage.write_bytes(f"{run}/run.lock", json.dumps({"host": "elsewhere", "pid": 1, "token": "theirs",
+                                                       "renewed": time.time() + 6.4}).encode())
+    with pytest.raises(RunDirError, match=r"per \S+/run.lock, renewed 6s from now by this host's clock: the two "
+                                          "hosts' clocks disagree"):
+        with run_lock.hold(run):
+            pass
+
+
 @pytest.mark.parametrize("held", [b"", b"\xff\x00 not a lease", b"[1, 2]", b'"run.lock"', b"{" * 500])
 def test_a_run_lock_that_is_no_lease_is_named_with_how_to_clear_it(stores, held):
     run = f"s3://{stores.bucket}/run"
