@@ -14,14 +14,15 @@ from olmax.config import writable_dir
 from olmax.errors import BadInput
 
 
-def check_new_output(out: str | os.PathLike, command: str, error: type[BadInput]) -> None:
-    """Raise `error` unless `out` (a path or a bucket URL) is new or an empty directory that can be written."""
+def check_new_output(out: str | os.PathLike, command: str, error: type[BadInput], ignoring: tuple[str, ...] = ()) -> None:
+    """Raise `error` unless `out` (a path or a bucket URL) is new or an empty directory that can be written (but for
+    the names `ignoring`: the lock the command holds there)."""
     remote = storage.is_remote(out)
     if remote:
         storage.check_writable(str(out))
     elif Path(out).exists() and not Path(out).is_dir():
         raise error(f"{out} is a file; {command} writes a new directory: choose another path")
-    if storage.listdir(str(out)):
+    if set(storage.listdir(str(out))) - set(ignoring):
         raise error(f"{out} exists and is not empty (an earlier output?); {command} writes into a new or empty "
                     "directory: choose another, or delete this one")
     if not remote:

@@ -5,6 +5,7 @@ import gzip
 import hashlib
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -13,11 +14,13 @@ import numpy as np
 import pytest
 import zstandard
 
+from olmax.cli import main
 from olmax.config import DataConfig
 from olmax.data import DataError, build_loader
 from olmax.data.cli import add_commands
 from olmax.data.shards import read_mix_file
 from olmax.data.tokenize import load_tokenizer, read_documents, tokenize_corpus, train_tokenizer
+from olmax.errors import RunDirError
 
 WORDS = "the a data model token shard loader epoch batch seed order train ünïcödé 数据 🙂".split()
 
@@ -158,11 +161,49 @@ def test_a_truncated_zst_fails_as_a_truncated_gz_does_and_all_its_frames_are_rea
     assert list(read_documents(frames)) == [str(i) for i in range(50_000)]
 
 
-def test_refuses_a_directory_that_is_not_empty(tmp_path, corpus):
+@pytest.mark.parametrize("argv, message", [
+    (["--label", "a,b"], "--label 'a,b' cannot label a mix file's `label,path` lines: give a --label of one line"),
+    (["--label", "a\nb"], "--label 'a\\nb' cannot label"),
+    (["--label", " web"], "--label ' web' cannot label"),
+    (["--label", "#web"], "--label '#web' cannot label"),
+    (["--label", ""], "--label '' cannot label"),
+    (["--out-name", "a,b"], "the name of --out, 'a,b', the default --label, cannot label"),
+    (["--workers", "-1"], "--workers -1: give the number of tokenizer processes, 0 (none: this one) or more"),
+    (["--shard-tokens", "0"], "--shard-tokens 0: give the most tokens a shard holds, 1 or more"),
+    (["--shard-tokens", "-1"], "--shard-tokens -1: give"),
+])
+def test_bad_settings_are_one_line_before_anything_is_written(tmp_path, corpus, capsys, argv, message):
+    """A label OLMo-core's mix file cannot hold (mix.txt written, and training refusing it), a negative worker
+    count (a traceback), a shard of no tokens (a shard a document): exit 2, one line, no output directory."""
     inputs, _, tokenizer = corpus
-    tokenize_corpus(inputs[:1], tmp_path, tokenizer_path=tokenizer, workers=0, progress=False)
-    with pytest.raises(DataError, match="is not empty .* new or empty directory"):
-        tokenize_corpus(inputs[:1], tmp_path, tokenizer_path=tokenizer, workers=0, progress=False)
+    out = tmp_path / (argv[1] if argv[0] == "--out-name" else "out")
+    settings = [] if argv[0] == "--out-name" else argv
+    assert main(["tokenize", *inputs, "--tokenizer", tokenizer, "--out", str(out), "--quiet", *settings]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"olmax: DataError: {message}") and err.count("\n") == 1, err
+    assert not out.exists()
+
+
+def test_a_finished_output_is_done_for_the_same_command_and_refused_to_another(tmp_path, corpus, capsys):
+    """The same command on its finished output (killed after its last commit, while it removed its work directory,
+    or after it ended) exits 0 and writes nothing; another command's is refused as an output that is not empty."""
+    inputs, _, tokenizer = corpus
+    out = tmp_path / "out"
+    argv = ["tokenize", *inputs[:2], "--tokenizer", tokenizer, "--out", out, "--workers", 0, "--quiet"]
+    run_cli(*argv)
+    written = {p.name: p.stat().st_mtime_ns for p in out.iterdir()}
+    assert "mix.txt" in written and not [name for name in written if name.startswith(".tokenize")]
+    for leftover in (None, "task-00000.json"):
+        if leftover:  # a kill while the work directory was removed: what is left of it
+            (out / ".tokenize").mkdir()
+            (out / ".tokenize" / leftover).write_text("{}")
+        capsys.readouterr()
+        run_cli(*argv)
+        assert "(--out holds the finished output of this same command: nothing to do)" in capsys.readouterr().out
+        assert {p.name: p.stat().st_mtime_ns for p in out.iterdir()} == written
+    for other in (["--label", "other"], ["--shard-tokens", 1000], ["--eos-token", "<|pad|>"]):
+        with pytest.raises(DataError, match="is not empty .* new or empty directory"):
+            run_cli(*argv, *other)
 
 
 def run_cli(*argv):
@@ -230,6 +271,9 @@ def test_a_tokenize_killed_outright_is_finished_by_the_same_command_skipping_wha
     proc = subprocess.Popen([sys.executable, "-m", "olmax.cli", *argv, "--out", str(out), "--quiet"])
     while len(committed_shards(out) if (out / ".tokenize").exists() else []) < 2:  # the event: shards committed
         assert proc.poll() is None, "tokenize ended before it was killed"
+    with pytest.raises(RunDirError, match=f"--out {out} is in use by another run .host {socket.gethostname()}, "
+                                          f"PID {proc.pid}, per {out}/.tokenize.lock"):
+        run_cli(*argv, "--out", out, "--quiet")  # the same command beside it
     proc.kill()
     proc.wait()
     committed = {name: (out / name).stat().st_ino for name in

@@ -71,12 +71,11 @@ def cmd_tokenize(args: argparse.Namespace) -> None:
         address=args.address,
         skip_bad=args.skip_bad,
     )
-    mb_per_s = result.text_bytes / 1e6 / result.seconds
     skipped = f", {result.skipped_documents} bad documents skipped" if args.skip_bad else ""
-    print(
-        f"{result.documents} documents, {result.text_bytes / 1e6:.1f} MB of text -> {result.tokens} tokens in "
-        f"{len(result.shards)} shards ({result.seconds:.1f} s, {mb_per_s:.2f} MB/s{skipped})"
-    )
+    how = (f"{result.seconds:.1f} s, {result.text_bytes / 1e6 / result.seconds:.2f} MB/s{skipped}" if not
+           result.done_before else "--out holds the finished output of this same command: nothing to do")
+    print(f"{result.documents} documents, {result.text_bytes / 1e6:.1f} MB of text -> {result.tokens} tokens in "
+          f"{len(result.shards)} shards ({how})")
     pad = f" data.pad_id={result.pad_id}" if result.pad_id is not None else ""
     print(
         f"read with: data.mix_file={result.mix_file} data.token_dtype={result.token_dtype} "

@@ -42,16 +42,18 @@ import multiprocessing
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
-from olmax import storage
+from olmax import run_lock, storage
 from olmax.data.shards import DataError, write_shards_record
 from olmax.data.tokenize_tasks import (WORK, Progress, ProgressLine, Settings, Task, find_inputs, init_worker,
                                        plan_tasks, read_documents, run_task)
 from olmax.outputs import check_new_output
 
 ENGINES = ("processes", "ray")
+LOCK = ".tokenize.lock"  # held by the command writing the output (olmax.run_lock); on disk removed when it is done
+COUNTS = ("documents", "tokens", "text_bytes", "skipped_documents")
 EOS_TOKEN = "<|endoftext|>"
 PAD_TOKEN = "<|pad|>"
 
@@ -69,6 +71,7 @@ class TokenizeResult:
     eos_id: int
     pad_id: int | None
     token_dtype: str
+    done_before: bool  # the output was this same command's, finished before: nothing was done
 
 
 def load_tokenizer(path: str | os.PathLike):
@@ -124,58 +127,72 @@ def tokenize_corpus(
     from tokenizers import Tokenizer
 
     started = time.perf_counter()
-    _check_engine(engine, address, workers)
+    _check_arguments(engine, address, workers, shard_tokens)
+    out = str(out_dir) if storage.is_remote(out_dir) else os.path.abspath(out_dir)
+    if not storage.is_remote(out) and Path(out).exists() and not Path(out).is_dir():
+        check_new_output(out, "tokenize", DataError)  # names it as a file, before the lock is made in it
+    label = _mix_label(label, out)
     files = find_inputs(inputs)
     tokenizer_json = read_tokenizer(tokenizer_path)
     tokenizer = Tokenizer.from_str(tokenizer_json)
     tokenizer_name = str(tokenizer_path) if storage.is_remote(tokenizer_path) else str(Path(tokenizer_path).resolve())
     eos_id = special_id(tokenizer, eos_token, tokenizer_path)
-    pad_id = tokenizer.token_to_id(PAD_TOKEN)
     vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
     dtype = "uint16" if vocab_size <= 1 << 16 else "uint32"
-    out = str(out_dir) if storage.is_remote(out_dir) else os.path.abspath(out_dir)
     settings = Settings(out, eos_id, dtype, shard_tokens, skip_bad)
     tasks = plan_tasks(files, shard_tokens)
     plan = {"inputs": files, "tokenizer_sha256": hashlib.sha256(tokenizer_json.encode()).hexdigest(),
             "eos_token": eos_token, "shard_tokens": shard_tokens}
-    done = _resume_or_start(out, json.loads(json.dumps(plan)))
-    pending = [task for task in tasks if task.index not in done]
-    done_files = [size for task in tasks if task.index in done for _, _, size in task.files]
-    line = ProgressLine(progress, len(files), sum(size for _, size in files), len(done_files), sum(done_files))
-    try:
-        if engine == "ray":
-            from olmax.data.tokenize_ray import run_on_ray
+    # What tokenize.json records of the command, to recognize its finished output: the plan, by value (no paths).
+    command = {"input_bytes": [size for _, size in files], "tokenizer_sha256": plan["tokenizer_sha256"],
+               "eos_token": eos_token, "shard_tokens": shard_tokens, "label": label}
+    with run_lock.hold(out, lock=storage.join(out, LOCK), setting="--out"):  # one command at a time on `out`
+        summary = _finished(out, [f for f, _ in files], command)
+        done_before = summary is not None
+        if not done_before:
+            done = _resume_or_start(out, json.loads(json.dumps(plan)))
+            pending = [task for task in tasks if task.index not in done]
+            done_files = [size for task in tasks if task.index in done for _, _, size in task.files]
+            line = ProgressLine(progress, len(files), sum(size for _, size in files), len(done_files), sum(done_files))
+            try:
+                if engine == "ray":
+                    from olmax.data.tokenize_ray import run_on_ray
 
-            done.update(run_on_ray(pending, settings, tokenizer_json, address, workers, line))
-        else:
-            done.update(_run_here(pending, settings, tokenizer_json, workers, Progress(line)))
-    finally:
-        line.close()
-    records = [done[task.index] for task in tasks]
-    names = [name for record in records for name in record["shards"]]
-    if not names:
+                    done.update(run_on_ray(pending, settings, tokenizer_json, address, workers, line))
+                else:
+                    done.update(_run_here(pending, settings, tokenizer_json, workers, Progress(line)))
+            finally:
+                line.close()
+            records = [done[task.index] for task in tasks]
+            names = [name for record in records for name in record["shards"]]
+            if names:
+                storage.write_bytes(storage.join(out, "mix.txt"),
+                                    "".join(f"{label},{name}\n" for name in names).encode())
+                write_shards_record(out, names, token_dtype=dtype, vocab_size=vocab_size, eos_id=eos_id)
+                # The same bytes for the same inputs and settings, wherever the output is: no time, no out path.
+                summary = {"shards": names, "mix_file": "mix.txt",
+                           **{key: sum(r[key] for r in records) for key in COUNTS},
+                           "vocab_size": vocab_size, "eos_id": eos_id, "pad_id": tokenizer.token_to_id(PAD_TOKEN),
+                           "token_dtype": dtype, "tokenizer": tokenizer_name, "inputs": [f for f, _ in files],
+                           "engine": engine, "command": command}
+                storage.write_bytes(storage.join(out, "tokenize.json"), (json.dumps(summary, indent=1) + "\n").encode())
+        if summary is not None:
+            _remove_work(out)
+    if summary is None:
         storage.remove(out)  # it holds nothing but the work directory
         raise DataError(f"the inputs {inputs} hold no documents with text (empty ones are skipped)")
-    label = label or (storage.basename(out) if storage.is_remote(out) else Path(out).resolve().name)
-    storage.write_bytes(storage.join(out, "mix.txt"), "".join(f"{label},{name}\n" for name in names).encode())
-    write_shards_record(out, names, token_dtype=dtype, vocab_size=vocab_size, eos_id=eos_id)
-    counts = {key: sum(r[key] for r in records) for key in ("documents", "tokens", "text_bytes", "skipped_documents")}
     shown = str(out_dir)
-    result = TokenizeResult(
-        shards=[storage.join(shown, n) for n in names], mix_file=storage.join(shown, "mix.txt"), **counts,
-        seconds=time.perf_counter() - started, vocab_size=vocab_size, eos_id=eos_id, pad_id=pad_id,
-        token_dtype=dtype,
-    )
-    # The record is the same bytes for the same inputs and settings, wherever the output is: no time, no out path.
-    summary = {**asdict(result), "shards": names, "mix_file": "mix.txt",
-               "tokenizer": tokenizer_name, "inputs": [f for f, _ in files], "engine": engine}
-    del summary["seconds"]
-    storage.write_bytes(storage.join(out, "tokenize.json"), (json.dumps(summary, indent=1) + "\n").encode())
-    storage.remove(storage.join(out, WORK))
-    return result
+    return TokenizeResult(
+        shards=[storage.join(shown, name) for name in summary["shards"]], mix_file=storage.join(shown, "mix.txt"),
+        **{key: summary[key] for key in (*COUNTS, "vocab_size", "eos_id", "pad_id", "token_dtype")},
+        seconds=time.perf_counter() - started, done_before=done_before)
 
 
-def _check_engine(engine: str, address: str | None, workers: int | None) -> None:
+def _check_arguments(engine: str, address: str | None, workers: int | None, shard_tokens: int) -> None:
+    if workers is not None and workers < 0:
+        raise DataError(f"--workers {workers}: give the number of tokenizer processes, 0 (none: this one) or more")
+    if shard_tokens < 1:
+        raise DataError(f"--shard-tokens {shard_tokens}: give the most tokens a shard holds, 1 or more")
     if engine not in ENGINES:
         raise DataError(f"--engine {engine}: not one of {', '.join(ENGINES)}")
     if address is not None and engine != "ray":
@@ -187,6 +204,39 @@ def _check_engine(engine: str, address: str | None, workers: int | None) -> None
         raise DataError("--workers 0 starts a Ray with no CPU to run the tasks on: give 1 or more")
     if engine == "ray" and importlib.util.find_spec("ray") is None:
         raise DataError("--engine ray needs Ray, which is not installed: pip install 'olmax[ray]'")
+
+
+def _mix_label(label: str | None, out: str) -> str:
+    """The label of the shards in mix.txt: `label`, else the output directory's name; DataError where a mix file's
+    `label,path` line would not read it back as it is (a comma, a line break, spaces around it, a leading #)."""
+    name = storage.basename(out) if storage.is_remote(out) else Path(out).resolve().name
+    shown = f"--label {label!r}" if label is not None else f"the name of --out, {name!r}, the default --label,"
+    label = name if label is None else label
+    if not label.strip() or label != label.strip() or "," in label or len(label.splitlines()) > 1 or label[0] == "#":
+        raise DataError(f"{shown} cannot label a mix file's `label,path` lines: give a --label of one line, without "
+                        "a comma, a leading # or spaces around it")
+    return label
+
+
+def _finished(out: str, inputs: list[str], command: dict) -> dict | None:
+    """The record (tokenize.json) of `out` when it is the finished output of this same command, else None. A
+    command killed while it removed its work directory finished all the same: what is left of it goes."""
+    try:
+        summary = json.loads(storage.read_text(storage.join(out, "tokenize.json")))
+    except (OSError, ValueError):  # none (MissingObject), or torn by a kill while it was written: not finished
+        return None
+    if not isinstance(summary, dict) or (summary.get("inputs"), summary.get("command")) != (inputs, command):
+        return None
+    return summary
+
+
+def _remove_work(out: str) -> None:
+    """Remove the work directory and, on disk, the lock (while it is held: a command that opens it after finds it
+    gone and makes another, to find the output finished)."""
+    if storage.exists(storage.join(out, WORK)):
+        storage.remove(storage.join(out, WORK))
+    if not storage.is_remote(out):
+        Path(out, LOCK).unlink(missing_ok=True)
 
 
 def _resume_or_start(out: str, plan: dict) -> dict[int, dict]:
@@ -202,7 +252,7 @@ def _resume_or_start(out: str, plan: dict) -> dict[int, dict]:
         with ThreadPoolExecutor(16) as pool:
             records = pool.map(lambda name: json.loads(storage.read_text(storage.join(work, name))), names)
         return {int(name[5:10]): record for name, record in zip(names, records)}
-    check_new_output(out, "tokenize", DataError)
+    check_new_output(out, "tokenize", DataError, ignoring=(LOCK,))
     storage.write_bytes(plan_path, json.dumps(plan).encode())
     return {}
 
