@@ -103,15 +103,16 @@ def local_cluster(nodes: int = 2, cpus: int = 1, env: dict | None = None):
             node.stop()
 
 
-def kill_tasks(nodes, times: int) -> list[int]:
+def kill_tasks(nodes, times: int, name: str = "ray::_tokenize_task") -> list[int]:
     """Start killing, `times` times while the nodes run, a Ray worker process of `nodes` running a tokenize task
-    (each a new one: the retry of a killed task runs in a new process); the pids killed, filled in as it goes."""
+    (each a new one: the retry of a killed task runs in a new process), or another whose command line starts with
+    `name` (an actor's: `ray::CLASS`); the pids killed, filled in as it goes."""
     killed = []
 
     def watch():
         while len(killed) < times and all(node.process.poll() is None for node in nodes):
             running = [pid for node in nodes for pid, line in node.processes().items()
-                       if line.startswith("ray::_tokenize_task") and pid not in killed]
+                       if line.startswith(name) and pid not in killed]
             if running:
                 os.kill(running[0], signal.SIGKILL)
                 killed.append(running[0])

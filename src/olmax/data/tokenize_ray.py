@@ -17,6 +17,8 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from olmax.data.tokenize_tasks import Progress, ProgressLine, Settings, Task, init_worker, run_task
 from olmax.errors import DataError, OlmaxError
 
+log = logging.getLogger(__name__)
+
 # Runs of a task after a loss of its worker or node (spot nodes come and go over a long job); Ray's default is 3.
 TASK_RETRIES = 5
 POLL_S = 1.0  # how often the progress line is brought up to date
@@ -40,6 +42,20 @@ def _tokenize_task(task: Task, settings: Settings, tokenizer_json: str, counter)
     return run_task(task, settings, map, _Report(counter))
 
 
+def _show_progress(line: ProgressLine, counter):
+    """Bring the progress line up to date from the counter; the counter, or None once it is lost (its process
+    killed, or its node's agent): progress is not work, so the tasks go on, their reports to it unanswered."""
+    if counter is None:
+        return None
+    try:
+        line.show(ray.get(counter.totals.remote()))
+    except ray.exceptions.RayActorError as err:
+        log.warning("olmax: tokenize's progress counter, a Ray actor, was lost (%s); the tasks go on, the progress "
+                    "line stops", type(err).__name__)
+        return None
+    return counter
+
+
 def run_on_ray(tasks: list[Task], settings: Settings, tokenizer_json: str, address: str | None,
                workers: int | None, line: ProgressLine) -> dict[int, dict]:
     """The records of `tasks`, run as Ray tasks (one CPU each)."""
@@ -61,7 +77,7 @@ def run_on_ray(tasks: list[Task], settings: Settings, tokenizer_json: str, addre
             ready, _ = ray.wait(list(running), num_returns=len(running), timeout=POLL_S)
             for ref in ready:
                 done[running.pop(ref)] = ray.get(ref)
-            line.show(ray.get(counter.totals.remote()))
+            counter = _show_progress(line, counter)
         return done
     except ray.exceptions.RayTaskError as err:
         if isinstance(err.cause, OlmaxError):
