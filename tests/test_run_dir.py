@@ -17,7 +17,7 @@ from olmax.config import CheckpointConfig
 from olmax.errors import RunDirError
 from olmax.launch.cli import MODES
 from olmax.launch.supervisor import latest_checkpoint_step
-from olmax.run_dir import File, RunDir, open_own, own_dir, replace_own
+from olmax.run_dir import File, RunDir, open_own, own_dir, replace_own, write_own
 from olmax.train.goodput import Goodput
 
 SRC = Path(olmax.__file__).parent
@@ -69,7 +69,7 @@ def test_a_run_directory_in_a_bucket_names_urls():
 
 # The run's own files and directories, and their .partial files (what train writes, including its lock)
 OWN = ["run.lock", "goodput.json", "goodput.json.partial", "metrics.jsonl", "metrics.jsonl.partial", "checkpoints",
-       "tensorboard", "logs", "wandb.json", "wandb"]
+       "tensorboard", "logs", "wandb.json", "wandb", "goodput.png"]
 
 
 @pytest.mark.parametrize("name", OWN)
@@ -101,6 +101,7 @@ def test_the_writers_of_run_files_follow_no_link(tmp_path):
     partial_is_link = tmp_path / "file"
     (tmp_path / "file.partial").symlink_to(target)
     writers = {"open_own": lambda: open_own(link, append=True), "replace_own": lambda: replace_own(link, "x"),
+               "write_own": lambda: write_own(link, b"x"),
                "replace_own, its partial": lambda: replace_own(partial_is_link, "x"), "own_dir": lambda: own_dir(link),
                "the run lock": lambda: run_lock._locked(link)}
     for what, write in writers.items():
@@ -112,3 +113,27 @@ def test_the_writers_of_run_files_follow_no_link(tmp_path):
     Goodput(run.location).persist()
     assert json.loads(run.goodput.read_text())["attempts"]
     assert not list(run.location.glob("*.partial"))
+
+
+def test_the_commands_that_write_into_a_run_directory_follow_no_link(tmp_path, capsys):
+    """`olmax goodput RUN` (goodput.png) and `olmax compare RUN B` (compare.tsv, .png, .json), which write into
+    the run directory by default: a link planted there is exit 2 naming it, its target untouched."""
+    runs = [RunDir(tmp_path / name) for name in ("a", "b")]
+    for run in runs:
+        own_dir(run.location)
+        run.metrics.write_text("".join(json.dumps({"step": s, "train/CE loss": 10 - s / 10}) + "\n" for s in range(1, 41)))
+    Goodput(runs[0].location).persist()
+    target = tmp_path / "target"
+    target.write_text("precious")
+    for name, command in (("goodput.png", ["goodput", runs[0].location]),
+                          *((f"compare.{suffix}", ["compare", runs[0].location, runs[1].location])
+                            for suffix in ("tsv", "png", "json"))):
+        link = runs[0].location / name
+        link.unlink(missing_ok=True)  # written by the command before
+        link.symlink_to(target)
+        assert main([str(a) for a in command]) == 2, name
+        assert capsys.readouterr().err.splitlines()[-1].startswith(f"olmax: RunDirError: {link} is a symbolic link")
+        assert target.read_text() == "precious"
+        link.unlink()
+        assert main([str(a) for a in command]) == 0, capsys.readouterr().err
+        assert not link.is_symlink() and link.stat().st_size > 0

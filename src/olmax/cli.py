@@ -125,11 +125,11 @@ def cmd_resume_check(args) -> None:
 
 
 def cmd_goodput(args) -> None:
-    from pathlib import Path
+    import io
 
     from olmax import storage
     from olmax.errors import BadInput
-    from olmax.run_dir import RunDir
+    from olmax.run_dir import RunDir, write_own
     from olmax.train.goodput import plot, read_record, report
 
     path = RunDir(args.run).goodput
@@ -141,9 +141,10 @@ def cmd_goodput(args) -> None:
         print(json.dumps(record, indent=2))
         return
     print(report(record))
-    out = given(args, "out", "--out") or storage.join(args.run, "goodput.png")  # never the current directory
-    with storage.staged(out) as png:
-        plot(record, Path(png), title=storage.basename(args.run))
+    out = given(args, "out", "--out") or RunDir(args.run).goodput_plot  # never the current directory
+    png = io.BytesIO()
+    plot(record, png, title=storage.basename(args.run))
+    write_own(out, png.getvalue())  # through no symbolic link
     print(f"wrote {out}")
 
 

@@ -5,6 +5,7 @@
       metrics.jsonl        one JSON record per logged step (olmax.train.metrics)
       tensorboard/events*  the same metrics as TensorBoard event files
       goodput.json         the run's wall time by category, over its attempts (olmax.train.goodput)
+      goodput.png          `olmax goodput RUN`'s chart of them
       wandb.json           the id of the run's Weights & Biases run (olmax.train.wandb_log)
       wandb/               W&B's own files: its logs, and offline its runs' records (`wandb sync` uploads them)
       page/                `olmax report RUN`'s page of the run: index.html, report.json (olmax.train.run_page)
@@ -19,10 +20,10 @@ Everything else asks a `RunDir` for a path (`RunDir(cfg.run_location).metrics`),
 steps, its metrics records or its lock file; nothing else spells these names. A new file of a run is one line
 in `RunDir`'s table (`goodput = File("goodput.jsonl")`; then `run.goodput` is its path) and its line above.
 
-olmax writes its files there through `open_own`, `replace_own` and `own_dir`, which follow no symbolic link: a
-link where olmax expects its own file or directory (planted by whoever else can write there) would have it
-truncate or overwrite the link's target, so it is refused (RunDirError, exit 2) naming it. A full disk while
-writing one is DiskFull (exit 74) naming the file.
+olmax writes its files there through `open_own`, `replace_own` (`write_own`, for a path or a URL) and `own_dir`,
+which follow no symbolic link: a link where olmax expects its own file or directory (planted by whoever else can
+write there) would have it truncate or overwrite the link's target, so it is refused (RunDirError, exit 2) naming
+it. A full disk while writing one is DiskFull (exit 74) naming the file.
 """
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ class RunDir:
     metrics = File("metrics.jsonl")
     tensorboard = File("tensorboard")
     goodput = File("goodput.json")
+    goodput_plot = File("goodput.png")
     events = File("tensorboard/events")  # the event files' prefix
     lock = File("run.lock")
     logs = File("logs")
@@ -167,9 +169,9 @@ def open_own(path: str | os.PathLike, append: bool = False):
     return os.fdopen(fd, "a" if append else "w")
 
 
-def replace_own(path: str | os.PathLike, text: str) -> None:
-    """Write `path` whole: into a new PATH.partial (O_EXCL: never through a link), renamed over PATH, so that a
-    crash leaves the old file or the new one. Neither may be a symbolic link."""
+def replace_own(path: str | os.PathLike, data: str | bytes) -> None:
+    """Write `path` whole (text as UTF-8): into a new PATH.partial (O_EXCL: never through a link), renamed over
+    PATH, so that a crash leaves the old file or the new one. Neither may be a symbolic link."""
     path = Path(path)
     partial = path.with_name(path.name + PARTIAL)
     refuse_link(path)
@@ -177,9 +179,19 @@ def replace_own(path: str | os.PathLike, text: str) -> None:
     with writing(path):
         partial.unlink(missing_ok=True)  # left by a process killed while writing it
         fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data.encode() if isinstance(data, str) else data)
         os.replace(partial, path)
+
+
+def write_own(path: str | os.PathLike, data: str | bytes) -> None:
+    """A file of olmax's own written whole at `path`, a local path (its directory made if missing; the file
+    replaced through no symbolic link, see `replace_own`) or a bucket URL (one object)."""
+    if storage.is_remote(path):
+        storage.write_bytes(str(path), data.encode() if isinstance(data, str) else data)
+        return
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    replace_own(path, data)
 
 
 def set_aside(path: Path) -> Path:

@@ -31,12 +31,24 @@ def _writable(out: str | None) -> None:
 
 def _print_json(report: dict, out: str | None) -> None:
     """Print the report; also write it to `out` (a path or a bucket URL) when given."""
-    from olmax import storage
+    from olmax.run_dir import write_own
 
     text = json.dumps(report, indent=2)
     if out:
-        storage.write_bytes(out, (text + "\n").encode())
+        write_own(out, text + "\n")
     print(text)
+
+
+def _write_plot(draw, out: str) -> None:
+    """The PNG `draw(file)` writes, written to `out` (a path or a bucket URL) through no symbolic link: the default
+    `out` of `compare` is in a run directory."""
+    import io
+
+    from olmax.run_dir import write_own
+
+    png = io.BytesIO()
+    draw(png)
+    write_own(out, png.getvalue())
 
 
 def _stem(out: str) -> str:
@@ -93,11 +105,9 @@ def cmd_kl(args) -> None:
     values, agree = kl.token_kls(model_a, model_b, selection, layout, rows_per_batch=_rows(args, layout))
     summary = kl.summarize(values, agree)
     counts, edges = kl.histogram(values)
-    from olmax import storage
-
     out = _stem(args.out)
-    with storage.staged(out + ".png") as png:
-        kl.plot_histogram(values, summary, png, f"KL({model_a.name} || {model_b.name})")
+    _write_plot(lambda png: kl.plot_histogram(values, summary, png, f"KL({model_a.name} || {model_b.name})"),
+                out + ".png")
     _print_json({"a": model_a.name, "b": model_b.name, "direction": "KL(A || B)", **summary,
                  "sets": [s.label for s in selection.sets], "sequence_length": selection.sequence_length,
                  "histogram": {"log10_edges": edges.tolist(), "counts": counts.tolist()},
@@ -147,6 +157,7 @@ def cmd_harness(args) -> None:
 def cmd_compare(args) -> None:
     from olmax import storage
     from olmax.eval import curves
+    from olmax.run_dir import write_own
 
     first = args.a.rstrip("/")
     out = _stem(args.out or storage.join(first if storage.is_dir(first) else storage.parent(first), "compare"))
@@ -156,9 +167,8 @@ def cmd_compare(args) -> None:
     window = args.window or curves.default_window(a, b)
     smooth = window * (curves.SMOOTH // curves.WINDOW) if args.smooth is None else args.smooth
     result = curves.compare(a, b, window=window, smooth=smooth, ranges=curves.parse_ranges(args.ranges))
-    storage.write_bytes(out + ".tsv", curves.window_table(result).encode())
-    with storage.staged(out + ".png") as png:
-        curves.plot(a, b, result, args.metric, png)
+    write_own(out + ".tsv", curves.window_table(result))
+    _write_plot(lambda png: curves.plot(a, b, result, args.metric, png), out + ".png")
     _print_json({k: v for k, v in result.items() if k != "windows"} | {
         "metric": args.metric, "delta": "B - A", "table": out + ".tsv", "plot": out + ".png"}, out + ".json")
 

@@ -221,8 +221,9 @@ def report(record: dict) -> str:
     return "\n".join(lines)
 
 
-def plot(record: dict, path: Path, title: str) -> None:
-    """A PNG of the run's lifetime: each attempt (and the gap before it) as a bar split by category."""
+def plot(record: dict, path, title: str) -> None:
+    """A PNG of the run's lifetime, written to `path` (a path or a binary file): each attempt (and the gap before
+    it) as a bar split by category."""
     import matplotlib
 
     matplotlib.use("Agg")

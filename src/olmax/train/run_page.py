@@ -15,14 +15,13 @@ from __future__ import annotations
 import html
 import json
 import re
-from pathlib import Path
 
 import numpy as np
 import yaml
 
 from olmax import storage
 from olmax.pages import document, fact, table
-from olmax.run_dir import RunDir, own_dir, replace_own
+from olmax.run_dir import RunDir, own_dir, write_own
 from olmax.train.goodput import CATEGORIES, read_record, totals
 
 CURVES = [("loss", "train/CE loss"), ("LR", "optim/LR (group 0)"), ("grad norm", "optim/total grad norm"),
@@ -331,8 +330,5 @@ def write(location: str, directory: str) -> str:
     if not storage.is_remote(directory):
         own_dir(directory)
     for name, text in files.items():
-        if storage.is_remote(directory):
-            storage.write_bytes(storage.join(directory, name), text.encode())
-        else:
-            replace_own(Path(directory, name), text)
+        write_own(storage.join(directory, name), text)
     return storage.join(directory, "index.html")
