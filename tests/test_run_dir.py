@@ -91,6 +91,21 @@ def test_a_link_where_train_writes_its_own_file_is_refused_naming_it(tmp_path, c
     assert sorted(p.name for p in target.parent.iterdir()) == ["run", "target"]
 
 
+def test_a_checkpoint_step_that_is_a_link_is_refused_at_the_start(tmp_path, capsys):
+    """A step directory that is a link, which Orbax would refuse to delete once the step is no longer kept (exit 1,
+    which `olmax launch` retries): exit 2 naming it before anything is written, its target untouched."""
+    target = tmp_path / "elsewhere"
+    target.mkdir()
+    (target / "kept").write_text("precious")
+    run = RunDir(tmp_path / "run")
+    run.checkpoints.mkdir(parents=True)
+    (run.checkpoints / "1").symlink_to(target)
+    assert main(["train", "tiny", "mesh.fsdp=1", "train.steps=2", f"output_dir={run.location}"]) == 2
+    [line] = capsys.readouterr().err.splitlines()
+    assert line.startswith(f"olmax: RunDirError: {run.checkpoints / '1'} is a symbolic link (to {target})"), line
+    assert (target / "kept").read_text() == "precious" and sorted(p.name for p in run.location.iterdir()) == ["checkpoints"]
+
+
 def test_the_writers_of_run_files_follow_no_link(tmp_path):
     """What the check before a run cannot see (a link planted while it runs): each writer opens its file without
     following a link, and says so naming it."""

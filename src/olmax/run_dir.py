@@ -87,14 +87,19 @@ class RunDir:
         return storage.join(self.location, name) if self.remote else self.location / name
 
     def refuse_links(self) -> None:
-        """RunDirError naming the first of the run's own files and directories (and their `.partial` files)
-        that is a symbolic link: called before anything is written (see the module's doc)."""
+        """RunDirError naming the first of the run's own files and directories (and their `.partial` files), or
+        of what is in its checkpoints directory (a step's directory: Orbax refuses to delete a link when the step
+        is no longer kept, failing the run), that is a symbolic link: called before anything is written (see the
+        module's doc)."""
         for value in vars(RunDir).values():
             if isinstance(value, File):
                 parts = value.name.split("/")
                 for depth in range(1, len(parts) + 1):  # slurm/, then slurm/job.sh
                     refuse_link(self.path("/".join(parts[:depth])))
                 refuse_link(self.path(value.name + PARTIAL))
+        if os.path.isdir(self.checkpoints):
+            for entry in os.scandir(self.checkpoints):
+                refuse_link(entry.path)
 
     def checkpoint_meta(self, step: int):
         """The meta of checkpoint `step` (step, tokens, data position, the resolved config): the JSON file Orbax's
