@@ -29,7 +29,11 @@ Each shard is committed on its own: written beside (in a bucket, uploaded), then
 its record written into `.tokenize/`, the commit. The same command run again on
 an unfinished output resumes each task after its last committed shard, as a Ray
 task retried after its worker or node was lost does. The mix file, shards.json
-and tokenize.json are written when every task is done, and `.tokenize/` removed.
+and tokenize.json are written when every task is done, and `.tokenize/` removed;
+the same command run again on the finished output finds it in tokenize.json and
+does nothing. One command at a time writes an output: it holds `.tokenize.lock`
+there as `olmax train` holds a run directory (olmax.run_lock). What the tasks
+run, whatever the engine, is olmax.data.tokenize_tasks.
 """
 
 from __future__ import annotations

@@ -83,10 +83,13 @@ def run_on_ray(tasks: list[Task], settings: Settings, tokenizer_json: str, addre
         if isinstance(err.cause, OlmaxError):
             raise err.cause from None
         raise
-    except ray.exceptions.RayError as err:  # a task lost more often than it is retried
+    except ray.exceptions.RayError as err:  # a task lost more often than it is retried, or Ray itself failing
         first = str(err).strip().splitlines()[0] if str(err).strip() else ""
-        raise OlmaxError(f"a tokenize task failed on Ray after {TASK_RETRIES} retries ({type(err).__name__}: "
-                         f"{first}); its committed shards stay: run the same command again to resume") from None
+        lost = isinstance(err, (ray.exceptions.WorkerCrashedError, ray.exceptions.NodeDiedError,
+                                ray.exceptions.OutOfMemoryError))
+        what = f"a tokenize task failed on Ray after {TASK_RETRIES} retries" if lost else "Ray failed the tokenize"
+        raise OlmaxError(f"{what} ({type(err).__name__}: {first}); its committed shards stay: run the same command "
+                         "again to resume") from None
     finally:
         for ref in running:
             ray.cancel(ref, force=True)
