@@ -30,7 +30,7 @@ from olmax.parallel.mesh import make_layout
 from olmax.run_dir import RunDir
 from olmax.runtime import StopSignals, preemption_signals
 from olmax.train.bucket_run import BucketRun
-from olmax.train.goodput import Goodput
+from olmax.train.goodput import COMPILED, Goodput
 from olmax.train.metrics import MetricsWriter, console_line, device_peak_flops
 from olmax.train.resume import restore_or_init, resume_data, schedule_change
 from olmax.train.step_clock import StepClock
@@ -179,10 +179,13 @@ def _train(cfg: RunConfig, quiet: bool, make_eval, bucket: BucketRun | None, run
         tps = tokens_per_step / clock.seconds(step) / jax.device_count()
         values.update({
             "throughput/total tokens": tokens_after(step),
-            "throughput/device/TPS": tps,
             "io/retries": storage.retries(),  # transient bucket faults retried so far (0 on local disk)
         } | goodput.metrics())
-        if peak is not None:
+        if step == start + 1:  # its time is mostly the compile's: no throughput, a mark instead
+            values[COMPILED] = 1.0
+        else:
+            values["throughput/device/TPS"] = tps
+        if peak is not None and step != start + 1:
             mfu = 100.0 * tps * flops_per_token / peak
             if mfu <= 100.0:
                 values["throughput/device/MFU"] = mfu
@@ -268,6 +271,8 @@ def _train(cfg: RunConfig, quiet: bool, make_eval, bucket: BucketRun | None, run
                 finish(*pending)
             doing[0] = "finishing the last checkpoint's write"
             saver.finish()
+            if last == cfg.train.steps:
+                goodput.finished()
     finally:
         clock.close()
         loader.close()
