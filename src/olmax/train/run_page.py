@@ -208,9 +208,9 @@ def chart(name: str, x: np.ndarray, y: np.ndarray, x_label: str, marks: dict[str
         parts.append(f'<line class="grid" x1="{LEFT}" x2="{WIDTH - 8}" y1="{py(value):.1f}" y2="{py(value):.1f}" '
                      f'stroke="#e6e6e6"/><text x="{LEFT - 4}" y="{py(value) + 4:.1f}" text-anchor="end">'
                      f"{tick_label(value, y_step)}</text>")
-    x_step, x_ticks = ticks(*x_range)
+    x_step, x_ticks = ticks(*x_range, most=7)
     for value in x_ticks:
-        if x_range[0] <= value <= x_range[1] and px(value) < WIDTH - 8 - 9 * len(x_label):  # clear of the unit
+        if x_range[0] <= value <= x_range[1] and px(value) < WIDTH - 36 - 6 * len(x_label):  # clear of the unit
             parts.append(f'<line class="axis-tick" x1="{px(value):.1f}" x2="{px(value):.1f}" y1="{bottom}" '
                          f'y2="{bottom + 4}" stroke="#888"/><text x="{px(value):.1f}" y="{HEIGHT - 6}" '
                          f'text-anchor="middle">{tick_label(value, x_step)}</text>')

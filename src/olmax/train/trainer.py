@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import signal
 import sys
 from pathlib import Path
 
@@ -212,8 +213,13 @@ def _train(cfg: RunConfig, quiet: bool, make_eval, bucket: BucketRun | None, run
                 writer.flush()
                 bucket.push_metrics()
 
+    def acknowledge(signum: int) -> None:  # at once, from a thread: a compile holds the main thread for long
+        if not quiet and jax.process_index() == 0:
+            print(f"olmax: {signal.Signals(signum).name} received while {doing[0]}: the run stops when that ends, "
+                  "after a checkpoint of its last step", file=sys.stderr, flush=True)
+
     try:
-        with preemption_signals() as stop, watching(cfg.train.hang_timeout, ExitCode.PREEMPTED) as watchdog:
+        with preemption_signals(acknowledge) as stop, watching(cfg.train.hang_timeout, ExitCode.PREEMPTED) as watchdog:
             last = min(cfg.train.steps, cfg.train.stop_after or cfg.train.steps)
             if start >= last and not quiet and jax.process_index() == 0:
                 target = "train.steps" if last == cfg.train.steps else "train.stop_after"
@@ -221,6 +227,7 @@ def _train(cfg: RunConfig, quiet: bool, make_eval, bucket: BucketRun | None, run
                       "raise train.steps to train further", flush=True)
             if start < last and stop_requested(stop):
                 raise Preempted(f"stopped by a signal before step {start + 1}; nothing needed writing")
+            doing[0] = f"compiling the train step (step {start + 1})"
             if start < last and not quiet and jax.process_index() == 0:
                 print("compiling the train step...", flush=True)  # the first step compiles: tens of seconds
             goodput.resumed(start)
