@@ -320,3 +320,18 @@ def test_one_convention_and_the_old_spellings_for_one_release(tmp_path, capsys):
         assert capsys.readouterr().err.count("is the old spelling") == 1, old
     assert main(["parity", "ckpt", "--olmax", "other", "--hf", "h"]) == 2
     assert "given twice" in capsys.readouterr().err
+
+
+def test_an_unknown_option_of_a_command_shows_that_commands_usage(capsys):
+    """`olmax train --steps 10` printed the usage of the whole CLI, every command in braces."""
+    from olmax.cli import main
+
+    with pytest.raises(SystemExit) as exited:
+        main(["train", "tiny", "--steps", "10"])
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and err.startswith("usage: olmax train [-h] config [overrides ...]\n"), err
+    assert err.splitlines()[-1] == ("olmax train: error: unrecognized arguments: --steps 10 (settings are "
+                                    "section.key=value overrides, e.g. train.steps=10)")
+    with pytest.raises(SystemExit):
+        main(["config", "show", "tiny", "--steps", "10"])
+    assert capsys.readouterr().err.startswith("usage: olmax config show [-h]")

@@ -242,8 +242,18 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     if rest and hasattr(args, "overrides") and all("=" in a and not a.startswith("-") for a in rest):
         args.overrides = [*args.overrides, *rest]
     elif rest:
-        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+        settings = " (settings are section.key=value overrides, e.g. train.steps=10)" \
+            if hasattr(args, "overrides") and rest[0].startswith("--") else ""
+        command_parser(parser, args).error(f"unrecognized arguments: {' '.join(rest)}{settings}")
     return args
+
+
+def command_parser(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.ArgumentParser:
+    """The parser of the command `args` ran (`olmax config show`'s for `config show`): its usage, not the whole
+    CLI's, goes with an error in its arguments."""
+    while action := next((a for a in parser._actions if isinstance(a, argparse._SubParsersAction)), None):
+        parser = action.choices[getattr(args, action.dest)]
+    return parser
 
 
 def main(argv: list[str] | None = None) -> int:
