@@ -70,7 +70,7 @@ def page_svg(page: str) -> str:
     width = 2 * CHART_WIDTH + GAP
     parts, y = [f'<text class="h1" x="0" y="22">{title}</text>', f'<text x="0" y="44">{summary}</text>'], 56
     training = re.search(r'<section id="curves">(.*?)</section>', page).group(1)
-    parts.append(f'<text class="h2" x="0" y="{y + 16}">Training: against step, and against hours</text>')
+    parts.append(f'<text class="h2" x="0" y="{y + 16}">Training: against step, and against wall time</text>')
     y += HEADING + 8
     for heading, pair in re.findall(r"<h3>(.*?)</h3><div[^>]*>(.*?)</div>", training):
         parts.append(f'<text x="0" y="{y + 12}">{_text(heading)}</text>')

@@ -141,14 +141,15 @@ def _blocks_sigint(pid: int) -> bool:
 @pytest.mark.parametrize("moment", ["start-up", "compilation", "training"])
 def test_sigint_at_any_moment_stops_cleanly(tmp_path, inputs, moment):
     """Start-up: imports and config, in the process that restarts itself with huge pages or the one it
-    becomes; compilation: as the loop starts (the first step compiles); training: after step 1 was logged.
+    becomes; compilation: once the run says it compiles the first step, which says at once that it will stop;
+    training: after step 1 was logged.
     Each moment is an event the test waits for, never a time: the same on a loaded machine."""
     _, shards = inputs
     run, proc = _started_train(tmp_path, shards, moment)
     if moment == "start-up":  # as soon as the CLI holds SIGINT (/proc's SigBlk), or later on a fast machine
         _wait_for(lambda: _blocks_sigint(proc.pid) or (run / "tensorboard").is_dir(), proc)
     elif moment == "compilation":
-        _wait_for(lambda: (run / "tensorboard").is_dir(), proc)
+        _wait_for(lambda: proc.stdout.readline().startswith("compiling the train step"), proc)
     else:
         _wait_for(lambda: proc.stdout.readline().startswith("step 1/"), proc)
     proc.send_signal(signal.SIGINT)
@@ -156,6 +157,10 @@ def test_sigint_at_any_moment_stops_cleanly(tmp_path, inputs, moment):
     assert proc.returncode == 75, err[-3000:]
     assert "Traceback" not in err and "Exception ignored" not in err, err[-3000:]
     assert err.strip().splitlines()[-1].endswith("run the same command again to resume")
+    if moment == "compilation":  # said at once, not once the compile has ended
+        [said] = [line for line in err.splitlines() if "SIGINT received while" in line]
+        assert said == ("olmax: SIGINT received while compiling the train step (step 1): the run stops when that "
+                        "ends, after a checkpoint of its last step"), said
     written = sorted(int(p.name) for p in (run / "checkpoints").iterdir()) if (run / "checkpoints").exists() else []
     if written:
         assert f"checkpoint {written[-1]} written" in err
@@ -315,3 +320,18 @@ def test_one_convention_and_the_old_spellings_for_one_release(tmp_path, capsys):
         assert capsys.readouterr().err.count("is the old spelling") == 1, old
     assert main(["parity", "ckpt", "--olmax", "other", "--hf", "h"]) == 2
     assert "given twice" in capsys.readouterr().err
+
+
+def test_an_unknown_option_of_a_command_shows_that_commands_usage(capsys):
+    """`olmax train --steps 10` printed the usage of the whole CLI, every command in braces."""
+    from olmax.cli import main
+
+    with pytest.raises(SystemExit) as exited:
+        main(["train", "tiny", "--steps", "10"])
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and err.startswith("usage: olmax train [-h] config [overrides ...]\n"), err
+    assert err.splitlines()[-1] == ("olmax train: error: unrecognized arguments: --steps 10 (settings are "
+                                    "section.key=value overrides, e.g. train.steps=10)")
+    with pytest.raises(SystemExit):
+        main(["config", "show", "tiny", "--steps", "10"])
+    assert capsys.readouterr().err.startswith("usage: olmax config show [-h]")

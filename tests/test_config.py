@@ -209,3 +209,14 @@ def test_bad_layouts_are_named(tmp_path, layouts, message):
     config.write_text(f"base: tiny\nlayouts:\n{layouts}\n")
     with pytest.raises(ConfigError, match=re.escape(message)):
         load_config(str(config), target="gpu:b300x8")
+
+
+@pytest.mark.parametrize("name, overrides, message", [
+    ("tinyy", [], "no preset 'tinyy' (did you mean tiny?)"),
+    ("tiny", ["steps=10"], "unknown config key 'steps' (did you mean train.steps?)"),
+    ("tiny", ["train.step=10"], "unknown config key 'train.step' (did you mean train.steps"),
+    ("tiny", ["optim.lr_=3e-4"], "unknown config key 'optim.lr_' (did you mean optim.lr?)"),
+])
+def test_a_misspelt_preset_or_key_is_answered_with_what_was_meant(name, overrides, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_config(name, overrides)

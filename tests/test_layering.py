@@ -7,7 +7,8 @@ from pathlib import Path
 import olmax
 
 LAYERS = [
-    {"errors", "progress", "pages"},  # the bad-input error classes; the lines that break a silence; HTML: free of imports
+    {"errors", "progress", "pages", "figures"},  # the bad-input error classes; the lines that break a silence; HTML;
+    # how a figure is written: free of imports
     {"storage"},  # URLs and local paths alike: every reader and writer of files goes through it
     {"run_dir"},  # the files of a run directory: everything else asks it for their paths
     {"config", "runtime", "run_lock"},

@@ -24,6 +24,7 @@ def cmd_config_show(args) -> None:
 
 def cmd_flops(args) -> None:
     from olmax.config import load_config
+    from olmax.figures import si
     from olmax.model import flops
 
     cfg = load_config(args.config, args.overrides)
@@ -50,10 +51,11 @@ def cmd_flops(args) -> None:
     print(f"active params / token     {count.active_params:,}  (FLOPs below count these)")
     sliding = any(not cfg.model.is_global(i) for i in range(cfg.model.n_layers))
     attention = "sliding windows exact" if sliding else "every layer global"
-    print(f"train FLOPs / token       {count.per_token / 1e9:,.2f} G  ({attention}, seq {seq})")
-    print(f"  all layers global       {count.per_token_all_global / 1e9:,.2f} G")
-    print(f"train TFLOP / device-step {report['train_tflop_per_device_step']:,.1f}  ({per_device} x {seq} tokens)")
-    print(f"  all layers global       {report['train_tflop_per_device_step_all_global_attention']:,.1f}")
+    print(f"train FLOP / token        {si(count.per_token, 'FLOP')}  ({attention}, seq {seq})")
+    print(f"  all layers global       {si(count.per_token_all_global, 'FLOP')}")
+    print(f"train FLOP / device-step  {si(report['train_tflop_per_device_step'] * 1e12, 'FLOP')}  "
+          f"({per_device} x {seq} tokens)")
+    print(f"  all layers global       {si(report['train_tflop_per_device_step_all_global_attention'] * 1e12, 'FLOP')}")
 
 
 def cmd_train(args) -> None:
@@ -241,8 +243,18 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     if rest and hasattr(args, "overrides") and all("=" in a and not a.startswith("-") for a in rest):
         args.overrides = [*args.overrides, *rest]
     elif rest:
-        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+        settings = " (settings are section.key=value overrides, e.g. train.steps=10)" \
+            if hasattr(args, "overrides") and rest[0].startswith("--") else ""
+        command_parser(parser, args).error(f"unrecognized arguments: {' '.join(rest)}{settings}")
     return args
+
+
+def command_parser(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.ArgumentParser:
+    """The parser of the command `args` ran (`olmax config show`'s for `config show`): its usage, not the whole
+    CLI's, goes with an error in its arguments."""
+    while action := next((a for a in parser._actions if isinstance(a, argparse._SubParsersAction)), None):
+        parser = action.choices[getattr(args, action.dest)]
+    return parser
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -8,6 +8,7 @@ anything is compiled or written.
 
 from __future__ import annotations
 
+import difflib
 import fnmatch
 import importlib
 import json
@@ -709,7 +710,8 @@ def _known_path(dotted: str) -> None:
         fields = {field.alias or name: field for name, field in section.model_fields.items()}
         if key not in fields:
             where = ".".join(dotted.split(".")[:i]) or "the top level"
-            raise ConfigError(f"unknown config key {dotted!r}: {where} has {sorted(fields)}")
+            raise ConfigError(f"unknown config key {dotted!r}{_did_you_mean(dotted, list(_config_keys()))}: "
+                              f"{where} has {sorted(fields)}")
         annotation = fields[key].annotation
         if isinstance(annotation, types.UnionType):  # an optional section (model.moe)
             annotation = next(a for a in typing.get_args(annotation) if a is not type(None))
@@ -717,6 +719,27 @@ def _known_path(dotted: str) -> None:
             section = annotation
         else:
             return
+
+
+def _config_keys(section: type[BaseModel] = RunConfig, prefix: str = ""):
+    """Every dotted key of the schema, sections and settings."""
+    for name, field in section.model_fields.items():
+        key = f"{prefix}{field.alias or name}"
+        yield key
+        annotation = field.annotation
+        if isinstance(annotation, types.UnionType):
+            annotation = next(a for a in typing.get_args(annotation) if a is not type(None))
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            yield from _config_keys(annotation, f"{key}.")
+
+
+def _did_you_mean(given: str, known: list[str]) -> str:
+    """` (did you mean X?)` naming the known names closest to `given`: those ending in its last dotted part (a
+    bare `steps` is `train.steps`), else those spelled nearly as it is; empty when none is close."""
+    last = given.rsplit(".", 1)[-1]
+    close = [k for k in known if k.rsplit(".", 1)[-1] == last and k != given][:3] or difflib.get_close_matches(
+        given, [k for k in known if k.count(".") == given.count(".")], n=3, cutoff=0.75)
+    return f" (did you mean {' or '.join(close)}?)" if close else ""
 
 
 def presets() -> list[str]:
@@ -732,7 +755,8 @@ def preset_path(name_or_path: str) -> Path:
         return path
     path = PRESET_DIR / f"{name_or_path}.yaml"
     if not path.exists():
-        raise ConfigError(f"no preset {name_or_path!r}; presets: {presets()}, or pass a .yaml path")
+        raise ConfigError(f"no preset {name_or_path!r}{_did_you_mean(str(name_or_path), presets())}; presets: "
+                          f"{presets()}, or pass a .yaml path")
     return path
 
 

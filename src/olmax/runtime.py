@@ -43,7 +43,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import NoReturn
+from typing import Callable, NoReturn
 
 GLIBC = ctypes.CDLL("libc.so.6") if platform.libc_ver()[0] == "glibc" else None
 GLIBC_HUGETLB = GLIBC is not None and tuple(map(int, platform.libc_ver()[1].split("."))) >= (2, 35)
@@ -158,14 +158,19 @@ class StopSignals:
 
 
 @contextlib.contextmanager
-def preemption_signals():
+def preemption_signals(acknowledge: Callable[[int], None] | None = None):
     """StopSignals, set by SIGTERM/SIGINT while inside, or already before when they arrived during start-up (signal
     handlers only exist on the main thread). Once it is set, SIGTERM keeps setting it after the block: the process
-    is on its way out with its checkpoint written (olmax.cli keeps ignoring it as the process exits)."""
+    is on its way out with its checkpoint written (olmax.cli keeps ignoring it as the process exits).
+
+    `acknowledge(signal number)` is called at once for the first signal, from a thread of its own: the handler
+    runs only when the main thread next runs Python, which a compile (a C++ call) holds off for tens of
+    seconds. Python's C-level handler writes the signal's number to a wakeup file descriptor as it arrives."""
     stop = StopSignals()
     if threading.current_thread() is not threading.main_thread():
         yield stop
         return
+    wakeup = _Acknowledger(acknowledge) if acknowledge else None
     previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
     release_stop_signals()
     try:
@@ -175,6 +180,32 @@ def preemption_signals():
             del previous[signal.SIGTERM]  # exited 75, a second notice) must not cut the checkpointed exit short
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        if wakeup:
+            wakeup.close()
+
+
+class _Acknowledger:
+    """Calls `acknowledge` with the first stop signal's number as soon as it arrives (signal.set_wakeup_fd)."""
+
+    def __init__(self, acknowledge: Callable[[int], None]):
+        self.read, write = os.pipe()
+        os.set_blocking(write, False)  # set_wakeup_fd's requirement: the handler never blocks
+        self.previous = signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+        self.write = write
+        self.thread = threading.Thread(target=self._wait, args=(acknowledge,), name="olmax stop signal", daemon=True)
+        self.thread.start()
+
+    def _wait(self, acknowledge: Callable[[int], None]) -> None:
+        while number := os.read(self.read, 1):  # empty once closed
+            if number[0] in STOP_SIGNALS:
+                acknowledge(number[0])
+                return
+
+    def close(self) -> None:
+        signal.set_wakeup_fd(self.previous)
+        os.close(self.write)
+        self.thread.join()
+        os.close(self.read)
 
 
 def drop_held_signals() -> None:

@@ -1,5 +1,7 @@
 """The mesh and layout come from the config: axis sizes, and the rules table placing logical axes on them."""
 
+import re
+
 import jax
 import pytest
 from jax.sharding import PartitionSpec as P
@@ -42,3 +44,12 @@ def test_explicit_devices_and_bad_sizes():
         _layout("mesh.fsdp=4", "mesh.tensor=4")
     with pytest.raises(ConfigError, match="not mesh axes"):
         load_config("tiny", ["mesh.rules.mlp=[model]"])
+
+
+def test_a_layout_larger_than_this_cpu_says_how_to_try_it_on_more_cpu_devices():
+    """A layout `olmax tune` wrote for 16 devices, refused here: how to get 16 CPU devices was nowhere said."""
+    with pytest.raises(ConfigError, match=re.escape("there are only 8 devices; shrink the mesh or set one of "
+                                                    "mesh.data/mesh.fsdp to -1; or, to try this layout on this CPU, "
+                                                    "give it 16 devices: run with "
+                                                    "XLA_FLAGS=--xla_force_host_platform_device_count=16")):
+        _layout("mesh.fsdp=4", "mesh.tensor=4")

@@ -17,8 +17,8 @@ def test_bucket_pushes_leave_mfu_and_tps_true(stores, synth_mix):
     history = train(load_config("tiny", ["mesh.fsdp=1", "train.steps=12", "checkpoint.every=3",
                                          f"data.mix_file={synth_mix}", f"output_dir=s3://{stores.bucket}/run"]),
                     quiet=True)
-    tps = {h["step"]: h["throughput/device/TPS"] for h in history}
-    assert all(h["throughput/device/MFU"] <= 100.0 for h in history), [h["throughput/device/MFU"] for h in history]
+    # Step 1 compiles the train step: it logs no throughput.
+    tps = {h["step"]: h["throughput/device/TPS"] for h in history[1:]}
+    assert all(h["throughput/device/MFU"] <= 100.0 for h in history[1:]), [h.get("throughput/device/MFU") for h in history]
     median = statistics.median(tps.values())
-    # Step 1 compiles the train step, which is in its time.
     assert all(median / 3 <= tps[step] <= 3 * median for step in range(2, 13)), (median, tps)

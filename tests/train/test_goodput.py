@@ -234,3 +234,29 @@ def test_a_resume_keeps_a_damaged_record_aside_and_says_so(tmp_path, record, cap
     assert aside.read_text() == damaged and f"{path} cannot be accounted for" in caplog.text
     assert f"kept as {aside}" in caplog.text
     assert len(read_record(path.read_text())["attempts"]) == 1
+
+
+def test_the_time_between_a_finished_run_and_its_extension_is_kept_apart(tmp_path, capsys):
+    """A run extended 13 minutes after it finished showed `between attempts 791.9 s, 53.5%`: the run was done, not
+    stopped. That time is shown apart, out of the wall time; the time after an attempt that stopped before the
+    end is still between attempts."""
+    for finished in (True, False, True):  # the run finishes, is extended and stopped, then resumed to its end
+        goodput = Goodput(tmp_path)
+        goodput.resumed(0)
+        goodput.step_done(1)
+        if finished:
+            goodput.finished()
+        goodput.close()
+    path = RunDir(tmp_path).goodput
+    record = json.loads(path.read_text())
+    for attempt, later in zip(record["attempts"][1:], (800.0, 830.0)):  # extended 800 s later; resumed 30 s after
+        attempt["started"] += later
+        attempt["ended"] += later
+    path.write_text(json.dumps(record))
+    assert main(["goodput", str(tmp_path), "--out", str(tmp_path / "goodput.png")]) == 0
+    rows = {line[:18].strip(): line[18:].split() for line in capsys.readouterr().out.splitlines()}
+    assert 30.0 <= float(rows["between attempts"][0]) < 31.0 and rows["between runs"][0] == "800.0"
+    assert float(rows["wall time"][0]) < 40.0
+    assert main(["report", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "page" / "report.json").read_text())
+    assert 800.0 <= report["goodput"]["between_runs"] < 801.0 and report["goodput"]["seconds"]["between attempts"] < 31.0

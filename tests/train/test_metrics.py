@@ -95,4 +95,4 @@ def test_an_mfu_above_100_percent_is_a_bug_said_once_never_a_figure(tmp_path, sh
     out, err = capsys.readouterr()
     assert not any("throughput/device/MFU" in h for h in history) and "MFU" not in out, out
     bug = [line for line in err.splitlines() if "MFU came out at" in line]
-    assert len(bug) == 1 and bug[0].startswith("olmax: bug: step 1's MFU came out at ") and "above 100%" in bug[0]
+    assert len(bug) == 1 and bug[0].startswith("olmax: bug: step 2's MFU came out at ") and "above 100%" in bug[0]

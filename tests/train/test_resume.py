@@ -276,3 +276,17 @@ def test_disk_full_writing_a_checkpoint_is_one_line_and_a_code_launch_does_not_r
     assert proc.returncode == 0, proc.stderr
     assert f"removed {run}/checkpoints/6.orbax-checkpoint-tmp-1234: a checkpoint write that did not finish" in proc.stderr
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["2", "4"]
+
+
+@pytest.mark.slow
+def test_resume_check_heads_each_of_its_three_runs(tmp_path, capfd):
+    """Its three training runs printed one stream of lines with nothing to tell them apart."""
+    from olmax.cli import main
+
+    shards = write_synthetic_shards(tmp_path / "shards", vocab_size=512, eos_id=0, n_tokens=40_000, n_shards=1,
+                                    seed=0, token_dtype="uint16")
+    assert main(["resume-check", "tiny", "mesh.fsdp=1", f"data.paths={json.dumps(shards)}", "--at", "1",
+                 "--steps", "2", "--out", str(tmp_path / "check")]) == 0
+    headings = [line for line in capfd.readouterr().out.splitlines() if line.startswith("== resume-check ")]
+    assert [h.split(":")[0] for h in headings] == [f"== resume-check {n}/3" for n in (1, 2, 3)]
+    assert "stopped after step 1" in headings[1] and "resumed from its checkpoint 1" in headings[2]

@@ -2,6 +2,7 @@
 test_scale_report.py's helpers), and read back: its figures against report.json, its marks, its heatmap's shape."""
 
 import json
+import re
 import subprocess
 import sys
 import time
@@ -29,11 +30,11 @@ class Page(Facts):
         super().handle_starttag(tag, attrs)
         attrs = dict(attrs)
         if tag == "svg" and attrs.get("class") == "chart":
-            self._chart = {**attrs, "restart": 0, "checkpoint": 0, "skipped": 0}
+            self._chart = {**attrs, "restart": 0, "checkpoint": 0, "skipped": 0, "grid": 0}
             self.charts.append(self._chart)
         elif tag == "svg" and attrs.get("class") == "heatmap":
             self.heatmap = attrs
-        elif tag == "line" and attrs.get("class") in ("restart", "checkpoint", "skipped"):
+        elif tag in ("line", "path") and attrs.get("class") in ("restart", "checkpoint", "skipped", "grid"):
             self._chart[attrs["class"]] += 1
 
 
@@ -60,8 +61,9 @@ def test_a_long_run_is_drawn_a_pixel_column_at_a_time_with_its_spike(chromium, t
     loss = next(c for c in page.charts if c["data-metric"] == "loss" and c["data-x"] == "step")
     assert loss["checkpoint"] == 10  # every 500 steps (the config's checkpoint.every)
     text = (run / "page" / "index.html").read_text()
-    top = text.split('data-metric="loss" data-x="step"', 1)[1].split('text-anchor="end">', 1)[1].split("<", 1)[0]
-    assert float(top) == pytest.approx(6.0 / 1235 ** 0.1 + 5.0, rel=1e-3)
+    curve = text.split('data-metric="loss" data-x="step"', 1)[1].split('class="curve" d="', 1)[1].split('"', 1)[0]
+    points = [tuple(map(float, p.split())) for p in re.findall(r"[ML]([\d.]+ [\d.]+)", curve)]
+    assert min(points, key=lambda p: p[1])[0] == 62 + (1234 - 1) * (PLOT - 1) // 4999  # the spike's column is the top
     assert (page.heatmap["data-layers"], page.heatmap["data-columns"], page.heatmap["data-steps"]) == \
         ("4", str(2 * 560 - 62 - 8), "5000")
     assert page.rects["cell"] == 4 * (2 * 560 - 62 - 8)
@@ -144,3 +146,85 @@ def test_watch_writes_the_page_again_as_the_run_goes_on(tmp_path):
     finally:
         watching.terminate()
         watching.wait(timeout=60)
+
+
+def _replace_line(path: Path, number: int, edit) -> None:
+    lines = path.read_text().splitlines(keepends=True)
+    lines[number - 1] = edit(lines[number - 1])
+    path.write_text("".join(lines))
+
+
+# A line of metrics.jsonl that is not what olmax writes: how it is made from line 3, and what the error says of it
+NOT_A_RECORD = {
+    "a null loss": (lambda line: line.replace('"train/CE loss": ', '"train/CE loss": null, "x": '), "train/CE loss null"),
+    "a string loss": (lambda line: line.replace('"train/CE loss": ', '"train/CE loss": "high", "x": '),
+                      'train/CE loss "high"'),
+    "a list of grad norms": (lambda line: line.replace('"optim/total grad norm": ', '"optim/total grad norm": [1, 2], '
+                                                       '"x": '), "optim/total grad norm [1"),
+    "a negative step": (lambda line: line.replace('{"step": 3', '{"step": -5'), "step -5"),
+    "a step of 10^23": (lambda line: line.replace('{"step": 3', '{"step": ' + "1" + "0" * 23), "step 1000"),
+    "a wall time as a string": (lambda line: line.replace('"wall_time": ', '"wall_time": "noon", "x": '),
+                                'wall_time "noon"'),
+    "a line of text": (lambda line: "not json\n", "is not a record olmax wrote"),
+    "an empty line": (lambda line: "\n", "is not a record olmax wrote"),
+    "a torn line that is not the last": (lambda line: line[:40] + "\n", "line 3"),
+}
+
+
+@pytest.mark.parametrize("damage", NOT_A_RECORD)
+def test_a_line_of_metrics_olmax_did_not_write_is_exit_2_naming_it(tmp_path, capsys, damage):
+    """These crashed `olmax report RUN` with a traceback (ValueError, OverflowError, JSONDecodeError)."""
+    edit, words = NOT_A_RECORD[damage]
+    run = tmp_path / "run"
+    write_run(run, 10)
+    _replace_line(run / "metrics.jsonl", 3, edit)
+    assert main(["report", str(run)]) == 2
+    out, err = capsys.readouterr()
+    [line] = err.splitlines()
+    assert line.startswith(f"olmax: BadInput: {run / 'metrics.jsonl'} line 3 ") and words in line, line
+    assert not (run / "page" / "index.html").exists()
+
+
+@pytest.mark.parametrize("torn", ['{"step": 11, "wall_time": 1800000005.5, "train/CE loss": ',
+                                  '{"step": 11, "wall_time": 1800000005.5, "eval/lm/web/CE loss": ', '{"ste'])
+def test_a_last_line_torn_by_a_kill_is_left_out_as_a_resume_leaves_it(tmp_path, capsys, torn):
+    run = tmp_path / "run"
+    write_run(run, 10)
+    with open(run / "metrics.jsonl", "a") as f:
+        f.write(torn)
+    assert main(["report", str(run)]) == 0
+    report = json.loads((run / "page" / "report.json").read_text())
+    assert report["last_step"] == 10 and report["steps_logged"] == 10 and report["torn_last_line"]
+    assert "not a whole record" in (run / "page" / "index.html").read_text()
+
+
+def test_checkpoint_metadata_that_is_not_json_is_exit_2_naming_it(tmp_path, capsys):
+    run = tmp_path / "run"
+    write_run(run, 10)
+    meta = run / "checkpoints" / "10" / "meta" / "metadata"
+    meta.write_text('{"step": 10, "config": {"na')
+    assert main(["report", str(run)]) == 2
+    [line] = capsys.readouterr().err.splitlines()
+    assert line.startswith(f"olmax: BadInput: {meta} is not checkpoint metadata olmax wrote"), line
+
+
+def test_the_time_axis_is_in_the_unit_of_the_runs_span_broken_at_pauses(tmp_path):
+    """A 7-second run's time axis read `0.001858 hours`; a curve against time was drawn straight across a
+    checkpoint's pause; only the minimum and the maximum were labelled; checkpoints were ticks like the axis's."""
+    run = tmp_path / "run"
+    write_run(run, 14, restarts=0)  # a step every 0.5 s: 7 seconds
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    for record in records[7:]:
+        record["wall_time"] += 3.0  # a checkpoint written after step 7
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    meta = run / "checkpoints" / "14" / "meta" / "metadata"
+    meta.write_text(json.dumps({"step": 14, "config": {"name": "short", "checkpoint": {"every": 7}}}))
+    assert main(["report", str(run)]) == 0
+    page = Page()
+    page.feed((run / "page" / "index.html").read_text())
+    by_time = [c for c in page.charts if c["data-x"] != "step"]
+    assert len(by_time) == 4 and all(c["data-x"] == "seconds" for c in by_time)
+    assert all(c["data-breaks"] == "1" for c in by_time)
+    assert all(c["data-breaks"] == "0" for c in page.charts if c["data-x"] == "step")
+    assert all(3 <= c["grid"] <= 5 for c in page.charts), [c["grid"] for c in page.charts]
+    assert all(c["checkpoint"] == 2 for c in page.charts)  # steps 7 and 14: triangles, not lines

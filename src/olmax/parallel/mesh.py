@@ -20,8 +20,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from olmax.config import MESH_AXES, ConfigError, MeshConfig
 
 
-def mesh_shape(cfg: MeshConfig, n_devices: int) -> tuple[int, ...]:
-    """Sizes of MESH_AXES for n_devices, the one -1 axis (data or fsdp) taking what is left."""
+def mesh_shape(cfg: MeshConfig, n_devices: int, cpu: bool = False) -> tuple[int, ...]:
+    """Sizes of MESH_AXES for n_devices, the one -1 axis (data or fsdp) taking what is left; `cpu`: the devices are
+    a CPU's, which XLA can be told to split into more."""
     sizes = [getattr(cfg, axis) for axis in MESH_AXES]
     if sizes.count(-1) > 1:
         raise ConfigError("mesh: at most one of data/fsdp may be -1 (all devices left over)")
@@ -35,6 +36,8 @@ def mesh_shape(cfg: MeshConfig, n_devices: int) -> tuple[int, ...]:
         raise ConfigError(
             f"mesh: {named} = {math.prod(sizes)} but there are only {n_devices} devices; "
             "shrink the mesh or set one of mesh.data/mesh.fsdp to -1"
+            + (f"; or, to try this layout on this CPU, give it {math.prod(sizes)} devices: run with "
+               f"XLA_FLAGS=--xla_force_host_platform_device_count={math.prod(sizes)}" if cpu else "")
         )
     return tuple(sizes)
 
@@ -43,7 +46,7 @@ def make_mesh(cfg: MeshConfig, devices=None) -> Mesh:
     """The mesh over the first devices it needs (all of them when an axis is -1); `devices` defaults to
     jax.devices() and may be any list, e.g. the compile-only devices of a TPU topology."""
     devices = list(jax.devices() if devices is None else devices)
-    shape = mesh_shape(cfg, len(devices))
+    shape = mesh_shape(cfg, len(devices), cpu=devices[0].platform == "cpu")
     return Mesh(np.asarray(devices[: math.prod(shape)]).reshape(shape), MESH_AXES)
 
 

@@ -299,12 +299,13 @@ FP8_NOTE = {False: "", True: " (fp8 projections)", "mxfp8": " (MXFP8 projections
 
 
 def format_compile(r: dict) -> str:
+    from olmax.figures import percent, si
     from olmax.scale.report import size
 
     device = r["memory_per_device"]
 
     def row(label: str, value: float, share: bool = False) -> str:  # in the unit that shows the value best
-        return f"{label:36}{size(value):>12}" + (f"   {value / device:.1%} of the device" if share else "")
+        return f"{label:36}{size(value):>12}" + (f"   {percent(value / device)} of the device" if share else "")
 
     mesh = " x ".join(f"{axis} {size}" for axis, size in r["mesh"].items())
     lines = [
@@ -353,17 +354,18 @@ def format_compile(r: dict) -> str:
     exact, full = r["plan"]["exact_window"], r["plan"]["all_global"]
     lines += [
         "",
-        f"TFLOP / device-step    {exact['tflop_per_device_step']:,.1f} (sliding windows exact), "
-        f"{full['tflop_per_device_step']:,.1f} (every layer global)",
+        f"FLOP / device-step     {si(exact['tflop_per_device_step'] * 1e12, 'FLOP')} (sliding windows exact), "
+        f"{si(full['tflop_per_device_step'] * 1e12, 'FLOP')} (every layer global)",
     ]
     if "step_seconds" in exact:
         how = "given" if r["plan"]["mfu_from"] == "given" else "predicted"
-        lines.append(f"{how}: step {exact['step_seconds']:,.3g} s, MFU {exact['mfu']:.1%} (exact count), "
-                     f"{full['mfu']:.1%} (every layer global), {exact['tokens_per_second_per_chip']:,.0f} tokens/s "
+        lines.append(f"{how}: step {exact['step_seconds']:,.3g} s, MFU {percent(exact['mfu'])} (exact count), "
+                     f"{percent(full['mfu'])} (every layer global), {exact['tokens_per_second_per_chip']:,.0f} tokens/s "
                      "per chip")
     if r.get("step_time"):
         from olmax.scale.plan import format_prediction
 
         lines += format_prediction(r["step_time"])
-    lines.append(f"compile {r['compile_seconds']:,.0f} s" + (" (cached program)" if r.get("compile_cached") else ""))
+    lines.append(f"compiled before, in {r['compile_seconds']:,.0f} s: this time the program came from the compile cache"
+                 if r.get("compile_cached") else f"compile {r['compile_seconds']:,.0f} s")
     return "\n".join(lines)

@@ -11,6 +11,7 @@ MFU by the exact count; a plan at a given MFU is therefore cheaper by the exact 
 from __future__ import annotations
 
 from olmax.config import RunConfig
+from olmax.figures import figure, percent, prefix, si
 from olmax.model import flops
 from olmax.parallel import pipeline
 from olmax.scale import anatomy
@@ -76,63 +77,51 @@ def _pipeline(cfg: RunConfig) -> dict | None:
             "in_flight_microbatches": sched.in_flight, "summary": sched.describe()}
 
 
-SI_PREFIXES = ((1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k"), (1.0, ""))
 TIME_UNITS = ((1.0, "s"), (1e-3, "ms"), (1e-6, "us"))
-
-
-def _prefix(value: float, largest: float) -> tuple[float, str]:
-    """The largest SI prefix up to `largest` that writes `value` with a digit before the point."""
-    return next(((scale, p) for scale, p in SI_PREFIXES if scale <= largest and abs(value) >= scale),
-                SI_PREFIXES[-1])
-
-
-def _figure(value: float) -> str:
-    """Four significant digits below 100, whole numbers with thousands separators above: a tiny model's
-    figures are not printed as zeros."""
-    return f"{value:,.0f}" if abs(value) >= 100 or value == 0 else f"{value:.4g}"
 
 
 def _bytes(size: float) -> str:
     unit = next((u for u in ("GiB", "MiB", "KiB") if size >= 2 ** {"GiB": 30, "MiB": 20, "KiB": 10}[u]), "B")
-    return f"{_figure(size / 2 ** {'GiB': 30, 'MiB': 20, 'KiB': 10, 'B': 0}[unit])} {unit}"
+    return f"{figure(size / 2 ** {'GiB': 30, 'MiB': 20, 'KiB': 10, 'B': 0}[unit])} {unit}"
 
 
 def format_plan(report: dict, prediction: dict | None = None) -> str:
     """The plan as a table (both FLOP counts), with the predicted step's breakdown where there is one."""
     exact = report["exact_window"]
-    flop_scale, flop = _prefix(exact["train_flops_per_token"], 1e9)
-    step_scale, step = _prefix(exact["tflop_per_device_step"] * 1e12, 1e12)
+    flop_scale, flop = prefix(exact["train_flops_per_token"], 1e9)
+    step_scale, step = prefix(exact["tflop_per_device_step"] * 1e12, 1e12)
     rows = [
-        (f"train {flop}FLOP / token", "train_flops_per_token", lambda v: _figure(v / flop_scale)),
-        (f"{step}FLOP / device-step", "tflop_per_device_step", lambda v: _figure(v * 1e12 / step_scale)),
+        (f"train {flop}FLOP / token", "train_flops_per_token", lambda v: figure(v / flop_scale)),
+        (f"{step}FLOP / device-step", "tflop_per_device_step", lambda v: figure(v * 1e12 / step_scale)),
     ]
     timed = "step_seconds" in exact
     if timed:
         time_scale, time_unit = next(((scale, u) for scale, u in TIME_UNITS if exact["step_seconds"] >= scale),
                                      TIME_UNITS[-1])
         rows += [
-            ("MFU", "mfu", lambda v: f"{100 * v:.3g}%"),
-            ("chip-seconds / step", "chip_seconds_per_step", _figure),
-            (f"step time ({time_unit})", "step_seconds", lambda v: _figure(v / time_scale)),
-            ("tokens / s / chip", "tokens_per_second_per_chip", _figure),
-            ("chip-hours", "chip_hours", _figure),
-            ("chip-hours / T tokens", "chip_hours_per_trillion_tokens", _figure),
+            ("MFU", "mfu", percent),
+            ("chip-seconds / step", "chip_seconds_per_step", figure),
+            (f"step time ({time_unit})", "step_seconds", lambda v: figure(v / time_scale)),
+            ("tokens / s / chip", "tokens_per_second_per_chip", figure),
+            ("chip-hours", "chip_hours", figure),
+            ("chip-hours / T tokens", "chip_hours_per_trillion_tokens", figure),
         ]
         if report["goodput"]:
-            rows.append((f"chip-h at {report['goodput']:.0%} goodput", "chip_hours_at_goodput", _figure))
-    token_scale, token_prefix = _prefix(report["tokens"], 1e12)
+            rows.append((f"chip-h at {report['goodput']:.0%} goodput", "chip_hours_at_goodput", figure))
+    token_scale, token_prefix = prefix(report["tokens"], 1e12)
     if report["mfu_from"] == "given":
-        how = (f"at {report['mfu']:.1%} MFU (given) of {report['peak_tflops_per_chip']:,.0f} TFLOP/s per chip "
-               f"({report['sustained_tflops_per_device']:,.1f} TFLOP/s per device)")
+        how = (f"at {percent(report['mfu'])} MFU (given) of a peak of {report['peak_tflops_per_chip']:,.0f} TFLOP/s "
+               f"per chip (each device computing {si(report['sustained_tflops_per_device'] * 1e12, 'FLOP/s')})")
     elif report["mfu_from"] == "predicted":
-        how = (f"at the step time predicted from the compiled program, of {report['peak_tflops_per_chip']:,.0f} "
-               f"TFLOP/s per chip ({report['sustained_tflops_per_device']:,.1f} TFLOP/s per device)")
+        how = (f"at the step time predicted from the compiled program, of a peak of "
+               f"{report['peak_tflops_per_chip']:,.0f} TFLOP/s per chip (each device computing "
+               f"{si(report['sustained_tflops_per_device'] * 1e12, 'FLOP/s')})")
     else:
         how = "FLOPs only (no prediction: the step was not compiled; --mfu X gives a cost at an assumed MFU)"
     lines = [
         f"{report['config']} on {report['target']}: {report['chips']} chips, {report['devices']} devices, {how}",
         f"{report['steps']:,} steps of {report['tokens_per_step']:,} tokens = "
-        f"{_figure(report['tokens'] / token_scale)}{token_prefix} tokens",
+        f"{figure(report['tokens'] / token_scale)}{token_prefix} tokens",
         "",
         f"{'':24}{COUNTS['exact_window']:>24}{COUNTS['all_global']:>24}",
     ]
@@ -156,17 +145,17 @@ def format_prediction(prediction: dict) -> list[str]:
     regions = [r for r in REGIONS if r in prediction["by_region"]] + sorted(
         set(prediction["by_region"]) - set(REGIONS))
     width = 14
-    lines = [f"predicted step {_figure(step / scale)} {unit}, where the time goes ({unit}, one device):",
+    lines = [f"predicted step {figure(step / scale)} {unit}, where the time goes ({unit}, one device):",
              f"{'':24}" + "".join(f"{r[:width - 1]:>{width}}" for r in regions) + f"{'total':>{width}}"]
     for category, label in LABELS.items():
         values = [prediction["by_region"][r][category] for r in regions]
-        lines.append(f"{label:24}" + "".join(f"{_figure(v / scale):>{width}}" for v in values)
-                     + f"{_figure(prediction['seconds'][category] / scale):>{width}}")
+        lines.append(f"{label:24}" + "".join(f"{figure(v / scale):>{width}}" for v in values)
+                     + f"{figure(prediction['seconds'][category] / scale):>{width}}")
     c = prediction["collectives"]
     moved = ", ".join(f"{kind} {_bytes(size)}" for kind, size in sorted(c["bytes_by_kind"].items()))
-    lines.append(f"collectives {_figure(c['total_seconds'] / scale)} {unit} on the links ({moved or 'none'}): "
-                 f"{_figure(c['hidden_seconds'] / scale)} {unit} hidden behind compute, "
-                 f"{_figure(c['exposed_seconds'] / scale)} {unit} exposed")
+    lines.append(f"collectives {figure(c['total_seconds'] / scale)} {unit} on the links ({moved or 'none'}): "
+                 f"{figure(c['hidden_seconds'] / scale)} {unit} hidden behind compute, "
+                 f"{figure(c['exposed_seconds'] / scale)} {unit} exposed")
     k = prediction["constants"]
     lines.append(f"model constants: matmuls at {k['matmul_efficiency']:.0%} of the {k['peak_flops_per_device'] / 1e12:,.0f} "
                  f"TFLOP/s peak, memory at {k['memory_efficiency']:.0%} of {k['memory_bandwidth_per_device'] / 1e9:,.0f} "

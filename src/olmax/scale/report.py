@@ -11,6 +11,7 @@ import json
 import re
 
 from olmax import storage
+from olmax.figures import figure, percent
 from olmax.pages import document, fact, table
 
 GiB = 2**30
@@ -56,7 +57,7 @@ def _header(r: dict) -> str:
     fits = _fits(r)
     if fits is not None:
         figure = (f"peak {gib('peak', r['peak'])} of {gib('memory_per_device', r['memory_per_device'])} "
-                  f"a device ({r['peak'] / r['memory_per_device']:.1%})" if "peak" in r
+                  f"a device ({percent(r['peak'] / r['memory_per_device'])})" if "peak" in r
                   else html.escape(r["compiler_error"]))
         verdict = "fits" if fits else "does not fit"
         lines.append(f'<p>The step <span class="verdict-{"yes" if fits else "no"}">{verdict}</span>: {figure}. '
@@ -171,7 +172,7 @@ def _memory(r: dict) -> str:
                 f"{gib('optimizer_state', r['optimizer_state'])}, batch {gib('batch', r['batch'])}.</p></section>")
     rows = [[f'<span class="swatch" style="background:{_colour(s["segment"])}"></span>'
              f'{html.escape(s["segment"])}',
-             gib(f"memory_stack.{i}.bytes", s["bytes"]), f"{s['bytes'] / r['memory_per_device']:.1%}"]
+             gib(f"memory_stack.{i}.bytes", s["bytes"]), percent(s['bytes'] / r['memory_per_device'])]
             for i, s in enumerate(r["memory_stack"])]
     added = sum(s["bytes"] for s in r["memory_stack"][:-1])
     return (
@@ -311,19 +312,14 @@ def _pipeline(r: dict) -> str:
             + (f"<p>Not allowed here:</p><ul>{''.join(refused)}</ul>" if refused else "") + "</section>")
 
 
-def _figure(value: float) -> str:
-    """Whole numbers with thousands separators from 1,000, four significant digits below."""
-    return f"{value:,.0f}" if abs(value) >= 1000 else f"{value:.4g}"
-
-
-PLAN_ROWS = [("train GFLOP / token", "train_flops_per_token", lambda v: _figure(v / 1e9)),
-             ("TFLOP / device-step", "tflop_per_device_step", _figure),
-             ("MFU", "mfu", lambda v: f"{100 * v:.3g}%"),
-             ("chip-seconds / step", "chip_seconds_per_step", _figure),
-             ("step time (s)", "step_seconds", _figure),
-             ("tokens / s / chip", "tokens_per_second_per_chip", _figure),
-             ("chip-hours", "chip_hours", _figure),
-             ("chip-hours / T tokens", "chip_hours_per_trillion_tokens", _figure)]
+PLAN_ROWS = [("train GFLOP / token", "train_flops_per_token", lambda v: figure(v / 1e9)),
+             ("TFLOP / device-step", "tflop_per_device_step", figure),
+             ("MFU", "mfu", percent),
+             ("chip-seconds / step", "chip_seconds_per_step", figure),
+             ("step time (s)", "step_seconds", figure),
+             ("tokens / s / chip", "tokens_per_second_per_chip", figure),
+             ("chip-hours", "chip_hours", figure),
+             ("chip-hours / T tokens", "chip_hours_per_trillion_tokens", figure)]
 
 
 def _plan(r: dict) -> str:
@@ -332,7 +328,7 @@ def _plan(r: dict) -> str:
                        for count in ("exact_window", "all_global")]
             for label, key, fmt in PLAN_ROWS if key in plan["exact_window"]]
     if plan.get("mfu_from") == "given":
-        title = f'cost at {fact(prefix + "mfu", plan["mfu"], format(plan["mfu"], ".1%"))} MFU (given)'
+        title = f'cost at {fact(prefix + "mfu", plan["mfu"], percent(plan["mfu"]))} MFU (given)'
     elif plan.get("mfu_from") == "predicted":
         title = "cost at the predicted step"
     else:
@@ -371,7 +367,7 @@ def _step_time(r: dict) -> str:
             + [fact(f"step_time.seconds.{c}", p["seconds"][c], _seconds(p["seconds"][c]))] for c in CATEGORY_NAMES]
     breakdown = table(["", *(html.escape(region) for region in regions), "total"], rows, set(range(1, len(regions) + 2)))
     c, k = p["collectives"], p["constants"]
-    mfu = (f", MFU {fact('step_time.mfu', p['mfu'], format(p['mfu'], '.1%'))} (exact FLOP count)"
+    mfu = (f", MFU {fact('step_time.mfu', p['mfu'], percent(p['mfu']))} (exact FLOP count)"
            if p.get("mfu") is not None else "")
     summary = (f"<p>Predicted step {fact('step_time.step_seconds', p['step_seconds'], _seconds(p['step_seconds']))}"
                f"{mfu}. Collectives take {_seconds(c['total_seconds'])} on the links: "
@@ -503,7 +499,7 @@ def _schedule_of(r: dict) -> dict | None:
 
 def _per_device(r: dict) -> str:
     if "peak" in r:
-        return f"peak {size(r['peak'])} ({r['peak'] / r['memory_per_device']:.1%})"
+        return f"peak {size(r['peak'])} ({percent(r['peak'] / r['memory_per_device'])})"
     if "required" in r:
         return f"needs {size(r['required'])} (compiler) + arguments {size(r['parameters'] + r['optimizer_state'] + r['batch'])}"
     return "-"
@@ -533,7 +529,7 @@ def comparison_rows(reports: list[dict]) -> list[tuple[str, list[str]]]:
         ("pipeline bubble", each(bubble)),
         *[(f"collectives over {a} (MiB a step)", each(lambda r, a=a: f"{sum(c['bytes_per_step'] for c in r.get('collectives', {}).get('by_axis', []) if c['axes'] == a) / 2**20:,.1f}"))
           for a in axes],
-        ("MFU", [f"{p['mfu']:.1%}" if "mfu" in p else "-" for p in plan]),
+        ("MFU", [percent(p['mfu']) if "mfu" in p else "-" for p in plan]),
         ("chip-seconds / step", [f"{p['chip_seconds_per_step']:,.4g}" if "mfu" in p else "-" for p in plan]),
         ("step time (s)", [f"{p['step_seconds']:,.4g}" if "mfu" in p else "-" for p in plan]),
         ("chip-hours", [f"{p['chip_hours']:,.4g}" if "mfu" in p else "-" for p in plan]),
@@ -649,7 +645,7 @@ def tune_page(r: dict) -> str:
         rows.append([str(i + 1), fact(f"results.{i}.status", x["status"]),
                      fact(f"results.{i}.step_seconds", x["step_seconds"], f"{x['step_seconds']:.4g}")
                      if x["step_seconds"] else "-",
-                     fact(f"results.{i}.mfu", x["mfu"], f"{100 * x['mfu']:.3g}%") if x["mfu"] else "-",
+                     fact(f"results.{i}.mfu", x["mfu"], percent(x["mfu"])) if x["mfu"] else "-",
                      f"{x['tokens_per_second_per_chip']:,.0f}" if x["tokens_per_second_per_chip"] else "-",
                      fact(f"results.{i}.peak", x["peak"], f"{x['peak'] / GiB:.2f}") if x["peak"] else "-",
                      html.escape(x["layout"]), html.escape(x["reason"] or (x["pruned_by"] or ""))])

@@ -17,6 +17,10 @@ construction. The categories:
     between attempts the end of an attempt's record to the start of the next process (its exit, the
                      launcher's backoff, a requeue)
 
+The time from an attempt that finished the run (trained to its last step) to a later attempt that extends it
+(`train.steps` raised) is none of these: the run was done, not stopped. It is kept apart (`between_runs`), out of
+the wall time the shares are of.
+
 The record (`RunDir.goodput` in the run directory, rewritten atomically after every step, so a kill -9 loses at
 most the step in flight) lists the attempts: their start, their last update, their seconds by category and
 a snapshot of those seconds at each checkpoint. An attempt that resumes from step N settles the attempts
@@ -42,6 +46,9 @@ log = logging.getLogger(__name__)
 
 WORK = ("productive", "data wait", "evaluation")  # redone after a restart when it was not checkpointed
 CATEGORIES = ("launcher start-up", "start-up", "compilation", *WORK, "checkpoint", "shutdown", "lost work", "between attempts")
+# The metric marking a step whose time includes compiling the train step (goodput's compilation): its
+# throughput is not logged, as it would be mostly the compile's.
+COMPILED = "throughput/step compiled"
 KEPT_SNAPSHOTS = 8  # a resume restores one of the last few checkpoints (one save in flight at most)
 
 
@@ -68,6 +75,8 @@ def read_record(text: str) -> dict:
         _seconds(attempt.get("started"), f"{where}'s started")
         if _seconds(attempt.get("ended"), f"{where}'s ended") < attempt["started"]:
             raise ValueError(f"{where} ended ({attempt['ended']}) before it started ({attempt['started']})")
+        if not isinstance(attempt.get("finished", False), bool):
+            raise ValueError(f"{where}'s finished is {attempt['finished']!r}, not true or false")
         for field in ("first_step", "last_step", "lost_steps"):
             if attempt.get(field) is not None and not _count(attempt[field]):
                 raise ValueError(f"{where}'s {field} is {attempt[field]!r}, not a step")
@@ -100,17 +109,27 @@ def _categories(seconds, what: str) -> None:
         _seconds(seconds.setdefault(category, 0.0), f"{what}[{category!r}]")
 
 
+def _gaps(record: dict):
+    """(seconds from an attempt's end to the next one's start, whether that attempt had finished the run)."""
+    attempts = record["attempts"]
+    for before, after in zip(attempts, attempts[1:]):
+        yield max(0.0, after["started"] - before["ended"]), before.get("finished", False)
+
+
 def totals(record: dict) -> dict[str, float]:
-    """Seconds by category over the run's lifetime (every attempt and the time between them)."""
+    """Seconds by category over the run's lifetime (every attempt and the time between them, but for the time
+    after the run had finished: `between_runs`)."""
     out = dict.fromkeys(CATEGORIES, 0.0)
-    previous_end = None
     for attempt in record["attempts"]:
         for category, seconds in attempt["seconds"].items():
             out[category] += seconds
-        if previous_end is not None:
-            out["between attempts"] += max(0.0, attempt["started"] - previous_end)
-        previous_end = attempt["ended"]
+    out["between attempts"] += sum(gap for gap, finished in _gaps(record) if not finished)
     return out
+
+
+def between_runs(record: dict) -> float:
+    """Seconds from attempts that finished the run to the attempts that later extended it: not the run's time."""
+    return sum(gap for gap, finished in _gaps(record) if finished)
 
 
 class Goodput:
@@ -169,6 +188,10 @@ class Goodput:
         # the first (where the attempt started) and the latest few
         self.attempt["snapshots"] = snapshots[:1] + snapshots[1:][-(KEPT_SNAPSHOTS - 1):]
 
+    def finished(self) -> None:
+        """The attempt trained the run to its last step: a later attempt extends a finished run."""
+        self.attempt["finished"] = True
+
     def step_done(self, step: int) -> None:
         self.mark("productive")
         self.attempt["last_step"] = step
@@ -211,7 +234,11 @@ def report(record: dict) -> str:
     wall = sum(total.values())
     lines = [f"{'category':18}{'seconds':>12}{'share':>9}"]
     lines += [f"{c:18}{total[c]:12,.1f}{100 * total[c] / wall if wall else 0:8.1f}%" for c in CATEGORIES]
-    lines += [f"{'wall time':18}{wall:12,.1f}", "", f"{'attempt':>7}{'steps':>14}{'seconds':>12}{'productive':>12}"
+    lines.append(f"{'wall time':18}{wall:12,.1f}")
+    if apart := between_runs(record):
+        lines.append(f"{'between runs':18}{apart:12,.1f}  (after the run had finished, before it was extended; "
+                     "not in the wall time)")
+    lines += ["", f"{'attempt':>7}{'steps':>14}{'seconds':>12}{'productive':>12}"
               f"{'lost':>10}{'steps redone':>14}"]
     for number, attempt in enumerate(record["attempts"], start=1):
         steps = f"{attempt['first_step']}-{attempt['last_step']}" if attempt["last_step"] is not None else "-"
@@ -222,8 +249,8 @@ def report(record: dict) -> str:
 
 
 def plot(record: dict, path, title: str) -> None:
-    """A PNG of the run's lifetime, written to `path` (a path or a binary file): each attempt (and the gap before
-    it) as a bar split by category."""
+    """A PNG of the run's lifetime: each attempt (and the gap before it) as a bar split by category; the gap after
+    a finished run, before its extension, pale."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -231,14 +258,15 @@ def plot(record: dict, path, title: str) -> None:
 
     attempts = record["attempts"]
     fig, ax = plt.subplots(figsize=(10, 1.2 + 0.45 * len(attempts)))
-    colors = dict(zip(CATEGORIES, plt.get_cmap("tab10").colors))
+    colors = dict(zip(CATEGORIES, plt.get_cmap("tab10").colors)) | {"between runs": "#e4e4e4"}
     origin = attempts[0]["started"] if attempts else 0.0
     drawn = set()
     for row, attempt in enumerate(attempts):
         left = attempt["started"] - origin
         if row:
             gap = max(0.0, attempt["started"] - attempts[row - 1]["ended"])
-            segments = [("between attempts", gap)] + list(attempt["seconds"].items())
+            apart = attempts[row - 1].get("finished", False)
+            segments = [("between runs" if apart else "between attempts", gap)] + list(attempt["seconds"].items())
             left -= gap
         else:
             segments = list(attempt["seconds"].items())

@@ -27,6 +27,7 @@ from tensorboardX.proto.event_pb2 import Event, SessionLog
 from tensorboardX.proto.summary_pb2 import HistogramProto, Summary
 
 from olmax.errors import DiskFull
+from olmax.figures import percent
 from olmax.run_dir import RunDir, open_own, own_dir, replace_own, writing
 
 log = logging.getLogger(__name__)
@@ -195,7 +196,8 @@ def console_line(step: int, total: int, m: dict[str, float]) -> str:
     return (
         f"step {step}/{total}  CE {m['train/CE loss']:.4f}  Z {m['train/Z loss']:.2e}{experts}  "
         f"gnorm {m['optim/total grad norm']:.3f}  lr {m['optim/LR (group 0)']:.3e}  "
-        f"TPS/dev {m.get('throughput/device/TPS', 0):,.0f}"
-        + (f"  MFU {m['throughput/device/MFU']:.1f}%" if "throughput/device/MFU" in m else "") + skipped
+        + (f"TPS/dev {m['throughput/device/TPS']:,.0f}" if "throughput/device/TPS" in m
+           else "TPS/dev - (this step compiled the train step)")
+        + (f"  MFU {percent(m['throughput/device/MFU'] / 100)}" if "throughput/device/MFU" in m else "") + skipped
         + (f"  | held-out CE{evals}" if evals else "")
     )

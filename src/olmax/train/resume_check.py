@@ -38,9 +38,12 @@ def resume_check(config: str, overrides: list[str], at: int, steps: int, out: Pa
     continuous, resumed = out / "continuous", out / "resumed"
     for run_dir in (continuous, resumed):
         shutil.rmtree(run_dir, ignore_errors=True)
-    _train(config, overrides, continuous, steps, None, at)
-    _train(config, overrides, resumed, steps, at, at)
-    _train(config, overrides, resumed, steps, None, at)
+    phases = [(f"the continuous run, steps 1 to {steps}, in {continuous}", continuous, None),
+              (f"the same run stopped after step {at}, in {resumed}", resumed, at),
+              (f"that run resumed from its checkpoint {at} in a new process, to step {steps}", resumed, None)]
+    for number, (heading, run_dir, stop_after) in enumerate(phases, start=1):
+        print(f"== resume-check {number}/3: {heading}", flush=True)
+        _train(config, overrides, run_dir, steps, stop_after, at)
     a, b = _metric(continuous, metric), _metric(resumed, metric)
     return [(step, a[step], b[step], b[step] - a[step]) for step in range(at + 1, steps + 1)]
 

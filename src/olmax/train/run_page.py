@@ -14,18 +14,21 @@ from __future__ import annotations
 
 import html
 import json
+import math
 import re
 
 import numpy as np
 import yaml
 
 from olmax import storage
+from olmax.errors import BadInput
 from olmax.pages import document, fact, table
 from olmax.run_dir import RunDir, own_dir, write_own
-from olmax.train.goodput import CATEGORIES, read_record, totals
+from olmax.train.goodput import CATEGORIES, COMPILED, between_runs, read_record, totals
 
+THROUGHPUT = "throughput/device/TPS"
 CURVES = [("loss", "train/CE loss"), ("LR", "optim/LR (group 0)"), ("grad norm", "optim/total grad norm"),
-          ("throughput", "throughput/device/TPS")]
+          ("throughput", THROUGHPUT)]
 WIDTH, HEIGHT, LEFT, BOTTOM = 560, 170, 62, 22  # a chart's size and its axes' margins, in pixels
 # the keys not every run logs, found in one pass: held-out losses and an MoE's per-layer load
 OPTIONAL = re.compile(rb'"(eval/lm/(?:[^"\\]|\\.)*/CE loss|train/block \d+/load imbalance)": ')
@@ -34,46 +37,88 @@ GOODPUT_COLOURS = dict(zip(CATEGORIES, ["#bab0ac", "#9c755f", "#f28e2b", "#59a14
 
 
 class Metrics:
-    """The columns of metrics.jsonl the page draws."""
+    """The columns of metrics.jsonl the page draws. A last line that is not a whole record is what a run killed
+    mid-write leaves: it is left out, as a resume leaves it out. Any other line that is not a record olmax wrote,
+    and any drawn value that is not a number, is BadInput naming the line."""
 
-    def __init__(self, data: bytes):
-        self.data = data
-        self.steps = np.array(re.findall(rb'\{"step": (\d+)', data), np.int64)
-        self.optional = sorted({json.loads(b'"' + key + b'"') for key in OPTIONAL.findall(data)})
-        self._lines = None
+    def __init__(self, data: bytes, source: str = "metrics.jsonl"):
+        self.source = source
+        self.data, self.torn = _without_torn_end(data)
+        records = list(RECORD.finditer(self.data))
+        lines = self.data.count(b"\n")
+        if not len(records) == self.data.count(b"}\n") == lines:  # a line is a JSON object: no newline inside
+            number = next(i for i, line in enumerate(self.data.split(b"\n"))
+                          if not (RECORD.match(line) and line.endswith(b"}")))
+            self.refuse(number, "is not a record olmax wrote (one JSON object a line, starting with its step)")
+        raw = [m.group(1) for m in records]
+        if (bad := next((i for i, step in enumerate(raw) if not step.isdigit() or len(step) > 15), None)) is not None:
+            self.refuse(bad, f"has step {raw[bad][:40].decode(errors='replace')}, not a step number")
+        self.steps = np.array(raw).astype(np.int64) if raw else np.zeros(0, np.int64)
+        self.starts = np.array([m.start() for m in records], np.int64)
+        self.optional = sorted({json.loads(b'"' + key + b'"') for key in OPTIONAL.findall(self.data)})
         self._columns = {}
+
+    def refuse(self, record: int, what: str):
+        raise BadInput(f"{self.source} line {record + 1} {what}; correct or remove that line (a page is drawn "
+                       "only from what olmax train writes)")
 
     def column(self, name: str) -> np.ndarray:
         """The metric's value at every step (NaN where a record lacks it), read once: each read is a pass over
         the whole file, the page's cost on a long run."""
         if name not in self._columns:
             self._columns[name] = self._read_column(name)
-        return self._columns[name]
+        return self._columns[name][0]
 
-    def _read_column(self, name: str) -> np.ndarray:
-        values = re.findall(b'"' + re.escape(name.encode()) + rb'": ([^,}\]]*)', self.data)
+    def sparse(self, name: str) -> tuple[np.ndarray, np.ndarray]:
+        """(record indices, values) of the records that have the metric."""
+        self.column(name)
+        index, values = self._columns[name][1:]
+        return index, values
+
+    def _read_column(self, name: str):
+        key = b'"' + re.escape(json.dumps(name)[1:-1].encode()) + rb'": ([^,}\]]*)'
+        found = list(re.finditer(key, self.data))
+        values = [m.group(1) for m in found]
+        index = np.searchsorted(self.starts, [m.start() for m in found], side="right") - 1
+        try:
+            numbers = _floats(values)
+        except ValueError:
+            bad = next(i for i, value in enumerate(values) if not _is_number(value))
+            self.refuse(int(index[bad]), f"has {name} {values[bad][:40].decode(errors='replace')}, not a number")
         if len(values) == len(self.steps):  # in every record: in record order
-            return _floats(values)
+            return numbers, index, numbers
         out = np.full(len(self.steps), np.nan)
-        for index, value in self.sparse(name):
-            out[index] = value
-        return out
+        out[index] = numbers
+        return out, index, numbers
 
-    def sparse(self, name: str) -> list[tuple[int, float]]:
-        """(record index, value) of the records that have the metric."""
-        if self._lines is None:
-            self._lines = self.data.splitlines()
-        key = b'"' + json.dumps(name)[1:-1].encode() + b'": '
-        found = []
-        for index, line in enumerate(self._lines):
-            if key in line:
-                value = json.loads(line)[name]
-                found.append((index, float(value) if not isinstance(value, list) else np.nan))
-        return found
+
+RECORD = re.compile(rb'^\{"step": ([^,}\n]*)', re.MULTILINE)
+
+
+def _without_torn_end(data: bytes) -> tuple[bytes, bool]:
+    """`data` without a last line that is not a whole record (what a kill mid-write leaves), each line ended by a
+    newline; and whether such a line was left out."""
+    if not data or data.endswith(b"\n"):
+        return data, False
+    head, _, last = data.rpartition(b"\n")
+    head = head + b"\n" if head else b""
+    try:
+        whole = isinstance(json.loads(last)["step"], int)
+    except (ValueError, KeyError, TypeError):
+        whole = False
+    return (head + last + b"\n", False) if whole else (head, True)
 
 
 def _floats(values: list[bytes]) -> np.ndarray:
     return np.array(values).astype(np.float64)  # JSON's numbers and Python's NaN, Infinity, -Infinity
+
+
+def _is_number(value: bytes) -> bool:
+    try:
+        _floats([value])
+    except ValueError:
+        return False
+    return True
 
 
 def envelope(x: np.ndarray, y: np.ndarray, x_range: tuple[float, float], width: int):
@@ -90,50 +135,103 @@ def envelope(x: np.ndarray, y: np.ndarray, x_range: tuple[float, float], width: 
     return columns[starts], np.minimum.reduceat(y, starts), np.maximum.reduceat(y, starts)
 
 
-def _number(value: float) -> str:
-    return f"{value:,.0f}" if abs(value) >= 1000 else f"{value:.4g}"
+TIME_UNITS = ((3600.0, "hours"), (60.0, "minutes"), (1.0, "seconds"))
+GAP = 5  # a pause this many times the median interval between two logged points breaks the curve
+
+
+def time_unit(span_seconds: float) -> tuple[float, str]:
+    """(seconds a unit, its name) for a time axis over `span_seconds`: hours from 2 hours, minutes from 2
+    minutes, else seconds."""
+    return next(((scale, unit) for scale, unit in TIME_UNITS if span_seconds >= 2 * scale), TIME_UNITS[-1])
+
+
+def ticks(low: float, high: float, most: int = 5) -> tuple[float, list[float]]:
+    """(step, ticks): the multiples of a round step (1, 2, 2.5 or 5 times a power of ten) from the last one at or
+    below `low` to the first one at or above `high`, 3 to `most` of them."""
+    if not high > low:  # a flat curve: a range around its value
+        pad = abs(low) * 0.05 or 1.0
+        low, high = low - pad, high + pad
+    magnitude = 10.0 ** math.floor(math.log10((high - low) / (most - 1)))
+    for multiple in (1, 2, 2.5, 5, 10, 20):
+        step = multiple * magnitude
+        first, last = math.floor(low / step), math.ceil(high / step)
+        if last - first < most:
+            break
+    return step, [k * step for k in range(first, last + 1)]
+
+
+def tick_label(value: float, step: float) -> str:
+    """`value` with the decimals the ticks' `step` needs to tell them apart."""
+    decimals = max(0, math.ceil(-math.log10(step) - 1e-9))
+    decimals += round(step * 10 ** decimals, 6) % 1 != 0  # a step of 2.5 x 10^k needs one more
+    return f"{value:,.{decimals}f}"
+
+
+def gap_starts(x: np.ndarray, y: np.ndarray, restarts: list[float]) -> np.ndarray:
+    """The x values of the points that follow a gap: a restart, or a pause between two logged points over GAP
+    times their median interval (a checkpoint's write, an evaluation, a stalled step)."""
+    xs = np.sort(x[np.isfinite(x) & np.isfinite(y)])
+    if len(xs) < 2:
+        return xs[:0]
+    intervals = np.diff(xs)
+    paused = xs[1:][intervals > GAP * np.median(intervals)] if np.median(intervals) > 0 else xs[:0]
+    after = xs[np.minimum(np.searchsorted(xs, restarts, side="right"), len(xs) - 1)]
+    return np.union1d(paused, after)
 
 
 def chart(name: str, x: np.ndarray, y: np.ndarray, x_label: str, marks: dict[str, list[float]]) -> str:
-    """An SVG line chart of y against x, drawn as each pixel column's minimum and maximum, with vertical marks
-    (`restart`, `checkpoint`, `skipped`: their x values)."""
+    """An SVG line chart of y against x, drawn as each pixel column's minimum and maximum and broken at gaps
+    (`gap_starts`), on 3 to 5 labelled y ticks with gridlines, with marks: restarts (dashed lines), checkpoints
+    (triangles along the top) and skipped steps (ticks up from the axis), each a list of x values."""
     plot = WIDTH - LEFT - 8
     finite = np.isfinite(x)
     x_range = (float(x[finite].min()), float(x[finite].max())) if finite.any() else (0.0, 1.0)
+    x_span = max(x_range[1] - x_range[0], 1e-12)
     columns, low, high = envelope(x, y, x_range, plot)
-    # The curve is not drawn across a restart (on the wall-time axis, the time between two attempts).
-    xs = np.sort(x[np.isfinite(x) & np.isfinite(y)])
-    after = xs[np.minimum(np.searchsorted(xs, marks.get("restart", []), side="right"), len(xs) - 1)] if len(xs) else xs
-    breaks = set(((after - x_range[0]) / max(x_range[1] - x_range[0], 1e-12) * (plot - 1)).astype(np.int64).tolist())
-    y_low, y_high = (float(low.min()), float(high.max())) if len(columns) else (0.0, 1.0)
-    y_span = (y_high - y_low) or 1.0
+    breaks = set(((gap_starts(x, y, marks.get("restart", [])) - x_range[0]) / x_span * (plot - 1))
+                 .astype(np.int64).tolist())
+    y_step, y_ticks = ticks(float(low.min()), float(high.max())) if len(columns) else ticks(0.0, 1.0)
+    y_low, y_span = y_ticks[0], y_ticks[-1] - y_ticks[0]
+    bottom = HEIGHT - BOTTOM
 
     def py(value):
-        return 8 + (HEIGHT - BOTTOM - 8) * (1 - (value - y_low) / y_span)
+        return 8 + (bottom - 8) * (1 - (value - y_low) / y_span)
 
     def px(value):
-        return LEFT + plot * (value - x_range[0]) / max(x_range[1] - x_range[0], 1e-12)
+        return LEFT + plot * (value - x_range[0]) / x_span
 
     path = "".join(f"{'L' if i and c not in breaks else 'M'}{LEFT + c:.0f} {py(lo):.1f}L{LEFT + c:.0f} {py(hi):.1f}"
                    for i, (c, lo, hi) in enumerate(zip(columns, low, high)))
-    parts = [f'<line x1="{LEFT}" y1="{HEIGHT - BOTTOM}" x2="{WIDTH - 8}" y2="{HEIGHT - BOTTOM}" stroke="#888"/>',
-             f'<line x1="{LEFT}" y1="8" x2="{LEFT}" y2="{HEIGHT - BOTTOM}" stroke="#888"/>',
-             f'<text x="{LEFT - 4}" y="14" text-anchor="end">{_number(y_high)}</text>',
-             f'<text x="{LEFT - 4}" y="{HEIGHT - BOTTOM}" text-anchor="end">{_number(y_low)}</text>',
-             f'<text x="{LEFT}" y="{HEIGHT - 6}">{_number(x_range[0])}</text>',
-             f'<text x="{WIDTH - 8}" y="{HEIGHT - 6}" text-anchor="end">{_number(x_range[1])} {html.escape(x_label)}'
-             "</text>"]
-    style = {"checkpoint": ('#999', "", 6), "skipped": ("#e6a100", "", 10), "restart": ("#c62828", "4 3", None)}
-    for kind, xs in marks.items():
-        colour, dash, length = style[kind]
-        top = 8 if length is None else HEIGHT - BOTTOM - length
-        for value in xs:
-            parts.append(f'<line class="{kind}" x1="{px(value):.1f}" x2="{px(value):.1f}" y1="{top}" '
-                         f'y2="{HEIGHT - BOTTOM}" stroke="{colour}" stroke-dasharray="{dash}"/>')
+    parts = []
+    for value in y_ticks:
+        parts.append(f'<line class="grid" x1="{LEFT}" x2="{WIDTH - 8}" y1="{py(value):.1f}" y2="{py(value):.1f}" '
+                     f'stroke="#e6e6e6"/><text x="{LEFT - 4}" y="{py(value) + 4:.1f}" text-anchor="end">'
+                     f"{tick_label(value, y_step)}</text>")
+    x_step, x_ticks = ticks(*x_range, most=7)
+    for value in x_ticks:
+        if x_range[0] <= value <= x_range[1] and px(value) < WIDTH - 36 - 6 * len(x_label):  # clear of the unit
+            parts.append(f'<line class="axis-tick" x1="{px(value):.1f}" x2="{px(value):.1f}" y1="{bottom}" '
+                         f'y2="{bottom + 4}" stroke="#888"/><text x="{px(value):.1f}" y="{HEIGHT - 6}" '
+                         f'text-anchor="middle">{tick_label(value, x_step)}</text>')
+    parts += [f'<line x1="{LEFT}" y1="{bottom}" x2="{WIDTH - 8}" y2="{bottom}" stroke="#888"/>',
+              f'<line x1="{LEFT}" y1="8" x2="{LEFT}" y2="{bottom}" stroke="#888"/>',
+              f'<text x="{WIDTH - 8}" y="{HEIGHT - 6}" text-anchor="end">{html.escape(x_label)}</text>']
+    for kind, values in marks.items():
+        for value in values:
+            at = px(value)
+            if kind == "checkpoint":
+                parts.append(f'<path class="checkpoint" d="M{at - 4:.1f} 8h8l-4 7z" fill="#59a14f"/>')
+            elif kind == "skipped":
+                parts.append(f'<line class="skipped" x1="{at:.1f}" x2="{at:.1f}" y1="{bottom - 10}" y2="{bottom}" '
+                             'stroke="#e6a100" stroke-width="2"/>')
+            else:
+                parts.append(f'<line class="restart" x1="{at:.1f}" x2="{at:.1f}" y1="8" y2="{bottom}" '
+                             'stroke="#c62828" stroke-dasharray="4 3"/>')
     parts.append(f'<path class="curve" d="{path}" fill="none" stroke="#4e79a7" stroke-width="1"/>')
     return (f'<svg class="chart" data-metric="{html.escape(name)}" data-x="{html.escape(x_label)}" '
-            f'data-columns="{len(columns)}" width="{WIDTH}" height="{HEIGHT}" role="img" '
-            f'aria-label="{html.escape(name)} against {html.escape(x_label)}">{"".join(parts)}</svg>')
+            f'data-columns="{len(columns)}" data-breaks="{len(breaks & set(columns[1:].tolist()))}" width="{WIDTH}" '
+            f'height="{HEIGHT}" role="img" aria-label="{html.escape(name)} against {html.escape(x_label)}">'
+            f'{"".join(parts)}</svg>')
 
 
 def heatmap(layers: list[int], values: np.ndarray, steps: np.ndarray) -> str:
@@ -168,15 +266,32 @@ def _read(path) -> bytes | None:
 
 
 def gather(location: str) -> dict:
-    """What the page shows of the run at `location`, from its files."""
+    """What the page shows of the run at `location`, from its files; BadInput naming a file that is not what
+    olmax writes there."""
     run = RunDir(location)
-    metrics = Metrics(_read(run.metrics) or b"")
+    metrics = Metrics(_read(run.metrics) or b"", str(run.metrics))
     goodput = _read(run.goodput)
-    goodput = read_record(goodput.decode()) if goodput else None
+    try:
+        goodput = read_record(goodput.decode(errors="replace")) if goodput else None
+    except ValueError as err:
+        raise BadInput(f"{run.goodput} is not a goodput record olmax wrote ({err}); move it away to draw the page "
+                       "without it") from None
     checkpoints = run.committed_steps()
     meta = _read(run.checkpoint_meta(checkpoints[-1])) if checkpoints else None
+    try:
+        config = json.loads(meta)["config"] if meta else None
+        if config is not None and not isinstance(config, dict):
+            raise TypeError("its config is not a mapping")
+    except (ValueError, KeyError, TypeError) as err:
+        raise BadInput(f"{run.checkpoint_meta(checkpoints[-1])} is not checkpoint metadata olmax wrote "
+                       f"({type(err).__name__}: {str(err)[:80]}); the checkpoint is damaged: remove it") from None
     return {"run": str(run.location), "metrics": metrics, "goodput": goodput, "committed_steps": checkpoints,
-            "config": json.loads(meta)["config"] if meta else None}
+            "config": config}
+
+
+def _last(values: np.ndarray) -> float | None:
+    finite = values[np.isfinite(values)]
+    return float(finite[-1]) if len(finite) else None
 
 
 def report(facts: dict) -> dict:
@@ -186,34 +301,37 @@ def report(facts: dict) -> dict:
     out = {"run": facts["run"], "steps_logged": int(len(steps)),
            "first_step": int(steps[0]) if len(steps) else None, "last_step": int(steps[-1]) if len(steps) else None,
            "committed_steps": facts["committed_steps"], "attempts": len(attempts),
-           "restarts": [{"step": a["first_step"], "time": a["started"]} for a in attempts[1:]]}
+           "restarts": [{"step": a["first_step"], "time": a["started"]} for a in attempts[1:]],
+           "torn_last_line": metrics.torn}
     if len(steps):
         skipped = metrics.column("optim/step skipped")
         out["skipped_steps"] = [int(s) for s in steps[skipped == 1]]
-        out["last"] = {label: float(metrics.column(name)[-1]) for label, name in CURVES}
+        out["compiled_steps"] = [int(s) for s in steps[metrics.column(COMPILED) == 1]]
+        out["last"] = {label: _last(metrics.column(name)) for label, name in CURVES}
     if goodput:
         total = totals(goodput)
-        out["goodput"] = {"seconds": total, "productive_share": total["productive"] / (sum(total.values()) or 1)}
+        out["goodput"] = {"seconds": total, "productive_share": total["productive"] / (sum(total.values()) or 1),
+                          "between_runs": between_runs(goodput)}
     return out
 
 
 def _marks(facts: dict, r: dict, steps: np.ndarray, time: np.ndarray | None) -> tuple[dict, dict]:
-    """The marks of the step charts and of the wall-time charts (hours since the first record)."""
-    every = (facts["config"] or {}).get("checkpoint", {}).get("every")
+    """The marks of the step charts and of the wall-time charts (`time`: seconds since the first record)."""
+    every = ((facts["config"] or {}).get("checkpoint") or {}).get("every")
+    every = every if isinstance(every, int) and every > 0 else None
     last = r["last_step"] or 0
     saved = sorted(set(facts["committed_steps"]) | (set(range(every, last + 1, every)) if every else set()))
     by_step = {"checkpoint": saved, "skipped": r.get("skipped_steps", []),
                "restart": [x["step"] for x in r["restarts"] if x["step"] is not None]}
     if time is None:
         return by_step, {}
-    hours = (time - time[0]) / 3600
 
     def at(step_list):
         index = np.searchsorted(steps, step_list)
-        return [float(hours[i]) for i in index if i < len(steps)]
+        return [float(time[i]) for i in index if i < len(steps)]
 
     by_time = {"checkpoint": at(saved), "skipped": at(by_step["skipped"]),
-               "restart": [(x["time"] - time[0]) / 3600 for x in r["restarts"]]}
+               "restart": [x["time"] - facts["time_origin"] for x in r["restarts"]]}
     return by_step, by_time
 
 
@@ -224,23 +342,37 @@ def page(facts: dict, r: dict, directory: str) -> str:
         sections.append("<p>No step logged yet (metrics.jsonl is empty or missing).</p>")
         return document(f"olmax run {r['run']}", "".join(sections))
     time = metrics.column("wall_time") if b'"wall_time": ' in metrics.data[:4096] else None
+    if time is not None and np.isfinite(time).any():
+        facts["time_origin"] = float(np.nanmin(time))
+        time = time - facts["time_origin"]
+        scale, unit = time_unit(float(np.nanmax(time)))
+    else:
+        time = None
     by_step, by_time = _marks(facts, r, steps, time)
+    compiled = r["compiled_steps"]
+    torn = (" The last line of metrics.jsonl is not a whole record (a run stopped while writing it): left out, as "
+            "a resume leaves it out." if r["torn_last_line"] else "")
     sections.append(
         f"<p>Steps {fact('first_step', r['first_step'])} to {fact('last_step', r['last_step'])} "
         f"({fact('steps_logged', r['steps_logged'])} logged), {fact('attempts', r['attempts'])} attempt(s), "
         f"{len(r['restarts'])} restart(s), {len(r.get('skipped_steps', []))} skipped step(s); committed checkpoints "
-        f"{html.escape(', '.join(map(str, r['committed_steps'])) or 'none')}.</p>"
-        '<p class="note">Marks: <span style="color:#c62828">restarts</span> (dashed: where an attempt resumed), '
-        '<span style="color:#999">checkpoints</span> and <span style="color:#e6a100">skipped steps</span> (ticks). '
-        "Each curve is drawn as the lowest and highest value of the steps in each pixel column.</p>")
+        f"{html.escape(', '.join(map(str, r['committed_steps'])) or 'none')}.{torn}</p>"
+        '<p class="note">Marks: <span style="color:#c62828">restarts</span> (dashed lines: where an attempt resumed), '
+        '<span style="color:#59a14f">checkpoints</span> (triangles along the top) and '
+        '<span style="color:#e6a100">skipped steps</span> (thick ticks up from the axis). Each curve is drawn as the '
+        "lowest and highest value of the steps in each pixel column, and broken where the run paused: a restart, "
+        f"or {GAP} times the usual time between two logged steps (a checkpoint's write, an evaluation).</p>")
     rows = []
     for label, name in CURVES:
         y = metrics.column(name)
         step_chart = chart(f"{label}", steps.astype(np.float64), y, "step", by_step)
-        time_chart = chart(f"{label}", (time - time[0]) / 3600, y, "hours", by_time) if time is not None else \
-            "<p>No wall times in this metrics.jsonl (written by an older olmax).</p>"
+        time_chart = chart(f"{label}", time / scale, y, unit,
+                           {kind: [v / scale for v in values] for kind, values in by_time.items()}) \
+            if time is not None else "<p>No wall times in this metrics.jsonl (written by an older olmax).</p>"
+        note = (f'<p class="note">Left out: the step(s) that compiled the train step ({fact("compiled_steps", compiled, ", ".join(map(str, compiled)))}), whose time is '
+                "mostly the compile.</p>" if name == THROUGHPUT and compiled else "")
         rows.append(f"<h3>{html.escape(label)} <code>{html.escape(name)}</code></h3>"
-                    f'<div style="display:flex;gap:12px">{step_chart}{time_chart}</div>')
+                    f'<div style="display:flex;gap:12px">{step_chart}{time_chart}</div>{note}')
     sections.append(f'<section id="curves"><h2>Training</h2>{"".join(rows)}</section>')
     sections.append(_evals(metrics))
     sections.append(_goodput(r))
@@ -255,9 +387,8 @@ def _evals(metrics: Metrics) -> str:
         return ""
     charts = []
     for label in labels:
-        points = metrics.sparse(f"eval/lm/{label}/CE loss")
-        x = np.array([metrics.steps[i] for i, _ in points], np.float64)
-        y = np.array([v for _, v in points])
+        index, y = metrics.sparse(f"eval/lm/{label}/CE loss")
+        x = metrics.steps[index].astype(np.float64)
         charts.append(f"<h3>{html.escape(label)}</h3>" + chart(f"eval {label}", x, y, "step", {}) +
                       f"<p>last: {y[-1]:.4f} at step {int(x[-1])}</p>")
     return ('<section id="heldout"><h2>Held-out loss per domain</h2><p class="note">The in-loop evaluations\' CE '
@@ -278,10 +409,12 @@ def _goodput(r: dict) -> str:
     rows = [[f'<span class="swatch" style="background:{GOODPUT_COLOURS[c]}"></span>{html.escape(c)}',
              fact(f"goodput.seconds.{c}", seconds[c], f"{seconds[c]:,.1f}"), f"{seconds[c] / wall:.1%}"]
             for c in CATEGORIES if seconds[c]]
-    share = r["goodput"]["productive_share"]
+    share, between = r["goodput"]["productive_share"], r["goodput"]["between_runs"]
+    apart = (f" Not in it: {fact('goodput.between_runs', between, f'{between:,.1f}')} s between runs, from the end "
+             "of an attempt that finished the run to a later one that extended it." if between else "")
     return ('<section id="goodput"><h2>Goodput</h2><p>Productive steps are '
             f"{fact('goodput.productive_share', share, format(share, '.1%'))} of the run's {wall:,.0f} s of wall "
-            "time over its attempts (goodput.json; `olmax goodput RUN`).</p>"
+            f"time over its attempts (goodput.json; `olmax goodput RUN`).{apart}</p>"
             f'<svg width="910" height="30">{"".join(bar)}</svg>' + table(["category", "seconds", "of the wall time"],
                                                                         rows, {1, 2}) + "</section>")
 

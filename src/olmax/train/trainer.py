@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import signal
 import sys
 from pathlib import Path
 
@@ -30,7 +31,7 @@ from olmax.parallel.mesh import make_layout
 from olmax.run_dir import RunDir
 from olmax.runtime import StopSignals, preemption_signals
 from olmax.train.bucket_run import BucketRun
-from olmax.train.goodput import Goodput
+from olmax.train.goodput import COMPILED, Goodput
 from olmax.train.metrics import MetricsWriter, console_line, device_peak_flops
 from olmax.train.resume import restore_or_init, resume_data, schedule_change
 from olmax.train.step_clock import StepClock
@@ -179,10 +180,13 @@ def _train(cfg: RunConfig, quiet: bool, make_eval, bucket: BucketRun | None, run
         tps = tokens_per_step / clock.seconds(step) / jax.device_count()
         values.update({
             "throughput/total tokens": tokens_after(step),
-            "throughput/device/TPS": tps,
             "io/retries": storage.retries(),  # transient bucket faults retried so far (0 on local disk)
         } | goodput.metrics())
-        if peak is not None:
+        if step == start + 1:  # its time is mostly the compile's: no throughput, a mark instead
+            values[COMPILED] = 1.0
+        else:
+            values["throughput/device/TPS"] = tps
+        if peak is not None and step != start + 1:
             mfu = 100.0 * tps * flops_per_token / peak
             if mfu <= 100.0:
                 values["throughput/device/MFU"] = mfu
@@ -209,8 +213,13 @@ def _train(cfg: RunConfig, quiet: bool, make_eval, bucket: BucketRun | None, run
                 writer.flush()
                 bucket.push_metrics()
 
+    def acknowledge(signum: int) -> None:  # at once, from a thread: a compile holds the main thread for long
+        if not quiet and jax.process_index() == 0:
+            print(f"olmax: {signal.Signals(signum).name} received while {doing[0]}: the run stops when that ends, "
+                  "after a checkpoint of its last step", file=sys.stderr, flush=True)
+
     try:
-        with preemption_signals() as stop, watching(cfg.train.hang_timeout, ExitCode.PREEMPTED) as watchdog:
+        with preemption_signals(acknowledge) as stop, watching(cfg.train.hang_timeout, ExitCode.PREEMPTED) as watchdog:
             last = min(cfg.train.steps, cfg.train.stop_after or cfg.train.steps)
             if start >= last and not quiet and jax.process_index() == 0:
                 target = "train.steps" if last == cfg.train.steps else "train.stop_after"
@@ -218,6 +227,7 @@ def _train(cfg: RunConfig, quiet: bool, make_eval, bucket: BucketRun | None, run
                       "raise train.steps to train further", flush=True)
             if start < last and stop_requested(stop):
                 raise Preempted(f"stopped by a signal before step {start + 1}; nothing needed writing")
+            doing[0] = f"compiling the train step (step {start + 1})"
             if start < last and not quiet and jax.process_index() == 0:
                 print("compiling the train step...", flush=True)  # the first step compiles: tens of seconds
             goodput.resumed(start)
@@ -268,6 +278,8 @@ def _train(cfg: RunConfig, quiet: bool, make_eval, bucket: BucketRun | None, run
                 finish(*pending)
             doing[0] = "finishing the last checkpoint's write"
             saver.finish()
+            if last == cfg.train.steps:
+                goodput.finished()
     finally:
         clock.close()
         loader.close()
