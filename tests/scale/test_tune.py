@@ -66,6 +66,30 @@ def test_a_pipelined_config_is_searched_only_at_micro_batches_its_pipeline_can_c
     assert {dict(c.mesh)["stage"] for c in space} == {2}
 
 
+def test_tune_refuses_an_out_or_report_it_would_overwrite_or_cannot_write_before_searching(tmp_path, capsys):
+    """`--out RUN/metrics.jsonl` (or a link to it) was replaced with the layout's YAML after the search, exit 0; an
+    --out in a directory that cannot be made failed with a traceback after every compile; a --report page's files
+    were written through links. Each is one line and exit 2 now, before anything is compiled."""
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text('{"step": 1, "train/loss": 3.5}\n')
+    (tmp_path / "link.yaml").symlink_to(metrics)
+    (tmp_path / "page").mkdir()
+    (tmp_path / "page" / "index.html").symlink_to(metrics)
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "index.html").write_text("<p>someone's page</p>")
+    tune_args = ["tune", "tiny", "--target", "tpu:v5p:2x2x2", "--budget", "1", "--jobs", "1"]
+    for option, value, why in [("--out", metrics, "a file is there already"),
+                               ("--out", tmp_path / "link.yaml", "a symbolic link is there already"),
+                               ("--out", metrics / "best.yaml", "is a file, not a directory"),
+                               ("--report", tmp_path / "page", "its index.html is a symbolic link"),
+                               ("--report", tmp_path / "site", "an index.html with no report.json beside it")]:
+        assert main([*tune_args, option, str(value)]) == 2
+        err = capsys.readouterr().err
+        assert why in err and len(err.strip().splitlines()) == 1, err
+    assert metrics.read_text() == '{"step": 1, "train/loss": 3.5}\n'
+    assert (tmp_path / "site" / "index.html").read_text() == "<p>someone's page</p>"
+
+
 @pytest.fixture(scope="module")
 def tuned(tmp_path_factory):
     directory = tmp_path_factory.mktemp("tune")
