@@ -44,7 +44,8 @@ def test_the_space_covers_remat_meshes_and_micro_batches_and_the_order_sees_many
     assert {dict(m)["tensor"] for m in meshes} == {1, 2}
     assert all(dict(m)["data"] * dict(m)["fsdp"] * dict(m)["tensor"] == 8 for m in meshes)
     assert {c.micro_batch for c in space if dict(c.mesh)["fsdp"] == 8} == {1, 2}  # 16 instances over 8: 2 a device
-    key = tune.Estimate(cfg, target)
+    estimate = tune.Estimate(cfg, target)
+    key = lambda c: tune.priority(*estimate(c), target.accelerator.memory_per_device)  # noqa: E731
     order = tune.ordered(space, key)
     assert sorted(order, key=id) == sorted(space, key=id) and len(set(order)) == len(space)
     first = order[:8]
@@ -104,6 +105,11 @@ def test_candidates_estimated_over_memory_are_tried_least_memory_first():
     assert key(first)[0], "over memory"
     assert dict(first.mesh) == {"data": 1, "fsdp": 1, "tensor": 1, "expert": 64, "stage": 8}
     assert (first.remat, first.micro_batch) == ("full", 8)
+    # while some are estimated to fit, they all come before any estimated over memory (the meshes that need several
+    # times a device's memory take no turns)
+    fits = [not tune.priority(*estimates[c], 0.9 * memory)[0] for c in tune.ordered(
+        space, lambda c: tune.priority(*estimates[c], 0.9 * memory))]
+    assert 0 < sum(fits) < len(fits) and fits == sorted(fits, reverse=True)
     # what fits comes first, fastest first, whatever its memory
     assert tune.priority(1.0, memory, memory) < tune.priority(2.0, 0.5 * memory, memory) < tune.priority(
         0.5, 1.1 * memory, memory)

@@ -340,14 +340,16 @@ def priority(seconds: float, memory: float, device_memory: float) -> tuple:
 
 
 def ordered(candidates: list[Candidate], key, tried: set = frozenset(), leader_first: bool = True) -> list[Candidate]:
-    """The search's order: by the estimate, alternating with the best of each mesh not tried yet, then of each mesh
-    and micro-batch not tried yet (`tried`: the (mesh, micro-batch) pairs compiled), so that a small budget sees
-    many meshes, not one mesh's remat policies; `leader_first` False starts with the estimate's best. The search
-    orders what is left again after each compile, alternating which comes first."""
+    """The search's order: by the estimate (`key`: a candidate's `priority`), alternating with the best of each mesh
+    not tried yet, then of each mesh and micro-batch not tried yet (`tried`: the (mesh, micro-batch) pairs compiled),
+    so that a small budget sees many meshes, not one mesh's remat policies; while some candidates are estimated to
+    fit, only their meshes take turns (the 1.2T MoE's meshes with fewer expert-parallel devices need 2-10 times a
+    device's memory). `leader_first` False starts with the estimate's best. The search orders what is left again
+    after each compile, alternating which comes first."""
     ranked = sorted(candidates, key=key)
     meshes = {mesh for mesh, _ in tried}
     best: dict = {}
-    for c in ranked:
+    for c in [c for c in ranked if not key(c)[0]] or ranked:
         if (c.mesh, c.micro_batch) not in tried:
             best.setdefault((c.mesh, c.micro_batch), c)
     leaders = sorted(best.values(), key=lambda c: c.mesh in meshes)  # stable: by the estimate within each
