@@ -151,6 +151,9 @@ class Estimate:
         self.cfg, self.target = cfg, target
         self.count = flops.count(cfg.model, cfg.data.sequence_length)
         self.params = families.table(cfg.model)
+        self.expert_params = sum(math.prod(p.shape) for p in self.params if "experts" in p.axes)
+        schedule = pipeline.schedule_for(cfg)
+        self.split = schedule.microbatches if schedule else 1  # a stage runs one of the pipeline's micro-batches
         self._held: dict = {}
         self._saved: dict = {}
 
@@ -179,9 +182,8 @@ class Estimate:
         return self._saved[key]
 
     def layer_tokens(self, candidate: Candidate) -> int:
-        """The tokens a device runs a layer on at a time (a pipeline stage: one of the pipeline's micro-batches)."""
-        schedule = pipeline.schedule_for(self.cfg)
-        return candidate.micro_batch * self.cfg.data.sequence_length // (schedule.microbatches if schedule else 1)
+        """The tokens a device runs a layer on at a time."""
+        return candidate.micro_batch * self.cfg.data.sequence_length // self.split
 
     def routed(self, candidate: Candidate) -> tuple[int, int, int]:
         """An MoE layer on one device, at a time: (the rows its experts run, the expert outputs it gathers back,
@@ -217,7 +219,7 @@ class Estimate:
         rate = a.peak_flops_per_chip / a.devices_per_chip * a.matmul_efficiency
         compute = tokens * (count.per_token + recompute) / rate
         dense, experts = self.held(mesh)
-        weights = 2 * (count.params - experts * mesh["expert"] * mesh["stage"])  # bf16 bytes FSDP gathers
+        weights = 2 * (count.params - self.expert_params)  # bf16 bytes FSDP gathers (experts stay resident)
         micro_steps = cfg.train.global_batch_instances // (candidate.micro_batch * math.prod(
             size for axis, size in candidate.mesh if axis in ("data", "fsdp", "expert")))
         fsdp, data, tensor = mesh["fsdp"], mesh["data"], mesh["tensor"]
