@@ -263,3 +263,27 @@ def test_a_step_lowers_to_the_same_program_whatever_the_process_traced_before():
     first, second = (jit_train_step(cfg, layout, rows).lower(*abstract_inputs(cfg, layout, rows)).as_text()
                      for _ in range(2))
     assert "splash" in first and first == second
+
+
+@needs_tpu
+@pytest.mark.parametrize("damaged", ["result.json", "program.hlo.gz"])
+def test_a_damaged_compile_cache_entry_is_compiled_again_and_said(tmp_path, monkeypatch, caplog, damaged):
+    """A truncated result.json or a garbled program.hlo.gz was trusted on every later read (`olmax tune` then said
+    no layout fits, on every rerun): an entry is verified when read, and a damaged one is compiled again."""
+    from olmax.scale.compile import compiled_program
+
+    monkeypatch.setenv("OLMAX_COMPILE_CACHE", str(tmp_path))
+    target = parse_target("tpu:v5p:2x2x2")
+    mesh = Mesh(np.asarray(compile_only_devices(target)), ("fsdp",))
+    x = jax.ShapeDtypeStruct((256, 128), jnp.float32, sharding=NamedSharding(mesh, PartitionSpec("fsdp")))
+    lowered = jax.jit(lambda a: jnp.tanh(a @ a.T)).trace(x).lower()
+    first = compiled_program(lowered, target)
+    assert not first["cached"] and compiled_program(lowered, target)["cached"]
+    (entry,) = tmp_path.iterdir()
+    stored = (entry / damaged).read_bytes()
+    (entry / damaged).write_bytes(stored[: len(stored) // 2] if damaged == "result.json"
+                                  else stored[:20] + bytes(b ^ 0xFF for b in stored[20:40]) + stored[40:])
+    again = compiled_program(lowered, target)
+    assert not again["cached"] and again["peak"] == first["peak"] and again["text"] == first["text"]
+    assert f"the compile cache entry {entry} is damaged" in caplog.text and "compiling the program again" in caplog.text
+    assert compiled_program(lowered, target)["cached"]  # stored whole again

@@ -44,7 +44,8 @@ def test_the_space_covers_remat_meshes_and_micro_batches_and_the_order_sees_many
     assert {dict(m)["tensor"] for m in meshes} == {1, 2}
     assert all(dict(m)["data"] * dict(m)["fsdp"] * dict(m)["tensor"] == 8 for m in meshes)
     assert {c.micro_batch for c in space if dict(c.mesh)["fsdp"] == 8} == {1, 2}  # 16 instances over 8: 2 a device
-    key = lambda c: tune.estimate(cfg, target, c)  # noqa: E731
+    estimate = tune.Estimate(cfg, target)
+    key = lambda c: tune.priority(*estimate(c), target.accelerator.memory_per_device)  # noqa: E731
     order = tune.ordered(space, key)
     assert sorted(order, key=id) == sorted(space, key=id) and len(set(order)) == len(space)
     first = order[:8]
@@ -56,6 +57,64 @@ def test_the_space_covers_remat_meshes_and_micro_batches_and_the_order_sees_many
     assert tune.ordered(space, key, tried, leader_first=False)[0] == sorted(space, key=key)[0]
 
 
+def test_an_moes_memory_estimate_holds_its_experts_where_the_mesh_puts_them():
+    """The quick estimate split an MoE's parameters and optimizer state over every sharded axis, but its experts
+    are sharded over the expert (and stage) axis only: a mesh with fewer expert-parallel devices holds more of them
+    (the 1.2T's search compiled 24 candidates, all out of memory at 448-7,266 GiB a device, estimated far lower).
+    The parameters the estimate puts on a device are those the train step's state holds there, on meshes that
+    place the experts differently; with the experts on fewer devices, the estimate grows by their state."""
+    import jax
+
+    from olmax.parallel.mesh import make_layout
+    from olmax.scale.compile import device_bytes
+    from olmax.train.step import abstract_state
+
+    target = parse_target("tpu:v5p:2x2x2")
+    base = load_config("tiny_moe", ["model.moe.num_experts=64", "model.moe.expert_hidden=512"], target.name)
+    estimate = tune.Estimate(base, target)
+    held = {}
+    for fsdp, tensor, expert in ((8, 1, 1), (1, 1, 8), (2, 1, 4), (2, 2, 2)):
+        mesh = {"data": 1, "fsdp": fsdp, "tensor": tensor, "expert": expert, "stage": 1}
+        cfg = base.model_copy(update={"mesh": base.mesh.model_copy(update=mesh)})
+        params = device_bytes(abstract_state(cfg, make_layout(cfg.mesh, jax.devices())).params)
+        held[expert] = sum(estimate.held(mesh))
+        assert 4 * held[expert] == params, mesh  # float32 parameters
+    assert held[1] > 6 * held[8]  # the experts are most of it
+    one, eight = (tune.Candidate(tuple(mesh.items()), frozenset(), 2, None, False)
+                  for mesh in ({"data": 1, "fsdp": 8, "tensor": 1, "expert": 1, "stage": 1},
+                               {"data": 1, "fsdp": 1, "tensor": 1, "expert": 8, "stage": 1}))
+    assert estimate(one)[1] - estimate(eight)[1] >= 16 * (held[1] - held[8])  # their gradients and moments too
+
+
+def test_candidates_estimated_over_memory_are_tried_least_memory_first():
+    """The 1.2T MoE's search took its candidates estimated over memory fastest first, which are those that keep
+    the most, and spent its budget on layouts 6-90 times a device's memory. With every candidate over memory (the
+    compiles said twice the estimate), the search's first is the one closest to fitting: the preset's own layout,
+    which fits (expert 64 x stage 8, remat full, micro-batch 8: 77.56 GiB, BENCHMARKS.md)."""
+    target = parse_target("tpu:v5p:8x8x8")
+    cfg = load_config("olmo_moe_1t", [], target.name)
+    space, estimate = tune.space(cfg, target), tune.Estimate(cfg, target)
+    estimates = {c: estimate(c) for c in space}
+    memory = target.accelerator.memory_per_device
+
+    def key(c):
+        seconds, bytes_ = estimates[c]
+        return tune.priority(seconds, 2 * bytes_, memory)
+
+    first = tune.ordered(space, key)[0]
+    assert key(first)[0], "over memory"
+    assert dict(first.mesh) == {"data": 1, "fsdp": 1, "tensor": 1, "expert": 64, "stage": 8}
+    assert (first.remat, first.micro_batch) == ("full", 8)
+    # while some are estimated to fit, they all come before any estimated over memory (the meshes that need several
+    # times a device's memory take no turns)
+    fits = [not tune.priority(*estimates[c], 0.9 * memory)[0] for c in tune.ordered(
+        space, lambda c: tune.priority(*estimates[c], 0.9 * memory))]
+    assert 0 < sum(fits) < len(fits) and fits == sorted(fits, reverse=True)
+    # what fits comes first, fastest first, whatever its memory
+    assert tune.priority(1.0, memory, memory) < tune.priority(2.0, 0.5 * memory, memory) < tune.priority(
+        0.5, 1.1 * memory, memory)
+
+
 def test_a_pipelined_config_is_searched_only_at_micro_batches_its_pipeline_can_cut():
     """Every micro-batch a device runs splits into the pipeline's micro-batches (the 1.2T MoE's 8 stages and 8
     micro-batches: the search tried micro-batches 1 and 2, each a ConfigError instead of a compile)."""
@@ -64,6 +123,30 @@ def test_a_pipelined_config_is_searched_only_at_micro_batches_its_pipeline_can_c
     space = tune.space(cfg, parse_target("tpu:v5p:2x2x2"))
     assert space and {c.micro_batch % 2 for c in space} == {0}
     assert {dict(c.mesh)["stage"] for c in space} == {2}
+
+
+def test_tune_refuses_an_out_or_report_it_would_overwrite_or_cannot_write_before_searching(tmp_path, capsys):
+    """`--out RUN/metrics.jsonl` (or a link to it) was replaced with the layout's YAML after the search, exit 0; an
+    --out in a directory that cannot be made failed with a traceback after every compile; a --report page's files
+    were written through links. Each is one line and exit 2 now, before anything is compiled."""
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text('{"step": 1, "train/loss": 3.5}\n')
+    (tmp_path / "link.yaml").symlink_to(metrics)
+    (tmp_path / "page").mkdir()
+    (tmp_path / "page" / "index.html").symlink_to(metrics)
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "index.html").write_text("<p>someone's page</p>")
+    tune_args = ["tune", "tiny", "--target", "tpu:v5p:2x2x2", "--budget", "1", "--jobs", "1"]
+    for option, value, why in [("--out", metrics, "a file is there already"),
+                               ("--out", tmp_path / "link.yaml", "a symbolic link is there already"),
+                               ("--out", metrics / "best.yaml", "is a file, not a directory"),
+                               ("--report", tmp_path / "page", "its index.html is a symbolic link"),
+                               ("--report", tmp_path / "site", "an index.html with no report.json beside it")]:
+        assert main([*tune_args, option, str(value)]) == 2
+        err = capsys.readouterr().err
+        assert why in err and len(err.strip().splitlines()) == 1, err
+    assert metrics.read_text() == '{"step": 1, "train/loss": 3.5}\n'
+    assert (tmp_path / "site" / "index.html").read_text() == "<p>someone's page</p>"
 
 
 @pytest.fixture(scope="module")

@@ -53,8 +53,9 @@ def add_commands(subparsers) -> None:
     p.add_argument("--headroom", type=float, default=0.1,
                    help="the share of a device's memory a layout must leave free to count as fitting (default 0.1)")
     p.add_argument("--jobs", type=int, help="compiles side by side (default: one a core, as many as memory allows)")
-    p.add_argument("--out", metavar="FILE", help="write the best layout as a config file (base: CONFIG, its settings "
-                   "over it): `olmax train FILE`, or `olmax train CONFIG FILE`")
+    p.add_argument("--out", metavar="FILE", help="write the best layout to this new file (its directory made if "
+                   "missing) as a config file (base: CONFIG, its settings over it): `olmax train FILE`, or "
+                   "`olmax train CONFIG FILE`")
     p.add_argument("--json", action="store_true", help="print the results as one JSON object")
     _report_option(p)
     p.set_defaults(func=run_tune)
@@ -89,6 +90,9 @@ def _report_option(parser: argparse.ArgumentParser) -> None:
                         "ticks, cost) and DIR/report.json")
 
 
+PAGE_FILES = ("index.html", "report.json", "config.yaml")  # what a page's directory gets (config.yaml: a run's)
+
+
 def _report_dir(value: str | None, option: str = "--report") -> str | None:
     """The directory the page goes to (a local path, made now, or a bucket URL), refused before any work when it
     cannot be written there."""
@@ -105,12 +109,31 @@ def _report_dir(value: str | None, option: str = "--report") -> str | None:
     if os.path.exists(value) and not os.path.isdir(value):
         raise ConfigError(f"{option} {value}: a file is there; give a directory (created if missing)")
     writable_dir(Path(value), option)
+    # the page's files replace an earlier page's, never a file of something else, nor one through a link
+    if link := next((name for name in PAGE_FILES if os.path.islink(os.path.join(value, name))), None):
+        raise ConfigError(f"{option} {value}: its {link} is a symbolic link, which olmax does not write through; "
+                          "give another directory")
+    if os.path.lexists(os.path.join(value, "index.html")) and not os.path.isfile(os.path.join(value, "report.json")):
+        raise ConfigError(f"{option} {value}: it holds an index.html with no report.json beside it (not a page "
+                          "olmax wrote); give a new or empty directory")
     try:
         os.makedirs(value, exist_ok=True)
     except OSError as err:
         raise ConfigError(f"{option} {value} cannot be made ({err.strerror}); give a directory that can be "
                           "written") from None
     return value
+
+
+def _new_file(value: str, option: str) -> None:
+    """Refuse `value` before any work unless it is a new file that can be written (made with its directory)."""
+    from olmax.config import writable_dir
+
+    if os.path.isdir(value):
+        raise ConfigError(f"{option} {value}: a directory is there; give a new file to write to")
+    if os.path.lexists(value):
+        kind = "a symbolic link" if os.path.islink(value) else "a file"
+        raise ConfigError(f"{option} {value}: {kind} is there already; give a new file, or delete it first")
+    writable_dir(Path(value).absolute().parent, option)
 
 
 def _write_report(report: dict, directory: str | None, overrides: list[str]) -> None:
@@ -202,18 +225,19 @@ def run_tune(args: argparse.Namespace) -> None:
     from olmax.scale import tune
     from olmax.scale.targets import aot_missing, parse_target
 
-    target, directory = parse_target(args.target), _report_dir(args.report)
+    target = parse_target(args.target)
     if args.budget < 1:
         raise ConfigError(f"--budget {args.budget}: give the number of compiles to run, at least 1")
     if not 0 <= args.headroom < 1:
         raise ConfigError(f"--headroom {args.headroom}: give a fraction in [0, 1), e.g. 0.1")
     if args.jobs is not None and args.jobs < 1:
         raise ConfigError(f"--jobs {args.jobs}: give at least 1")
-    if args.out and os.path.isdir(args.out):
-        raise ConfigError(f"--out {args.out}: a directory is there; give a file to write the layout to")
+    if args.out:
+        _new_file(args.out, "--out")
     if reason := aot_missing(target.platform):
         raise ConfigError(reason)
     load_config(args.config, args.overrides, target.name)  # a bad config is refused before any compile
+    directory = _report_dir(args.report)
     search = tune.tune(args.config, args.overrides, target, args.budget, args.headroom,
                        args.jobs or tune.default_jobs(), tune.print_err)
     report = {"config": args.config, "overrides": args.overrides, "target": target.name, "budget": args.budget,
@@ -227,7 +251,8 @@ def run_tune(args: argparse.Namespace) -> None:
         print(tune.coverage(search))
         print(tune.main_line(search))
     if args.out and search.best is not None:
-        with open(args.out, "w") as f:
+        Path(args.out).absolute().parent.mkdir(parents=True, exist_ok=True)
+        with open(args.out, "x") as f:  # a new file (O_EXCL: not one made since the check, nor through a link)
             f.write(tune.overlay(args.config, search, target))
         print(f"olmax: best layout {args.out}", file=sys.stderr)
     if directory is not None:

@@ -20,10 +20,13 @@ import contextlib
 import gzip
 import hashlib
 import json
+import logging
 import math
 import os
 import re
+import shutil
 import time
+import zlib
 from pathlib import Path
 
 import jax
@@ -40,6 +43,8 @@ from olmax.scale import anatomy, step_time
 from olmax.scale.plan import plan
 from olmax.scale.targets import GiB, Target, compile_only_devices
 from olmax.train.step import abstract_state, batch_shardings, jit_train_step, micro_batch_rows
+
+log = logging.getLogger(__name__)
 
 
 def device_bytes(tree) -> int:
@@ -130,16 +135,18 @@ def _cache_key(lowered_text: str, target: Target) -> str:
 
 def compiled_program(lowered, target: Target) -> dict:
     """The compiled program of `lowered` for `target`: its optimized HLO text, memory figures and compile time,
-    from the cache when the same program was compiled for the same target, compiler flags and JAX before.
-    A compile the compiler refuses for memory is cached too (its error); other failures raise."""
+    from the cache when the same program was compiled for the same target, compiler flags and JAX before (an
+    entry damaged on disk is compiled again, with a warning). A compile the compiler refuses for memory is cached
+    too (its error); other failures raise."""
     key = _cache_key(lowered.as_text(), target)
     entry = cache_dir() / key
-    if (entry / "result.json").is_file():
-        result = json.loads((entry / "result.json").read_text())
-        if (entry / "program.hlo.gz").is_file():
-            result["text"] = gzip.decompress((entry / "program.hlo.gz").read_bytes()).decode()
-        result["cached"] = True
-        return result
+    if entry.exists():
+        try:
+            return {**_read_entry(entry), "cached": True}
+        except (OSError, EOFError, ValueError, zlib.error) as err:  # a file cut short or garbled on disk
+            log.warning("the compile cache entry %s is damaged (%s: %s); compiling the program again", entry,
+                        type(err).__name__, err)
+            shutil.rmtree(entry, ignore_errors=True)
     start = time.perf_counter()
     try:
         with _without_persistent_cache():
@@ -155,6 +162,24 @@ def compiled_program(lowered, target: Target) -> dict:
                   "temporaries": memory.temp_size_in_bytes, "xla_cost": xla_cost(compiled)}
     _store(entry, result)
     return {**result, "cached": False}
+
+
+def _read_entry(entry: Path) -> dict:
+    """A stored result, verified: result.json a whole JSON object with the figures it is stored with, and a program
+    compiled whole in program.hlo.gz (gzip checks its CRC-32 and length); raises what is wrong otherwise."""
+    result = json.loads((entry / "result.json").read_text())
+    if not isinstance(result, dict) or not isinstance(result.get("compile_seconds"), (int, float)):
+        raise ValueError("result.json holds no compile time")
+    if "error" in result:  # refused for memory: nothing else is stored
+        if not isinstance(result["error"], str):
+            raise ValueError("result.json's compiler error is not text")
+        return result
+    if missing := [k for k in ("peak", "arguments", "temporaries") if not isinstance(result.get(k), int)]:
+        raise ValueError(f"result.json has no {', '.join(missing)}")
+    if not isinstance(result.get("xla_cost"), dict):
+        raise ValueError("result.json has no xla_cost")
+    result["text"] = gzip.decompress((entry / "program.hlo.gz").read_bytes()).decode()
+    return result
 
 
 def _store(entry: Path, result: dict) -> None:

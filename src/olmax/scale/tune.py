@@ -8,8 +8,9 @@ the target's XLA flag profile against the compiler's defaults. Each candidate is
 judged by the compiler's peak memory (it fits with `headroom` to spare) and by the step-time model's prediction.
 
 The search takes candidates in the order a quick estimate puts them (the recipe's FLOPs plus what the remat
-policy recomputes, the weights the mesh moves, and the memory they keep), compiles up to `budget` of them, and
-prunes by memory as it learns: a candidate that keeps everything an out-of-memory one keeps, and more (a superset
+policy recomputes, the weights and tokens the mesh moves, and the memory a device keeps: an MoE's experts where the
+mesh puts them, with their optimizer state and routed rows): what fits fastest first, then what is estimated over
+memory closest to fitting first. It compiles up to `budget` of them, and prunes by memory as it learns: a candidate that keeps everything an out-of-memory one keeps, and more (a superset
 of its saved activations, a larger micro-batch, the same mesh and flags; Splash's tiles live in VMEM, not HBM), is
 out of memory too, and is not compiled; and the estimate is rescaled by what the compiler and the step-time model
 said of the candidates so far (its memory and its time, per mesh), so the search moves to what
@@ -27,9 +28,14 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from olmax.config import RunConfig, load_config
-from olmax.model import flops
+from jax.sharding import AbstractMesh
+
+from olmax.config import MESH_AXES, RunConfig, load_config
+from olmax.model import families, flops
+from olmax.parallel import expert as expert_parallel
 from olmax.parallel import pipeline
+from olmax.parallel.mesh import Layout, spec_axes
+from olmax.scale import anatomy
 from olmax.scale.report import size
 from olmax.scale.targets import Target
 
@@ -132,43 +138,114 @@ def space(cfg: RunConfig, target: Target) -> list[Candidate]:
 
 # --- a quick estimate, to try the most promising first ---------------------------------------------------------------
 
-def estimate(cfg: RunConfig, target: Target, candidate: Candidate) -> tuple[float, float]:
-    """(seconds, bytes a device) before compiling: the training FLOPs and what the policy recomputes at the
-    matmul rate, the weights the mesh gathers each micro-step and the gradients it reduces at the links' rate,
-    and the parameters, optimizer state and saved activations a device keeps. Only an order for the search:
-    the compiled program and the step-time model judge."""
-    from olmax.scale.anatomy import saved_activation_bytes
+class Estimate:
+    """(seconds, bytes a device) of a candidate before compiling: the training FLOPs and what the policy recomputes
+    at the matmul rate; the weights the mesh gathers each micro-step, the gradients it reduces and an MoE's tokens
+    exchanged, at the links' rate; and the parameters, gradients and optimizer state a device holds (as the config's
+    mesh rules shard them: an MoE's experts over the expert and stage axes only, never gathered), the activations
+    the policy saves, and an MoE layer's routed rows and its experts' weights in its backward pass. Only an order
+    for the search: the compiled program and the step-time model judge. Figures per mesh and per (remat,
+    micro-batch) are kept, as the search estimates tens of thousands of candidates."""
 
-    m, seq = cfg.model, cfg.data.sequence_length
-    mesh = dict(candidate.mesh)
-    count = flops.count(m, seq)
-    tokens = cfg.train.global_batch_instances * seq / target.devices
-    hidden = m.moe.top_k * m.moe.expert_hidden if m.mlp == "moe" else m.mlp_hidden
-    per_token = {"qkv_proj": (m.n_heads + 2 * m.kv_heads) * m.head_size * m.d_model,
-                 "out_proj": m.n_heads * m.head_size * m.d_model, "mlpwi_0": m.d_model * hidden,
-                 "mlpwi_1": m.d_model * hidden, "mlpwo": hidden * m.d_model,
-                 "context": 2 * m.n_heads * m.head_size * min(seq, m.sliding_window or seq)}
-    kept = NAMED if candidate.saved == EVERYTHING else candidate.saved
-    recompute = sum(2 * v for name, v in per_token.items() if name not in kept) * m.n_layers
-    a = target.accelerator
-    rate = a.peak_flops_per_chip / a.devices_per_chip * a.matmul_efficiency
-    compute = tokens * (count.per_token + recompute) / rate
-    weights = 2 * count.params  # bf16 bytes
-    micro_steps = cfg.train.global_batch_instances // (candidate.micro_batch * math.prod(
-        size for axis, size in candidate.mesh if axis in ("data", "fsdp", "expert")))
-    fsdp, data, tensor = mesh["fsdp"], mesh["data"], mesh["tensor"]
-    link = max(a.link_bandwidth, a.network_bandwidth, 1.0) * 2
-    moved = (2 * micro_steps + 1) * weights / tensor * (fsdp - 1) / max(fsdp, 1) + 2 * weights * (data - 1) / data
-    # tensor parallelism: each device sees its group's tokens, and sums the attention's and the MLP's outputs over
-    # the group in the forward pass, the backward pass and the recomputation (6 all-reduces a layer)
-    moved += 6 * m.n_layers * tokens * tensor * m.d_model * 2 * 2 * (tensor - 1) / tensor
-    comm = moved / link
-    shards = fsdp * tensor * mesh["expert"] * mesh["stage"]
-    state = count.params * (4 + 4 + 4 + 4) / shards  # fp32 parameters, gradients and two moments
-    activations = saved_activation_bytes(
-        cfg.model_copy(update={"impl": cfg.impl.model_copy(update={"remat": candidate.remat})}),
-        candidate.micro_batch * seq, 2) / tensor
-    return max(compute, comm) + 0.1 * min(compute, comm), state + activations
+    def __init__(self, cfg: RunConfig, target: Target):
+        self.cfg, self.target = cfg, target
+        self.count = flops.count(cfg.model, cfg.data.sequence_length)
+        self.params = families.table(cfg.model)
+        self.expert_params = sum(math.prod(p.shape) for p in self.params if "experts" in p.axes)
+        schedule = pipeline.schedule_for(cfg)
+        self.split = schedule.microbatches if schedule else 1  # a stage runs one of the pipeline's micro-batches
+        self._held: dict = {}
+        self._saved: dict = {}
+
+    def held(self, mesh: dict) -> tuple[int, int]:
+        """(dense, expert) parameters one device holds on `mesh`."""
+        key = tuple(mesh.items())
+        if key not in self._held:
+            layout = Layout(AbstractMesh(tuple(mesh[a] for a in MESH_AXES), MESH_AXES),
+                            {name: tuple(axes) for name, axes in self.cfg.mesh.rules.items()})
+            held = [0, 0]
+            for p in self.params:
+                spec = layout.spec(p.axes, p.shape)
+                held["experts" in p.axes] += math.prod(p.shape) // math.prod(
+                    mesh[axis] for entry in spec for axis in spec_axes(entry))
+            self._held[key] = tuple(held)
+        return self._held[key]
+
+    def saved(self, candidate: Candidate) -> int:
+        """The activations one device keeps for the backward pass (before tensor parallelism splits them)."""
+        key = (candidate.saved, candidate.micro_batch)
+        if key not in self._saved:
+            cfg = self.cfg
+            self._saved[key] = anatomy.saved_activation_bytes(
+                cfg.model_copy(update={"impl": cfg.impl.model_copy(update={"remat": candidate.remat})}),
+                candidate.micro_batch * cfg.data.sequence_length, 2)
+        return self._saved[key]
+
+    def layer_tokens(self, candidate: Candidate) -> int:
+        """The tokens a device runs a layer on at a time."""
+        return candidate.micro_batch * self.cfg.data.sequence_length // self.split
+
+    def routed(self, candidate: Candidate) -> tuple[int, int, int]:
+        """An MoE layer on one device, at a time: (the rows its experts run, the expert outputs it gathers back,
+        the rows it receives over the expert axis); zeros for a dense model. Each device of an expert group runs its
+        experts on what its peers send: with a capacity a peer, that many rows from each; dropless, every token of
+        the group, once for each local expert it chose (olmax.parallel.expert, olmax.model.moe.gmm)."""
+        cfg, m = self.cfg, self.cfg.model
+        if m.mlp != "moe":
+            return 0, 0, 0
+        tokens, k = self.layer_tokens(candidate), m.moe.top_k
+        peers = dict(candidate.mesh)["expert"]
+        local = m.moe.num_experts // peers
+        if peers == 1:
+            return tokens * min(k, local), tokens * k, 0
+        if cfg.impl.moe.ep_capacity is not None:
+            received = peers * expert_parallel.peer_capacity(tokens, k, peers, cfg.impl.moe.ep_capacity)
+            return received, received, received
+        return peers * tokens * min(k, local), peers * tokens * k, peers * tokens
+
+    def __call__(self, candidate: Candidate) -> tuple[float, float]:
+        cfg, target, count = self.cfg, self.target, self.count
+        m, seq = cfg.model, cfg.data.sequence_length
+        mesh = dict(candidate.mesh)
+        tokens = cfg.train.global_batch_instances * seq / target.devices
+        hidden = m.moe.top_k * m.moe.expert_hidden if m.mlp == "moe" else m.mlp_hidden
+        per_token = {"qkv_proj": (m.n_heads + 2 * m.kv_heads) * m.head_size * m.d_model,
+                     "out_proj": m.n_heads * m.head_size * m.d_model, "mlpwi_0": m.d_model * hidden,
+                     "mlpwi_1": m.d_model * hidden, "mlpwo": hidden * m.d_model,
+                     "context": 2 * m.n_heads * m.head_size * min(seq, m.sliding_window or seq)}
+        kept = NAMED if candidate.saved == EVERYTHING else candidate.saved
+        recompute = sum(2 * v for name, v in per_token.items() if name not in kept) * m.n_layers
+        a = target.accelerator
+        rate = a.peak_flops_per_chip / a.devices_per_chip * a.matmul_efficiency
+        compute = tokens * (count.per_token + recompute) / rate
+        dense, experts = self.held(mesh)
+        weights = 2 * (count.params - self.expert_params)  # bf16 bytes FSDP gathers (experts stay resident)
+        micro_steps = cfg.train.global_batch_instances // (candidate.micro_batch * math.prod(
+            size for axis, size in candidate.mesh if axis in ("data", "fsdp", "expert")))
+        fsdp, data, tensor = mesh["fsdp"], mesh["data"], mesh["tensor"]
+        link = max(a.link_bandwidth, a.network_bandwidth, 1.0) * 2
+        moved = (2 * micro_steps + 1) * weights / tensor * (fsdp - 1) / max(fsdp, 1) + 2 * weights * (data - 1) / data
+        # tensor parallelism: each device sees its group's tokens, and sums the attention's and the MLP's outputs
+        # over the group in the forward pass, the backward pass and the recomputation (6 all-reduces a layer)
+        moved += 6 * m.n_layers * tokens * tensor * m.d_model * 2 * 2 * (tensor - 1) / tensor
+        # an expert's float32 gradient is summed over the devices that hold the same experts (data x fsdp), and
+        # the routed tokens go out and come back in the forward pass, the backward pass and the recomputation
+        replicas = data * fsdp
+        moved += 2 * 4 * experts * (replicas - 1) / replicas
+        rows, outputs, received = self.routed(candidate)
+        peers = mesh["expert"]
+        moved += (6 * received / self.layer_tokens(candidate) * tokens * tensor * m.n_layers * m.d_model * 2
+                  * (peers - 1) / peers)
+        comm = moved / link
+        state = (dense + experts) * (4 + 4 + 4 + 4)  # float32 parameters, gradients and two moments
+        memory = state + self.saved(candidate) / tensor
+        if rows:
+            d, f, local = m.d_model, m.moe.expert_hidden, m.moe.num_experts // peers
+            # the routed rows' input, two projections, their product and output, and the gradients of each
+            # (bf16); each token's outputs back from its experts, in bf16 and in the float32 of the gated sum;
+            # the layer's experts cast to bf16, and their float32 gradients as the backward pass sums them
+            memory += rows * (2 * d + 3 * f) * 2 * 2 + outputs * d * (2 + 4) + local * 3 * d * f * (2 + 4)
+        return max(compute, comm) + 0.1 * min(compute, comm), memory
 
 
 # --- the search -----------------------------------------------------------------------------------------------------
@@ -258,15 +335,23 @@ class Search:
         return next((r for r in self.ranked() if r.status == "fits"), None)
 
 
+def priority(seconds: float, memory: float, device_memory: float) -> tuple:
+    """A candidate's place in the search by its estimate: what fits, fastest first; then what is estimated over
+    memory, closest to fitting first (the fastest of those keeps the most, and is the furthest from fitting)."""
+    return (False, seconds, memory) if memory <= device_memory else (True, memory, seconds)
+
+
 def ordered(candidates: list[Candidate], key, tried: set = frozenset(), leader_first: bool = True) -> list[Candidate]:
-    """The search's order: by the estimate, alternating with the best of each mesh not tried yet, then of each mesh
-    and micro-batch not tried yet (`tried`: the (mesh, micro-batch) pairs compiled), so that a small budget sees
-    many meshes, not one mesh's remat policies; `leader_first` False starts with the estimate's best. The search
-    orders what is left again after each compile, alternating which comes first."""
+    """The search's order: by the estimate (`key`: a candidate's `priority`), alternating with the best of each mesh
+    not tried yet, then of each mesh and micro-batch not tried yet (`tried`: the (mesh, micro-batch) pairs compiled),
+    so that a small budget sees many meshes, not one mesh's remat policies; while some candidates are estimated to
+    fit, only their meshes take turns (the 1.2T MoE's meshes with fewer expert-parallel devices need 2-10 times a
+    device's memory). `leader_first` False starts with the estimate's best. The search orders what is left again
+    after each compile, alternating which comes first."""
     ranked = sorted(candidates, key=key)
     meshes = {mesh for mesh, _ in tried}
     best: dict = {}
-    for c in ranked:
+    for c in [c for c in ranked if not key(c)[0]] or ranked:
         if (c.mesh, c.micro_batch) not in tried:
             best.setdefault((c.mesh, c.micro_batch), c)
     leaders = sorted(best.values(), key=lambda c: c.mesh in meshes)  # stable: by the estimate within each
@@ -285,7 +370,8 @@ def tune(config: str, overrides: list[str], target: Target, budget: int, headroo
     cfg = load_config(config, overrides, target.name)
     candidates = space(cfg, target)
     device_memory = target.accelerator.memory_per_device * (1 - headroom)
-    estimates = {c: estimate(cfg, target, c) for c in candidates}
+    estimate = Estimate(cfg, target)
+    estimates = {c: estimate(c) for c in candidates}
     # a mesh -> the compiler's peak over the estimate's (the largest), and the step-time model's prediction over the
     # estimate's (the latest), for the meshes compiled; a mesh not compiled yet takes the median of the others
     scale: dict = {}
@@ -301,7 +387,7 @@ def tune(config: str, overrides: list[str], target: Target, budget: int, headroo
         memory *= learned(scale, c.mesh)
         # the estimate cannot tell Splash's tiles apart: the config's own first, larger ones after
         tiles = 0 if c.tiles in (None, cfg.impl.attention.splash.block_q) else c.tiles / cfg.data.sequence_length
-        return (memory > device_memory, seconds * (1 + tiles), memory)
+        return priority(seconds * (1 + tiles), memory, device_memory)
 
     remaining = ordered(candidates, key)
     search = Search(size=len(candidates))
