@@ -47,6 +47,8 @@ class Accelerator:
     network_bandwidth: float = 0.0  # GPU: bytes/s one way per GPU between hosts (its NIC)
     torus_dimensions: int = 3  # TPU: a 3D torus (v5p, TPU7x) or 2D (v5e, v6e)
     matmul_efficiency: float = 1.0  # see MATMUL_EFFICIENCY
+    gemm_table: str = ""  # GPU: the architecture whose measured GEMM table rates its matmuls (see GEMM_TABLE)
+    clock: float = 0.0  # TPU: cycles a second where public figures give it (see TPU_CLOCK)
 
 
 # The fraction of the datasheet's dense peak a large bf16 matmul sustains, the one efficiency the step-time model
@@ -59,6 +61,13 @@ class Accelerator:
 # datasheet peak implies (459 TFLOP/s = 2 TensorCores x 4 MXUs x 128 x 128 x 2 FLOP a cycle), 82.7% of peak
 # (`benchmarks/step_model.py --constants` derives both again); the other TPUs take v5p's.
 V5P_CLOCK = 459e12 / (2 * 4 * 128 * 128 * 2)  # cycles a second
+# Per op, the step-time model reads a GPU matmul's rate from that same table by its shape and dtype (gemm_table.json
+# here: XLA's table at the commit it names, its b = 1 entries for bf16, f32 and float8; H200 takes H100's sm_90,
+# B300 B200's sm_100), and a TPU op's time from libtpu's estimated cycles where the chip's clock follows from public
+# figures: v5p's, as above (https://cloud.google.com/tpu/docs/v5p: 2 TensorCores of 4 MXUs). The other TPUs'
+# documents do not give the MXUs that would give their clocks; their ops keep the roofline at MATMUL_EFFICIENCY.
+GEMM_TABLE = {"hopper": "sm_90", "blackwell": "sm_100"}
+TPU_CLOCK = {"v5p": V5P_CLOCK}
 MATMUL_EFFICIENCY = {"tpu": 2 * 32768 * 4096 * 11008 / (13_636_280 / V5P_CLOCK) / 459e12,
                      "sm_90": 783 / 989, "sm_100": 1.42 / 2.25}
 # HBM streams at about 90% of its datasheet bandwidth (an assumption, the same for every chip); collectives reach
@@ -86,14 +95,14 @@ COLLECTIVE_LATENCY = {"tpu": 5e-6, "gpu": 5e-6}
 TB = 1e12
 TPU_3D = dict(matrix_tile=(8, 128, 128), link_bandwidth=600e9 / 6, matmul_efficiency=MATMUL_EFFICIENCY["tpu"])
 HOPPER = dict(fp8_flops_per_chip=1979e12, matrix_tile=(64, 8, 16), link_bandwidth=450e9, network_bandwidth=50e9,
-              matmul_efficiency=MATMUL_EFFICIENCY["sm_90"])
+              matmul_efficiency=MATMUL_EFFICIENCY["sm_90"], gemm_table=GEMM_TABLE["hopper"])
 BLACKWELL = dict(fp8_flops_per_chip=4500e12, memory_bandwidth=8 * TB, matrix_tile=(128, 16, 16), link_bandwidth=900e9,
-                 matmul_efficiency=MATMUL_EFFICIENCY["sm_100"])
+                 matmul_efficiency=MATMUL_EFFICIENCY["sm_100"], gemm_table=GEMM_TABLE["blackwell"])
 ACCELERATORS = {
     "v5e": Accelerator("tpu", round(15.75 * GiB), 197e12, pod_chips=256, fp8_flops_per_chip=197e12,
                        memory_bandwidth=819e9, **{**TPU_3D, "link_bandwidth": 200e9 / 4}, torus_dimensions=2),
     "v5p": Accelerator("tpu", round(95.74 * GiB), 459e12, pod_chips=8960, fp8_flops_per_chip=459e12,
-                       memory_bandwidth=2765e9, **TPU_3D),
+                       memory_bandwidth=2765e9, clock=TPU_CLOCK["v5p"], **TPU_3D),
     "v6e": Accelerator("tpu", round(31.25 * GiB), 918e12, pod_chips=256, fp8_flops_per_chip=918e12,
                        memory_bandwidth=1638e9, **{**TPU_3D, "matrix_tile": (8, 256, 256), "link_bandwidth": 400e9 / 4},
                        torus_dimensions=2),
