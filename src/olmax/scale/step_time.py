@@ -27,11 +27,9 @@ from __future__ import annotations
 import bisect
 import collections
 import functools
-import json
 import math
 import re
 from dataclasses import dataclass, field
-from importlib.resources import files
 
 from olmax.model import kernel_work
 from olmax.scale import hlo
@@ -88,7 +86,9 @@ def _fill(size: int, tile: int) -> float:
 
 @functools.cache
 def _gemm_tables() -> dict:
-    return json.loads((files("olmax.scale.targets") / "gemm_table.json").read_text())
+    from olmax.scale.targets import gemm_table
+
+    return gemm_table()
 
 
 def gemm_rate(architecture: str, dtype: str, m: int, n: int, k: int) -> float:
