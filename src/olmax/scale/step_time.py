@@ -5,18 +5,24 @@ between their start and their done.
 Every op of the optimized, scheduled HLO (olmax.scale.hlo) is costed on one device:
 
 - compute (fusions, matmuls, kernels, copies): the larger of its FLOPs at the matrix unit's rate and its
-  bytes at the memory's bandwidth. A matmul's rate is the device's peak for its operands' dtype, times the
-  hardware's achievable fraction (`Hardware.matmul_efficiency`), times how well its dimensions fill the
-  matrix unit's tile (a contraction of 128 on a 256-wide systolic array runs at half the rate). Attention
-  kernels (Splash on TPU, cuDNN's on GPU) are costed from their shapes, the blocks their mask leaves, and
-  the matmuls each of them runs (forward 2, Splash's dq 3 and dkv 4, cuDNN's backward 5).
+  bytes at the memory's bandwidth. On a GPU a matmul's rate is what XLA's measured GEMM table gives its shape
+  and dtype (`gemm_rate`); elsewhere the device's peak for its operands' dtype, times the hardware's achievable
+  fraction (`Hardware.matmul_efficiency`), times how well its dimensions fill the matrix unit's tile (a
+  contraction of 128 on a 256-wide systolic array runs at half the rate). On a TPU whose clock is known (v5p)
+  an op the compiler estimated takes libtpu's estimated cycles instead, and the prediction says how far the
+  roofline is from them. Attention kernels (Splash on TPU, cuDNN's on GPU) are costed from their shapes, the
+  blocks their mask leaves, and the matmuls each of them runs (forward 2, Splash's dq 3 and dkv 4, cuDNN's
+  backward 5); any other kernel from the work olmax.model.kernel_work registers for it (the TPU's ragged-dot
+  grouped matmuls), and one it does not know by its bytes, named in the prediction's warnings.
 - collectives: their bytes per device over the links the group spans, with the algorithm the platform uses
   (a bidirectional ring per torus dimension, all dimensions at once on a TPU slice with wraparound; NVLink
   within a GPU host and the hosts' network between them; all-to-all by the bisection).
 - the schedule: ops run in the order the compiler scheduled them; an asynchronous collective (a `-start` /
   `-done` pair, or an async call) runs beside the compute between its start and its done, and only what is
   left when the done is reached is exposed. A loop's body is simulated twice (a collective started in one
-  iteration may finish in the next) and its second iteration counts for all the rest.
+  iteration may finish in the next) and its second iteration counts for all the rest. A loop whose trip count
+  the program does not state runs as often as the model derives: the experts' block loops (olmax.model.moe.gmm)
+  by the routing's expectation (ExpertBlocks); any other such loop once, named in the warnings.
 
 The result says where the time goes: matmuls, attention, memory-bound work and exposed collectives, by layer
 kind (from the op names the model's named scopes write), plus a timeline of one step for the layout page.
@@ -553,7 +559,9 @@ class Tally:
     derived_loops: dict = field(default_factory=dict)  # while op -> (its scope, the trips assumed, why)
     uncounted_loops: dict = field(default_factory=dict)  # while op -> its op name: no count derivable, counted once
     unknown_kernels: dict = field(default_factory=lambda: collections.defaultdict(float))  # name -> calls a step
-    estimated: list = field(default_factory=lambda: [0, 0.0, 0.0])  # ops at libtpu's estimate, its s, roofline s
+    estimated_ops: set = field(default_factory=set)  # ops costed at libtpu's estimated cycles
+    estimated_seconds: float = 0.0  # their seconds a step at those cycles
+    roofline_seconds: float = 0.0  # and at the roofline
     total: float = 0.0  # the step's seconds
     timeline_cut: float = math.inf  # where the timeline stops, when a step has more events than it keeps
     events: list = field(default_factory=list)  # (start, end, lane, category, label) of the timeline
@@ -668,9 +676,9 @@ class Simulator:
         if cost.unknown_kernel:
             tally.unknown_kernels[cost.unknown_kernel] += weight
         if cost.roofline is not None:
-            tally.estimated[0] += 1
-            tally.estimated[1] += weight * cost.seconds
-            tally.estimated[2] += weight * cost.roofline
+            tally.estimated_ops.add(instruction.name)
+            tally.estimated_seconds += weight * cost.seconds
+            tally.roofline_seconds += weight * cost.roofline
         start = clock.compute
         clock.compute += cost.seconds
         tally.seconds[(cost.category, region)] += weight * cost.seconds
@@ -840,9 +848,9 @@ def predict(text: str, hw: Hardware, coords: list[dict] | None = None, attention
                      for s, e, lane, c, label in _downsample(tally.events, step)],
         "timeline_until": min(tally.timeline_cut, step),
     }
-    if tally.estimated[0]:
-        report["libtpu_estimate"] = {"ops": tally.estimated[0], "seconds": tally.estimated[1],
-                                     "roofline_seconds": tally.estimated[2], "clock": hw.clock}
+    if tally.estimated_ops:
+        report["libtpu_estimate"] = {"ops": len(tally.estimated_ops), "seconds": tally.estimated_seconds,
+                                     "roofline_seconds": tally.roofline_seconds, "clock": hw.clock}
     if model_flops_per_device:
         report["model_flops_per_device"] = model_flops_per_device
         report["mfu"] = model_flops_per_device / (step * peak) if step else None
