@@ -272,3 +272,17 @@ def test_a_v5p_op_costs_libtpus_estimated_cycles_at_the_chips_clock():
     assert found["libtpu_estimate"]["ops"] == 1
     assert found["libtpu_estimate"]["roofline_seconds"] == pytest.approx(
         2 * 8192**3 / (hw.matmul_flops["bf16"] * hw.matmul_efficiency) + hw.op_overhead, rel=1e-6)
+
+
+def test_the_plan_and_the_page_state_the_counts_assumed_and_name_what_was_not_counted():
+    from olmax.scale.plan import format_prediction
+    from olmax.scale.report import _step_time
+
+    experts = step_time.ExpertBlocks(rows_per_expert=1000, block=128, routing="random", scope="expert_block_loop")
+    counted = step_time.predict(block_loop_program("expert_block_loop"), TPU, experts=experts)
+    unknown = predict(program(RAGGED_DOT.format(m=256, k=256, n=256).replace("ragged-dot-none", "mystery_kernel")))
+    for prediction, said in ((counted, "1 expert_block_loop loops at 8 trips each: 1,000 rows an expert (a device's "
+                              "tokens x top_k / its experts; random routing taken as balanced) in blocks of 128"),
+                             (unknown, "warning: custom call mystery_kernel (1 a step): an unknown kernel")):
+        assert any(line.startswith(said) for line in format_prediction(prediction))
+        assert said.replace("'", "&#x27;") in _step_time({"step_time": prediction})
