@@ -198,7 +198,7 @@ def test_a_last_line_torn_by_a_kill_is_left_out_as_a_resume_leaves_it(tmp_path, 
     assert "not a whole record" in (run / "page" / "index.html").read_text()
 
 
-def test_checkpoint_metadata_that_is_not_json_is_exit_2_naming_it(tmp_path, capsys):
+def test_checkpoint_metadata_or_a_goodput_record_olmax_did_not_write_is_exit_2_naming_it(tmp_path, capsys):
     run = tmp_path / "run"
     write_run(run, 10)
     meta = run / "checkpoints" / "10" / "meta" / "metadata"
@@ -206,6 +206,19 @@ def test_checkpoint_metadata_that_is_not_json_is_exit_2_naming_it(tmp_path, caps
     assert main(["report", str(run)]) == 2
     [line] = capsys.readouterr().err.splitlines()
     assert line.startswith(f"olmax: BadInput: {meta} is not checkpoint metadata olmax wrote"), line
+    meta.write_text(json.dumps({"step": 10, "config": {"name": "run", "checkpoint": {"every": 5}}}))
+    (run / "goodput.json").write_text('{"attempts": [{"started": "noon"}]}')
+    assert main(["report", str(run)]) == 2
+    [line] = capsys.readouterr().err.splitlines()
+    assert line.startswith(f"olmax: BadInput: {run / 'goodput.json'} is not a goodput record olmax wrote"), line
+
+
+def test_values_far_beyond_a_float32_are_drawn(tmp_path):
+    run = tmp_path / "run"
+    write_run(run, 10)
+    _replace_line(run / "metrics.jsonl", 3, lambda line: line.replace('"train/CE loss": ', '"train/CE loss": 1e308, "x": '))
+    _replace_line(run / "metrics.jsonl", 4, lambda line: line.replace('"train/CE loss": ', '"train/CE loss": -1e308, "x": '))
+    assert main(["report", str(run)]) == 0
 
 
 def test_the_time_axis_is_in_the_unit_of_the_runs_span_broken_at_pauses(tmp_path):

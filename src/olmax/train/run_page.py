@@ -154,6 +154,7 @@ def time_unit(span_seconds: float) -> tuple[float, str]:
 def ticks(low: float, high: float, most: int = 5) -> tuple[float, list[float]]:
     """(step, ticks): the multiples of a round step (1, 2, 2.5 or 5 times a power of ten) from the last one at or
     below `low` to the first one at or above `high`, 3 to `most` of them."""
+    low, high = max(low, -1e300), min(high, 1e300)  # their difference a float too
     if not high > low:  # a flat curve: a range around its value
         pad = abs(low) * 0.05 or 1.0
         low, high = low - pad, high + pad
