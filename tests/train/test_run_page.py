@@ -168,6 +168,8 @@ NOT_A_RECORD = {
     "a line of text": (lambda line: "not json\n", "is not a record olmax wrote"),
     "an empty line": (lambda line: "\n", "is not a record olmax wrote"),
     "a torn line that is not the last": (lambda line: line[:40] + "\n", "line 3"),
+    "a record inside a record": (lambda line: line.replace('"wall_time": ', '"x": {"step": 4}, "wall_time": '),
+                                 "is not a record olmax wrote"),
 }
 
 

@@ -54,7 +54,8 @@ class Metrics:
         if len(raw) != len(ends) or not (text[ends - 1] == ord("}")).all() or \
                 not (starting == np.frombuffer(RECORD_START, np.uint8)).all():
             number = next(i for i, line in enumerate(self.data.split(b"\n"))
-                          if not (line.startswith(RECORD_START) and line.endswith(b"}")))
+                          if not (line.startswith(RECORD_START) and line.endswith(b"}")
+                                  and line.count(RECORD_START) == 1))
             self.refuse(number, "is not a record olmax wrote (one JSON object a line, starting with its step)")
         if (bad := next((i for i, step in enumerate(raw) if not step.isdigit() or len(step) > 15), None)) is not None:
             self.refuse(bad, f"has step {raw[bad][:40].decode(errors='replace')}, not a step number")
