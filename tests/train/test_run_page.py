@@ -167,6 +167,7 @@ NOT_A_RECORD = {
                                 'wall_time "noon"'),
     "a line of text": (lambda line: "not json\n", "is not a record olmax wrote"),
     "an empty line": (lambda line: "\n", "is not a record olmax wrote"),
+    "a short line": (lambda line: "{}\n", "is not a record olmax wrote"),
     "a torn line that is not the last": (lambda line: line[:40] + "\n", "line 3"),
     "a record inside a record": (lambda line: line.replace('"wall_time": ', '"x": {"step": 4}, "wall_time": '),
                                  "is not a record olmax wrote"),
@@ -243,3 +244,11 @@ def test_the_time_axis_is_in_the_unit_of_the_runs_span_broken_at_pauses(tmp_path
     assert all(c["data-breaks"] == "0" for c in page.charts if c["data-x"] == "step")
     assert all(3 <= c["grid"] <= 5 for c in page.charts), [c["grid"] for c in page.charts]
     assert all(c["checkpoint"] == 2 for c in page.charts)  # steps 7 and 14: triangles, not lines
+
+
+def test_a_short_last_line_is_named_too(tmp_path, capsys):
+    run = tmp_path / "run"
+    write_run(run, 10)
+    _replace_line(run / "metrics.jsonl", 10, lambda line: "{}\n")
+    assert main(["report", str(run)]) == 2
+    assert f"{run / 'metrics.jsonl'} line 10 is not a record olmax wrote" in capsys.readouterr().err

@@ -49,7 +49,7 @@ class Metrics:
         text = np.frombuffer(self.data, np.uint8)
         ends = np.flatnonzero(text == ord("\n"))
         self.starts = np.r_[0, ends[:-1] + 1].astype(np.int64) if len(ends) else np.zeros(0, np.int64)
-        starting = text[self.starts[:, None] + np.arange(len(RECORD_START))] if len(ends) else np.zeros((0, 0))
+        starting = text[np.minimum(self.starts[:, None] + np.arange(len(RECORD_START)), len(text) - 1)]
         # every line a JSON object that starts with its step (a JSON object holds no newline)
         if len(raw) != len(ends) or not (text[ends - 1] == ord("}")).all() or \
                 not (starting == np.frombuffer(RECORD_START, np.uint8)).all():
