@@ -195,6 +195,8 @@ DAMAGED = {
                                      'attempt 3 is "not an attempt", not a record'),
     "a snapshot without its step": (lambda r: _set(r, ("attempts", 0, "snapshots", 0, "step"), "one"),
                                     "attempt 1's snapshot"),
+    "a finish that is not true or false": (lambda r: _set(r, ("attempts", 0, "finished"), "yes"),
+                                           "attempt 1's finished is 'yes', not true or false"),
 }
 
 

@@ -167,7 +167,10 @@ NOT_A_RECORD = {
                                 'wall_time "noon"'),
     "a line of text": (lambda line: "not json\n", "is not a record olmax wrote"),
     "an empty line": (lambda line: "\n", "is not a record olmax wrote"),
+    "a short line": (lambda line: "{}\n", "is not a record olmax wrote"),
     "a torn line that is not the last": (lambda line: line[:40] + "\n", "line 3"),
+    "a record inside a record": (lambda line: line.replace('"wall_time": ', '"x": {"step": 4}, "wall_time": '),
+                                 "is not a record olmax wrote"),
 }
 
 
@@ -198,7 +201,7 @@ def test_a_last_line_torn_by_a_kill_is_left_out_as_a_resume_leaves_it(tmp_path, 
     assert "not a whole record" in (run / "page" / "index.html").read_text()
 
 
-def test_checkpoint_metadata_that_is_not_json_is_exit_2_naming_it(tmp_path, capsys):
+def test_checkpoint_metadata_or_a_goodput_record_olmax_did_not_write_is_exit_2_naming_it(tmp_path, capsys):
     run = tmp_path / "run"
     write_run(run, 10)
     meta = run / "checkpoints" / "10" / "meta" / "metadata"
@@ -206,6 +209,19 @@ def test_checkpoint_metadata_that_is_not_json_is_exit_2_naming_it(tmp_path, caps
     assert main(["report", str(run)]) == 2
     [line] = capsys.readouterr().err.splitlines()
     assert line.startswith(f"olmax: BadInput: {meta} is not checkpoint metadata olmax wrote"), line
+    meta.write_text(json.dumps({"step": 10, "config": {"name": "run", "checkpoint": {"every": 5}}}))
+    (run / "goodput.json").write_text('{"attempts": [{"started": "noon"}]}')
+    assert main(["report", str(run)]) == 2
+    [line] = capsys.readouterr().err.splitlines()
+    assert line.startswith(f"olmax: BadInput: {run / 'goodput.json'} is not a goodput record olmax wrote"), line
+
+
+def test_values_far_beyond_a_float32_are_drawn(tmp_path):
+    run = tmp_path / "run"
+    write_run(run, 10)
+    _replace_line(run / "metrics.jsonl", 3, lambda line: line.replace('"train/CE loss": ', '"train/CE loss": 1e308, "x": '))
+    _replace_line(run / "metrics.jsonl", 4, lambda line: line.replace('"train/CE loss": ', '"train/CE loss": -1e308, "x": '))
+    assert main(["report", str(run)]) == 0
 
 
 def test_the_time_axis_is_in_the_unit_of_the_runs_span_broken_at_pauses(tmp_path):
@@ -228,3 +244,11 @@ def test_the_time_axis_is_in_the_unit_of_the_runs_span_broken_at_pauses(tmp_path
     assert all(c["data-breaks"] == "0" for c in page.charts if c["data-x"] == "step")
     assert all(3 <= c["grid"] <= 5 for c in page.charts), [c["grid"] for c in page.charts]
     assert all(c["checkpoint"] == 2 for c in page.charts)  # steps 7 and 14: triangles, not lines
+
+
+def test_a_short_last_line_is_named_too(tmp_path, capsys):
+    run = tmp_path / "run"
+    write_run(run, 10)
+    _replace_line(run / "metrics.jsonl", 10, lambda line: "{}\n")
+    assert main(["report", str(run)]) == 2
+    assert f"{run / 'metrics.jsonl'} line 10 is not a record olmax wrote" in capsys.readouterr().err

@@ -22,8 +22,8 @@ The time from an attempt that finished the run (trained to its last step) to a l
 the wall time the shares are of.
 
 The record (`RunDir.goodput` in the run directory, rewritten atomically after every step, so a kill -9 loses at
-most the step in flight) lists the attempts: their start, their last update, their seconds by category and
-a snapshot of those seconds at each checkpoint. An attempt that resumes from step N settles the attempts
+most the step in flight) lists the attempts: their start, their last update, their seconds by category,
+whether they finished the run, and a snapshot of those seconds at each checkpoint. An attempt that resumes from step N settles the attempts
 before it: their work after their snapshot at the largest step <= N becomes lost work.
 """
 

@@ -44,17 +44,21 @@ class Metrics:
     def __init__(self, data: bytes, source: str = "metrics.jsonl"):
         self.source = source
         self.data, self.torn = _without_torn_end(data)
-        records = list(RECORD.finditer(self.data))
-        lines = self.data.count(b"\n")
-        if not len(records) == self.data.count(b"}\n") == lines:  # a line is a JSON object: no newline inside
+        raw = RECORD.findall(self.data)  # `{"step": ` is only ever at a line's start (in a string its " is \")
+        text = np.frombuffer(self.data, np.uint8)
+        ends = np.flatnonzero(text == ord("\n"))
+        self.starts = np.r_[0, ends[:-1] + 1].astype(np.int64) if len(ends) else np.zeros(0, np.int64)
+        starting = text[np.minimum(self.starts[:, None] + np.arange(len(RECORD_START)), len(text) - 1)]
+        # every line a JSON object that starts with its step (a JSON object holds no newline)
+        if len(raw) != len(ends) or not (text[ends - 1] == ord("}")).all() or \
+                not (starting == np.frombuffer(RECORD_START, np.uint8)).all():
             number = next(i for i, line in enumerate(self.data.split(b"\n"))
-                          if not (RECORD.match(line) and line.endswith(b"}")))
+                          if not (line.startswith(RECORD_START) and line.endswith(b"}")
+                                  and line.count(RECORD_START) == 1))
             self.refuse(number, "is not a record olmax wrote (one JSON object a line, starting with its step)")
-        raw = [m.group(1) for m in records]
         if (bad := next((i for i, step in enumerate(raw) if not step.isdigit() or len(step) > 15), None)) is not None:
             self.refuse(bad, f"has step {raw[bad][:40].decode(errors='replace')}, not a step number")
         self.steps = np.array(raw).astype(np.int64) if raw else np.zeros(0, np.int64)
-        self.starts = np.array([m.start() for m in records], np.int64)
         self.optional = sorted({json.loads(b'"' + key + b'"') for key in OPTIONAL.findall(self.data)})
         self._columns = {}
 
@@ -76,23 +80,25 @@ class Metrics:
         return index, values
 
     def _read_column(self, name: str):
-        key = b'"' + re.escape(json.dumps(name)[1:-1].encode()) + rb'": ([^,}\]]*)'
-        found = list(re.finditer(key, self.data))
-        values = [m.group(1) for m in found]
-        index = np.searchsorted(self.starts, [m.start() for m in found], side="right") - 1
+        key = re.compile(b'"' + re.escape(json.dumps(name)[1:-1].encode()) + rb'": ([^,}\]]*)')
+        values = key.findall(self.data)
+        in_every_record = len(values) == len(self.steps)  # then in record order
+        index = np.arange(len(values)) if in_every_record or not values else \
+            np.searchsorted(self.starts, [m.start() for m in key.finditer(self.data)], side="right") - 1
         try:
             numbers = _floats(values)
         except ValueError:
             bad = next(i for i, value in enumerate(values) if not _is_number(value))
             self.refuse(int(index[bad]), f"has {name} {values[bad][:40].decode(errors='replace')}, not a number")
-        if len(values) == len(self.steps):  # in every record: in record order
+        if in_every_record:
             return numbers, index, numbers
         out = np.full(len(self.steps), np.nan)
         out[index] = numbers
         return out, index, numbers
 
 
-RECORD = re.compile(rb'^\{"step": ([^,}\n]*)', re.MULTILINE)
+RECORD_START = b'{"step": '
+RECORD = re.compile(re.escape(RECORD_START) + rb'([^,}\n]*)')
 
 
 def _without_torn_end(data: bytes) -> tuple[bytes, bool]:
@@ -148,6 +154,7 @@ def time_unit(span_seconds: float) -> tuple[float, str]:
 def ticks(low: float, high: float, most: int = 5) -> tuple[float, list[float]]:
     """(step, ticks): the multiples of a round step (1, 2, 2.5 or 5 times a power of ten) from the last one at or
     below `low` to the first one at or above `high`, 3 to `most` of them."""
+    low, high = max(low, -1e300), min(high, 1e300)  # their difference a float too
     if not high > low:  # a flat curve: a range around its value
         pad = abs(low) * 0.05 or 1.0
         low, high = low - pad, high + pad

@@ -177,7 +177,7 @@ def _train(cfg: RunConfig, quiet: bool, make_eval, bucket: BucketRun | None, run
         """Log step `step`; `in_flight` is (step, metrics) of the step dispatched after it, if any."""
         nonlocal mfu_bug_said
         values = {k: v.tolist() if np.ndim(v) else float(v) for k, v in jax.device_get(metrics).items()} | eval_metrics
-        tps = tokens_per_step / clock.seconds(step) / jax.device_count()
+        seconds = clock.seconds(step)  # asked of every step, the compiled one too: the clock then forgets it
         values.update({
             "throughput/total tokens": tokens_after(step),
             "io/retries": storage.retries(),  # transient bucket faults retried so far (0 on local disk)
@@ -185,12 +185,11 @@ def _train(cfg: RunConfig, quiet: bool, make_eval, bucket: BucketRun | None, run
         if step == start + 1:  # its time is mostly the compile's: no throughput, a mark instead
             values[COMPILED] = 1.0
         else:
-            values["throughput/device/TPS"] = tps
-        if peak is not None and step != start + 1:
-            mfu = 100.0 * tps * flops_per_token / peak
-            if mfu <= 100.0:
+            values["throughput/device/TPS"] = tps = tokens_per_step / seconds / jax.device_count()
+            mfu = None if peak is None else 100.0 * tps * flops_per_token / peak
+            if mfu is not None and mfu <= 100.0:
                 values["throughput/device/MFU"] = mfu
-            elif not mfu_bug_said:  # a bug, said once; never a figure
+            elif mfu is not None and not mfu_bug_said:  # a bug, said once; never a figure
                 mfu_bug_said = True
                 line = (f"olmax: bug: step {step}'s MFU came out at {mfu:.1f}% ({tps:,.0f} tokens/s a device x "
                         f"{flops_per_token / 1e9:.3g} GFLOP a token, against a peak of {peak / 1e9:,.1f} GFLOP/s a "
