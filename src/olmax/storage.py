@@ -555,22 +555,6 @@ def local_copy(path: str | os.PathLike):
         yield local
 
 
-@contextlib.contextmanager
-def staged(path: str | os.PathLike):
-    """A local path to write `path` through: itself when local, else a temporary one uploaded (file or tree)
-    when the block ends without an error. Refuses a read-only URL before the block."""
-    if not is_remote(path):
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        yield Path(path)
-        return
-    check_writable(str(path))
-    with tempfile.TemporaryDirectory(prefix="olmax-out-") as tmp:
-        local = Path(tmp, basename(path))
-        yield local
-        if local.exists():
-            upload(local, str(path))
-
-
 # --- a run directory in a bucket -------------------------------------------------------------------
 
 COMMIT_MARKER = "UPLOADED"  # written into a directory last: without it, an upload was cut short

@@ -5,6 +5,7 @@ import gzip
 import hashlib
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -271,9 +272,10 @@ def test_a_tokenize_killed_outright_is_finished_by_the_same_command_skipping_wha
     proc = subprocess.Popen([sys.executable, "-m", "olmax.cli", *argv, "--out", str(out), "--quiet"])
     while len(committed_shards(out) if (out / ".tokenize").exists() else []) < 2:  # the event: shards committed
         assert proc.poll() is None, "tokenize ended before it was killed"
+    proc.send_signal(signal.SIGSTOP)  # stopped, it holds its lock: the same command beside it is refused
     with pytest.raises(RunDirError, match=f"--out {out} is in use by another run .host {socket.gethostname()}, "
                                           f"PID {proc.pid}, per {out}/.tokenize.lock"):
-        run_cli(*argv, "--out", out, "--quiet")  # the same command beside it
+        run_cli(*argv, "--out", out, "--quiet")
     proc.kill()
     proc.wait()
     committed = {name: (out / name).stat().st_ino for name in

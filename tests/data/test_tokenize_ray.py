@@ -71,7 +71,7 @@ def test_a_ray_cluster_writes_the_single_host_bytes_with_a_worker_killed_twice(c
         result = tokenize_corpus([str(text)], tmp_path / "out", tokenizer_path=tokenizer, shard_tokens=40000,
                                  label="web", engine="ray", address=nodes[0].address, progress=False)
         assert len(killed) == 2  # both in the middle of the job: a killed task's retry is still to come
-        assert len(counters) == 1 and "progress counter, a Ray actor, was lost (ActorDiedError)" in caplog.text
+        assert len(counters) == 1 and "progress counter, a Ray actor, was lost" in caplog.text
         cut = tmp_path / "cut"
         cut.mkdir()
         whole = next(text.glob("*.zst")).read_bytes()
