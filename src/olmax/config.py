@@ -286,10 +286,11 @@ class PipelineConfig(Section):
 class MoEImplConfig(Section):
     """How a mixture of experts runs (model.moe says what it computes)."""
 
-    dispatch: Literal["auto", "blocks", "ragged_dot"] = Field(
+    dispatch: Literal["auto", "blocks", "ragged_dot", "grouped"] = Field(
         "auto", description="the experts: blocks = block-padded grouped matmul (portable: a loop of matmuls); "
         "ragged_dot = jax.lax.ragged_dot (the TPU's grouped-matmul kernel; XLA:CPU and XLA:GPU expand it "
-        "densely, every expert on every row); auto = ragged_dot on TPU, blocks elsewhere"
+        "densely, every expert on every row); grouped = Pallas Mosaic GPU grouped-matmul kernels (Hopper and "
+        "Blackwell GPUs); auto = ragged_dot on TPU, grouped on those GPUs, blocks elsewhere"
     )
     block: int | None = Field(None, gt=0, description="rows per block of the grouped matmul; None = auto")
     ep_capacity: float | None = Field(
@@ -655,9 +656,9 @@ class RunConfig(Section):
             if value % 32:
                 raise ValueError(f"impl.fp8=mxfp8 scales blocks of 32 values along each matmul's contraction: {name} "
                                  f"{value} is not a multiple of 32; change it or set impl.fp8 to true or false")
-        if m.moe is not None and self.impl.moe.dispatch == "ragged_dot":
-            raise ValueError("impl.fp8=mxfp8 runs the experts in the block loop (JAX has no MXFP8 ragged_dot); set "
-                             "impl.moe.dispatch=auto or blocks")
+        if m.moe is not None and self.impl.moe.dispatch in ("ragged_dot", "grouped"):
+            raise ValueError("impl.fp8=mxfp8 runs the experts in the block loop (JAX has no MXFP8 ragged_dot, "
+                             "olmax no MXFP8 grouped kernel); set impl.moe.dispatch=auto or blocks")
 
     @model_validator(mode="after")
     def _pipeline(self):

@@ -79,8 +79,9 @@ def mlp_sublayer(cfg: ModelConfig, impl: ImplConfig, layout: Layout | None = Non
     if (kind or cfg.mlp) == "dense":
         return functools.partial(dense_mlp, dense=dense)
 
-    stages = layout.mesh.shape.get("stage", 1) if layout else 1
-    dispatch = sublayer.dispatch_for(impl.moe.dispatch, platform(layout), stages)
+    dispatch, chip = sublayer.dispatch_for(impl.moe.dispatch, *moe_target(cfg, impl, layout)), None
+    if dispatch == "grouped":
+        chip = sublayer.grouped.Chip.of(layout.mesh.devices.flat[0] if layout else jax.devices()[0])
     mx = {}
     if impl.fp8 == "mxfp8":
         mx = {"dot": functools.partial(fp8.mx_dot_general, platform=platform(layout)), "smallest_block": fp8.MX_BLOCK}
@@ -88,9 +89,18 @@ def mlp_sublayer(cfg: ModelConfig, impl: ImplConfig, layout: Layout | None = Non
     def moe_mlp(p: dict, h: jax.Array, key: jax.Array | None = None) -> tuple[jax.Array, dict]:
         return sublayer.moe_mlp(cfg.moe, p, h, key=key, mesh=layout.mesh if layout else None,
                                 batch_axes=layout.batch_axes if layout else (), dispatch=dispatch,
-                                block_size=impl.moe.block, ep_capacity=impl.moe.ep_capacity, **mx)
+                                block_size=impl.moe.block, ep_capacity=impl.moe.ep_capacity, chip=chip, **mx)
 
     return moe_mlp
+
+
+def moe_target(cfg: ModelConfig, impl: ImplConfig, layout: Layout | None) -> tuple:
+    """What sublayer.dispatch_for needs beyond impl.moe.dispatch: platform, pipeline stages, device, the expert
+    matmuls' widths and MXFP8."""
+    stages = layout.mesh.shape.get("stage", 1) if layout else 1
+    device = layout.mesh.devices.flat[0] if layout else jax.devices()[0]
+    widths = {"model.d_model": cfg.d_model, "model.moe.expert_hidden": cfg.moe.expert_hidden}
+    return platform(layout), stages, device, widths, impl.fp8 == "mxfp8"
 
 
 def training_hooks(cfg: ModelConfig, seed: int):

@@ -36,10 +36,10 @@ from jax.experimental.compilation_cache import compilation_cache
 
 from olmax.config import RunConfig
 from olmax.errors import DoesNotFit
-from olmax.model import attention, fp8, transformer
+from olmax.model import attention, block, fp8, transformer
 from olmax.model.moe import gmm, sublayer
 from olmax.parallel import expert as expert_parallel
-from olmax.parallel.mesh import Layout, make_layout, platform
+from olmax.parallel.mesh import Layout, make_layout
 from olmax.scale import anatomy, step_time
 from olmax.scale.plan import plan
 from olmax.scale.targets import GiB, Target, compile_only_devices
@@ -276,7 +276,8 @@ def compile_train_step(cfg: RunConfig, target: Target, mfu: float | None = None,
         "compute_dtype": jnp.dtype(transformer.compute_dtype(cfg.impl, layout)).name,
         "attention": attention.implementation(cfg.impl, layout, cfg.data.sequence_length),
         "attention_tiles": _attention_tiles(cfg, layout),
-        "moe_dispatch": sublayer.dispatch_for(cfg.impl.moe.dispatch, platform(layout), cfg.mesh.stage) if cfg.model.mlp == "moe"
+        "moe_dispatch": sublayer.dispatch_for(cfg.impl.moe.dispatch, *block.moe_target(cfg.model, cfg.impl, layout))
+        if cfg.model.mlp == "moe"
         else None,
         "fp8": cfg.impl.fp8,
         "loss_chunk": cfg.impl.loss_chunk,

@@ -279,8 +279,9 @@ UNKNOWN_CYCLES = 2**63 - 1  # libtpu's estimated_cycles for an op it does not es
 
 def kernel_name(instruction: hlo.Instruction, target: str) -> str:
     """A kernel's name as olmax.model.kernel_work looks it up: a Pallas call's (its op name ends NAME/pallas_call
-    on every backend), else a TPU kernel's instruction name less its numeric suffix, else the call's target."""
-    if found := re.search(r"([^/]+)/pallas_call$", instruction.op_name):
+    on every backend, or NAME/mpmd_map for a Mosaic GPU `plgpu.kernel`), else a TPU kernel's instruction name less
+    its numeric suffix, else the call's target."""
+    if found := re.search(r"([^/]+)/(?:pallas_call|mpmd_map)$", instruction.op_name):
         return found.group(1)
     if target == "tpu_custom_call":
         return re.sub(r"\.\d+$", "", instruction.name)

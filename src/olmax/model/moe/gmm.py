@@ -80,26 +80,29 @@ def _gmm_fwd(x, w, block_starts, block, dot):
 def _gmm_bwd(block, dot, res, dy):
     x, w, block_starts = res
     dx = _grouped_loop(dy, w, block_starts, block, dot, contract_w=1)
+    return dx, weight_grad(x, dy, w.shape, block_starts, block, dot).astype(w.dtype), None
 
+
+def weight_grad(x, dy, w_shape, block_starts, block: int, dot) -> jax.Array:
+    """gmm's weight gradient in float32 [G, D, F]: per group, its blocks' x^T dy summed."""
     def group(g, dw):
         def one_block(b, acc):
             xb = jax.lax.dynamic_slice_in_dim(x, b * block, block)
             dyb = jax.lax.dynamic_slice_in_dim(dy, b * block, block)
             return acc + dot(xb, dyb, (((0,), (0,)), ((), ())))
 
-        zeros = _zeros(w.shape[1:], jnp.float32, x, dy)
+        zeros = _zeros(w_shape[1:], jnp.float32, x, dy)
         with jax.named_scope(BLOCK_LOOP):
             acc = jax.lax.fori_loop(block_starts[g], block_starts[g + 1], one_block, zeros)
         return jax.lax.dynamic_update_index_in_dim(dw, acc, g, 0)
 
-    dw = jax.lax.fori_loop(0, w.shape[0], group, _zeros(w.shape, jnp.float32, x, dy))
-    return dx, dw.astype(w.dtype), None
+    return jax.lax.fori_loop(0, w_shape[0], group, _zeros(w_shape, jnp.float32, x, dy))
 
 
 gmm.defvjp(_gmm_fwd, _gmm_bwd)
 
 
-def _swiglu_blocks(x, groups, w1, w3, w2, block, dot):
+def _swiglu_blocks(x, groups, w1, w3, w2, block, product):
     M, k = groups.shape
     G, R = w1.shape[0], groups.size
     flat = groups.reshape(-1)
@@ -112,7 +115,7 @@ def _swiglu_blocks(x, groups, w1, w3, w2, block, dot):
     source = jnp.full(n_blocks * block, R, jnp.int32).at[slot].set(jnp.arange(R, dtype=jnp.int32), mode="drop")
     xp = jnp.take(x, source // k, axis=0, mode="fill", fill_value=0)
     w1, w3, w2 = (_vary_like(w.astype(x.dtype), x) for w in (w1, w3, w2))
-    y = swiglu(xp, w1, w3, w2, lambda a, w, name: checkpoint_name(gmm(a, w, block_starts, block, dot), name))
+    y = swiglu(xp, w1, w3, w2, lambda a, w, name: checkpoint_name(product(a, w, block_starts, block), name))
     return jnp.take(y, slot, axis=0, mode="fill", fill_value=0).reshape(M, k, -1)
 
 
@@ -130,14 +133,15 @@ def _swiglu_ragged(x, groups, w1, w3, w2):
 
 
 def grouped_swiglu(x: jax.Array, groups: jax.Array, w1, w3, w2, *, dispatch: str, block: int,
-                   dot=dot_f32) -> jax.Array:
+                   dot=dot_f32, product=None) -> jax.Array:
     """Each row's experts on it: x [M, D], groups [M, k] ids in [0, G] (G = none) -> [M, k, D].
 
     w1, w3 [G, D, F] and w2 [G, F, D] are cast to x's dtype; rows with id G give 0. `dot` is the block
-    loop's product (see `gmm`); ragged_dot has its own."""
+    loop's product (see `gmm`); ragged_dot has its own. `product(x, w, block_starts, block)` replaces `gmm`
+    over the same block layout (grouped.gmm: the GPU's grouped-matmul kernels)."""
     if dispatch == "ragged_dot":
         return _swiglu_ragged(x, groups, w1, w3, w2)
-    return _swiglu_blocks(x, groups, w1, w3, w2, block, dot)
+    return _swiglu_blocks(x, groups, w1, w3, w2, block, product or (lambda a, w, starts, b: gmm(a, w, starts, b, dot)))
 
 
 def combine(y: jax.Array, gates: jax.Array) -> jax.Array:

@@ -19,25 +19,41 @@ from jax.sharding import Mesh
 
 from olmax.config import ConfigError, ModelConfig, MoEConfig
 from olmax.model.mlp import swiglu
-from olmax.model.moe import gmm, router
+from olmax.model.moe import gmm, grouped, router
 from olmax.parallel import expert as expert_parallel
 
 
-def dispatch_for(chosen: str, platform: str, stages: int = 1) -> str:
+def dispatch_for(chosen: str, platform: str, stages: int = 1, device=None, widths: dict[str, int] | None = None,
+                 mxfp8: bool = False) -> str:
     """The experts' matmul `impl.moe.dispatch` means on `platform` ('cpu', 'gpu', 'tpu') with `stages`
-    pipeline stages. `auto` takes ragged_dot where the compiler runs it as a grouped-matmul kernel: on TPU (its
-    `ragged-dot` kernels, tests/scale/test_scale_compile.py) without pipeline stages. A pipeline maps the
-    layers over the stages, which gives ragged_dot a batch dimension, and the TPU kernel takes none (the
-    compiler stops: "Failed to create RaggedConvSpec ... number of batch dimensions should be 0"). XLA:CPU
-    expands ragged_dot densely, and so did XLA:GPU in jax 0.10.2 (a compile for gpu:h100x8 made each expert
-    matmul a batched dot over every expert and every row), so `auto` keeps the block loop there."""
+    pipeline stages, for GPUs on `device` (one of the target's) with the expert matmuls' `widths`. `auto` takes
+    ragged_dot where the compiler runs it as a grouped-matmul kernel: on TPU (its `ragged-dot` kernels,
+    tests/scale/test_scale_compile.py) without pipeline stages. A pipeline maps the layers over the stages, which
+    gives ragged_dot a batch dimension, and the TPU kernel takes none (the compiler stops: "Failed to create
+    RaggedConvSpec ... number of batch dimensions should be 0"). XLA:CPU expands ragged_dot densely, and so did
+    XLA:GPU in jax 0.10.2 (a compile for gpu:h100x8 made each expert matmul a batched dot over every expert and
+    every row), so on GPUs `auto` takes `grouped`, the Pallas Mosaic GPU kernels of grouped.py, where they run
+    (Hopper and Blackwell, widths in their tiles, no pipeline stages, not MXFP8), and the block loop elsewhere."""
     kernel = platform == "tpu" and stages == 1
     if chosen == "ragged_dot" and platform == "tpu" and not kernel:
         raise ConfigError(f"impl.moe.dispatch=ragged_dot with mesh.stage {stages}: the TPU's ragged-dot kernel "
                           "takes no batch dimension, which the pipeline's map over its stages adds; set "
                           "impl.moe.dispatch=auto or blocks")
-    if chosen == "auto":
-        return "ragged_dot" if kernel else "blocks"
+    if chosen in ("auto", "grouped"):
+        refusal = None
+        if platform != "gpu":
+            refusal = f"its kernels are for NVIDIA GPUs, and this layout's devices are {platform.upper()}s"
+        elif stages > 1:
+            refusal = (f"with mesh.stage {stages} the pipeline's map over its stages would batch the kernels, "
+                       "which run one grid over one GPU's rows")
+        elif mxfp8:
+            refusal = "its kernels are bf16, and impl.fp8=mxfp8 runs the experts' MXFP8 products in the block loop"
+        else:
+            refusal = grouped.unsupported(device, widths or {})
+        if chosen == "grouped" and refusal:
+            raise ConfigError(f"impl.moe.dispatch=grouped: {refusal}; set impl.moe.dispatch=auto or blocks")
+        if chosen == "auto":
+            return "ragged_dot" if kernel else "blocks" if refusal else "grouped"
     return chosen
 
 
@@ -54,10 +70,11 @@ def moe_mlp(
     ep_capacity: float | None = None,
     dot=gmm.dot_f32,
     smallest_block: int = 16,
+    chip: grouped.Chip | None = None,
 ) -> tuple[jax.Array, dict]:
     """One MoE layer on hidden states x [B, T, D] -> (out [B, T, D], aux); `key` drives routing="random".
-    `dispatch` ("blocks" or "ragged_dot") and `block_size` (None = auto, at least `smallest_block`) choose how
-    the experts run, `dot` the block loop's products (gmm.gmm);
+    `dispatch` ("blocks", "ragged_dot" or "grouped": the kernels for GPU `chip`) and `block_size` (None = auto,
+    at least `smallest_block`) choose how the experts run, `dot` the block loop's products (gmm.gmm);
     `ep_capacity` (None: dropless) bounds what a device sends each peer of its expert group (see
     olmax.parallel.expert), dropping, and counting, assignments beyond it.
 
@@ -97,7 +114,10 @@ def moe_mlp(
 
     def run_experts(x_local, groups, gates, w1, w3, w2, expected_rows):
         block = block_size or gmm.auto_block_size(expected_rows, w1.shape[0], smallest_block)
-        y = gmm.grouped_swiglu(x_local, groups, w1, w3, w2, dispatch=dispatch, block=block, dot=dot)
+        product = None
+        if dispatch == "grouped":  # groups aligned to the kernels' weight-gradient step, whatever impl.moe.block
+            block, product = grouped.ALIGN, lambda a, w, starts, b: grouped.gmm(a, w, starts, b, chip)
+        y = gmm.grouped_swiglu(x_local, groups, w1, w3, w2, dispatch=dispatch, block=block, dot=dot, product=product)
         return gmm.combine(y, gates)
 
     weights = (p["w1"], p["w3"], p["w2"])

@@ -1,0 +1,274 @@
+"""The experts' grouped matmul on NVIDIA GPUs as Pallas Mosaic GPU kernels: `impl.moe.dispatch=grouped`.
+
+Rows x [M, K] in the block loop's layout (gmm._swiglu_blocks: sorted by group, each group padded with zero rows
+to a multiple of ALIGN = 64), group g's rows times w[g] ([G, K, N]), under one custom VJP whose three products
+are grouped kernels, each GPU running only its own (resident) experts' rows:
+
+    product        Hopper (sm_90, wgmma)                  Blackwell (sm_100, tcgen05)
+    y  = x w       grouped_matmul                         JAX's blackwell_ragged_dot_mgpu
+    dx = dy w^T    grouped_matmul on w^T                  JAX's blackwell_ragged_dot_mgpu on w^T
+    dw = x^T dy    grouped_weight_grad on x^T             the block loop (gmm.weight_grad): no kernel
+
+bf16 (or float32) in, accumulated in float32, out in the input's dtype. The Hopper kernels are olmax's: with
+groups aligned to their 64-row tiles each tile belongs to one group, so a program multiplies by one w[g] and
+stores its tile whole, the weight gradient sums whole tiles without masking rows, tiles after the last group
+(the unused part of the layout's static bound: a quarter of the rows at impl.moe.ep_capacity=1.25) are skipped,
+and the grids are one program per output tile (no SM count). w^T and x^T are XLA transposes: the interpreter
+that tests the kernels on a CPU cannot run a wgmma on a transposed view of shared memory.
+
+Evaluated and not taken (jax 0.10.2, tokamax 0.0.12):
+- tokamax, openxla's Pallas kernel library: its `ragged_dot` picks its kernel from the compute capability of the
+  process's default device, so a compile from a CPU host for a GPU target gets XLA's dense expansion
+  (implementation="mosaic" and "triton": "Not supported on cpu"); its kernels are private modules; it has no
+  sm_100 kernel for the weight gradient (ragged contraction); and importing it imports qwix, which imports flax.
+- JAX's Hopper kernels: `ragged_dot_mgpu` sizes its persistent grid for an H100's 132 SMs, runs every tile of
+  its grid (tiles past the last group included) and cannot be named for the step-time model (its kernel is
+  "body"); `transposed_ragged_dot_mgpu` reads the SM count from jax.devices()[0] (a CPU when compiling from
+  one) and transposes in shared memory, which the interpreter cannot run.
+- Blackwell: `blackwell_ragged_dot_mgpu` is taken. Its tensor memory the interpreter cannot run ("Unsupported
+  memory space: tmem"), so it is checked by compiling for a B300; it reads the SM count from
+  jax.local_devices()[0], which `_on_device` makes the target's; its `collective=False` form does not trace
+  (an unbound cluster axis), so it runs in pairs of SMs on 256 x 256 tiles. JAX has no tcgen05 kernel for the
+  weight gradient, so it stays in the block loop.
+Mosaic GPU assembles its kernels with ptxas when XLA compiles the program (CUDA_ROOT, the nvidia-cuda-nvcc
+package, or the PATH provide it), and keeps the first GPU generation a process compiles for: one target a
+process (as `olmax compile` runs).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import types
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+from jax.experimental.pallas.ops.gpu import blackwell_ragged_dot_mgpu
+
+from olmax.model import kernel_work
+from olmax.model.moe import gmm as block_loop
+
+# Tiles (rows x columns x contraction). Hopper: a wgmma is 64 rows; 128 x 128 output tiles, 64-deep steps, 4 in
+# flight: 4 x (128 x 64 + 64 x 128) x 2 B = 128 KiB of shared memory of 228. Blackwell: 128 x 128 per SM, two SMs
+# of a cluster sharing one 256 x 256 tile (the kernel's `collective` form, the one its benchmark tunes).
+HOPPER = dict(block_m=128, block_n=128, block_k=64, max_concurrent_steps=4)
+BLACKWELL = blackwell_ragged_dot_mgpu.TuningConfig(
+    tile_m=128, tile_n=128, tile_k=64, max_concurrent_steps=4, collective=True, grid_tile_width=1,
+    grid_minor_dim=blackwell_ragged_dot_mgpu.blackwell_matmul_mgpu.MatmulDimension.M)
+ROW_TILE = 2 * BLACKWELL.tile_m
+WARPGROUP = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup)
+ALIGN = 64  # rows: each group padded to a multiple (gmm's `block`), the weight gradient's contraction step
+WIDTH_MULTIPLE = 256  # d_model and expert_hidden: Blackwell's 256-wide cluster tiles, Hopper's 128 and 64
+
+
+@dataclass(frozen=True)
+class Chip:
+    """The GPU the kernels are built for: its compute capability's major version (9 Hopper, 10 Blackwell) and
+    SM count, as the target's devices report them (a compile-only device has both)."""
+
+    major: int
+    sms: int
+
+    @classmethod
+    def of(cls, device) -> Chip:
+        return cls(int(float(device.compute_capability)), device.core_count)
+
+
+def unsupported(device, widths: dict[str, int]) -> str | None:
+    """Why the grouped kernels cannot run the experts on `device` with these widths, or None when they can."""
+    cc = getattr(device, "compute_capability", None)
+    if device.platform not in ("gpu", "cuda") or cc is None or int(float(cc)) not in (9, 10):
+        return f"its kernels are for NVIDIA Hopper (sm_90) and Blackwell (sm_100) GPUs, not {device.device_kind}"
+    for name, value in widths.items():
+        if value % WIDTH_MULTIPLE:
+            return f"its kernels tile {name} ({value}) in multiples of {WIDTH_MULTIPLE}"
+    return None
+
+
+class _JaxOn(types.SimpleNamespace):
+    """The jax module as JAX's kernel modules use it, with `device` as the process's only device."""
+
+    def __init__(self, device):
+        super().__init__(devices=lambda *_: [device], local_devices=lambda *_: [device])
+
+    def __getattr__(self, name):
+        return getattr(jax, name)
+
+
+@contextlib.contextmanager
+def _on_device(chip: Chip):
+    # While the kernels are traced, their modules see a device with the target's SM count: they size their
+    # persistent grids from jax.devices()[0] or jax.local_devices()[0], a CPU when compiling from a CPU host.
+    modules = (blackwell_ragged_dot_mgpu,)
+    saved = [m.jax for m in modules]
+    for m in modules:
+        m.jax = _JaxOn(types.SimpleNamespace(core_count=chip.sms))
+    try:
+        yield
+    finally:
+        for m, j in zip(modules, saved):
+            m.jax = j
+
+
+def _padded(a, rows: int = ROW_TILE):
+    # Whole tiles of rows: no tile reads past the array, and Blackwell's kernel takes no partial tile. The rows
+    # added are zeros and belong to no group.
+    return jnp.pad(a, ((0, -a.shape[0] % rows), (0, 0)))
+
+
+def _product(x, w, counts, block_starts, chip: Chip):
+    """x [M, K] times w[g] ([G, K, N]), group g's rows in order: [M, N], garbage after the last group's rows (the
+    kernels write only the groups' rows)."""
+    if chip.major == 9:
+        return _grouped_matmul(x, w, block_starts)
+    with _on_device(chip):
+        y = blackwell_ragged_dot_mgpu.ragged_dot_kernel(_padded(x), w, counts, BLACKWELL)
+    return y[: x.shape[0]]
+
+
+def _tile_groups(block_starts, tiles: int):
+    """The group of each ALIGN-row tile of rows ([tiles]; G after the last group)."""
+    return jnp.searchsorted(block_starts, jnp.arange(tiles, dtype=block_starts.dtype), side="right") - 1
+
+
+def _grouped_matmul(x, w, block_starts):
+    """Hopper: x [M, K] times w[g] ([G, K, N]) for groups that start on multiples of ALIGN rows (block_starts in
+    ALIGN-row tiles): one program per (column tile, ALIGN-row tile), each tile in one group, so it multiplies by
+    one w[g] and stores whole; tiles after the last group are skipped (their rows left unwritten). Column tiles
+    vary fastest: the programs running at once share their rows of x, and consecutive row tiles their w[g]."""
+    (m, k), (groups, _, n) = x.shape, w.shape
+    bm, bn, bk = ALIGN, HOPPER["block_n"], HOPPER["block_k"]
+    tiles = -(-m // bm)
+
+    def body(tile_groups_gmem, x_gmem, w_gmem, out_gmem):
+        mi, ni = jax.lax.axis_index("m"), jax.lax.axis_index("n")
+        g = tile_groups_gmem[mi]
+
+        @pl.when(g < groups)
+        def _():
+            def accumulate(acc):
+                plgpu.emit_pipeline(
+                    lambda _, x_smem, w_smem: plgpu.wgmma(acc, x_smem, w_smem),
+                    grid=(k // bk,),
+                    in_specs=[plgpu.BlockSpec((bm, bk), lambda i: (mi, i), delay_release=1),
+                              plgpu.BlockSpec((bk, bn), lambda i: (i, ni), delay_release=1)],
+                    max_concurrent_steps=HOPPER["max_concurrent_steps"],
+                )(x_gmem, w_gmem.at[g])
+                return acc[...]
+
+            _store(pl.run_scoped(accumulate, plgpu.ACC((bm, bn))), out_gmem.at[pl.ds(mi * bm, bm), pl.ds(ni * bn, bn)])
+
+    y = plgpu.kernel(
+        body, out_type=jax.ShapeDtypeStruct((tiles * bm, n), x.dtype), grid=(n // bn, tiles), grid_names=("n", "m"),
+        kernel_name="grouped_matmul", compiler_params=WARPGROUP,
+    )(_tile_groups(block_starts, tiles), _padded(x, bm), w)
+    return y[:m]
+
+
+def _store(acc, out_gmem):
+    """A program's float32 accumulator to its output tile, in the output's dtype, through shared memory."""
+    @functools.partial(pl.run_scoped, out_smem=plgpu.SMEM(acc.shape, out_gmem.dtype))
+    def store(out_smem):
+        out_smem[...] = acc.astype(out_smem.dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(out_smem, out_gmem)
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def _weight_grad(xt, dy, block_starts):
+    """Per group, xt[:, its rows] @ dy[its rows] ([G, K, N] from xt [K, M] and dy [M, N]) on Hopper, for groups
+    that start and end on multiples of ALIGN rows, their padding rows zero in xt and dy: each (group, tile)
+    program sums the group's ALIGN-row steps with wgmma, no row masked. Non-persistent: one program per output
+    tile, so no SM count; a group's tiles run together (the group varies slowest), sharing its rows."""
+    k, n, groups = xt.shape[0], dy.shape[1], block_starts.shape[0] - 1
+    bm, bn, bk = HOPPER["block_m"], HOPPER["block_n"], ALIGN
+
+    def body(starts_gmem, xt_gmem, dy_gmem, out_gmem):
+        g, mi, ni = (jax.lax.axis_index(axis) for axis in ("g", "m", "n"))
+        first, last = starts_gmem[g], starts_gmem[g + 1]
+
+        def accumulate(acc):
+            plgpu.emit_pipeline(
+                lambda _, xt_smem, dy_smem: plgpu.wgmma(acc, xt_smem, dy_smem),
+                grid=(last - first,),
+                in_specs=[plgpu.BlockSpec((bm, bk), lambda i: (mi, first + i), delay_release=1),
+                          plgpu.BlockSpec((bk, bn), lambda i: (first + i, ni), delay_release=1)],
+                max_concurrent_steps=HOPPER["max_concurrent_steps"],
+            )(xt_gmem, dy_gmem)
+            return acc[...]
+
+        acc = pl.run_scoped(accumulate, plgpu.ACC((bm, bn)))
+        _store(acc, out_gmem.at[g, pl.ds(mi * bm, bm), pl.ds(ni * bn, bn)])
+
+    return plgpu.kernel(
+        body, out_type=jax.ShapeDtypeStruct((groups, k, n), xt.dtype), grid=(n // bn, k // bm, groups),
+        grid_names=("n", "m", "g"), kernel_name="grouped_weight_grad", compiler_params=WARPGROUP,
+    )(block_starts, xt, dy)
+
+
+def _in_groups(y, counts):
+    return jnp.where((jnp.arange(y.shape[0]) < jnp.sum(counts))[:, None], y, 0)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def gmm(x: jax.Array, w: jax.Array, block_starts: jax.Array, block: int, chip: Chip) -> jax.Array:
+    """gmm.gmm's grouped matmul (the same arguments: blocks block_starts[g] to block_starts[g + 1] - 1 of x
+    times w[g]) as grouped kernels for `chip`."""
+    counts = jnp.diff(block_starts) * block
+    return _in_groups(_product(x, w, counts, block_starts * (block // ALIGN), chip), counts)
+
+
+def _gmm_fwd(x, w, block_starts, block, chip):
+    return gmm(x, w, block_starts, block, chip), (x, w, block_starts)
+
+
+def _gmm_bwd(block, chip, res, dy):
+    x, w, block_starts = res
+    counts = jnp.diff(block_starts) * block
+    # The input gradient is the forward kernel's product with each w[g] transposed by XLA first: JAX's kernel
+    # can transpose its operand in shared memory, but Pallas' GPU interpreter cannot run that (wgmma on a
+    # TransposeTransform), and the weights are small beside the rows.
+    aligned = block_starts * (block // ALIGN)
+    dx = _in_groups(_product(dy, jnp.swapaxes(w, 1, 2), counts, aligned, chip), counts)
+    if chip.major == 9:
+        dw = _weight_grad(x.T, dy, aligned)
+    else:
+        dw = block_loop.weight_grad(x, dy, w.shape, block_starts, block, block_loop.dot_f32)
+    return dx, dw.astype(w.dtype), None
+
+
+gmm.defvjp(_gmm_fwd, _gmm_bwd)
+
+
+# The kernels' work for the step-time model (olmax.model.kernel_work), from their grids and tiles as they
+# launch them: every grid step's full tile counted (Hopper's skipped tiles after the last group, and the rows of
+# the layout's static bound no assignment fills, included: an upper bound), each operand read from HBM once
+# (the grid orders keep the programs that run together on the same rows and weights).
+def grouped_matmul_work(call: kernel_work.KernelCall) -> kernel_work.Work:
+    x, w = call.operands[1], call.operands[2]
+    rows, k = x.dims
+    n = w.dims[2]
+    return kernel_work.Work(2.0 * rows * k * n, kernel_work.moved(call), (ALIGN, HOPPER["block_n"], k), x.dtype)
+
+
+def grouped_weight_grad_work(call: kernel_work.KernelCall) -> kernel_work.Work:
+    xt, dy = call.operands[1], call.operands[2]
+    (k, rows), n, groups = xt.dims, dy.dims[1], call.outputs[0].dims[0]
+    tile = (HOPPER["block_m"], HOPPER["block_n"], max(rows // groups, ALIGN))  # a group's rows, on average
+    return kernel_work.Work(2.0 * k * rows * n, kernel_work.moved(call), tile, xt.dtype)
+
+
+def blackwell_ragged_dot_work(call: kernel_work.KernelCall) -> kernel_work.Work:
+    x, w = call.operands[0], call.operands[1]
+    (rows, k), (groups, _, n) = x.dims, w.dims
+    tile_m = 2 * BLACKWELL.tile_m  # a cluster's pair of SMs
+    tiles = rows // tile_m + groups - 1  # the kernel's linear grid of row tiles: every group may start one
+    return kernel_work.Work(2.0 * tiles * tile_m * k * n, kernel_work.moved(call),
+                            (BLACKWELL.tile_m, 2 * BLACKWELL.tile_n, k), x.dtype)
+
+
+kernel_work.WORK |= {"grouped_matmul": grouped_matmul_work, "grouped_weight_grad": grouped_weight_grad_work,
+                     f"ragged_dot_kernel_{BLACKWELL}": blackwell_ragged_dot_work}

@@ -1,0 +1,157 @@
+"""The GPU's grouped-matmul kernels (impl.moe.dispatch=grouped) run in Pallas' GPU interpreter on the CPU: the
+Hopper kernels (forward, input and weight gradient) against lax.ragged_dot and the block loop, in float32 and
+bf16, uneven and empty groups. The Blackwell kernel (tcgen05, tensor memory) the interpreter cannot run
+("Unsupported memory space: tmem"): it is compiled for a B300 instead, and expert parallelism for 8 H100s.
+And `auto`'s choice."""
+
+import os
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams, force_gpu_interpret_mode
+
+from olmax.config import ConfigError, MoEConfig
+from olmax.model.moe import gmm, grouped, sublayer
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from olmax.scale.targets import aot_missing, compile_only_devices, parse_target
+from testlib import moe_layer_params
+
+HOPPER = grouped.Chip(major=9, sms=4)  # few SMs: the interpreter runs one thread per SM
+BLOCK = grouped.ALIGN
+D, F = 128, 128  # one 128 x 128 tile
+
+
+def _grouped_inputs(counts, dtype, width=D, seed=0):
+    """x [rows, D] in the block layout (each group padded to BLOCK rows, zero rows after the last), w [G, D, F],
+    the block starts, and the layout's group sizes."""
+    counts = np.asarray(counts)
+    blocks = -(-counts // BLOCK)
+    starts = np.concatenate([[0], np.cumsum(blocks)]).astype(np.int32)
+    rows = (starts[-1] + 2) * BLOCK  # two spare blocks, as the layout's static bound leaves
+    kx, kw, ky = jax.random.split(jax.random.key(seed), 3)
+    x = jax.random.normal(kx, (rows, width), dtype)
+    used = np.zeros(rows, bool)
+    for g, n in enumerate(counts):
+        used[starts[g] * BLOCK: starts[g] * BLOCK + n] = True
+    x = jnp.where(jnp.asarray(used)[:, None], x, 0)  # padding rows are zeros, as the layout gathers them
+    w = jax.random.normal(kw, (len(counts), width, width), dtype) * width**-0.5
+    cotangent = jax.random.normal(ky, (rows, width), dtype)
+    return x, w, jnp.asarray(starts), jnp.asarray(blocks * BLOCK, jnp.int32), cotangent
+
+
+def _value_and_grads(fn, x, w, cotangent):
+    y, vjp = jax.vjp(fn, x, w)
+    return (y, *vjp(cotangent))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_hopper_kernels_match_ragged_dot_and_the_block_loop(dtype):
+    """Uneven groups, an empty one in the middle and one at the end, row counts off the 128-row tile: output,
+    input and weight gradients of the kernels against lax.ragged_dot's and the block loop's."""
+    x, w, starts, sizes, cotangent = _grouped_inputs([37, 0, 100, 65, 0], dtype)
+    with force_gpu_interpret_mode(InterpretGPUParams()):
+        ours = _value_and_grads(lambda a, b: grouped.gmm(a, b, starts, BLOCK, HOPPER), x, w, cotangent)
+    loop = _value_and_grads(lambda a, b: gmm.gmm(a, b, starts, BLOCK), x, w, cotangent)
+    ragged = _value_and_grads(lambda a, b: jax.lax.ragged_dot(a, b, sizes, preferred_element_type=jnp.float32)
+                              .astype(dtype), x, w, cotangent)
+    tol = dict(rtol=1e-5, atol=1e-4) if dtype == jnp.float32 else dict(rtol=2e-2, atol=6e-2)
+    for name, a, b, c in zip(("y", "dx", "dw"), ours, loop, ragged):
+        assert a.dtype == b.dtype == dtype, name
+        np.testing.assert_allclose(np.float32(a), np.float32(b), **tol, err_msg=name)
+        np.testing.assert_allclose(np.float32(a), np.float32(c), **tol, err_msg=name)
+    np.testing.assert_array_equal(np.float32(ours[2][1]), 0)  # an empty group's weights get no gradient
+    np.testing.assert_array_equal(np.float32(ours[0][int(starts[-1]) * BLOCK:]), 0)  # rows after the groups
+
+
+def _device(cc, sms=132, platform="gpu"):
+    return types.SimpleNamespace(platform=platform, compute_capability=cc, core_count=sms, device_kind="a GPU")
+
+
+def test_auto_takes_the_kernels_where_they_run():
+    widths = {"model.d_model": 3584, "model.moe.expert_hidden": 1024}
+    assert sublayer.dispatch_for("auto", "gpu", 1, _device("9.0"), widths) == "grouped"
+    assert sublayer.dispatch_for("auto", "gpu", 1, _device("10.3"), widths) == "grouped"
+    assert sublayer.dispatch_for("auto", "gpu", 1, _device("8.0"), widths) == "blocks"  # an A100
+    assert sublayer.dispatch_for("auto", "gpu", 2, _device("9.0"), widths) == "blocks"  # pipeline stages
+    assert sublayer.dispatch_for("auto", "gpu", 1, _device("9.0"), widths, mxfp8=True) == "blocks"
+    assert sublayer.dispatch_for("auto", "gpu", 1, _device("9.0"), {"model.d_model": 3000}) == "blocks"
+    assert sublayer.dispatch_for("auto", "cpu", 1, None, widths) == "blocks"  # the CPU keeps its loop
+    with pytest.raises(ConfigError, match="mesh.stage 2.*set impl.moe.dispatch=auto or blocks"):
+        sublayer.dispatch_for("grouped", "gpu", 2, _device("9.0"), widths)
+    with pytest.raises(ConfigError, match=r"model.d_model \(3000\) in multiples of 256"):
+        sublayer.dispatch_for("grouped", "gpu", 1, _device("9.0"), {"model.d_model": 3000})
+    with pytest.raises(ConfigError, match="CPUs; set impl.moe.dispatch=auto or blocks"):
+        sublayer.dispatch_for("grouped", "cpu", 1, None, widths)
+
+
+def _compiled_in_own_process(check: str, target: str) -> None:
+    # Mosaic GPU's compiler keeps the first GPU generation a process compiles its kernels for: a B300's kernels
+    # after an H100's stop ptxas ("SM version specified by .target is higher than default SM version assumed").
+    # `olmax compile` compiles for one target a process; so does each of these checks.
+    tests = str(Path(__file__).parents[1])
+    env = os.environ | {"PYTHONPATH": os.pathsep.join([tests, os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, __file__, check, target], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+def _compile_kernels(target):
+    """Forward and both gradients compiled for one GPU of the target: Mosaic GPU custom calls, the Hopper
+    kernels' wgmma or the Blackwell kernel's tcgen05 lowered by LLVM and assembled by ptxas at compile time
+    (wgmma on a B300 stops LLVM: "Cannot select: intrinsic %llvm.nvvm.wgmma.fence.sync.aligned")."""
+    device = compile_only_devices(parse_target(target))[0]
+    chip = grouped.Chip.of(device)
+    x, w, starts, _, cotangent = _grouped_inputs([300, 0, 90, 122], jnp.bfloat16, grouped.WIDTH_MULTIPLE)
+    sharding = jax.sharding.SingleDeviceSharding(device)
+    spec = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding) for a in (x, w, starts, cotangent)]
+
+    def step(x, w, starts, cotangent):
+        return _value_and_grads(lambda a, b: grouped.gmm(a, b, starts, BLOCK, chip), x, w, cotangent)
+
+    hlo = jax.jit(step).lower(*spec).compile().as_text()
+    assert hlo.count('custom_call_target="mosaic_gpu_v2"') == (3 if chip.major == 9 else 2)
+
+
+def _compile_expert_parallel_layer(target):
+    """The MoE layer expert-parallel over a host of 8 GPUs (2 experts resident a GPU) with its gradients: each
+    GPU's kernels run its received rows after the all-to-all."""
+    devices = compile_only_devices(parse_target(target))
+    mesh = Mesh(np.array(devices), ("expert",))
+    cfg = MoEConfig(num_experts=16, top_k=2, expert_hidden=grouped.WIDTH_MULTIPLE)
+    p = jax.eval_shape(lambda: moe_layer_params(cfg, grouped.WIDTH_MULTIPLE, jax.random.key(0)))
+    rows, replicated = (NamedSharding(mesh, PartitionSpec(*spec)) for spec in (("expert",), ()))
+    p = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, jnp.bfloat16, sharding=replicated), p)
+    x = jax.ShapeDtypeStruct((64, 16, grouped.WIDTH_MULTIPLE), jnp.bfloat16, sharding=rows)
+
+    def loss(p, x):
+        out, _ = sublayer.moe_mlp(cfg, p, x, mesh=mesh, batch_axes=("expert",), dispatch="grouped",
+                                  chip=grouped.Chip.of(devices[0]))
+        return jnp.sum(out.astype(jnp.float32))
+
+    hlo = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(p, x).compile().as_text()
+    assert "all-to-all" in hlo
+    kernels = 9 if grouped.Chip.of(devices[0]).major == 9 else 6  # 3 matmuls; Blackwell's weight gradient loops
+    assert hlo.count('custom_call_target="mosaic_gpu_v2"') == kernels
+
+
+@pytest.mark.skipif(aot_missing("gpu") is not None, reason="needs the aot-gpu extra")
+def test_kernels_compile_for_a_b300():
+    _compiled_in_own_process("_compile_kernels", "gpu:b300x8")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(aot_missing("gpu") is not None, reason="needs the aot-gpu extra")
+@pytest.mark.parametrize("target", ["gpu:h100x8", "gpu:b300x8"])
+def test_expert_parallel_layer_compiles_with_the_kernels(target):
+    """(Pallas' GPU interpreter cannot run kernels inside a shard_map over several CPU devices: it joins the
+    devices' kernels at a barrier, which XLA:CPU never reaches running them one after another.)"""
+    _compiled_in_own_process("_compile_expert_parallel_layer", target)
+
+
+if __name__ == "__main__":
+    globals()[sys.argv[1]](sys.argv[2])
