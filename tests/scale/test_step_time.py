@@ -2,6 +2,8 @@
 tile, a collective's cost on a known topology, loop trip counts, and asynchronous collectives hidden behind
 compute."""
 
+import math
+
 import pytest
 
 from olmax.scale import hlo, step_time
@@ -286,3 +288,32 @@ def test_the_plan_and_the_page_state_the_counts_assumed_and_name_what_was_not_co
                              (unknown, "warning: custom call mystery_kernel (1 a step): an unknown kernel")):
         assert any(line.startswith(said) for line in format_prediction(prediction))
         assert said.replace("'", "&#x27;") in _step_time({"step_time": prediction})
+
+
+PALLAS_CALL = """  %x = bf16[512,256]{{1,0}} parameter(0)
+  %y = bf16[256,512]{{1,0}} parameter(1)
+  ROOT %{instruction} = bf16[512,512]{{1,0}} custom-call(%x, %y), custom_call_target="{target}", metadata={{op_name="jit(mm)/probe_matmul/pallas_call"}}, backend_config={config}"""
+
+
+@pytest.mark.parametrize("target, instruction, config, grid", [
+    ("__gpu$xla.gpu.triton", "pallas_call.1", "{debug = false, grid_x = 4 : i32, grid_y = 4 : i32, grid_z = 1 : i32}",
+     (4, 4, 1)),  # Pallas Triton states its grid
+    ("mosaic_gpu_v2", "pallas_call.1", '{kernel_hash = "x", module = "ML"}', None),  # Mosaic serializes it
+    ("tpu_custom_call", "probe_matmul.1", '{"custom_call_config":{"body":"TUzvUgFN"}}', None),
+])
+def test_a_pallas_kernel_is_costed_by_the_work_registered_under_its_name(monkeypatch, target, instruction, config, grid):
+    """A Pallas call's name (`pl.pallas_call(..., name=...)`) is the part of its op name before /pallas_call on every
+    backend; the step-time model costs it from olmax.model.kernel_work's entry for that name: here a 4 x 4 grid of
+    128 x 128 output blocks, each contracting 256."""
+    from olmax.model import kernel_work
+
+    seen = []
+
+    def probe_matmul(call: kernel_work.KernelCall) -> kernel_work.Work:
+        seen.append(call.grid)
+        blocks = math.prod(call.grid or (4, 4))
+        return kernel_work.Work(blocks * 2 * 128 * 128 * 256, kernel_work.moved(call), (128, 128, 256), "bf16")
+
+    monkeypatch.setitem(kernel_work.WORK, "probe_matmul", probe_matmul)
+    found = predict(program(PALLAS_CALL.format(target=target, instruction=instruction, config=config)))
+    assert seen == [grid] and found["executed_flops"] == 2 * 512 * 512 * 256 and found["warnings"] == []

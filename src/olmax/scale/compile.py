@@ -131,9 +131,11 @@ def expert_blocks(cfg: RunConfig, layout: Layout, micro_rows: int) -> step_time.
     moe = cfg.model.moe
     ep = layout.mesh.shape.get("expert", 1)
     local_experts = moe.num_experts // ep
-    routed = micro_rows // layout.data_parallel_size * cfg.data.sequence_length * moe.top_k  # a device's, expected
+    # a device's tokens in one pass through a layer: a micro-step's, or with pipeline stages one pipeline micro-batch's
+    passes = (cfg.impl.pipeline.microbatches or cfg.mesh.stage) if cfg.mesh.stage > 1 else 1
+    tokens = micro_rows // layout.data_parallel_size * cfg.data.sequence_length // passes
+    routed = tokens * moe.top_k  # expected
     if ep > 1 and cfg.impl.moe.ep_capacity is not None:
-        tokens = micro_rows // layout.data_parallel_size * cfg.data.sequence_length
         sized_for = ep * expert_parallel.peer_capacity(tokens, moe.top_k, ep, cfg.impl.moe.ep_capacity)
     else:
         sized_for = routed
