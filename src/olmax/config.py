@@ -307,7 +307,8 @@ class ImplConfig(Section):
         "auto", description="auto: bfloat16 on accelerators, float32 on CPU (XLA's CPU bf16 matmuls are slower)"
     )
     remat: list[str] | Literal["full", "none"] = Field(
-        "none", description="'none': no remat; 'full': save nothing; or the named activations to save"
+        "none", description="'none': no matmul or attention recomputed (with bf16 compute the elementwise work "
+        "between them is: norms, RoPE, SwiGLU's gate); 'full': save nothing; or the named activations to save"
     )
     attention: AttentionImplConfig = Field(default_factory=AttentionImplConfig)
     scan_layers: bool = Field(

@@ -122,7 +122,8 @@ def test_mxfp8_quantization_is_jax_own_block_scales_and_e4m3_values():
 
 
 def test_mx_matmul_and_its_gradients_round_each_product_along_its_contraction():
-    """Forward: x and w in blocks along K; input gradient: g and w along F; weight gradient: x and g along N."""
+    """Forward: x and w in blocks along K; input gradient: g and w along F; weight gradient: x as the forward
+    quantized it (what the backward keeps), quantized again along N, and g along N."""
     kx, kw, kg = jax.random.split(jax.random.key(1), 3)
     x, w, g = jax.random.normal(kx, (64, 96)), 0.02 * jax.random.normal(kw, (96, 32)), jax.random.normal(kg, (64, 32))
     y, vjp = jax.vjp(lambda x, w: fp8.mx_matmul(x, w, "cpu"), x, w)
@@ -130,7 +131,7 @@ def test_mx_matmul_and_its_gradients_round_each_product_along_its_contraction():
     r = fp8.mx_round
     np.testing.assert_allclose(y, r(x, 1) @ r(w, 0), rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(dx, r(g, 1) @ r(w, 1).T, rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(dw, r(x, 0).T @ r(g, 0), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(dw, r(r(x, 1), 0).T @ r(g, 0), rtol=1e-5, atol=1e-5)
     relative = lambda a, b: float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))  # noqa: E731
     # e4m3 under block scales: closer than per-tensor e4m3 (0.005..0.06 above), never exact
     for got, exact in ((y, x @ w), (dx, g @ w.T), (dw, x.T @ g)):
@@ -177,3 +178,41 @@ def test_mxfp8_compiles_to_cudnn_block_scaled_gemms_for_b300s_and_is_refused_for
     assert report["program"]["mxfp8_matmuls"] == 3 * 7 * 4 and report["program"]["float8_matmuls"] == 0
     assert main(args + ["gpu:h100x8"]) == 2
     assert "needs a GPU of compute capability 10.x (Blackwell), not NVIDIA H100 80GB HBM3 (9.0)" in capsys.readouterr().err
+
+
+def test_mx_matmul_keeps_its_input_quantized_and_its_weight_as_it_came():
+    """What the backward keeps of an MXFP8 projection: x as the forward quantized it (e4m3 values, an e8m0 scale
+    per 32 along K) and w as given (an FSDP shard, gathered again in the backward), no bf16 copy of x."""
+    from jax._src.ad_checkpoint import saved_residuals
+
+    x, w = jnp.ones((64, 96), jnp.bfloat16), jnp.ones((96, 32), jnp.bfloat16)
+    kept = sorted((aval.dtype.name, aval.shape) for aval, _ in
+                  saved_residuals(lambda x, w: fp8.mx_matmul(x, w, "cpu").astype(jnp.float32).sum(), x, w))
+    assert kept == [("bfloat16", (96, 32)), ("float8_e4m3fn", (64, 96)), ("float8_e8m0fnu", (64, 3))]
+
+
+def test_the_experts_weights_are_quantized_once_for_all_their_blocks():
+    """In the grouped matmul's block loop, MXFP8 quantizes each block of rows and nothing else: the experts'
+    weights are quantized before the loops (before: again for every block)."""
+    from jax.extend.core import jaxprs_in_params
+
+    from olmax.model.moe import gmm
+
+    def block_loop_amaxes(jaxpr):
+        """The amaxes (reduce_max ops) at the deepest level of loops: in the block loop's body."""
+        levels = []
+
+        def walk(j, depth):
+            levels.append((depth, sum(e.primitive.name == "reduce_max" for e in j.eqns)))
+            for e in j.eqns:
+                for sub in jaxprs_in_params(e.params):
+                    walk(sub, depth + (e.primitive.name == "while"))
+
+        walk(jaxpr, 0)
+        deepest = max(depth for depth, _ in levels)
+        return sum(n for depth, n in levels if depth == deepest)
+
+    x, w = jnp.ones((64, 64), jnp.bfloat16), jnp.ones((2, 64, 32), jnp.bfloat16)
+    starts = jnp.array([0, 1, 2], jnp.int32)
+    jaxpr = jax.make_jaxpr(lambda x, w: gmm.gmm(x, w, starts, 32, fp8.MXDot("cpu")))(x, w).jaxpr
+    assert block_loop_amaxes(jaxpr) == 1  # the block's rows (before: and the weight's)

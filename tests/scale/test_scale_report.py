@@ -420,3 +420,29 @@ ENTRY %main (w: bf16[4,8], g: f32[16,8]) -> bf16[16,8] {
     assert set(rows) == {"all-gather", "reduce-scatter", None}
     assert all(row["kind"] == "all-reduce" and row["count"] == 1 for row in rows.values())
     assert rows["all-gather"]["bytes_per_step"] == 16 * 8 * 2 and rows["reduce-scatter"]["bytes_per_step"] == 16 * 8 * 4
+
+
+def test_the_residuals_are_read_from_the_program_as_the_forward_stacks_them():
+    """program_memory finds the buffers the forward's layer loop fills for the backward: under remat full, each
+    layer group's input and nothing else (its size exactly), under remat none more; no gathers on one device."""
+    import jax
+    import jax.numpy as jnp
+
+    from olmax.config import load_config
+    from olmax.model import families, transformer
+    from olmax.scale.anatomy import program_memory
+
+    def kept(remat):
+        cfg = load_config("tiny", ["model.n_layers=12", f"impl.remat={remat}", "impl.compute_dtype=bfloat16"])
+        params = jax.eval_shape(lambda: families.init_params(cfg.model, jax.random.key(0)))
+        tokens = jax.ShapeDtypeStruct((2, 128), jnp.int32)
+
+        def loss(p, t):
+            return transformer.forward(cfg.model, cfg.impl, p, t)[0].astype(jnp.float32).mean()
+
+        return cfg, program_memory(jax.jit(jax.grad(loss)).lower(params, tokens).compile().as_text())
+
+    cfg, full = kept("full")
+    groups = cfg.model.n_layers // len(cfg.model.layer_pattern)
+    assert full == {"residuals": groups * 2 * 128 * cfg.model.d_model * 2, "gathered_weights": 0}
+    assert kept("none")[1]["residuals"] > 4 * full["residuals"]

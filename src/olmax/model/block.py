@@ -59,14 +59,10 @@ def dense_for(impl: ImplConfig, layout: Layout | None = None) -> Callable:
         fp8.check_mxfp8(layout)
         where = platform(layout)
 
-        def mx_matmul(x, w):
-            if where == "gpu" and layout is not None:
-                # the weight whole before it is quantized: sharded, its e8m0 scales would be gathered by NCCL,
-                # which has no such type (XLA refuses the program)
-                w = jax.lax.with_sharding_constraint(w, layout.replicated)
-            return fp8.mx_matmul(x, w, where)
-
-        return functools.partial(dense, matmul=mx_matmul)
+        # On a GPU the weight is gathered whole (in the compute dtype) before it is quantized: gathered quantized,
+        # its e8m0 scales would go through NCCL, which has no such type (XLA refuses the program).
+        whole = layout.replicated if where == "gpu" and layout is not None else None
+        return functools.partial(dense, matmul=functools.partial(fp8.mx_matmul, platform=where, whole=whole))
     return functools.partial(dense, matmul=fp8.matmul) if impl.fp8 else dense
 
 
@@ -84,7 +80,7 @@ def mlp_sublayer(cfg: ModelConfig, impl: ImplConfig, layout: Layout | None = Non
         chip = sublayer.grouped.Chip.of(layout.mesh.devices.flat[0] if layout else jax.devices()[0])
     mx = {}
     if impl.fp8 == "mxfp8":
-        mx = {"dot": functools.partial(fp8.mx_dot_general, platform=platform(layout)), "smallest_block": fp8.MX_BLOCK}
+        mx = {"dot": fp8.MXDot(platform(layout)), "smallest_block": fp8.MX_BLOCK}
 
     def moe_mlp(p: dict, h: jax.Array, key: jax.Array | None = None) -> tuple[jax.Array, dict]:
         return sublayer.moe_mlp(cfg.moe, p, h, key=key, mesh=layout.mesh if layout else None,

@@ -10,6 +10,7 @@ what the backward keeps: 1 byte an element.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -58,9 +59,12 @@ matmul.defvjp(_forward, _backward)
 # MXFP8 (OCP microscaling; impl.fp8=mxfp8): every run of 32 consecutive values along a product's contraction
 # is rounded to e4m3 under its own power-of-two (e8m0) scale, the smallest that holds the run's amax. The
 # forward and both gradient products quantize their two operands along the dimension they contract, as
-# jax.nn.scaled_dot_general does (the gradient in e4m3 too); on a GPU each product is that function with
-# JAX's mxfp8 config (cuDNN's block-scaled GEMM on Blackwell), elsewhere the same rounded values are
-# multiplied in the operands' own wider type. The backward keeps x and w as they are, as JAX's does.
+# jax.nn.scaled_dot_general does (the gradient in e4m3 too); on a GPU each product is jax.nn.scaled_matmul on
+# the quantized operands (cuDNN's block-scaled GEMM on Blackwell), elsewhere the same rounded values are
+# multiplied in float32. What the backward keeps of a projection is its input as the forward quantized it
+# (1 byte an element and a scale per 32), from which the weight gradient is made (dequantized: exact, then
+# quantized along the tokens), and the weight as it came in (an FSDP shard): the whole weight is gathered in
+# the compute dtype and quantized again in the backward, not kept between the passes.
 MX_BLOCK = 32
 MX_VALUES, MX_SCALES = jnp.float8_e4m3fn, jnp.float8_e8m0fnu
 
@@ -98,38 +102,80 @@ def mx_quantize(x: jax.Array, axis: int) -> tuple[jax.Array, jax.Array]:
     return jnp.moveaxis(values.reshape(x.shape), -1, axis), jnp.moveaxis(scales, -1, axis)
 
 
+def mx_dequantize(quantized: tuple[jax.Array, jax.Array], axis: int, dtype=jnp.float32) -> jax.Array:
+    """The values mx_quantize(x, axis) stands for, in `dtype` (exact in float32 and bfloat16)."""
+    values, scales = quantized
+    return (values.astype(jnp.float32) * jnp.repeat(scales.astype(jnp.float32), MX_BLOCK, axis=axis)).astype(dtype)
+
+
 def mx_round(x: jax.Array, axis: int) -> jax.Array:
     """x's values after MXFP8 quantization along `axis`, in x's dtype (exact: e4m3 times a power of two)."""
-    values, scales = mx_quantize(x, axis)
-    return (values.astype(jnp.float32) * jnp.repeat(scales.astype(jnp.float32), MX_BLOCK, axis=axis)).astype(x.dtype)
+    return mx_dequantize(mx_quantize(x, axis), axis, x.dtype)
 
 
-def mx_dot_general(a: jax.Array, b: jax.Array, dimension_numbers, platform: str, out_dtype=jnp.float32) -> jax.Array:
-    """lax.dot_general of a and b (one contracting dimension each, a multiple of MX_BLOCK) in MXFP8."""
-    if platform == "gpu":
-        return jax.nn.scaled_dot_general(a, b, dimension_numbers, preferred_element_type=out_dtype,
-                                         configs=[jax.nn.get_scaled_dot_general_config("mxfp8")] * 3)
+def mx_dot(a: tuple[jax.Array, jax.Array], b: tuple[jax.Array, jax.Array], dimension_numbers, platform: str,
+           out_dtype=jnp.float32) -> jax.Array:
+    """lax.dot_general of two 2-D MXFP8 operands, each (values, scales) quantized along its contracting dimension
+    (mx_quantize), accumulated in float32, in `out_dtype`: on a GPU jax.nn.scaled_matmul (cuDNN), elsewhere the
+    product of the dequantized values."""
     ((ca,), (cb,)), _ = dimension_numbers
-    return jax.lax.dot_general(mx_round(a, ca), mx_round(b, cb), dimension_numbers, preferred_element_type=out_dtype)
+    if platform == "gpu":  # [1, M, K] x [1, N, K]: the contraction last
+        lhs, rhs = ([jnp.moveaxis(t, c, 1)[None] for t in q] for q, c in ((a, ca), (b, cb)))
+        return jax.nn.scaled_matmul(lhs[0], rhs[0], lhs[1], rhs[1], preferred_element_type=out_dtype)[0]
+    return jax.lax.dot_general(mx_dequantize(a, ca), mx_dequantize(b, cb), dimension_numbers,
+                               preferred_element_type=jnp.float32).astype(out_dtype)
+
+
+def mx_dot_general(a: jax.Array, b, dimension_numbers, platform: str, out_dtype=jnp.float32) -> jax.Array:
+    """lax.dot_general of a and b (one contracting dimension each, a multiple of MX_BLOCK) in MXFP8; b may come
+    quantized already, as mx_quantize's pair along its contracting dimension."""
+    ((ca,), (cb,)), _ = dimension_numbers
+    b = b if isinstance(b, tuple) else mx_quantize(b, cb)
+    return mx_dot(mx_quantize(a, ca), b, dimension_numbers, platform, out_dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class MXDot:
+    """The experts' grouped matmul in MXFP8 on `platform` (see olmax.model.moe.gmm): `dot(a, b, dimension_numbers)`
+    in float32, and `weight(w, axis)`, the expert weights quantized along `axis` once for all their blocks."""
+
+    platform: str
+
+    def __call__(self, a, b, dimension_numbers) -> jax.Array:
+        return mx_dot_general(a, b, dimension_numbers, self.platform)
+
+    @staticmethod
+    def weight(w: jax.Array, axis: int) -> tuple[jax.Array, jax.Array]:
+        return mx_quantize(w, axis)
 
 
 _NN, _NT, _TN = ((((1,), (0,)), ((), ())), (((1,), (1,)), ((), ())), (((0,), (0,)), ((), ())))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def mx_matmul(x: jax.Array, w: jax.Array, platform: str) -> jax.Array:
+def _whole(w: jax.Array, whole) -> jax.Array:
+    return w if whole is None else jax.lax.with_sharding_constraint(w, whole)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def mx_matmul(x: jax.Array, w: jax.Array, platform: str, whole=None) -> jax.Array:
     """x [N, K] @ w [K, F] (one dtype) in MXFP8 on `platform` ('gpu': cuDNN; else emulated); N, K and F
-    multiples of MX_BLOCK (the weight gradient contracts N)."""
-    return mx_dot_general(x, w, _NN, platform, x.dtype)
+    multiples of MX_BLOCK (the weight gradient contracts N). `whole` (a sharding, or None for w as it is): where
+    w is gathered before it is quantized, in w's dtype, in the forward and again in the backward; a GPU must
+    not gather the quantized weight (NCCL has no e8m0 type)."""
+    return _mx_forward(x, w, platform, whole)[0]
 
 
-def _mx_forward(x, w, platform):
-    return mx_matmul(x, w, platform), (x, w)
+def _mx_forward(x, w, platform, whole):
+    x_q = mx_quantize(x, 1)
+    return mx_dot(x_q, mx_quantize(_whole(w, whole), 0), _NN, platform, x.dtype), (x_q, w)
 
 
-def _mx_backward(platform, residuals, g):
-    x, w = residuals
-    return mx_dot_general(g, w, _NT, platform, g.dtype), mx_dot_general(x, g, _TN, platform, g.dtype)
+def _mx_backward(platform, whole, residuals, g):
+    x_q, w = residuals
+    dx = mx_dot(mx_quantize(g, 1), mx_quantize(_whole(w, whole), 1), _NT, platform, g.dtype)
+    x = mx_dequantize(x_q, 1, g.dtype)
+    dw = mx_dot(mx_quantize(x, 0), mx_quantize(g, 0), _TN, platform, g.dtype)
+    return dx, dw.astype(w.dtype)
 
 
 mx_matmul.defvjp(_mx_forward, _mx_backward)

@@ -192,20 +192,71 @@ def saved_activation_bytes(cfg: RunConfig, tokens_per_device: int, dtype_bytes: 
     return sched.microbatches * layers_per_stage * tokens_per_microbatch * per_layer_token * dtype_bytes
 
 
+def _forward_loop(loop: hlo.Instruction) -> bool:
+    """A loop of the forward pass that the backward differentiates, at its top: over the layer groups, over the
+    loss's chunks (JAX names it `.../jvp(...)/while`; the backward's are under `transpose(jvp(...))`, and a
+    loop inside one of them names two whiles after its jvp)."""
+    if loop.op != "while" or "transpose(" in loop.op_name:
+        return False
+    _, jvp, inside = loop.op_name.partition("jvp(")
+    return bool(jvp) and inside.count("while") == 1
+
+
+def _written_in_place(module: hlo.Module, computation: hlo.Computation, name: str) -> bool:
+    """Whether an instruction updates a slice of a buffer of its own shape: a dynamic-update-slice, or a fusion
+    with one of the fusion's shape (on a CPU the fusion may convert the whole buffer after it)."""
+    source = computation.by_name.get(name)
+    if source is None or source.op not in ("dynamic-update-slice", "fusion"):
+        return False
+    if source.op == "dynamic-update-slice":
+        return True
+    fused = module.computation(source.calls()[0])
+    dims = [a.dims for a in source.outputs]
+    return fused is not None and any(i.op == "dynamic-update-slice" and [a.dims for a in i.outputs] == dims
+                                     for i in fused.instructions)
+
+
+def program_memory(text: str) -> dict:
+    """Two parts of a compiled step's memory, read from its program (bytes per device):
+
+    residuals: what the forward keeps for the backward, the outputs its loops (over layer groups, over the loss's
+        chunks) write iteration by iteration into buffers that outlive them, which the backward's loops read back
+        (the stacked outputs of a forward loop built by dynamic-update-slice; a loop's carry and what it passes
+        through are not counted);
+    gathered_weights: the most that one iteration of a loop gathers (a layer group's weights from their FSDP
+        shards, or the LM head's): what is held whole at once while a layer or the head runs, prefetching aside.
+    """
+    module = hlo.Module(text)
+    residuals = gathered = 0
+    for computation in module.computations.values():
+        for loop in computation.instructions:
+            if loop.op != "while" or (body := module.computation((loop.attribute("body") or "").lstrip("%"))) is None:
+                continue
+            if _forward_loop(loop) and body.root.op == "tuple":
+                residuals += sum(a.bytes for name in body.root.operands if _written_in_place(module, body, name)
+                                 for a in body.by_name[name].outputs)
+            gathers = [i for i in body.instructions if i.op in ("all-gather", "all-gather-start")]
+            gathered = max(gathered, sum(i.results([])[-1].bytes for i in gathers))
+    return {"residuals": int(residuals), "gathered_weights": int(gathered)}
+
+
 def memory_stack(report: dict) -> list[dict]:
     """One device's memory at the compiler's peak, stacked: the segments add up to the peak exactly, and `free`
-    to the device's memory. Activations are the remat estimate, capped at what the peak leaves after the
-    arguments and gradients; temporaries are the rest of the peak."""
+    to the device's memory. Parameters, optimizer state and the batch are the program's arguments; gradients the
+    float32 accumulator, the parameters' size; residuals and gathered weights as the program has them
+    (program_memory), each capped at what the peak leaves; temporaries are the rest of the peak."""
     rest = report["peak"] - report["arguments"] - report["gradients"]
-    activations = min(report["saved_activations_estimate"], max(rest, 0))
+    residuals = min(report["residuals"], max(rest, 0))
+    gathered = min(report["gathered_weights"], max(rest - residuals, 0))
     other_arguments = report["arguments"] - report["parameters"] - report["optimizer_state"]
     return [
         {"segment": "parameters", "bytes": report["parameters"]},
         {"segment": "optimizer state", "bytes": report["optimizer_state"]},
         {"segment": "batch and other arguments", "bytes": other_arguments},
         {"segment": "gradients", "bytes": report["gradients"]},
-        {"segment": "activations kept for the backward", "bytes": activations},
-        {"segment": "temporaries", "bytes": rest - activations},
+        {"segment": "residuals kept for the backward", "bytes": residuals},
+        {"segment": "gathered weights", "bytes": gathered},
+        {"segment": "temporaries", "bytes": rest - residuals - gathered},
         {"segment": "free", "bytes": report["memory_per_device"] - report["peak"]},
     ]
 

@@ -354,7 +354,7 @@ def format_compile(r: dict) -> str:
             row("    optimizer state", r["optimizer_state"]),
             row("    batch", r["batch"]),
             row("  gradients (fp32)", r["gradients"]),
-            row("  activations and other buffers", r["peak"] - r["arguments"] - r["gradients"]),
+            *[row(f"  {s['segment']}", s["bytes"]) for s in r["memory_stack"][4:-1]],
         ]
     else:
         if "required" in r:

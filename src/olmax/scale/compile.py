@@ -321,6 +321,7 @@ def compile_train_step(cfg: RunConfig, target: Target, mfu: float | None = None,
         "temporaries": result["temporaries"],
         # The gradient is a float32 copy of the parameters, and the clip needs all of it at once.
         "gradients": params,
+        **anatomy.program_memory(text),
     })
     report["step_time"] = predicted_step(cfg, target, layout, text)
     report["plan"] = plan(cfg, target, mfu, prediction=report["step_time"])

@@ -18,7 +18,8 @@ from olmax.scale import step_time
 GiB = 2**30
 FAMILY_ORDER = ["embeddings", "attention projections", "MLP", "experts", "router", "norms", "LM head"]
 SEGMENT_COLOURS = {"parameters": "#4e79a7", "optimizer state": "#f28e2b", "batch and other arguments": "#9c755f",
-                   "gradients": "#e15759", "activations kept for the backward": "#76b7b2", "temporaries": "#59a14f",
+                   "gradients": "#e15759", "residuals kept for the backward": "#76b7b2", "gathered weights": "#edc948",
+                   "temporaries": "#59a14f",
                    "free": "#f4f4f4"}
 
 
@@ -181,10 +182,12 @@ def _memory(r: dict) -> str:
         f"<p class=\"note\">One program runs on every device (SPMD), so every device holds the same: the bar is "
         f"the {gib('memory_per_device', r['memory_per_device'])} of one device, the black line the compiler's "
         f"peak ({gib('peak', r['peak'])}, from the compiled program's memory analysis). Parameters, optimizer "
-        f"state and batch are the program's arguments ({gib('arguments', r['arguments'])}); gradients are a "
-        "float32 copy of the parameters; the activations kept for the backward are estimated from the remat "
-        "policy and the shapes (the compiler does not label its buffers); temporaries are the rest of the "
-        f"peak (the compiler's total of temporaries, {gib('temporaries', r['temporaries'])}, sums every temporary "
+        f"state and batch are the program's arguments ({gib('arguments', r['arguments'])}); gradients are the "
+        "float32 accumulator, the parameters' size; the residuals kept for the backward are read from the "
+        "compiled program (the buffers the forward's loops, over layers and over the loss's chunks, fill "
+        "iteration by iteration for the backward's); the gathered weights are the most one loop iteration "
+        "gathers whole (a layer group's weights from their shards, or the LM head); temporaries are the rest of "
+        f"the peak (the compiler's total of temporaries, {gib('temporaries', r['temporaries'])}, sums every temporary "
         "buffer of the whole program, buffers that are never all live at once: it can exceed the peak).</p>"
         + "<h3>The device</h3>" + _memory_bar(r) + "<h3>The peak, at full width</h3>" + _memory_bar(r, whole=False)
         + table(["segment", "size", "of the device"], rows, {1, 2})

@@ -48,8 +48,13 @@ BLOCK_LOOP = "expert_block_loop"
 
 
 def _grouped_loop(x, w, block_starts, block: int, dot, contract_w: int):
+    groups, out = w.shape[0], _zeros((x.shape[0], w.shape[2 - contract_w]), x.dtype, x, w)
+    if hasattr(dot, "weight"):  # the weights as the dot takes them (an MXFP8 dot's: quantized), once for all blocks
+        w = dot.weight(w, 1 + contract_w)
+
     def group(g, out):
-        wg = jax.lax.dynamic_index_in_dim(w, g, keepdims=False)  # one copy per group, not per block
+        # one copy per group, not per block
+        wg = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, g, keepdims=False), w)
 
         def one_block(b, out):
             xb = jax.lax.dynamic_slice_in_dim(x, b * block, block)
@@ -59,7 +64,7 @@ def _grouped_loop(x, w, block_starts, block: int, dot, contract_w: int):
         with jax.named_scope(BLOCK_LOOP):
             return jax.lax.fori_loop(block_starts[g], block_starts[g + 1], one_block, out)
 
-    return jax.lax.fori_loop(0, w.shape[0], group, _zeros((x.shape[0], w.shape[2 - contract_w]), x.dtype, x, w))
+    return jax.lax.fori_loop(0, groups, group, out)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
@@ -68,8 +73,8 @@ def gmm(x: jax.Array, w: jax.Array, block_starts: jax.Array, block: int, dot=dot
     x [NB * block, D] times w[g] ([G, D, F]); rows after the last group's blocks are 0 and cost nothing
     (while loops over the used blocks only). The gradient runs the same loops: a while loop cannot be
     differentiated, and a scan's gradient would add a full [G, D, F] buffer per block. `dot(a, b,
-    dimension_numbers)` is every product, forward and backward, in float32 (dot_f32; fp8.mx_dot_general
-    for MXFP8)."""
+    dimension_numbers)` is every product, forward and backward, in float32 (dot_f32; fp8.MXDot for MXFP8,
+    whose `weight` quantizes w once for the loops)."""
     return _grouped_loop(x, w, block_starts, block, dot, contract_w=0)
 
 
