@@ -95,7 +95,8 @@ def hold(run_dir: str | os.PathLike, environ=None, *, lock: str | os.PathLike | 
     writing anything) is removed. Another output is held the same way: `lock` names its lock file (the run
     directory's run.lock by default) and `setting` the option that names the output, in the errors."""
     if storage.is_remote(run_dir):
-        with _lease(str(run_dir).rstrip("/"), str(lock or RunDir(str(run_dir).rstrip("/")).lock), setting) as mine:
+        url = str(run_dir).rstrip("/")
+        with _lease(url, str(lock or RunDir(url).lock), setting) as mine:
             yield mine
         return
     environ = os.environ if environ is None else environ

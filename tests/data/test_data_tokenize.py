@@ -172,10 +172,13 @@ def test_a_truncated_zst_fails_as_a_truncated_gz_does_and_all_its_frames_are_rea
     (["--workers", "-1"], "--workers -1: give the number of tokenizer processes, 0 (none: this one) or more"),
     (["--shard-tokens", "0"], "--shard-tokens 0: give the most tokens a shard holds, 1 or more"),
     (["--shard-tokens", "-1"], "--shard-tokens -1: give"),
+    (["--engine", "ray", "--address", "garbage"], "--address garbage: not a Ray cluster's address (Invalid address "
+                                                  "format: garbage); give the address of its head node"),
 ])
 def test_bad_settings_are_one_line_before_anything_is_written(tmp_path, corpus, capsys, argv, message):
     """A label OLMo-core's mix file cannot hold (mix.txt written, and training refusing it), a negative worker
-    count (a traceback), a shard of no tokens (a shard a document): exit 2, one line, no output directory."""
+    count (a traceback), a shard of no tokens (a shard a document), an address Ray cannot read (a traceback, the
+    output begun): exit 2, one line, no output directory."""
     inputs, _, tokenizer = corpus
     out = tmp_path / (argv[1] if argv[0] == "--out-name" else "out")
     settings = [] if argv[0] == "--out-name" else argv

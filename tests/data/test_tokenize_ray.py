@@ -18,7 +18,6 @@ from ray_cluster import kill_tasks, local_cluster, ray_env
 from testlib import write_text_corpus
 
 from olmax.data.tokenize import tokenize_corpus, train_tokenizer
-from olmax.errors import DataError
 
 pytestmark = pytest.mark.slow
 SETTINGS = ["--shard-tokens", "40000", "--label", "web"]  # and in the fixture's and the first test's calls
@@ -62,7 +61,7 @@ def assert_same_bytes(out, single_host):
 
 def test_a_ray_cluster_writes_the_single_host_bytes_with_a_worker_killed_twice(corpus, tmp_path, monkeypatch, caplog):
     """Two tasks' workers and the progress line's counter (an actor) killed: the tasks are run again, the counter
-    is not (progress is not work); a truncated input fails on Ray as on one host."""
+    is not (progress is not work)."""
     text, tokenizer, single_host = corpus
     with local_cluster(nodes=2, cpus=1) as (nodes, env):
         for key in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN"):
@@ -72,13 +71,6 @@ def test_a_ray_cluster_writes_the_single_host_bytes_with_a_worker_killed_twice(c
                                  label="web", engine="ray", address=nodes[0].address, progress=False)
         assert len(killed) == 2  # both in the middle of the job: a killed task's retry is still to come
         assert len(counters) == 1 and "progress counter, a Ray actor, was lost" in caplog.text
-        cut = tmp_path / "cut"
-        cut.mkdir()
-        whole = next(text.glob("*.zst")).read_bytes()
-        (cut / "half.jsonl.zst").write_bytes(whole[: len(whole) // 2])
-        with pytest.raises(DataError, match=r"half\.jsonl\.zst: cannot read (it|past line \d+) \(EOFError"):
-            tokenize_corpus([str(cut)], tmp_path / "cut-out", tokenizer_path=tokenizer, engine="ray",
-                            address=nodes[0].address, skip_bad=True, progress=False)
     assert len(result.shards) > 16
     assert_same_bytes(tmp_path / "out", single_host)
 

@@ -39,6 +39,7 @@ run, whatever the engine, is olmax.data.tokenize_tasks.
 from __future__ import annotations
 
 import collections
+import contextlib
 import hashlib
 import importlib.util
 import json
@@ -154,32 +155,22 @@ def tokenize_corpus(
         summary = _finished(out, [f for f, _ in files], command)
         done_before = summary is not None
         if not done_before:
-            done = _resume_or_start(out, json.loads(json.dumps(plan)))
-            pending = [task for task in tasks if task.index not in done]
-            done_files = [size for task in tasks if task.index in done for _, _, size in task.files]
-            line = ProgressLine(progress, len(files), sum(size for _, size in files), len(done_files), sum(done_files))
-            try:
-                if engine == "ray":
-                    from olmax.data.tokenize_ray import run_on_ray
-
-                    done.update(run_on_ray(pending, settings, tokenizer_json, address, workers, line))
-                else:
-                    done.update(_run_here(pending, settings, tokenizer_json, workers, Progress(line)))
-            finally:
-                line.close()
+            with _engine(engine, address, workers) as run_tasks:
+                done = _resume_or_start(out, json.loads(json.dumps(plan)))
+                pending = [task for task in tasks if task.index not in done]
+                done_files = [size for task in tasks if task.index in done for _, _, size in task.files]
+                line = ProgressLine(progress, len(files), sum(size for _, size in files), len(done_files),
+                                    sum(done_files))
+                try:
+                    done.update(run_tasks(pending, settings, tokenizer_json, line))
+                finally:
+                    line.close()
             records = [done[task.index] for task in tasks]
-            names = [name for record in records for name in record["shards"]]
-            if names:
-                storage.write_bytes(storage.join(out, "mix.txt"),
-                                    "".join(f"{label},{name}\n" for name in names).encode())
-                write_shards_record(out, names, token_dtype=dtype, vocab_size=vocab_size, eos_id=eos_id)
-                # The same bytes for the same inputs and settings, wherever the output is: no time, no out path.
-                summary = {"shards": names, "mix_file": "mix.txt",
-                           **{key: sum(r[key] for r in records) for key in COUNTS},
-                           "vocab_size": vocab_size, "eos_id": eos_id, "pad_id": tokenizer.token_to_id(PAD_TOKEN),
-                           "token_dtype": dtype, "tokenizer": tokenizer_name, "inputs": [f for f, _ in files],
-                           "engine": engine, "command": command}
-                storage.write_bytes(storage.join(out, "tokenize.json"), (json.dumps(summary, indent=1) + "\n").encode())
+            if any(record["shards"] for record in records):
+                summary = _finish(out, records, label, {
+                    "vocab_size": vocab_size, "eos_id": eos_id, "pad_id": tokenizer.token_to_id(PAD_TOKEN),
+                    "token_dtype": dtype, "tokenizer": tokenizer_name, "inputs": [f for f, _ in files],
+                    "engine": engine, "command": command})
         if summary is not None:
             _remove_work(out)
     if summary is None:
@@ -190,6 +181,20 @@ def tokenize_corpus(
         shards=[storage.join(shown, name) for name in summary["shards"]], mix_file=storage.join(shown, "mix.txt"),
         **{key: summary[key] for key in (*COUNTS, "vocab_size", "eos_id", "pad_id", "token_dtype")},
         seconds=time.perf_counter() - started, done_before=done_before)
+
+
+def _finish(out: str, records: list[dict], label: str, facts: dict) -> dict:
+    """Write the mix file, shards.json and tokenize.json of an output whose tasks are done (their `records`); the
+    tokenize.json record: the shards, their counts and `facts`, the same bytes for the same inputs and settings
+    wherever the output is (no time, no out path)."""
+    names = [name for record in records for name in record["shards"]]
+    storage.write_bytes(storage.join(out, "mix.txt"), "".join(f"{label},{name}\n" for name in names).encode())
+    write_shards_record(out, names, token_dtype=facts["token_dtype"], vocab_size=facts["vocab_size"],
+                        eos_id=facts["eos_id"])
+    summary = {"shards": names, "mix_file": "mix.txt", **{key: sum(r[key] for r in records) for key in COUNTS},
+               **facts}
+    storage.write_bytes(storage.join(out, "tokenize.json"), (json.dumps(summary, indent=1) + "\n").encode())
+    return summary
 
 
 def _check_arguments(engine: str, address: str | None, workers: int | None, shard_tokens: int) -> None:
@@ -241,6 +246,20 @@ def _remove_work(out: str) -> None:
         storage.remove(storage.join(out, WORK))
     if not storage.is_remote(out):
         Path(out, LOCK).unlink(missing_ok=True)
+
+
+@contextlib.contextmanager
+def _engine(engine: str, address: str | None, workers: int | None):
+    """The engine's `run_tasks(tasks, settings, tokenizer_json, line)`, their records; Ray joined (or started)
+    first, so that a cluster it cannot join is refused before the output is begun."""
+    if engine == "ray":
+        from olmax.data.tokenize_ray import joined, run_on_ray
+
+        with joined(address, workers):
+            yield run_on_ray
+        return
+    yield lambda tasks, settings, tokenizer_json, line: _run_here(tasks, settings, tokenizer_json, workers,
+                                                                   Progress(line))
 
 
 def _resume_or_start(out: str, plan: dict) -> dict[int, dict]:

@@ -9,7 +9,9 @@ last committed shard; a bad input fails the command (running it again fails the 
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -56,15 +58,27 @@ def _show_progress(line: ProgressLine, counter):
     return counter
 
 
-def run_on_ray(tasks: list[Task], settings: Settings, tokenizer_json: str, address: str | None,
-               workers: int | None, line: ProgressLine) -> dict[int, dict]:
-    """The records of `tasks`, run as Ray tasks (one CPU each)."""
+@contextlib.contextmanager
+def joined(address: str | None, workers: int | None):
+    """Ray inside the block: the cluster at `address` (or RAY_ADDRESS), else a local one started with `workers`
+    CPUs; shut down after it. An address no cluster answers at, or not an address, is DataError."""
+    where = f"--address {address}" if address else f"RAY_ADDRESS={os.environ.get('RAY_ADDRESS')!r}"
+    fix = "give the address of its head node (host:port, as `ray start --head` printed it)"
     try:
         ray.init(address=address, num_cpus=None if address else workers, include_dashboard=False,
                  log_to_driver=False, logging_level=logging.ERROR)
     except ConnectionError as err:
-        raise DataError(f"--address {address}: no Ray cluster answers there ({err}); give the address of its head "
-                        "node (host:port, as `ray start --head` printed it)") from None
+        raise DataError(f"{where}: no Ray cluster answers there ({err}); {fix}") from None
+    except ValueError as err:  # an address Ray cannot read
+        raise DataError(f"{where}: not a Ray cluster's address ({str(err).splitlines()[0]}); {fix}") from None
+    try:
+        yield
+    finally:
+        ray.shutdown()
+
+
+def run_on_ray(tasks: list[Task], settings: Settings, tokenizer_json: str, line: ProgressLine) -> dict[int, dict]:
+    """The records of `tasks`, run as Ray tasks (one CPU each) on the Ray `joined`."""
     running = {}
     try:
         tokenizer = ray.put(tokenizer_json)
@@ -93,4 +107,3 @@ def run_on_ray(tasks: list[Task], settings: Settings, tokenizer_json: str, addre
     finally:
         for ref in running:
             ray.cancel(ref, force=True)
-        ray.shutdown()
