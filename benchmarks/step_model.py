@@ -138,6 +138,8 @@ def predict_row(row: Row) -> dict:
         "tokens_per_device": tokens / step / target.devices,
         "chip_seconds": step * target.chips,
         "seconds": prediction["seconds"], "collectives": prediction["collectives"],
+        "loops": prediction["loops"], "warnings": prediction["warnings"],
+        "libtpu_estimate": prediction.get("libtpu_estimate"),
     }
 
 
@@ -178,6 +180,8 @@ FORMATS = {"mfu_all_global": lambda v: f"{v:.1%} MFU", "tokens_per_device": lamb
 
 
 def markdown(rows: list[Row], results: dict) -> str:
+    from olmax.scale import step_time
+
     lines = ["| row | config, target | published | predicted | against it | predicted step, MFU (all global) | "
              "fits (peak GiB) | assumed |", "| --- | --- | --- | ---: | --- | ---: | --- | --- |"]
     for row in rows:
@@ -188,6 +192,10 @@ def markdown(rows: list[Row], results: dict) -> str:
         fits = (f"{'yes' if result['fits'] else 'no'} ({result['peak_gib']:.1f})" if "fits" in result else "-")
         lines.append(f"| {row.name} | `{row.config}` {' '.join(row.overrides)} on `{row.target}` | {row.published} | "
                      f"{shown} | {verdict} | {step} | {fits} | {row.assumed} |")
+    lines.append("")
+    for row in rows:  # what each prediction assumed and could not count
+        for note in step_time.notes(results[row.name]) if "step_seconds" in results[row.name] else []:
+            lines.append(f"- {row.name}: {note}")
     return "\n".join(lines)
 
 
@@ -198,7 +206,7 @@ def derive_constants() -> None:
     import jax
     import jax.numpy as jnp
 
-    from olmax.scale.targets import ACCELERATORS, compile_only_devices, parse_target
+    from olmax.scale.targets import ACCELERATORS, compile_only_devices, gemm_table, parse_target
 
     target = parse_target("tpu:v5p:2x2x1")
     device = compile_only_devices(target)[0]
@@ -212,9 +220,13 @@ def derive_constants() -> None:
     flops = 2 * 32768 * 4096 * 11008
     print(f"v5p: libtpu estimates the 32768 x 4096 x 11008 bf16 matmul at {cycles:,} cycles = "
           f"{cycles / clock * 1e3:.2f} ms at {clock / 1e9:.3f} GHz; {flops / (cycles / clock) / peak:.1%} of peak")
-    print("sm_90 (H100): XLA's matmul_interpolator_data.h, 4096^3 bf16: 783 TFLOP/s of 989 = "
-          f"{783 / 989:.1%}; sm_100 (B200): the largest bf16 shapes 1,411-1,430 TFLOP/s of 2,250 = "
-          f"{1.42 / 2.25:.1%}")
+    table = gemm_table()
+    for architecture, kind in (("sm_90", "h100"), ("sm_100", "b200")):
+        rate, small = table[architecture]["bf16"][-1][-1][-1], table[architecture]["bf16"][0][2][-1]
+        peak = ACCELERATORS[kind].peak_flops_per_chip / 1e12
+        print(f"{architecture} ({kind}): XLA's GEMM table, bf16 4096^3: {rate:,.0f} TFLOP/s of {peak:,.0f} = "
+              f"{rate / peak:.1%}; 256 x 1024 x 4096: {small:,.0f} = {small / peak:.1%}")
+    print(f"(the table: {table['source']})")
 
 
 def main() -> None:

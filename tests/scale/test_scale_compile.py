@@ -183,7 +183,8 @@ def test_xla_gpu_expands_ragged_dot_so_auto_keeps_the_blocks_on_gpu():
     expert, each with the same static rows (a dense expansion, no grouped-matmul kernel); the block loop has
     none. Should XLA:GPU lower ragged_dot to a kernel, this fails and `auto` can take it there too."""
     from olmax.parallel.mesh import make_layout
-    from olmax.scale.compile import abstract_inputs
+    from olmax.scale import step_time
+    from olmax.scale.compile import abstract_inputs, attention_info, expert_blocks
     from olmax.scale.targets import compile_only_devices
     from olmax.train.step import jit_train_step, micro_batch_rows
 
@@ -196,7 +197,17 @@ def test_xla_gpu_expands_ragged_dot_so_auto_keeps_the_blocks_on_gpu():
     moe = load_config("tiny_moe").model.moe
     batched = rf"\[{moe.num_experts},\d+,{2 * moe.expert_hidden}\]\S* dot\("
     assert re.search(batched, compiled_text("ragged_dot"))
-    assert not re.search(batched, compiled_text("blocks"))
+    blocks = compiled_text("blocks")
+    assert not re.search(batched, blocks)
+    # the block loops' trip count is data: the step-time model finds them by their named scope and counts each at
+    # the routing's expectation (a device's tokens x top_k over its experts, in whole blocks)
+    cfg = load_config("tiny_moe", ["impl.moe.dispatch=blocks"])
+    layout = make_layout(cfg.mesh, compile_only_devices(parse_target("gpu:h100x8")))
+    experts = expert_blocks(cfg, layout, micro_batch_rows(cfg, layout.data_parallel_size))
+    found = step_time.predict(blocks, step_time.target_hardware(parse_target("gpu:h100x8")),
+                              attention=attention_info(cfg, layout), experts=experts)
+    assert [(loop["scope"], loop["trips"]) for loop in found["loops"]] == [("expert_block_loop", experts.trips)]
+    assert experts.trips > 1 and found["warnings"] == []
 
 
 @needs_gpu

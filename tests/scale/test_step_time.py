@@ -134,7 +134,7 @@ def test_a_loop_costs_its_body_times_its_trip_count(start, bound, step, config, 
                    LOOP.format(bound=bound, t=counter, step=step))
     found = predict(text)
     assert found["executed_flops"] == trips * 2 * 8192**3
-    assert found["loops_without_trip_count"] == 0
+    assert found["loops"] == [] and found["warnings"] == []
     assert found["step_seconds"] == pytest.approx(trips * 2 * 8192**3 / 100e12, rel=1e-3)
 
 
@@ -178,3 +178,111 @@ def test_replica_groups_in_every_form_xla_prints():
     assert hlo.replica_groups(instruction, 8) == [[0, 1], [2, 3], [4, 5], [6, 7]]
     instruction = hlo.parse_instruction("  %r = f32[8]{0} all-reduce(%x), replica_groups=[2,4]<=[4,2]T(1,0), to_apply=%add")
     assert hlo.replica_groups(instruction, 8) == [[0, 2, 4, 6], [1, 3, 5, 7]]
+
+
+BLOCK_LOOP = """%cond (p: (s32[], s32[], bf16[128,1024])) -> pred[] {
+  %p = (s32[], s32[], bf16[128,1024]) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %n = s32[] get-tuple-element(%p), index=1
+  ROOT %lt = pred[] compare(%i, %n), direction=LT
+}
+%body (p: (s32[], s32[], bf16[128,1024])) -> (s32[], s32[], bf16[128,1024]) {
+  %p = (s32[], s32[], bf16[128,1024]) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %n = s32[] get-tuple-element(%p), index=1
+  %x = bf16[128,1024]{1,0} get-tuple-element(%p), index=2
+  %w = bf16[1024,1024]{1,0} constant({...})
+  %y = bf16[128,1024]{1,0} dot(%x, %w), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  %one = s32[] constant(1)
+  %next = s32[] add(%i, %one)
+  ROOT %t = (s32[], s32[], bf16[128,1024]) tuple(%next, %n, %y)
+}"""
+
+
+def block_loop_program(scope: str) -> str:
+    """A loop over one expert's blocks of 128 rows, from and to bounds that are data (gmm's inner loop)."""
+    return program(f"""  %first = s32[] parameter(0)
+  %last = s32[] parameter(1)
+  %x = bf16[128,1024]{{1,0}} parameter(2)
+  %init = (s32[], s32[], bf16[128,1024]) tuple(%first, %last, %x)
+  ROOT %w = (s32[], s32[], bf16[128,1024]) while(%init), condition=%cond, body=%body, metadata={{op_name="jit(step)/layer0.global/{scope}/while"}}""",
+                   BLOCK_LOOP)
+
+
+def test_a_data_dependent_block_loop_costs_the_blocks_the_routing_gives_each_expert():
+    """gmm's loop over an expert's blocks has no trip count in the program: it runs ceil(rows / block) times for the
+    rows the routing sends an expert, and the plan says what it assumed. The same loop outside the scope the model
+    knows is named as a warning, never silently counted once."""
+    per_block = 2 * 128 * 1024 * 1024
+    costs = {}
+    for rows in (256, 1000, 4096):
+        experts = step_time.ExpertBlocks(rows_per_expert=rows, block=128, routing="learned",
+                                           scope="expert_block_loop")
+        found = step_time.predict(block_loop_program("expert_block_loop"), TPU, experts=experts)
+        assert found["executed_flops"] == -(-rows // 128) * per_block
+        assert found["loops"] == [{"scope": "expert_block_loop", "trips": -(-rows // 128), "basis": experts.basis(),
+                                   "loops": 1}] and found["warnings"] == []
+        costs[rows] = found["step_seconds"]
+    assert costs[256] < costs[1000] < costs[4096]
+    assert costs[4096] == pytest.approx(16 * costs[256], rel=1e-6)
+    unknown = step_time.predict(block_loop_program("some_scan"), TPU)
+    assert unknown["executed_flops"] == per_block and unknown["loops"] == []
+    assert unknown["warnings"] == ["loop w (jit(step)/layer0.global/some_scan/while): its trip count is data the "
+                                   "model cannot derive; counted once"]
+
+
+RAGGED_DOT = """  %offsets = s32[9]{{0}} parameter(0)
+  %x = bf16[{m},{k}]{{1,0}} parameter(1)
+  %w = bf16[8,{k},{n}]{{2,1,0}} parameter(2)
+  ROOT %ragged-dot-none.1 = bf16[{m},{n}]{{1,0}} custom-call(%offsets, %x, %w), custom_call_target="tpu_custom_call", frontend_attributes={{mosaic_fusion_entry_point="true",ragged_dot_tiling="128,512,1024"}}, metadata={{op_name="jit(f)/ragged_dot_general/ragged-dot-none"}}"""
+
+
+def test_a_ragged_dot_kernel_costs_its_flops_and_an_unknown_kernel_is_named():
+    """The TPU's grouped matmul (jax.lax.ragged_dot's `ragged-dot-*` kernels) multiplies each of its rows by one
+    group's [K, N]: 2 M K N FLOPs, at the matrix unit's rate. A kernel the model does not know costs its bytes and
+    is listed by name."""
+    m, k, n = 8192, 2048, 4096
+    found = predict(program(RAGGED_DOT.format(m=m, k=k, n=n)))
+    assert found["executed_flops"] == 2 * m * k * n
+    assert found["seconds"]["matmul"] == pytest.approx(2 * m * k * n / 100e12, rel=1e-6)
+    assert found["warnings"] == [] and found["unknown_kernels"] == {}
+    other = predict(program(RAGGED_DOT.format(m=m, k=k, n=n).replace("ragged-dot-none", "mystery_kernel")))
+    assert other["executed_flops"] == 0 and other["unknown_kernels"] == {"mystery_kernel": 1}
+    assert other["warnings"][0].startswith("custom call mystery_kernel (1 a step): an unknown kernel")
+
+
+def test_a_small_gemm_on_sm_100_costs_more_per_flop_than_a_large_one_by_xlas_table():
+    """XLA's measured GEMM table for sm_100 (B200; B300 takes it): bf16 256 x 1024 x 4096 at 205.86 TFLOP/s, 4096^3
+    at 1,416.87 (of 2,250 peak); a shape between the table's sizes is interpolated."""
+    hw = step_time.target_hardware(parse_target("gpu:b300x8"))
+    small, large = predict(dot_program(256, 1024, 4096), hw), predict(dot_program(4096, 4096, 4096), hw)
+    per_flop = {name: p["seconds"]["matmul"] / p["executed_flops"] for name, p in (("small", small), ("large", large))}
+    assert per_flop["small"] == pytest.approx(1 / 205.86e12, rel=1e-3)
+    assert per_flop["large"] == pytest.approx(1 / 1416.87e12, rel=1e-3)
+    assert step_time.gemm_rate("sm_100", "bf16", 256, 1024, 4096) < step_time.gemm_rate(
+        "sm_100", "bf16", 362, 1024, 4096) < step_time.gemm_rate("sm_100", "bf16", 512, 1024, 4096)
+
+
+def test_a_v5p_op_costs_libtpus_estimated_cycles_at_the_chips_clock():
+    text = dot_program(8192, 8192, 8192).replace(
+        "rhs_contracting_dims={0}", 'rhs_contracting_dims={0}, backend_config={"window_config":{"estimated_cycles":"3500000"}}')
+    hw = step_time.target_hardware(parse_target("tpu:v5p:2x2x1"))
+    found = predict(text, hw)
+    assert found["step_seconds"] == pytest.approx(3.5e6 / hw.clock, rel=1e-9)
+    assert found["libtpu_estimate"]["ops"] == 1
+    assert found["libtpu_estimate"]["roofline_seconds"] == pytest.approx(
+        2 * 8192**3 / (hw.matmul_flops["bf16"] * hw.matmul_efficiency) + hw.op_overhead, rel=1e-6)
+
+
+def test_the_plan_and_the_page_state_the_counts_assumed_and_name_what_was_not_counted():
+    from olmax.scale.plan import format_prediction
+    from olmax.scale.report import _step_time
+
+    experts = step_time.ExpertBlocks(rows_per_expert=1000, block=128, routing="random", scope="expert_block_loop")
+    counted = step_time.predict(block_loop_program("expert_block_loop"), TPU, experts=experts)
+    unknown = predict(program(RAGGED_DOT.format(m=256, k=256, n=256).replace("ragged-dot-none", "mystery_kernel")))
+    for prediction, said in ((counted, "1 expert_block_loop loops at 8 trips each: 1,000 rows an expert (a device's "
+                              "tokens x top_k / its experts; random routing taken as balanced) in blocks of 128"),
+                             (unknown, "warning: custom call mystery_kernel (1 a step): an unknown kernel")):
+        assert any(line.startswith(said) for line in format_prediction(prediction))
+        assert said.replace("'", "&#x27;") in _step_time({"step_time": prediction})

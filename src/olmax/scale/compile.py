@@ -36,8 +36,9 @@ from jax.experimental.compilation_cache import compilation_cache
 
 from olmax.config import RunConfig
 from olmax.errors import DoesNotFit
-from olmax.model import attention, transformer
-from olmax.model.moe import sublayer
+from olmax.model import attention, fp8, transformer
+from olmax.model.moe import gmm, sublayer
+from olmax.parallel import expert as expert_parallel
 from olmax.parallel.mesh import Layout, make_layout, platform
 from olmax.scale import anatomy, step_time
 from olmax.scale.plan import plan
@@ -119,6 +120,26 @@ def attention_info(cfg: RunConfig, layout: Layout) -> step_time.AttentionInfo:
     if tiles:
         return step_time.AttentionInfo(seq, windows, tiles["block_q"], tiles["block_kv"])
     return step_time.AttentionInfo(seq, windows, 128, 128)
+
+
+def expert_blocks(cfg: RunConfig, layout: Layout, micro_rows: int) -> step_time.ExpertBlocks | None:
+    """What the step-time model needs to know of the experts' block loops (impl.moe.dispatch blocks): the rows each
+    of a device's experts gets a micro-step under the routing's expectation (a device's tokens x top_k, spread
+    evenly over the experts it holds), and the block the model picks for them (olmax.model.moe.sublayer)."""
+    if cfg.model.mlp != "moe":
+        return None
+    moe = cfg.model.moe
+    ep = layout.mesh.shape.get("expert", 1)
+    local_experts = moe.num_experts // ep
+    routed = micro_rows // layout.data_parallel_size * cfg.data.sequence_length * moe.top_k  # a device's, expected
+    if ep > 1 and cfg.impl.moe.ep_capacity is not None:
+        tokens = micro_rows // layout.data_parallel_size * cfg.data.sequence_length
+        sized_for = ep * expert_parallel.peer_capacity(tokens, moe.top_k, ep, cfg.impl.moe.ep_capacity)
+    else:
+        sized_for = routed
+    smallest = fp8.MX_BLOCK if cfg.impl.fp8 == "mxfp8" else 16
+    block = cfg.impl.moe.block or gmm.auto_block_size(sized_for, local_experts, smallest)
+    return step_time.ExpertBlocks(routed / local_experts, block, moe.routing, gmm.BLOCK_LOOP)
 
 
 def cache_dir() -> Path:
@@ -207,8 +228,9 @@ def predicted_step(cfg: RunConfig, target: Target, layout: Layout, text: str) ->
     count = flops.count(cfg.model, seq)
     tokens = cfg.train.global_batch_instances * seq
     coords = [c["at"] for c in anatomy.chip_grid(layout)]
+    micro_rows = micro_batch_rows(cfg, layout.data_parallel_size)
     prediction = step_time.predict(text, step_time.target_hardware(target), coords, attention_info(cfg, layout),
-                                   count.per_token * tokens / target.devices)
+                                   count.per_token * tokens / target.devices, expert_blocks(cfg, layout, micro_rows))
     prediction["mfu_all_global"] = count.per_token_all_global * tokens / target.devices / (
         prediction["step_seconds"] * prediction["constants"]["peak_flops_per_device"])
     return prediction

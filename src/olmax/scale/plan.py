@@ -13,7 +13,7 @@ from __future__ import annotations
 from olmax.config import RunConfig
 from olmax.model import flops
 from olmax.parallel import pipeline
-from olmax.scale import anatomy
+from olmax.scale import anatomy, step_time
 from olmax.scale.targets import Target
 
 COUNTS = {"exact_window": "sliding windows exact", "all_global": "every layer global"}
@@ -168,7 +168,7 @@ def format_prediction(prediction: dict) -> list[str]:
                  f"{_figure(c['hidden_seconds'] / scale)} {unit} hidden behind compute, "
                  f"{_figure(c['exposed_seconds'] / scale)} {unit} exposed")
     k = prediction["constants"]
-    lines.append(f"model constants: matmuls at {k['matmul_efficiency']:.0%} of the {k['peak_flops_per_device'] / 1e12:,.0f} "
-                 f"TFLOP/s peak, memory at {k['memory_efficiency']:.0%} of {k['memory_bandwidth_per_device'] / 1e9:,.0f} "
-                 f"GB/s, links at {k['collective_efficiency']:.0%} (olmax.scale.targets)")
-    return lines
+    lines.append(f"model constants: {step_time.matmul_rate(k)}, memory at {k['memory_efficiency']:.0%} of "
+                 f"{k['memory_bandwidth_per_device'] / 1e9:,.0f} GB/s, links at {k['collective_efficiency']:.0%} "
+                 "(olmax.scale.targets)")
+    return lines + step_time.notes(prediction)

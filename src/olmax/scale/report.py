@@ -11,6 +11,7 @@ import json
 
 from olmax import storage
 from olmax.pages import document, fact, table
+from olmax.scale import step_time
 
 GiB = 2**30
 FAMILY_ORDER = ["embeddings", "attention projections", "MLP", "experts", "router", "norms", "LM head"]
@@ -379,12 +380,15 @@ def _step_time(r: dict) -> str:
                f"{fact('step_time.collectives.exposed_seconds', c['exposed_seconds'], _seconds(c['exposed_seconds']))} "
                "exposed.</p>")
     note = ('<p class="note">From the compiled program: each op costed by a roofline (its FLOPs at the matrix '
-            f"unit's rate, {k['matmul_efficiency']:.0%} of the {k['peak_flops_per_device'] / 1e12:,.0f} TFLOP/s "
-            f"peak, derated where its dimensions do not fill the unit; its bytes at {k['memory_efficiency']:.0%} "
-            f"of {k['memory_bandwidth_per_device'] / 1e9:,.0f} GB/s of HBM), collectives on the target's links at "
-            f"{k['collective_efficiency']:.0%} of their rate, loops times their trip counts, asynchronous "
-            "collectives hidden behind the compute scheduled between their start and done. The constants and their "
-            "sources: olmax.scale.targets.</p>")
+            f"unit's rate, {html.escape(step_time.matmul_rate(k))}; its bytes at {k['memory_efficiency']:.0%} "
+            f"of {k['memory_bandwidth_per_device'] / 1e9:,.0f} GB/s of HBM), kernels by the work olmax.model."
+            f"kernel_work registers, collectives on the target's links at {k['collective_efficiency']:.0%} of their "
+            "rate, loops times their trip counts, asynchronous collectives hidden behind the compute scheduled "
+            "between their start and done. The constants and their sources: olmax.scale.targets.</p>")
+    counted = "".join(f"<li>{html.escape(line)}</li>" for line in step_time.notes(p))
+    if counted:
+        note += f'<ul class="note">{counted}</ul>'
+
     until = p.get("timeline_until", p["step_seconds"])
     cut = (f"<p class=\"note\">The timeline shows the first {_seconds(until)} of the step: it has more ops than a page "
            "draws.</p>" if until < p["step_seconds"] else "")

@@ -5,18 +5,24 @@ between their start and their done.
 Every op of the optimized, scheduled HLO (olmax.scale.hlo) is costed on one device:
 
 - compute (fusions, matmuls, kernels, copies): the larger of its FLOPs at the matrix unit's rate and its
-  bytes at the memory's bandwidth. A matmul's rate is the device's peak for its operands' dtype, times the
-  hardware's achievable fraction (`Hardware.matmul_efficiency`), times how well its dimensions fill the
-  matrix unit's tile (a contraction of 128 on a 256-wide systolic array runs at half the rate). Attention
-  kernels (Splash on TPU, cuDNN's on GPU) are costed from their shapes, the blocks their mask leaves, and
-  the matmuls each of them runs (forward 2, Splash's dq 3 and dkv 4, cuDNN's backward 5).
+  bytes at the memory's bandwidth. On a GPU a matmul's rate is what XLA's measured GEMM table gives its shape
+  and dtype (`gemm_rate`); elsewhere the device's peak for its operands' dtype, times the hardware's achievable
+  fraction (`Hardware.matmul_efficiency`), times how well its dimensions fill the matrix unit's tile (a
+  contraction of 128 on a 256-wide systolic array runs at half the rate). On a TPU whose clock is known (v5p)
+  an op the compiler estimated takes libtpu's estimated cycles instead, and the prediction says how far the
+  roofline is from them. Attention kernels (Splash on TPU, cuDNN's on GPU) are costed from their shapes, the
+  blocks their mask leaves, and the matmuls each of them runs (forward 2, Splash's dq 3 and dkv 4, cuDNN's
+  backward 5); any other kernel from the work olmax.model.kernel_work registers for it (the TPU's ragged-dot
+  grouped matmuls), and one it does not know by its bytes, named in the prediction's warnings.
 - collectives: their bytes per device over the links the group spans, with the algorithm the platform uses
   (a bidirectional ring per torus dimension, all dimensions at once on a TPU slice with wraparound; NVLink
   within a GPU host and the hosts' network between them; all-to-all by the bisection).
 - the schedule: ops run in the order the compiler scheduled them; an asynchronous collective (a `-start` /
   `-done` pair, or an async call) runs beside the compute between its start and its done, and only what is
   left when the done is reached is exposed. A loop's body is simulated twice (a collective started in one
-  iteration may finish in the next) and its second iteration counts for all the rest.
+  iteration may finish in the next) and its second iteration counts for all the rest. A loop whose trip count
+  the program does not state runs as often as the model derives: the experts' block loops (olmax.model.moe.gmm)
+  by the routing's expectation (ExpertBlocks); any other such loop once, named in the warnings.
 
 The result says where the time goes: matmuls, attention, memory-bound work and exposed collectives, by layer
 kind (from the op names the model's named scopes write), plus a timeline of one step for the layout page.
@@ -24,12 +30,14 @@ kind (from the op names the model's named scopes write), plus a timeline of one 
 
 from __future__ import annotations
 
+import bisect
 import collections
+import functools
 import math
 import re
 from dataclasses import dataclass, field
 
-
+from olmax.model import kernel_work
 from olmax.scale import hlo
 
 FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all", "partition-id", "replica-id",
@@ -61,6 +69,8 @@ class Hardware:
     devices_per_chip: int = 1
     hosts: int = 1  # GPU: hosts of `devices_per_host`
     devices_per_host: int = 8
+    gemm_table: str = ""  # GPU: XLA's measured GEMM table for this architecture (sm_90, sm_100): see gemm_rate
+    clock: float = 0.0  # TPU: cycles a second, to read libtpu's estimated cycles per op as seconds
 
 
 @dataclass
@@ -69,6 +79,8 @@ class Cost:
     category: str  # matmul, attention, memory (compute) or a collective's kind
     flops: float = 0.0
     bytes: float = 0.0
+    roofline: float | None = None  # the roofline's seconds, where `seconds` are libtpu's estimate instead
+    unknown_kernel: str | None = None  # a custom call the model does not know, costed by its bytes
 
 
 # --- compute ops --------------------------------------------------------------------------------------------------
@@ -76,6 +88,43 @@ class Cost:
 def _fill(size: int, tile: int) -> float:
     """How much of a matrix unit's `tile`-wide dimension `size` fills, on average over the tiles it takes."""
     return size / (math.ceil(size / tile) * tile) if size else 1.0
+
+
+@functools.cache
+def _gemm_tables() -> dict:
+    from olmax.scale.targets import gemm_table
+
+    return gemm_table()
+
+
+def gemm_rate(architecture: str, dtype: str, m: int, n: int, k: int) -> float:
+    """FLOP/s of an (m, n, k) GEMM on a GPU of `architecture` (sm_90, sm_100), by XLA's measured table
+    (olmax/scale/targets/gemm_table.json, its source named there): interpolated linearly in the rate over the
+    logarithms of m, n and k between the table's sizes, each size clamped to the table's range (256 to 4096),
+    as XLA's own interpolator clamps. A batched matmul's batch is folded into m."""
+    tables = _gemm_tables()
+    table = tables[architecture]["f8" if dtype.startswith("f8") else "f32" if dtype == "f32" else "bf16"]
+    grid = [math.log2(g) for g in tables["grid"]]
+
+    def neighbours(size: int) -> tuple[int, float]:  # the lower grid index and the upper neighbour's weight
+        at = min(max(math.log2(max(size, 1)), grid[0]), grid[-1])
+        i = min(bisect.bisect_right(grid, at) - 1, len(grid) - 2)
+        return i, (at - grid[i]) / (grid[i + 1] - grid[i])
+
+    (i, wi), (j, wj), (h, wh) = neighbours(m), neighbours(n), neighbours(k)
+    rate = 0.0
+    for a, b, c in ((a, b, c) for a in (0, 1) for b in (0, 1) for c in (0, 1)):
+        weight = (wi if a else 1 - wi) * (wj if b else 1 - wj) * (wh if c else 1 - wh)
+        rate += weight * table[i + a][j + b][h + c]
+    return rate * 1e12
+
+
+def _gemm_seconds(flops: float, dtype: str, m: int, n: int, k: int, hw: Hardware) -> float:
+    """A matmul's time at its FLOP rate: on a GPU with a measured table its shape's rate there, else the peak
+    derated by `_matmul_seconds`."""
+    if hw.gemm_table:
+        return flops / gemm_rate(hw.gemm_table, dtype, m, n, k)
+    return _matmul_seconds(flops, dtype, m, n, k, hw)
 
 
 def _matmul_seconds(flops: float, dtype: str, m: int, n: int, k: int, hw: Hardware) -> float:
@@ -176,6 +225,27 @@ class AttentionInfo:
         return blocks * bk * bq / seq
 
 
+@dataclass
+class ExpertBlocks:
+    """What the compiled program cannot say about the experts' block loops (olmax.model.moe.gmm): a loop over
+    one expert's blocks of rows runs as many times as that expert has blocks, which is data. The model takes the
+    routing's expectation from the config: balanced routing gives every expert tokens x top_k / experts rows, in
+    whole blocks; random routing the same on average."""
+
+    rows_per_expert: float  # rows one device's expert gets a micro-step, expected
+    block: int  # rows a block
+    routing: str  # the config's routing, said with the count
+    scope: str  # the named scope the loops run under (olmax.model.moe.gmm.BLOCK_LOOP)
+
+    @property
+    def trips(self) -> int:
+        return math.ceil(self.rows_per_expert / self.block)
+
+    def basis(self) -> str:
+        return (f"{self.rows_per_expert:,.0f} rows an expert (a device's tokens x top_k / its experts; {self.routing} "
+                f"routing taken as balanced) in blocks of {self.block}")
+
+
 MATMULS = {"fwd": 2, "dq": 3, "dkv": 4, "bwd": 5}  # per attention kernel: Splash's three, cuDNN's backward
 
 
@@ -201,14 +271,33 @@ def _attention_kernel(name: str, target: str, instruction: hlo.Instruction, oper
 
 
 GEMM_TARGETS = ("__cublas$gemm", "__cublas$lt$matmul", "__cublas$lt$matmul$f8", "__onednn$matmul")
+# custom calls that do no work of their own: a buffer's allocation, and libtpu's steps around an asynchronous call
+# (the SparseCores' offloaded collectives), whose work is costed in the call
+BOOKKEEPING = ("AllocateBuffer", "PrepareAsyncCallStart", "PrepareAsyncCallDone")
+UNKNOWN_CYCLES = 2**63 - 1  # libtpu's estimated_cycles for an op it does not estimate (the SparseCores' fusions)
+
+
+def kernel_name(instruction: hlo.Instruction, target: str) -> str:
+    """A kernel's name as olmax.model.kernel_work looks it up: a Pallas call's (its op name ends NAME/pallas_call
+    on every backend), else a TPU kernel's instruction name less its numeric suffix, else the call's target."""
+    if found := re.search(r"([^/]+)/pallas_call$", instruction.op_name):
+        return found.group(1)
+    if target == "tpu_custom_call":
+        return re.sub(r"\.\d+$", "", instruction.name)
+    return target
+
+
+def frontend_attributes(instruction: hlo.Instruction) -> dict:
+    value = instruction.attribute("frontend_attributes") or ""
+    return dict(re.findall(r'(\w+)="([^"]*)"', value))
 
 
 class ProgramCost:
     """Costs of a module's ops, memoised per instruction (a loop body's ops are costed once)."""
 
     def __init__(self, module: hlo.Module, hw: Hardware, coords: list[dict] | None,
-                 attention: AttentionInfo | None = None):
-        self.module, self.hw, self.coords, self.attention = module, hw, coords or [], attention
+                 attention: AttentionInfo | None = None, experts: ExpertBlocks | None = None):
+        self.module, self.hw, self.coords, self.attention, self.experts = module, hw, coords or [], attention, experts
         self.n_devices = max(len(self.coords), 1)
         self._fusions: dict[str, tuple] = {}
 
@@ -333,13 +422,42 @@ class ProgramCost:
                 numbers = (config.get("gemm_backend_config") or config).get("dot_dimension_numbers")
                 found = dot(instruction, operands, numbers or {"lhs_contracting_dimensions": [len(operands[0].dims) - 1],
                                                              "rhs_contracting_dimensions": [0]})
-            elif target == "AllocateBuffer":
+            elif target in BOOKKEEPING:
                 return None
+            else:
+                return self._kernel(instruction, target, operands)
         if found:
             flops = found[0]
-            matmul_seconds = _matmul_seconds(flops, found[4], found[1], found[2], found[3], hw)
+            matmul_seconds = _gemm_seconds(flops, found[4], found[1], found[2], found[3], hw)
             category = "attention" if "/attention/" in f"{instruction.op_name}/" else "matmul"
+        if (cycles := self._estimated_cycles(instruction)) is not None:  # libtpu's own estimate for this op
+            roofline = max(matmul_seconds, memory_seconds) + hw.op_overhead
+            return Cost(cycles / hw.clock, category, flops, moved, roofline=roofline)
         return Cost(max(matmul_seconds, memory_seconds) + hw.op_overhead, category, flops, moved)
+
+    def _estimated_cycles(self, instruction: hlo.Instruction) -> int | None:
+        """libtpu's estimated cycles for a TPU op, where the compiled program carries them and the chip's clock is
+        known."""
+        if not self.hw.clock:
+            return None
+        found = re.search(r'"estimated_cycles":"(\d+)"', instruction.attributes)
+        return int(found.group(1)) if found and int(found.group(1)) != UNKNOWN_CYCLES else None
+
+    def _kernel(self, instruction: hlo.Instruction, target: str, operands: list[hlo.Array]) -> Cost:
+        """A kernel's cost from the work olmax.model.kernel_work registers for it; a kernel it does not know is
+        costed by its bytes and counted by name (`unknown_kernel`)."""
+        hw = self.hw
+        name = kernel_name(instruction, target)
+        moved = sum(a.bytes for a in operands if not a.on_chip) + sum(a.bytes for a in instruction.outputs)
+        entry = kernel_work.lookup(name)
+        if entry is None:
+            return Cost(moved / (hw.memory_bandwidth * hw.memory_efficiency) + hw.op_overhead, "memory", 0.0, moved,
+                        unknown_kernel=name)
+        grid = tuple(int(v) for v in re.findall(r"grid_[xyz] = (\d+)", instruction.attributes)) or None
+        work = entry(kernel_work.KernelCall(name, operands, instruction.outputs, grid, frontend_attributes(instruction)))
+        seconds = _matmul_seconds(work.flops, work.dtype, *work.tile, hw) if work.flops else 0.0
+        return Cost(max(seconds, work.bytes / (hw.memory_bandwidth * hw.memory_efficiency)) + hw.op_overhead,
+                    "matmul" if work.flops else "memory", work.flops, work.bytes)
 
     # -- collectives
     def collective(self, computation: hlo.Computation, instruction: hlo.Instruction, kind: str) -> Cost:
@@ -438,7 +556,12 @@ class Tally:
     collective_seconds: float = 0.0
     collective_bytes: dict = field(default_factory=lambda: collections.defaultdict(float))
     flops: float = 0.0
-    loops_without_trip_count: int = 0
+    derived_loops: dict = field(default_factory=dict)  # while op -> (its scope, the trips assumed, why)
+    uncounted_loops: dict = field(default_factory=dict)  # while op -> its op name: no count derivable, counted once
+    unknown_kernels: dict = field(default_factory=lambda: collections.defaultdict(float))  # name -> calls a step
+    estimated_ops: set = field(default_factory=set)  # ops costed at libtpu's estimated cycles
+    estimated_seconds: float = 0.0  # their seconds a step at those cycles
+    roofline_seconds: float = 0.0  # and at the roofline
     total: float = 0.0  # the step's seconds
     timeline_cut: float = math.inf  # where the timeline stops, when a step has more events than it keeps
     events: list = field(default_factory=list)  # (start, end, lane, category, label) of the timeline
@@ -494,9 +617,8 @@ class Simulator:
             trips = module.trip_count(instruction, computation)
             if body is None:
                 return
-            if trips is None:  # bounded by data (an MoE's block loops): counted once, and said
-                tally.loops_without_trip_count += 1
-                trips = 1
+            if trips is None:  # bounded by data: the routing's expectation for the experts' block loops
+                trips = self._derived_trips(instruction, tally)
             self._computation(body, clock, tally, weight, record, region, layer)
             if trips > 1:
                 mark = len(tally.events)
@@ -551,11 +673,27 @@ class Simulator:
         cost = self.cost.compute(computation, instruction, kind)
         if cost is None:
             return
+        if cost.unknown_kernel:
+            tally.unknown_kernels[cost.unknown_kernel] += weight
+        if cost.roofline is not None:
+            tally.estimated_ops.add(instruction.name)
+            tally.estimated_seconds += weight * cost.seconds
+            tally.roofline_seconds += weight * cost.roofline
         start = clock.compute
         clock.compute += cost.seconds
         tally.seconds[(cost.category, region)] += weight * cost.seconds
         tally.flops += weight * cost.flops
         self._event(tally, record, start, clock.compute, "compute", cost.category, layer or region)
+
+    def _derived_trips(self, loop: hlo.Instruction, tally: Tally) -> int:
+        """The trip count of a loop the compiled program does not state: an expert block loop's from the
+        routing's expectation (ExpertBlocks); any other loop's cannot be derived: it counts once, and is named."""
+        experts = self.cost.experts
+        if experts is not None and f"/{experts.scope}/" in f"/{loop.op_name}/":
+            tally.derived_loops[loop.name] = (experts.scope, experts.trips, experts.basis())
+            return experts.trips
+        tally.uncounted_loops[loop.name] = loop.op_name or loop.name
+        return 1
 
     def _async_kind(self, instruction: hlo.Instruction) -> tuple[str, hlo.Computation | None, hlo.Instruction | None]:
         """(collective kind or 'copy' or 'call', the computation and instruction that does the work)."""
@@ -645,7 +783,8 @@ def target_hardware(target) -> Hardware:
         matmul_efficiency=a.matmul_efficiency, memory_bandwidth=a.memory_bandwidth * per_device,
         memory_efficiency=HBM_EFFICIENCY, tile=a.matrix_tile, link_bandwidth=a.link_bandwidth,
         network_bandwidth=a.network_bandwidth, collective_efficiency=COLLECTIVE_EFFICIENCY,
-        collective_latency=COLLECTIVE_LATENCY[a.platform], op_overhead=OP_OVERHEAD[a.platform], **topology)
+        collective_latency=COLLECTIVE_LATENCY[a.platform], op_overhead=OP_OVERHEAD[a.platform],
+        gemm_table=a.gemm_table, clock=a.clock, **topology)
 
 
 def _downsample(events: list, total: float, limit: int = 4000) -> list:
@@ -664,12 +803,24 @@ def _downsample(events: list, total: float, limit: int = 4000) -> list:
 
 
 def predict(text: str, hw: Hardware, coords: list[dict] | None = None, attention: AttentionInfo | None = None,
-            model_flops_per_device: float | None = None) -> dict:
+            model_flops_per_device: float | None = None, experts: ExpertBlocks | None = None) -> dict:
     """The predicted step of the compiled program `text` (optimized HLO) on `hw`: its time, where the time goes,
-    and, given the model's FLOPs per device and step, the MFU those FLOPs make of the device's peak."""
+    and, given the model's FLOPs per device and step, the MFU those FLOPs make of the device's peak.
+
+    `loops` lists the loops whose trip count the model derived (the program does not state it) with the count
+    it assumed; `warnings` names what the model could not count: a loop without a derivable trip count (counted
+    once) and a custom call it does not know (costed by its bytes only, `unknown_kernels` by calls a step).
+    `libtpu_estimate`: the ops costed at libtpu's own cycle estimate, and what the roofline gives for them."""
     module = hlo.Module(text)
-    simulator = Simulator(ProgramCost(module, hw, coords, attention))
+    simulator = Simulator(ProgramCost(module, hw, coords, attention, experts))
     tally = simulator.run()
+    loops = collections.defaultdict(lambda: {"loops": 0})
+    for scope, trips, basis in tally.derived_loops.values():
+        loops[(scope, trips, basis)]["loops"] += 1
+    warnings = [f"loop {name} ({op_name}): its trip count is data the model cannot derive; counted once"
+                for name, op_name in sorted(tally.uncounted_loops.items())]
+    warnings += [f"custom call {name} ({calls:,.0f} a step): an unknown kernel, costed by its bytes only (register "
+                 "its work in olmax.model.kernel_work)" for name, calls in sorted(tally.unknown_kernels.items())]
     step = tally.total
     by_category = collections.defaultdict(float)
     by_region = collections.defaultdict(lambda: collections.defaultdict(float))
@@ -686,18 +837,48 @@ def predict(text: str, hw: Hardware, coords: list[dict] | None = None, attention
                         "bytes_by_kind": dict(tally.collective_bytes)},
         "by_region": {r: {c: v.get(c, 0.0) for c in CATEGORIES} for r, v in sorted(by_region.items())},
         "executed_flops": tally.flops,
-        "loops_without_trip_count": tally.loops_without_trip_count,
+        "loops": [{"scope": scope, "trips": trips, "basis": basis, **v} for (scope, trips, basis), v in loops.items()],
+        "warnings": warnings,
+        "unknown_kernels": dict(tally.unknown_kernels),
         "constants": {"matmul_efficiency": hw.matmul_efficiency, "memory_efficiency": hw.memory_efficiency,
                       "collective_efficiency": hw.collective_efficiency, "peak_flops_per_device": peak,
-                      "memory_bandwidth_per_device": hw.memory_bandwidth},
+                      "memory_bandwidth_per_device": hw.memory_bandwidth, "gemm_table": hw.gemm_table,
+                      "clock": hw.clock},
         "timeline": [{"start": s, "end": e, "lane": lane, "category": c, "label": label}
                      for s, e, lane, c, label in _downsample(tally.events, step)],
         "timeline_until": min(tally.timeline_cut, step),
     }
+    if tally.estimated_ops:
+        report["libtpu_estimate"] = {"ops": len(tally.estimated_ops), "seconds": tally.estimated_seconds,
+                                     "roofline_seconds": tally.roofline_seconds, "clock": hw.clock}
     if model_flops_per_device:
         report["model_flops_per_device"] = model_flops_per_device
         report["mfu"] = model_flops_per_device / (step * peak) if step else None
     return report
+
+
+def matmul_rate(constants: dict) -> str:
+    """In words, the rate a prediction's matmuls were costed at."""
+    k = constants
+    if k.get("gemm_table"):
+        return (f"matmuls at XLA's measured rate for their shape and dtype ({k['gemm_table']} GEMM table; "
+                f"{k['matmul_efficiency']:.0%} of the {k['peak_flops_per_device'] / 1e12:,.0f} TFLOP/s peak at "
+                "the largest shapes)")
+    estimate = (f"; ops libtpu estimates, at its estimated cycles ({k['clock'] / 1e9:.3f} GHz)" if k.get("clock")
+                else "")
+    return (f"matmuls at {k['matmul_efficiency']:.0%} of the {k['peak_flops_per_device'] / 1e12:,.0f} TFLOP/s peak, "
+            f"derated where their dimensions do not fill the unit{estimate}")
+
+
+def notes(prediction: dict) -> list[str]:
+    """What a prediction assumed and could not count, in words: the loops whose trip counts it derived, libtpu's
+    estimate against the roofline, and its warnings."""
+    lines = [f"{loop['loops']} {loop['scope']} loops at {loop['trips']} trips each: {loop['basis']}"
+             for loop in prediction.get("loops", [])]
+    if estimate := prediction.get("libtpu_estimate"):
+        lines.append(f"{estimate['ops']:,} ops at libtpu's estimated cycles: {estimate['seconds']:.4g} s a step, "
+                     f"where the roofline gives them {estimate['roofline_seconds']:.4g} s")
+    return lines + [f"warning: {w}" for w in prediction.get("warnings", [])]
 
 
 def measure_cpu(repeats: int = 7) -> Hardware:

@@ -42,6 +42,11 @@ def dot_f32(a: jax.Array, b: jax.Array, dimension_numbers) -> jax.Array:
     return jax.lax.dot_general(a, b, dimension_numbers, preferred_element_type=jnp.float32)
 
 
+# The name of the loops over one group's blocks, whose trip count is data (the rows routed to the group): the
+# step-time model finds them by it in the compiled program (olmax.scale.step_time.ExpertBlocks).
+BLOCK_LOOP = "expert_block_loop"
+
+
 def _grouped_loop(x, w, block_starts, block: int, dot, contract_w: int):
     def group(g, out):
         wg = jax.lax.dynamic_index_in_dim(w, g, keepdims=False)  # one copy per group, not per block
@@ -51,7 +56,8 @@ def _grouped_loop(x, w, block_starts, block: int, dot, contract_w: int):
             yb = dot(xb, wg, (((1,), (contract_w,)), ((), ())))
             return jax.lax.dynamic_update_slice_in_dim(out, yb.astype(out.dtype), b * block, 0)
 
-        return jax.lax.fori_loop(block_starts[g], block_starts[g + 1], one_block, out)
+        with jax.named_scope(BLOCK_LOOP):
+            return jax.lax.fori_loop(block_starts[g], block_starts[g + 1], one_block, out)
 
     return jax.lax.fori_loop(0, w.shape[0], group, _zeros((x.shape[0], w.shape[2 - contract_w]), x.dtype, x, w))
 
@@ -82,7 +88,8 @@ def _gmm_bwd(block, dot, res, dy):
             return acc + dot(xb, dyb, (((0,), (0,)), ((), ())))
 
         zeros = _zeros(w.shape[1:], jnp.float32, x, dy)
-        acc = jax.lax.fori_loop(block_starts[g], block_starts[g + 1], one_block, zeros)
+        with jax.named_scope(BLOCK_LOOP):
+            acc = jax.lax.fori_loop(block_starts[g], block_starts[g + 1], one_block, zeros)
         return jax.lax.dynamic_update_index_in_dim(dw, acc, g, 0)
 
     dw = jax.lax.fori_loop(0, w.shape[0], group, _zeros(w.shape, jnp.float32, x, dy))
