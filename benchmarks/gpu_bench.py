@@ -18,6 +18,7 @@ accelerator this runs on checks the model.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -147,6 +148,101 @@ def attention_benchmark(seq: int, heads: int, kv_heads: int, head_dim: int, wind
     return report
 
 
+EXPERT_SHAPE = dict(rows=8192 * 4, d=3584, f=1024, groups=16)  # the 47B's experts on one of 8 GPUs: 16 resident
+
+
+def _interpreted(interpret: bool):
+    """Pallas' GPU interpreter around a call where `interpret` (the CPU checks of this script), else nothing."""
+    if not interpret:
+        return contextlib.nullcontext()
+    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams, force_gpu_interpret_mode
+    return force_gpu_interpret_mode(InterpretGPUParams())
+
+
+def experts_benchmark(rows: int, d: int, f: int, groups: int, steps: int, chip=None, interpret: bool = False) -> dict:
+    """One expert matmul, x [rows, d] times w[g] [d, f] for `groups` groups of random (multinomial) sizes, forward
+    and forward + both gradients, by the grouped kernels (impl.moe.dispatch=grouped, for `chip`, default this
+    GPU's), the block loop (blocks) and lax.ragged_dot; times and the largest differences from the block loop."""
+    from olmax.model.moe import gmm, grouped
+
+    chip = chip or grouped.Chip.of(jax.devices()[0])
+    keys = jax.random.split(jax.random.key(0), 4)
+    sizes = np.random.default_rng(0).multinomial(rows, np.ones(groups) / groups)
+    blocks = -(-sizes // grouped.ALIGN)
+    starts = jnp.asarray(np.concatenate([[0], np.cumsum(blocks)]), jnp.int32)
+    padded = int(blocks.sum()) * grouped.ALIGN
+    used = np.zeros(padded, bool)
+    for g in range(groups):
+        used[int(starts[g]) * grouped.ALIGN:][: sizes[g]] = True
+    x = jnp.where(jnp.asarray(used)[:, None], jax.random.normal(keys[0], (padded, d), jnp.bfloat16), 0)
+    w = (jax.random.normal(keys[1], (groups, d, f)) * d**-0.5).astype(jnp.bfloat16)
+    cotangent = jnp.where(jnp.asarray(used)[:, None], jax.random.normal(keys[2], (padded, f), jnp.bfloat16), 0)
+    order = jnp.argsort(~jnp.asarray(used), stable=True)  # ragged_dot's rows: the groups' rows packed
+    counts = jnp.asarray(sizes, jnp.int32)
+    products = {
+        "grouped": lambda x, w: grouped.gmm(x, w, starts, grouped.ALIGN, chip),
+        "blocks": lambda x, w: gmm.gmm(x, w, starts, grouped.ALIGN),
+        "ragged_dot": lambda x, w: jnp.take(jax.lax.ragged_dot(x[order], w, counts), jnp.argsort(order), axis=0),
+    }
+    train_flops = 3 * 2 * rows * d * f
+    report = {"rows": rows, "d": d, "f": f, "groups": groups, "group_sizes": sizes.tolist(), "chip": str(chip)}
+    results = {}
+    for name, product in products.items():
+        forward = jax.jit(product)
+        train = jax.jit(lambda x, w, product=product: jax.vjp(product, x, w)[1](cotangent))
+        with _interpreted(interpret and name == "grouped"):
+            results[name] = (forward(x, w), train(x, w))
+            report[name] = {
+                "forward_s": statistics.median(timed(lambda: jax.block_until_ready(forward(x, w)), 1, steps)),
+                "train_s": statistics.median(timed(lambda: jax.block_until_ready(train(x, w)), 1, steps))}
+        report[name]["train_tflops"] = train_flops / report[name]["train_s"] / 1e12
+
+    def max_diff(a, b):
+        return max(float(jnp.max(jnp.abs(u.astype(jnp.float32) - v.astype(jnp.float32))))
+                   for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+    for name in ("grouped", "ragged_dot"):
+        report[name]["max_abs_diff_from_blocks"] = max_diff(results[name], results["blocks"])
+    return report
+
+
+def moe_layer_benchmark(tokens: int, d: int, f: int, experts: int, top_k: int, dispatches: list[str],
+                        steps: int) -> dict:
+    """A 47B-shaped MoE layer on one GPU (by default its share under 8-way expert parallelism: 16 experts, 8192
+    tokens, top-4), forward and gradients for each dispatch: measured, and predicted by the step-time model
+    from the compiled program (for this GPU by its datasheet row, a CPU measured now)."""
+    from olmax.config import MoEConfig
+    from olmax.model.moe import gmm, grouped, sublayer
+    from olmax.scale import step_time
+    from olmax.scale.targets import parse_target, running_target
+
+    cfg = MoEConfig(num_experts=experts, top_k=top_k, expert_hidden=f)
+    keys = jax.random.split(jax.random.key(0), 3)
+    p = {"router": jax.random.normal(keys[0], (d, experts)) * 0.02,
+         **{name: jax.random.normal(k, shape) * 0.02 for name, k, shape in
+            (("w1", keys[1], (experts, d, f)), ("w3", keys[2], (experts, d, f)), ("w2", keys[0], (experts, f, d)))}}
+    x = jax.random.normal(keys[1], (1, tokens, d), jnp.bfloat16)
+    name = running_target(jax.devices()[:1])
+    hardware = step_time.target_hardware(parse_target(name)) if name else step_time.measure_cpu()
+    chip = grouped.Chip.of(jax.devices()[0]) if jax.default_backend() == "gpu" else None
+    report = {"tokens": tokens, "d": d, "f": f, "experts": experts, "top_k": top_k, "predicted_hardware": hardware.name}
+    for dispatch in dispatches:
+        def loss(p, x, dispatch=dispatch):
+            out, aux = sublayer.moe_mlp(cfg, p, x, dispatch=dispatch, chip=chip)
+            return jnp.sum(out.astype(jnp.float32)) + aux["load_balancing_loss"]
+
+        step = jax.jit(jax.grad(loss, argnums=(0, 1)))
+        compiled = step.lower(p, x).compile()
+        rows = tokens * top_k / experts
+        block = grouped.ALIGN if dispatch == "grouped" else gmm.auto_block_size(tokens * top_k, experts)
+        loops = step_time.ExpertBlocks(rows, block, cfg.routing, gmm.BLOCK_LOOP)
+        predicted = step_time.predict(compiled.as_text(), hardware, None, None, experts=loops)
+        measured = statistics.median(timed(lambda: jax.block_until_ready(compiled(p, x)), 1, steps))
+        report[dispatch] = {"measured_s": measured, "predicted_s": predicted["step_seconds"],
+                            "predicted_ops": predicted["executed_ops"], "warnings": predicted["warnings"]}
+    return report
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="what", required=True)
@@ -158,7 +254,12 @@ def main() -> None:
     attention.add_argument("--seq", type=int, default=8192)
     attention.add_argument("--implementation", default="cudnn", help="cudnn, or xla (the same call without cuDNN)")
     attention.add_argument("--steps", type=int, default=5)
-    for p in (step, attention):
+    experts = sub.add_parser("experts")
+    experts.add_argument("--steps", type=int, default=10)
+    layer = sub.add_parser("moe-layer")
+    layer.add_argument("--steps", type=int, default=5)
+    layer.add_argument("--experts", type=int, default=16)
+    for p in (step, attention, experts, layer):
         p.add_argument("--out", help="write the JSON here too")
     args = parser.parse_args()
     if args.what == "step":
@@ -166,6 +267,11 @@ def main() -> None:
         print(f"step-time model on {report['predicted_hardware']}: predicted {report['predicted_step_s']:.4g} s, "
               f"measured {report['median_step_s']:.4g} s ({report['predicted_step_s'] / report['median_step_s'] - 1:+.1%})",
               file=sys.stderr)
+    elif args.what == "experts":
+        report = experts_benchmark(**EXPERT_SHAPE, steps=args.steps)
+    elif args.what == "moe-layer":
+        report = moe_layer_benchmark(8192, EXPERT_SHAPE["d"], EXPERT_SHAPE["f"], args.experts, 4,
+                                     ["grouped", "blocks"], args.steps)
     else:  # OLMo 3 7B heads: 32 x 128, sliding layers see 4096 keys
         report = [attention_benchmark(args.seq, 32, 32, 128, window, 512, args.implementation, args.steps)
                   for window in (4096, None)]
