@@ -2,6 +2,8 @@
 
     python benchmarks/gpu_bench.py step --shape cpu|7b-slice [--steps 5] [--out FILE] [key=value ...]
     python benchmarks/gpu_bench.py attention [--seq 8192] [--implementation cudnn] [--out FILE]
+    python benchmarks/gpu_bench.py experts [--steps 10] [--out FILE]
+    python benchmarks/gpu_bench.py moe-layer [--experts 16] [--steps 5] [--out FILE]
 
 `step` times olmax's train step (the function `olmax train` runs) at the CPU benchmark's shape
 (benchmarks/train_throughput.py) or at a slice of the OLMo 3 7B shape (4 layers at d 4096, 4 x 8192
@@ -12,7 +14,9 @@ heads, sliding (4096 keys) and global, forward and gradients, and times both. MF
 H200's dense bf16 peak, 989 TFLOP/s (NVIDIA's H200 datasheet); FLOPs from olmax.model.flops. `step` also gives
 the step time the step-time model predicts from the compiled step for the device it runs on (its datasheet
 constants from olmax.scale.targets; on a CPU, the CPU measured now), beside the measured one: the first
-accelerator this runs on checks the model.
+accelerator this runs on checks the model. `experts` times the experts' grouped-matmul kernels
+(olmax.model.moe.grouped, impl.moe.dispatch=grouped) against the block loop and lax.ragged_dot on one GPU's
+share of the 47B's experts; `moe-layer` a 47B-shaped MoE layer's step per dispatch, measured and predicted.
 """
 
 from __future__ import annotations
@@ -168,20 +172,21 @@ def experts_benchmark(rows: int, d: int, f: int, groups: int, steps: int, chip=N
     chip = chip or grouped.Chip.of(jax.devices()[0])
     keys = jax.random.split(jax.random.key(0), 4)
     sizes = np.random.default_rng(0).multinomial(rows, np.ones(groups) / groups)
-    blocks = -(-sizes // grouped.ALIGN)
+    block = chip.block
+    blocks = -(-sizes // block)
     starts = jnp.asarray(np.concatenate([[0], np.cumsum(blocks)]), jnp.int32)
-    padded = int(blocks.sum()) * grouped.ALIGN
+    padded = int(blocks.sum()) * block
     used = np.zeros(padded, bool)
     for g in range(groups):
-        used[int(starts[g]) * grouped.ALIGN:][: sizes[g]] = True
+        used[int(starts[g]) * block:][: sizes[g]] = True
     x = jnp.where(jnp.asarray(used)[:, None], jax.random.normal(keys[0], (padded, d), jnp.bfloat16), 0)
     w = (jax.random.normal(keys[1], (groups, d, f)) * d**-0.5).astype(jnp.bfloat16)
     cotangent = jnp.where(jnp.asarray(used)[:, None], jax.random.normal(keys[2], (padded, f), jnp.bfloat16), 0)
     order = jnp.argsort(~jnp.asarray(used), stable=True)  # ragged_dot's rows: the groups' rows packed
     counts = jnp.asarray(sizes, jnp.int32)
     products = {
-        "grouped": lambda x, w: grouped.gmm(x, w, starts, grouped.ALIGN, chip),
-        "blocks": lambda x, w: gmm.gmm(x, w, starts, grouped.ALIGN),
+        "grouped": lambda x, w: grouped.gmm(x, w, starts, block, chip),
+        "blocks": lambda x, w: gmm.gmm(x, w, starts, block),
         "ragged_dot": lambda x, w: jnp.take(jax.lax.ragged_dot(x[order], w, counts), jnp.argsort(order), axis=0),
     }
     train_flops = 3 * 2 * rows * d * f
@@ -234,7 +239,7 @@ def moe_layer_benchmark(tokens: int, d: int, f: int, experts: int, top_k: int, d
         step = jax.jit(jax.grad(loss, argnums=(0, 1)))
         compiled = step.lower(p, x).compile()
         rows = tokens * top_k / experts
-        block = grouped.ALIGN if dispatch == "grouped" else gmm.auto_block_size(tokens * top_k, experts)
+        block = chip.block if dispatch == "grouped" else gmm.auto_block_size(tokens * top_k, experts)
         loops = step_time.ExpertBlocks(rows, block, cfg.routing, gmm.BLOCK_LOOP)
         predicted = step_time.predict(compiled.as_text(), hardware, None, None, experts=loops)
         measured = statistics.median(timed(lambda: jax.block_until_ready(compiled(p, x)), 1, steps))

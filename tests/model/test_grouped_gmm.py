@@ -90,6 +90,14 @@ def test_auto_takes_the_kernels_where_they_run():
         sublayer.dispatch_for("grouped", "cpu", 1, None, widths)
 
 
+def test_grouped_is_refused_with_mxfp8(capsys):
+    from olmax.cli import main
+
+    assert main(["config", "show", "tiny_moe", "impl.fp8=mxfp8", "impl.moe.dispatch=grouped"]) == 2
+    [line] = capsys.readouterr().err.splitlines()
+    assert "no MXFP8 grouped kernel" in line and "set impl.moe.dispatch=auto or blocks" in line
+
+
 def _compiled_in_own_process(check: str, target: str) -> None:
     # Mosaic GPU's compiler keeps the first GPU generation a process compiles its kernels for: a B300's kernels
     # after an H100's stop ptxas ("SM version specified by .target is higher than default SM version assumed").

@@ -137,7 +137,7 @@ def expert_blocks(cfg: RunConfig, layout: Layout, micro_rows: int) -> step_time.
     smallest = fp8.MX_BLOCK if cfg.impl.fp8 == "mxfp8" else 16
     block = cfg.impl.moe.block or gmm.auto_block_size(sized_for, local_experts, smallest)
     if sublayer.dispatch_for(cfg.impl.moe.dispatch, *moe_target(cfg.model, cfg.impl, layout)) == "grouped":
-        block = grouped.ALIGN  # the kernels' layout; Blackwell's weight gradient loops over it
+        block = grouped.Chip.of(layout.mesh.devices.flat[0]).block  # the kernels' layout (Blackwell's dw loops)
     return step_time.ExpertBlocks(routed / local_experts, block, moe.routing, gmm.BLOCK_LOOP)
 
 
