@@ -79,8 +79,12 @@ def program_ops(text: str) -> dict:
     types = dict(re.findall(r"(%?[\w.-]+) = (\w+)\[", text))
     matmuls = re.findall(r" (?:dot|convolution)\((%?[\w.-]+), (%?[\w.-]+)\)", text)
     calls = collections.Counter()
-    for name, target in re.findall(r"%([\w.-]+) = .* custom-call\(.*custom_call_target=\"([^\"]+)\"", text):
-        calls[re.sub(r"\.\d+$", "", name) if target == "tpu_custom_call" else target] += 1
+    for name, target, rest in re.findall(r"%([\w.-]+) = .* custom-call\(.*custom_call_target=\"([^\"]+)\"(.*)", text):
+        if target == "tpu_custom_call":
+            target = re.sub(r"\.\d+$", "", name)
+        elif kernel := re.search(r'op_name="[^"]*?([^/"]+)/mpmd_map"', rest):  # a Mosaic GPU kernel, by its name
+            target = f"{target} {kernel.group(1)}"
+        calls[target] += 1
     return {
         "matmuls": len(matmuls),
         "float8_matmuls": sum(any(types.get(o, "").startswith("f8") for o in pair) for pair in matmuls),
