@@ -248,6 +248,37 @@ def moe_layer_benchmark(tokens: int, d: int, f: int, experts: int, top_k: int, d
     return report
 
 
+def experts_prediction(target: str, dispatch: str, rows: int, routed: int, d: int, f: int, groups: int) -> dict:
+    """The step-time model's prediction for one GPU of `target` of what one MoE layer's experts do there a
+    micro-step under expert parallelism, forward and both gradients: `rows` received after the all-to-all (the
+    buffer), `routed` of them to its `groups` resident experts (balanced), the rest to none. Compiled for the
+    target's device without the hardware (a GPU generation a process: Mosaic GPU's compiler keeps the first)."""
+    from olmax.model.moe import gmm, grouped
+    from olmax.scale import step_time
+    from olmax.scale.targets import compile_only_devices, parse_target
+
+    device = compile_only_devices(parse_target(target))[0]
+    chip = grouped.Chip.of(device)
+    block = chip.block if dispatch == "grouped" else gmm.auto_block_size(rows, groups)
+    sharding = jax.sharding.SingleDeviceSharding(device)
+    spec = {"x": (rows, d), "w1": (groups, d, f), "w3": (groups, d, f), "w2": (groups, f, d)}
+    args = {k: jax.ShapeDtypeStruct(v, jnp.bfloat16, sharding=sharding) for k, v in spec.items()}
+    ids = jax.ShapeDtypeStruct((rows, 1), jnp.int32, sharding=sharding)
+
+    def loss(p, ids):
+        product = (lambda a, w, starts, b: grouped.gmm(a, w, starts, b, chip)) if dispatch == "grouped" else None
+        y = gmm.grouped_swiglu(p["x"], ids, p["w1"], p["w3"], p["w2"], dispatch="blocks", block=block,
+                               product=product)
+        return jnp.sum(y.astype(jnp.float32))
+
+    text = jax.jit(jax.grad(loss)).lower(args, ids).compile().as_text()
+    loops = step_time.ExpertBlocks(routed / groups, block, "balanced", gmm.BLOCK_LOOP)
+    predicted = step_time.predict(text, step_time.target_hardware(parse_target(target)), None, None, experts=loops)
+    return {"target": target, "dispatch": dispatch, "rows": rows, "routed": routed, "d": d, "f": f, "groups": groups,
+            "block": block, "predicted_s": predicted["step_seconds"], "ops": predicted["executed_ops"],
+            "seconds": predicted["seconds"], "warnings": predicted["warnings"]}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="what", required=True)
@@ -264,7 +295,11 @@ def main() -> None:
     layer = sub.add_parser("moe-layer")
     layer.add_argument("--steps", type=int, default=5)
     layer.add_argument("--experts", type=int, default=16)
-    for p in (step, attention, experts, layer):
+    predict = sub.add_parser("predict-experts", help="no GPU needed: the step-time model's prediction")
+    predict.add_argument("--target", required=True)
+    predict.add_argument("--dispatch", default="grouped")
+    predict.add_argument("--experts", type=int, default=128, help="the model's experts (8 GPUs hold them)")
+    for p in (step, attention, experts, layer, predict):
         p.add_argument("--out", help="write the JSON here too")
     args = parser.parse_args()
     if args.what == "step":
@@ -274,6 +309,10 @@ def main() -> None:
               file=sys.stderr)
     elif args.what == "experts":
         report = experts_benchmark(**EXPERT_SHAPE, steps=args.steps)
+    elif args.what == "predict-experts":  # the 47B preset's layout: 8-way EP, 8192 tokens a GPU, capacity 1.25
+        received = 8 * -(-int(1.25 * 8192 * 4) // 8)
+        report = experts_prediction(args.target, args.dispatch, received, 8192 * 4, EXPERT_SHAPE["d"],
+                                    EXPERT_SHAPE["f"], args.experts // 8)
     elif args.what == "moe-layer":
         report = moe_layer_benchmark(8192, EXPERT_SHAPE["d"], EXPERT_SHAPE["f"], args.experts, 4,
                                      ["grouped", "blocks"], args.steps)

@@ -7,6 +7,8 @@ from pathlib import Path
 import jax.numpy as jnp
 import pytest
 
+from olmax.scale.targets import aot_missing
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -62,3 +64,14 @@ def test_moe_layer_benchmark_runs(gpu_bench):
     assert r["predicted_hardware"] == "this CPU"
     for dispatch in ("blocks", "ragged_dot"):
         assert r[dispatch]["measured_s"] > 0 and r[dispatch]["predicted_s"] > 0 and r[dispatch]["predicted_ops"] > 0
+
+
+@pytest.mark.skipif(aot_missing("gpu") is not None, reason="needs the aot-gpu extra")
+def test_experts_prediction_runs_without_a_gpu(gpu_bench):
+    """One GPU's expert work under expert parallelism, compiled for an H100 and predicted: the grouped kernels
+    are costed from their work (no unknown kernel) and run fewer ops than the block loop."""
+    shape = dict(rows=1024, routed=768, d=256, f=256, groups=4)
+    grouped = gpu_bench.experts_prediction("gpu:h100x8", "grouped", **shape)
+    blocks = gpu_bench.experts_prediction("gpu:h100x8", "blocks", **shape)
+    assert grouped["warnings"] == [] and blocks["warnings"] == []
+    assert 0 < grouped["ops"] < blocks["ops"] and grouped["predicted_s"] > 0
