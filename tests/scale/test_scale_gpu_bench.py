@@ -66,6 +66,7 @@ def test_moe_layer_benchmark_runs(gpu_bench):
         assert r[dispatch]["measured_s"] > 0 and r[dispatch]["predicted_s"] > 0 and r[dispatch]["predicted_ops"] > 0
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(aot_missing("gpu") is not None, reason="needs the aot-gpu extra")
 def test_experts_prediction_runs_without_a_gpu(gpu_bench):
     """One GPU's expert work under expert parallelism, compiled for an H100 and predicted: the grouped kernels

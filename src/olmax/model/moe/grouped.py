@@ -52,9 +52,10 @@ from jax.experimental.pallas.ops.gpu import blackwell_ragged_dot_mgpu
 from olmax.model import kernel_work
 from olmax.model.moe import gmm as block_loop
 
-# Tiles (rows x columns x contraction). Hopper: a wgmma is 64 rows; 128 x 128 output tiles, 64-deep steps, 4 in
-# flight: 4 x (128 x 64 + 64 x 128) x 2 B = 128 KiB of shared memory of 228. Blackwell: 128 x 128 per SM, two SMs
-# of a cluster sharing one 256 x 256 tile (the kernel's `collective` form, the one its benchmark tunes).
+# Tiles (rows x columns x contraction). Hopper: output tiles of 128 columns and 64 rows (a wgmma's, and a group's
+# alignment: the forward) or 128 (the weight gradient), 64-deep steps, 4 in flight: at most 4 x (128 x 64 + 64 x
+# 128) x 2 B = 128 KiB of shared memory of 228. Blackwell: 128 x 128 per SM, two SMs of a cluster sharing one
+# 256 x 256 tile (the kernel's `collective` form, the one its benchmark tunes).
 HOPPER = dict(block_m=128, block_n=128, block_k=64, max_concurrent_steps=4)
 BLACKWELL = blackwell_ragged_dot_mgpu.TuningConfig(
     tile_m=128, tile_n=128, tile_k=64, max_concurrent_steps=4, collective=True, grid_tile_width=1,
@@ -110,17 +111,14 @@ class _JaxOn(types.SimpleNamespace):
 
 @contextlib.contextmanager
 def _on_device(chip: Chip):
-    # While the kernels are traced, their modules see a device with the target's SM count: they size their
-    # persistent grids from jax.devices()[0] or jax.local_devices()[0], a CPU when compiling from a CPU host.
-    modules = (blackwell_ragged_dot_mgpu,)
-    saved = [m.jax for m in modules]
-    for m in modules:
-        m.jax = _JaxOn(types.SimpleNamespace(core_count=chip.sms))
+    # JAX's Blackwell kernel sizes its persistent grid from jax.local_devices()[0], a CPU when compiling from a CPU
+    # host: while it is traced, its module sees a device with the target's SM count.
+    saved = blackwell_ragged_dot_mgpu.jax
+    blackwell_ragged_dot_mgpu.jax = _JaxOn(types.SimpleNamespace(core_count=chip.sms))
     try:
         yield
     finally:
-        for m, j in zip(modules, saved):
-            m.jax = j
+        blackwell_ragged_dot_mgpu.jax = saved
 
 
 def _padded(a, rows: int = ROW_TILE):
@@ -238,9 +236,9 @@ def _gmm_fwd(x, w, block_starts, block, chip):
 def _gmm_bwd(block, chip, res, dy):
     x, w, block_starts = res
     counts = jnp.diff(block_starts) * block
-    # The input gradient is the forward kernel's product with each w[g] transposed by XLA first: JAX's kernel
-    # can transpose its operand in shared memory, but Pallas' GPU interpreter cannot run that (wgmma on a
-    # TransposeTransform), and the weights are small beside the rows.
+    # The input gradient is the forward kernel's product with each w[g] transposed by XLA first: a wgmma could
+    # read w[g] transposed in shared memory, but Pallas' GPU interpreter cannot run that (wgmma on a
+    # TransposeTransform), and the weights are small beside the rows. The same holds for x^T in the weight gradient.
     aligned = block_starts * (block // ALIGN)
     dx = _in_groups(_product(dy, jnp.swapaxes(w, 1, 2), counts, aligned, chip), counts)
     if chip.major == 9:
