@@ -90,6 +90,8 @@ class Chip:
 
 def unsupported(device, widths: dict[str, int]) -> str | None:
     """Why the grouped kernels cannot run the experts on `device` with these widths, or None when they can."""
+    if device is None:
+        return "its kernels are chosen for a GPU's compute capability, and no device was given"
     cc = getattr(device, "compute_capability", None)
     if device.platform not in ("gpu", "cuda") or cc is None or int(float(cc)) not in (9, 10):
         return f"its kernels are for NVIDIA Hopper (sm_90) and Blackwell (sm_100) GPUs, not {device.device_kind}"
