@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# olmax on one NVIDIA H200, in about 8 minutes: the train step at the CPU benchmark's shape and at a slice
-# of the OLMo 3 7B shape, and cuDNN attention against olmax's blocked XLA attention (numerics and time).
+# olmax on one NVIDIA H200, in about 15 minutes: the train step at the CPU benchmark's shape and at a slice
+# of the OLMo 3 7B shape, cuDNN attention against olmax's blocked XLA attention (numerics and time), and the
+# MoE experts' grouped-matmul kernels and a 47B-shaped MoE layer.
 # JSON results go to $OUT (default benchmarks/out/gpu); MFU is against 989 TFLOP/s, the H200's dense bf16
 # peak. The step runs the attention `auto` picks there (cuDNN); each step row also carries the step-time model's
 # prediction for the GPU it runs on (predicted_step_s beside median_step_s). Never run by CI; not yet run on a GPU
@@ -41,6 +42,11 @@ status=0
 timeout 150 "$PY" benchmarks/gpu_bench.py step --shape cpu --steps 10 --out "$OUT/step_cpu_shape.json" || status=1
 timeout 210 "$PY" benchmarks/gpu_bench.py step --shape 7b-slice --steps 5 --out "$OUT/step_7b_slice.json" || status=1
 timeout 120 "$PY" benchmarks/gpu_bench.py attention --implementation cudnn --out "$OUT/attention_cudnn.json" || status=1
+# The experts' grouped-matmul kernels (impl.moe.dispatch=grouped: Hopper and Blackwell) against the block loop and
+# lax.ragged_dot at the 47B's expert shapes (one of 8 GPUs: 16 experts, 32,768 rows, 3584 x 1024), forward and
+# gradients; then a 47B-shaped MoE layer's step on one GPU, grouped and blocks, predicted against measured.
+timeout 180 "$PY" benchmarks/gpu_bench.py experts --out "$OUT/experts.json" || status=1
+timeout 240 "$PY" benchmarks/gpu_bench.py moe-layer --out "$OUT/moe_layer.json" || status=1
 # MXFP8 (impl.fp8=mxfp8: cuDNN's block-scaled GEMMs) against the bf16 step above, on the same shape and data,
 # where the GPU has them (compute capability 10.x, Blackwell; olmax refuses mxfp8 below that): the dense
 # 7B slice, and the MoE tiny with its experts' grouped matmuls in MXFP8 too against its bf16 step.

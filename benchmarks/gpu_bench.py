@@ -2,6 +2,8 @@
 
     python benchmarks/gpu_bench.py step --shape cpu|7b-slice [--steps 5] [--out FILE] [key=value ...]
     python benchmarks/gpu_bench.py attention [--seq 8192] [--implementation cudnn] [--out FILE]
+    python benchmarks/gpu_bench.py experts [--steps 10] [--out FILE]
+    python benchmarks/gpu_bench.py moe-layer [--experts 16] [--steps 5] [--out FILE]
 
 `step` times olmax's train step (the function `olmax train` runs) at the CPU benchmark's shape
 (benchmarks/train_throughput.py) or at a slice of the OLMo 3 7B shape (4 layers at d 4096, 4 x 8192
@@ -12,12 +14,15 @@ heads, sliding (4096 keys) and global, forward and gradients, and times both. MF
 H200's dense bf16 peak, 989 TFLOP/s (NVIDIA's H200 datasheet); FLOPs from olmax.model.flops. `step` also gives
 the step time the step-time model predicts from the compiled step for the device it runs on (its datasheet
 constants from olmax.scale.targets; on a CPU, the CPU measured now), beside the measured one: the first
-accelerator this runs on checks the model.
+accelerator this runs on checks the model. `experts` times the experts' grouped-matmul kernels
+(olmax.model.moe.grouped, impl.moe.dispatch=grouped) against the block loop and lax.ragged_dot on one GPU's
+share of the 47B's experts; `moe-layer` a 47B-shaped MoE layer's step per dispatch, measured and predicted.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -147,6 +152,133 @@ def attention_benchmark(seq: int, heads: int, kv_heads: int, head_dim: int, wind
     return report
 
 
+EXPERT_SHAPE = dict(rows=8192 * 4, d=3584, f=1024, groups=16)  # the 47B's experts on one of 8 GPUs: 16 resident
+
+
+def _interpreted(interpret: bool):
+    """Pallas' GPU interpreter around a call where `interpret` (the CPU checks of this script), else nothing."""
+    if not interpret:
+        return contextlib.nullcontext()
+    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams, force_gpu_interpret_mode
+    return force_gpu_interpret_mode(InterpretGPUParams())
+
+
+def experts_benchmark(rows: int, d: int, f: int, groups: int, steps: int, chip=None, interpret: bool = False) -> dict:
+    """One expert matmul, x [rows, d] times w[g] [d, f] for `groups` groups of random (multinomial) sizes, forward
+    and forward + both gradients, by the grouped kernels (impl.moe.dispatch=grouped, for `chip`, default this
+    GPU's), the block loop (blocks) and lax.ragged_dot; times and the largest differences from the block loop."""
+    from olmax.model.moe import gmm, grouped
+
+    chip = chip or grouped.Chip.of(jax.devices()[0])
+    keys = jax.random.split(jax.random.key(0), 4)
+    sizes = np.random.default_rng(0).multinomial(rows, np.ones(groups) / groups)
+    block = chip.block
+    blocks = -(-sizes // block)
+    starts = jnp.asarray(np.concatenate([[0], np.cumsum(blocks)]), jnp.int32)
+    padded = int(blocks.sum()) * block
+    used = np.zeros(padded, bool)
+    for g in range(groups):
+        used[int(starts[g]) * block:][: sizes[g]] = True
+    x = jnp.where(jnp.asarray(used)[:, None], jax.random.normal(keys[0], (padded, d), jnp.bfloat16), 0)
+    w = (jax.random.normal(keys[1], (groups, d, f)) * d**-0.5).astype(jnp.bfloat16)
+    cotangent = jnp.where(jnp.asarray(used)[:, None], jax.random.normal(keys[2], (padded, f), jnp.bfloat16), 0)
+    order = jnp.argsort(~jnp.asarray(used), stable=True)  # ragged_dot's rows: the groups' rows packed
+    counts = jnp.asarray(sizes, jnp.int32)
+    products = {
+        "grouped": lambda x, w: grouped.gmm(x, w, starts, block, chip),
+        "blocks": lambda x, w: gmm.gmm(x, w, starts, block),
+        "ragged_dot": lambda x, w: jnp.take(jax.lax.ragged_dot(x[order], w, counts), jnp.argsort(order), axis=0),
+    }
+    train_flops = 3 * 2 * rows * d * f
+    report = {"rows": rows, "d": d, "f": f, "groups": groups, "group_sizes": sizes.tolist(), "chip": str(chip)}
+    results = {}
+    for name, product in products.items():
+        forward = jax.jit(product)
+        train = jax.jit(lambda x, w, product=product: jax.vjp(product, x, w)[1](cotangent))
+        with _interpreted(interpret and name == "grouped"):
+            results[name] = (forward(x, w), train(x, w))
+            report[name] = {
+                "forward_s": statistics.median(timed(lambda: jax.block_until_ready(forward(x, w)), 1, steps)),
+                "train_s": statistics.median(timed(lambda: jax.block_until_ready(train(x, w)), 1, steps))}
+        report[name]["train_tflops"] = train_flops / report[name]["train_s"] / 1e12
+
+    def max_diff(a, b):
+        return max(float(jnp.max(jnp.abs(u.astype(jnp.float32) - v.astype(jnp.float32))))
+                   for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+    for name in ("grouped", "ragged_dot"):
+        report[name]["max_abs_diff_from_blocks"] = max_diff(results[name], results["blocks"])
+    return report
+
+
+def moe_layer_benchmark(tokens: int, d: int, f: int, experts: int, top_k: int, dispatches: list[str],
+                        steps: int) -> dict:
+    """A 47B-shaped MoE layer on one GPU (by default its share under 8-way expert parallelism: 16 experts, 8192
+    tokens, top-4), forward and gradients for each dispatch: measured, and predicted by the step-time model
+    from the compiled program (for this GPU by its datasheet row, a CPU measured now)."""
+    from olmax.config import MoEConfig
+    from olmax.model.moe import gmm, grouped, sublayer
+    from olmax.scale import step_time
+    from olmax.scale.targets import parse_target, running_target
+
+    cfg = MoEConfig(num_experts=experts, top_k=top_k, expert_hidden=f)
+    keys = jax.random.split(jax.random.key(0), 3)
+    p = {"router": jax.random.normal(keys[0], (d, experts)) * 0.02,
+         **{name: jax.random.normal(k, shape) * 0.02 for name, k, shape in
+            (("w1", keys[1], (experts, d, f)), ("w3", keys[2], (experts, d, f)), ("w2", keys[0], (experts, f, d)))}}
+    x = jax.random.normal(keys[1], (1, tokens, d), jnp.bfloat16)
+    name = running_target(jax.devices()[:1])
+    hardware = step_time.target_hardware(parse_target(name)) if name else step_time.measure_cpu()
+    chip = grouped.Chip.of(jax.devices()[0]) if jax.default_backend() == "gpu" else None
+    report = {"tokens": tokens, "d": d, "f": f, "experts": experts, "top_k": top_k, "predicted_hardware": hardware.name}
+    for dispatch in dispatches:
+        def loss(p, x, dispatch=dispatch):
+            out, aux = sublayer.moe_mlp(cfg, p, x, dispatch=dispatch, chip=chip)
+            return jnp.sum(out.astype(jnp.float32)) + aux["load_balancing_loss"]
+
+        step = jax.jit(jax.grad(loss, argnums=(0, 1)))
+        compiled = step.lower(p, x).compile()
+        rows = tokens * top_k / experts
+        block = chip.block if dispatch == "grouped" else gmm.auto_block_size(tokens * top_k, experts)
+        loops = step_time.ExpertBlocks(rows, block, cfg.routing, gmm.BLOCK_LOOP)
+        predicted = step_time.predict(compiled.as_text(), hardware, None, None, experts=loops)
+        measured = statistics.median(timed(lambda: jax.block_until_ready(compiled(p, x)), 1, steps))
+        report[dispatch] = {"measured_s": measured, "predicted_s": predicted["step_seconds"],
+                            "predicted_ops": predicted["executed_ops"], "warnings": predicted["warnings"]}
+    return report
+
+
+def experts_prediction(target: str, dispatch: str, rows: int, routed: int, d: int, f: int, groups: int) -> dict:
+    """The step-time model's prediction for one GPU of `target` of what one MoE layer's experts do there a
+    micro-step under expert parallelism, forward and both gradients: `rows` received after the all-to-all (the
+    buffer), `routed` of them to its `groups` resident experts (balanced), the rest to none. Compiled for the
+    target's device without the hardware (a GPU generation a process: Mosaic GPU's compiler keeps the first)."""
+    from olmax.model.moe import gmm, grouped
+    from olmax.scale import step_time
+    from olmax.scale.targets import compile_only_devices, parse_target
+
+    device = compile_only_devices(parse_target(target))[0]
+    chip = grouped.Chip.of(device)
+    block = chip.block if dispatch == "grouped" else gmm.auto_block_size(rows, groups)
+    sharding = jax.sharding.SingleDeviceSharding(device)
+    spec = {"x": (rows, d), "w1": (groups, d, f), "w3": (groups, d, f), "w2": (groups, f, d)}
+    args = {k: jax.ShapeDtypeStruct(v, jnp.bfloat16, sharding=sharding) for k, v in spec.items()}
+    ids = jax.ShapeDtypeStruct((rows, 1), jnp.int32, sharding=sharding)
+
+    def loss(p, ids):
+        product = (lambda a, w, starts, b: grouped.gmm(a, w, starts, b, chip)) if dispatch == "grouped" else None
+        y = gmm.grouped_swiglu(p["x"], ids, p["w1"], p["w3"], p["w2"], dispatch="blocks", block=block,
+                               product=product)
+        return jnp.sum(y.astype(jnp.float32))
+
+    text = jax.jit(jax.grad(loss)).lower(args, ids).compile().as_text()
+    loops = step_time.ExpertBlocks(routed / groups, block, "balanced", gmm.BLOCK_LOOP)
+    predicted = step_time.predict(text, step_time.target_hardware(parse_target(target)), None, None, experts=loops)
+    return {"target": target, "dispatch": dispatch, "rows": rows, "routed": routed, "d": d, "f": f, "groups": groups,
+            "block": block, "predicted_s": predicted["step_seconds"], "ops": predicted["executed_ops"],
+            "seconds": predicted["seconds"], "warnings": predicted["warnings"]}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="what", required=True)
@@ -158,7 +290,16 @@ def main() -> None:
     attention.add_argument("--seq", type=int, default=8192)
     attention.add_argument("--implementation", default="cudnn", help="cudnn, or xla (the same call without cuDNN)")
     attention.add_argument("--steps", type=int, default=5)
-    for p in (step, attention):
+    experts = sub.add_parser("experts")
+    experts.add_argument("--steps", type=int, default=10)
+    layer = sub.add_parser("moe-layer")
+    layer.add_argument("--steps", type=int, default=5)
+    layer.add_argument("--experts", type=int, default=16)
+    predict = sub.add_parser("predict-experts", help="no GPU needed: the step-time model's prediction")
+    predict.add_argument("--target", required=True)
+    predict.add_argument("--dispatch", default="grouped")
+    predict.add_argument("--experts", type=int, default=128, help="the model's experts (8 GPUs hold them)")
+    for p in (step, attention, experts, layer, predict):
         p.add_argument("--out", help="write the JSON here too")
     args = parser.parse_args()
     if args.what == "step":
@@ -166,6 +307,15 @@ def main() -> None:
         print(f"step-time model on {report['predicted_hardware']}: predicted {report['predicted_step_s']:.4g} s, "
               f"measured {report['median_step_s']:.4g} s ({report['predicted_step_s'] / report['median_step_s'] - 1:+.1%})",
               file=sys.stderr)
+    elif args.what == "experts":
+        report = experts_benchmark(**EXPERT_SHAPE, steps=args.steps)
+    elif args.what == "predict-experts":  # the 47B preset's layout: 8-way EP, 8192 tokens a GPU, capacity 1.25
+        received = 8 * -(-int(1.25 * 8192 * 4) // 8)
+        report = experts_prediction(args.target, args.dispatch, received, 8192 * 4, EXPERT_SHAPE["d"],
+                                    EXPERT_SHAPE["f"], args.experts // 8)
+    elif args.what == "moe-layer":
+        report = moe_layer_benchmark(8192, EXPERT_SHAPE["d"], EXPERT_SHAPE["f"], args.experts, 4,
+                                     ["grouped", "blocks"], args.steps)
     else:  # OLMo 3 7B heads: 32 x 128, sliding layers see 4096 keys
         report = [attention_benchmark(args.seq, 32, 32, 128, window, 512, args.implementation, args.steps)
                   for window in (4096, None)]

@@ -90,6 +90,14 @@ def test_auto_takes_the_kernels_where_they_run():
         sublayer.dispatch_for("grouped", "cpu", 1, None, widths)
 
 
+def test_grouped_is_refused_with_mxfp8(capsys):
+    from olmax.cli import main
+
+    assert main(["config", "show", "tiny_moe", "impl.fp8=mxfp8", "impl.moe.dispatch=grouped"]) == 2
+    [line] = capsys.readouterr().err.splitlines()
+    assert "no MXFP8 grouped kernel" in line and "set impl.moe.dispatch=auto or blocks" in line
+
+
 def _compiled_in_own_process(check: str, target: str) -> None:
     # Mosaic GPU's compiler keeps the first GPU generation a process compiles its kernels for: a B300's kernels
     # after an H100's stop ptxas ("SM version specified by .target is higher than default SM version assumed").
@@ -137,6 +145,29 @@ def _compile_expert_parallel_layer(target):
     assert "all-to-all" in hlo
     kernels = 9 if grouped.Chip.of(devices[0]).major == 9 else 6  # 3 matmuls; Blackwell's weight gradient loops
     assert hlo.count('custom_call_target="mosaic_gpu_v2"') == kernels
+
+
+def _compile_train_step_report(target):
+    """`olmax compile`'s report of a small MoE (widths in the kernels' tiles) for the target: `auto` takes the
+    grouped kernels, the report names them, and the step-time model knows every one."""
+    from olmax.config import load_config
+    from olmax.scale.compile import compile_train_step
+
+    cfg = load_config("tiny_moe", ["model.d_model=256", "model.moe.expert_hidden=256"])
+    report = compile_train_step(cfg, parse_target(target), mfu=None)
+    assert report["moe_dispatch"] == "grouped"
+    calls = report["program"]["custom_calls"]
+    hopper = report["device_kind"].startswith("NVIDIA H")
+    names = (["grouped_matmul", "grouped_weight_grad"] if hopper else [f"ragged_dot_kernel_{grouped.BLACKWELL}"])
+    assert all(calls.get(f"mosaic_gpu_v2 {name}", 0) > 0 for name in names), calls
+    assert report["step_time"]["unknown_kernels"] == {} and report["step_time"]["warnings"] == []
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(aot_missing("gpu") is not None, reason="needs the aot-gpu extra")
+@pytest.mark.parametrize("target", ["gpu:h100x8", "gpu:b300x8"])
+def test_compile_report_names_the_kernels(target):
+    _compiled_in_own_process("_compile_train_step_report", target)
 
 
 @pytest.mark.skipif(aot_missing("gpu") is not None, reason="needs the aot-gpu extra")

@@ -7,6 +7,8 @@ from pathlib import Path
 import jax.numpy as jnp
 import pytest
 
+from olmax.scale.targets import aot_missing
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -41,3 +43,36 @@ def test_step_benchmark_runs(gpu_bench):
     # the step-time model's prediction for the device it ran on (here this CPU) beside the measurement
     assert r["predicted_hardware"] == "this CPU" and r["predicted_step_s"] > 0
     assert 0 < r["mfu_exact_window"] < r["mfu_all_global"]
+
+
+def test_experts_benchmark_runs(gpu_bench):
+    """The grouped kernels (in Pallas' GPU interpreter here), the block loop and lax.ragged_dot on the same
+    uneven groups: the same products, forward and gradients."""
+    from olmax.model.moe import grouped
+
+    r = gpu_bench.experts_benchmark(rows=200, d=128, f=128, groups=3, steps=1, chip=grouped.Chip(9, 4),
+                                    interpret=True)
+    assert sum(r["group_sizes"]) == 200
+    assert r["grouped"]["max_abs_diff_from_blocks"] < 0.1 and r["ragged_dot"]["max_abs_diff_from_blocks"] < 0.1
+    assert all(r[name]["train_s"] > 0 for name in ("grouped", "blocks", "ragged_dot"))
+
+
+def test_moe_layer_benchmark_runs(gpu_bench):
+    """The MoE layer's step predicted beside measured (on this CPU: the block loop and ragged_dot)."""
+    r = gpu_bench.moe_layer_benchmark(tokens=64, d=32, f=64, experts=4, top_k=2, dispatches=["blocks", "ragged_dot"],
+                                      steps=1)
+    assert r["predicted_hardware"] == "this CPU"
+    for dispatch in ("blocks", "ragged_dot"):
+        assert r[dispatch]["measured_s"] > 0 and r[dispatch]["predicted_s"] > 0 and r[dispatch]["predicted_ops"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(aot_missing("gpu") is not None, reason="needs the aot-gpu extra")
+def test_experts_prediction_runs_without_a_gpu(gpu_bench):
+    """One GPU's expert work under expert parallelism, compiled for an H100 and predicted: the grouped kernels
+    are costed from their work (no unknown kernel) and run fewer ops than the block loop."""
+    shape = dict(rows=1024, routed=768, d=256, f=256, groups=4)
+    grouped = gpu_bench.experts_prediction("gpu:h100x8", "grouped", **shape)
+    blocks = gpu_bench.experts_prediction("gpu:h100x8", "blocks", **shape)
+    assert grouped["warnings"] == [] and blocks["warnings"] == []
+    assert 0 < grouped["ops"] < blocks["ops"] and grouped["predicted_s"] > 0

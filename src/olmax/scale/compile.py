@@ -36,8 +36,9 @@ from jax.experimental.compilation_cache import compilation_cache
 
 from olmax.config import RunConfig
 from olmax.errors import DoesNotFit
-from olmax.model import attention, block, fp8, transformer
-from olmax.model.moe import gmm, sublayer
+from olmax.model import attention, fp8, transformer
+from olmax.model.block import moe_target
+from olmax.model.moe import gmm, grouped, sublayer
 from olmax.parallel import expert as expert_parallel
 from olmax.parallel.mesh import Layout, make_layout
 from olmax.scale import anatomy, step_time
@@ -83,8 +84,12 @@ def program_ops(text: str) -> dict:
     types = dict(re.findall(r"(%?[\w.-]+) = (\w+)\[", text))
     matmuls = re.findall(r" (?:dot|convolution)\((%?[\w.-]+), (%?[\w.-]+)\)", text)
     calls = collections.Counter()
-    for name, target in re.findall(r"%([\w.-]+) = .* custom-call\(.*custom_call_target=\"([^\"]+)\"", text):
-        calls[re.sub(r"\.\d+$", "", name) if target == "tpu_custom_call" else target] += 1
+    for name, target, rest in re.findall(r"%([\w.-]+) = .* custom-call\(.*custom_call_target=\"([^\"]+)\"(.*)", text):
+        if target == "tpu_custom_call":
+            target = re.sub(r"\.\d+$", "", name)
+        elif kernel := re.search(r'op_name="[^"]*?([^/"]+)/mpmd_map"', rest):  # a Mosaic GPU kernel, by its name
+            target = f"{target} {kernel.group(1)}"
+        calls[target] += 1
     return {
         "matmuls": len(matmuls),
         "float8_matmuls": sum(any(types.get(o, "").startswith("f8") for o in pair) for pair in matmuls),
@@ -123,7 +128,8 @@ def attention_info(cfg: RunConfig, layout: Layout) -> step_time.AttentionInfo:
 
 
 def expert_blocks(cfg: RunConfig, layout: Layout, micro_rows: int) -> step_time.ExpertBlocks | None:
-    """What the step-time model needs to know of the experts' block loops (impl.moe.dispatch blocks): the rows each
+    """What the step-time model needs to know of the experts' block loops (impl.moe.dispatch blocks, and grouped's
+    weight gradient on Blackwell): the rows each
     of a device's experts gets a micro-step under the routing's expectation (a device's tokens x top_k, spread
     evenly over the experts it holds), and the block the model picks for them (olmax.model.moe.sublayer)."""
     if cfg.model.mlp != "moe":
@@ -141,6 +147,8 @@ def expert_blocks(cfg: RunConfig, layout: Layout, micro_rows: int) -> step_time.
         sized_for = routed
     smallest = fp8.MX_BLOCK if cfg.impl.fp8 == "mxfp8" else 16
     block = cfg.impl.moe.block or gmm.auto_block_size(sized_for, local_experts, smallest)
+    if sublayer.dispatch_for(cfg.impl.moe.dispatch, *moe_target(cfg.model, cfg.impl, layout)) == "grouped":
+        block = grouped.Chip.of(layout.mesh.devices.flat[0]).block  # the kernels' layout (Blackwell's dw loops)
     return step_time.ExpertBlocks(routed / local_experts, block, moe.routing, gmm.BLOCK_LOOP)
 
 
@@ -278,7 +286,7 @@ def compile_train_step(cfg: RunConfig, target: Target, mfu: float | None = None,
         "compute_dtype": jnp.dtype(transformer.compute_dtype(cfg.impl, layout)).name,
         "attention": attention.implementation(cfg.impl, layout, cfg.data.sequence_length),
         "attention_tiles": _attention_tiles(cfg, layout),
-        "moe_dispatch": sublayer.dispatch_for(cfg.impl.moe.dispatch, *block.moe_target(cfg.model, cfg.impl, layout))
+        "moe_dispatch": sublayer.dispatch_for(cfg.impl.moe.dispatch, *moe_target(cfg.model, cfg.impl, layout))
         if cfg.model.mlp == "moe"
         else None,
         "fp8": cfg.impl.fp8,

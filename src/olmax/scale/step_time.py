@@ -557,6 +557,7 @@ class Tally:
     collective_seconds: float = 0.0
     collective_bytes: dict = field(default_factory=lambda: collections.defaultdict(float))
     flops: float = 0.0
+    ops: float = 0.0  # compute ops launched a step (a loop's body's as often as it runs)
     derived_loops: dict = field(default_factory=dict)  # while op -> (its scope, the trips assumed, why)
     uncounted_loops: dict = field(default_factory=dict)  # while op -> its op name: no count derivable, counted once
     unknown_kernels: dict = field(default_factory=lambda: collections.defaultdict(float))  # name -> calls a step
@@ -684,6 +685,7 @@ class Simulator:
         clock.compute += cost.seconds
         tally.seconds[(cost.category, region)] += weight * cost.seconds
         tally.flops += weight * cost.flops
+        tally.ops += weight
         self._event(tally, record, start, clock.compute, "compute", cost.category, layer or region)
 
     def _derived_trips(self, loop: hlo.Instruction, tally: Tally) -> int:
@@ -838,6 +840,7 @@ def predict(text: str, hw: Hardware, coords: list[dict] | None = None, attention
                         "bytes_by_kind": dict(tally.collective_bytes)},
         "by_region": {r: {c: v.get(c, 0.0) for c in CATEGORIES} for r, v in sorted(by_region.items())},
         "executed_flops": tally.flops,
+        "executed_ops": tally.ops,
         "loops": [{"scope": scope, "trips": trips, "basis": basis, **v} for (scope, trips, basis), v in loops.items()],
         "warnings": warnings,
         "unknown_kernels": dict(tally.unknown_kernels),

@@ -1,8 +1,9 @@
 """The experts' grouped matmul on NVIDIA GPUs as Pallas Mosaic GPU kernels: `impl.moe.dispatch=grouped`.
 
 Rows x [M, K] in the block loop's layout (gmm._swiglu_blocks: sorted by group, each group padded with zero rows
-to a multiple of ALIGN = 64), group g's rows times w[g] ([G, K, N]), under one custom VJP whose three products
-are grouped kernels, each GPU running only its own (resident) experts' rows:
+to a multiple of the chip's block, 64 on Hopper and 256 on Blackwell), group g's rows times w[g] ([G, K, N]),
+under one custom VJP whose three products are grouped kernels, each GPU running only its own (resident) experts'
+rows:
 
     product        Hopper (sm_90, wgmma)                  Blackwell (sm_100, tcgen05)
     y  = x w       grouped_matmul                         JAX's blackwell_ragged_dot_mgpu
@@ -51,9 +52,10 @@ from jax.experimental.pallas.ops.gpu import blackwell_ragged_dot_mgpu
 from olmax.model import kernel_work
 from olmax.model.moe import gmm as block_loop
 
-# Tiles (rows x columns x contraction). Hopper: a wgmma is 64 rows; 128 x 128 output tiles, 64-deep steps, 4 in
-# flight: 4 x (128 x 64 + 64 x 128) x 2 B = 128 KiB of shared memory of 228. Blackwell: 128 x 128 per SM, two SMs
-# of a cluster sharing one 256 x 256 tile (the kernel's `collective` form, the one its benchmark tunes).
+# Tiles (rows x columns x contraction). Hopper: output tiles of 128 columns and 64 rows (a wgmma's, and a group's
+# alignment: the forward) or 128 (the weight gradient), 64-deep steps, 4 in flight: at most 4 x (128 x 64 + 64 x
+# 128) x 2 B = 128 KiB of shared memory of 228. Blackwell: 128 x 128 per SM, two SMs of a cluster sharing one
+# 256 x 256 tile (the kernel's `collective` form, the one its benchmark tunes).
 HOPPER = dict(block_m=128, block_n=128, block_k=64, max_concurrent_steps=4)
 BLACKWELL = blackwell_ragged_dot_mgpu.TuningConfig(
     tile_m=128, tile_n=128, tile_k=64, max_concurrent_steps=4, collective=True, grid_tile_width=1,
@@ -61,6 +63,10 @@ BLACKWELL = blackwell_ragged_dot_mgpu.TuningConfig(
 ROW_TILE = 2 * BLACKWELL.tile_m
 WARPGROUP = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup)
 ALIGN = 64  # rows: each group padded to a multiple (gmm's `block`), the weight gradient's contraction step
+# Blackwell's weight gradient is the block loop over the layout's blocks, each step adding x^T dy of one block to
+# a float32 [K, N] accumulator that XLA reads and writes whole (14.7 MB for 3584 x 1024): 256-row blocks make a
+# quarter of 64-row blocks' steps, for at most 255 zero rows more a group in the forward kernels.
+BLACKWELL_BLOCK = 256
 WIDTH_MULTIPLE = 256  # d_model and expert_hidden: Blackwell's 256-wide cluster tiles, Hopper's 128 and 64
 
 
@@ -76,9 +82,16 @@ class Chip:
     def of(cls, device) -> Chip:
         return cls(int(float(device.compute_capability)), device.core_count)
 
+    @property
+    def block(self) -> int:
+        """The layout's block: rows each group is padded to a multiple of."""
+        return ALIGN if self.major == 9 else BLACKWELL_BLOCK
+
 
 def unsupported(device, widths: dict[str, int]) -> str | None:
     """Why the grouped kernels cannot run the experts on `device` with these widths, or None when they can."""
+    if device is None:
+        return "its kernels are chosen for a GPU's compute capability, and no device was given"
     cc = getattr(device, "compute_capability", None)
     if device.platform not in ("gpu", "cuda") or cc is None or int(float(cc)) not in (9, 10):
         return f"its kernels are for NVIDIA Hopper (sm_90) and Blackwell (sm_100) GPUs, not {device.device_kind}"
@@ -100,17 +113,14 @@ class _JaxOn(types.SimpleNamespace):
 
 @contextlib.contextmanager
 def _on_device(chip: Chip):
-    # While the kernels are traced, their modules see a device with the target's SM count: they size their
-    # persistent grids from jax.devices()[0] or jax.local_devices()[0], a CPU when compiling from a CPU host.
-    modules = (blackwell_ragged_dot_mgpu,)
-    saved = [m.jax for m in modules]
-    for m in modules:
-        m.jax = _JaxOn(types.SimpleNamespace(core_count=chip.sms))
+    # JAX's Blackwell kernel sizes its persistent grid from jax.local_devices()[0], a CPU when compiling from a CPU
+    # host: while it is traced, its module sees a device with the target's SM count.
+    saved = blackwell_ragged_dot_mgpu.jax
+    blackwell_ragged_dot_mgpu.jax = _JaxOn(types.SimpleNamespace(core_count=chip.sms))
     try:
         yield
     finally:
-        for m, j in zip(modules, saved):
-            m.jax = j
+        blackwell_ragged_dot_mgpu.jax = saved
 
 
 def _padded(a, rows: int = ROW_TILE):
@@ -228,9 +238,9 @@ def _gmm_fwd(x, w, block_starts, block, chip):
 def _gmm_bwd(block, chip, res, dy):
     x, w, block_starts = res
     counts = jnp.diff(block_starts) * block
-    # The input gradient is the forward kernel's product with each w[g] transposed by XLA first: JAX's kernel
-    # can transpose its operand in shared memory, but Pallas' GPU interpreter cannot run that (wgmma on a
-    # TransposeTransform), and the weights are small beside the rows.
+    # The input gradient is the forward kernel's product with each w[g] transposed by XLA first: a wgmma could
+    # read w[g] transposed in shared memory, but Pallas' GPU interpreter cannot run that (wgmma on a
+    # TransposeTransform), and the weights are small beside the rows. The same holds for x^T in the weight gradient.
     aligned = block_starts * (block // ALIGN)
     dx = _in_groups(_product(dy, jnp.swapaxes(w, 1, 2), counts, aligned, chip), counts)
     if chip.major == 9:

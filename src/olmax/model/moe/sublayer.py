@@ -115,8 +115,8 @@ def moe_mlp(
     def run_experts(x_local, groups, gates, w1, w3, w2, expected_rows):
         block = block_size or gmm.auto_block_size(expected_rows, w1.shape[0], smallest_block)
         product = None
-        if dispatch == "grouped":  # groups aligned to the kernels' weight-gradient step, whatever impl.moe.block
-            block, product = grouped.ALIGN, lambda a, w, starts, b: grouped.gmm(a, w, starts, b, chip)
+        if dispatch == "grouped":  # the kernels' layout (grouped.Chip.block), whatever impl.moe.block
+            block, product = chip.block, lambda a, w, starts, b: grouped.gmm(a, w, starts, b, chip)
         y = gmm.grouped_swiglu(x_local, groups, w1, w3, w2, dispatch=dispatch, block=block, dot=dot, product=product)
         return gmm.combine(y, gates)
 
