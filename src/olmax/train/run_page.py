@@ -41,7 +41,7 @@ class Metrics:
     mid-write leaves: it is left out, as a resume leaves it out. Any other line that is not a record olmax wrote,
     and any drawn value that is not a number, is BadInput naming the line."""
 
-    def __init__(self, data: bytes, source: str = "metrics.jsonl"):
+    def __init__(self, data: bytes, source: str = RunDir.metrics.name):
         self.source = source
         self.data, self.torn = _without_torn_end(data)
         raw = RECORD.findall(self.data)  # `{"step": ` is only ever at a line's start (in a string its " is \")
