@@ -241,6 +241,28 @@ def small_disk(tmp_path):
     subprocess.run(["umount", str(disk)], check=True)
 
 
+def test_a_save_that_filled_the_disk_keeps_orbax_later_logs_of_it_quiet(small_disk):
+    """The checkpoint's DiskFull is the one line said; Orbax's writer threads logged the same failure again (an
+    absl ERROR with its traceback) whenever they got to it, which was after that line when the process ran on."""
+    script = f"""
+import logging, threading
+import numpy as np
+from olmax.checkpoint import Checkpointer
+from olmax.config import CheckpointConfig
+from olmax.errors import DiskFull
+checkpointer = Checkpointer({str(small_disk / "checkpoints")!r}, CheckpointConfig())
+try:
+    checkpointer.save_params(1, {{"w": np.random.default_rng(0).random((2, 1024, 1024), np.float32)}}, {{"step": 1, "config": {{}}}})
+except DiskFull as err:
+    print(err)
+late = threading.Thread(target=logging.getLogger("absl").error, args=("a writer thread's late log",))
+late.start(); late.join()
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.stdout.startswith("disk full writing checkpoint 1 in "), done.stdout + done.stderr[-3000:]
+    assert "late log" not in done.stderr and "Traceback" not in done.stderr, done.stderr[-3000:]
+
+
 @pytest.mark.parametrize("room", [5_000, 20_000, 60_000])  # full at the event file, metrics.jsonl, goodput.json
 def test_disk_full_writing_the_metrics_is_one_line_and_exit_74(small_disk, synth_mix, capsys, room):
     """The disk fills while the metrics (event file, metrics.jsonl, goodput.json) are written, not a checkpoint:

@@ -43,7 +43,7 @@ from olmax.config import CheckpointConfig, ConfigError, ModelConfig, RunConfig, 
 from olmax.run_dir import RunDir, committed_steps
 from olmax.checkpoint.checksums import CHECKSUM, checksums, meta_digest
 from olmax.checkpoint.orbax_io import (
-    disk_full, ignore_abandoned_io, numpy_one_array_at_a_time, on_host, quiet_absl, reason,
+    disk_full, ignore_abandoned_io, numpy_one_array_at_a_time, on_host, quiet_absl, quiet_absl_from_now, reason,
 )
 
 log = logging.getLogger(__name__)
@@ -140,6 +140,7 @@ class Checkpointer:
             yield
         except Exception as err:
             self._failed = True
+            quiet_absl_from_now()
             if not disk_full(err):
                 raise
             self.remove_partial_writes()

@@ -115,6 +115,15 @@ def quiet_absl(level: int = logging.ERROR):
                 absl.setLevel(_quiet["previous"])
 
 
+def quiet_absl_from_now(level: int = logging.CRITICAL) -> None:
+    """After a save failed and its error was raised: Orbax's threads may still log that error (an absl ERROR
+    with its traceback) at any time until the process ends, so only `level` and above pass from now on."""
+    absl = logging.getLogger("absl")
+    with _quiet_lock:
+        _quiet["previous"] = max(_quiet["previous"], level)
+        absl.setLevel(max(absl.level, level))
+
+
 @contextlib.contextmanager
 def numpy_one_array_at_a_time():
     """For one synchronous save or restore of numpy arrays: one array at a time, and saved in place (Orbax
