@@ -41,8 +41,9 @@ def run_cli(text, tokenizer, out, *argv, env=None, wait=True):
     env = env or {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     if not wait:
         return subprocess.Popen(command, env=env)
-    out = subprocess.run(command, env=env, capture_output=True, text=True)
-    assert out.returncode == 0, out.stderr[-3000:]
+    done = subprocess.run(command, env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done
 
 
 def assert_same_bytes(out, single_host):
@@ -59,19 +60,19 @@ def assert_same_bytes(out, single_host):
     assert json.loads((Path(out) / "tokenize.json").read_text())["engine"] == "ray"
 
 
-def test_a_ray_cluster_writes_the_single_host_bytes_with_a_worker_killed_twice(corpus, tmp_path, monkeypatch, caplog):
+def test_a_ray_cluster_writes_the_single_host_bytes_with_a_worker_killed_twice(corpus, tmp_path):
     """Two tasks' workers and the progress line's counter (an actor) killed: the tasks are run again, the counter
-    is not (progress is not work)."""
+    is not (progress is not work). The command runs in a process of its own, as every Ray driver of this suite
+    does: a process that drove Ray keeps some of it after ray.shutdown (Ray's handlers for SIGBUS and SIGTRAP stay
+    installed, /proc/self/status shows), and test processes were aborted in an unrelated later test (twice, in
+    the same eval test; no cause of the abort itself found) while this test ran the command in-process."""
     text, tokenizer, single_host = corpus
     with local_cluster(nodes=2, cpus=1) as (nodes, env):
-        for key in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN"):
-            monkeypatch.setenv(key, env[key])
         killed, counters = kill_tasks(nodes, times=2), kill_tasks(nodes, times=1, name="ray::Progress")
-        result = tokenize_corpus([str(text)], tmp_path / "out", tokenizer_path=tokenizer, shard_tokens=40000,
-                                 label="web", engine="ray", address=nodes[0].address, progress=False)
+        done = run_cli(text, tokenizer, tmp_path / "out", "--engine", "ray", "--address", nodes[0].address, env=env)
         assert len(killed) == 2  # both in the middle of the job: a killed task's retry is still to come
-        assert len(counters) == 1 and "progress counter, a Ray actor, was lost" in caplog.text
-    assert len(result.shards) > 16
+        assert len(counters) == 1 and "progress counter, a Ray actor, was lost" in done.stderr, done.stderr[-3000:]
+    assert len(list((tmp_path / "out").glob("*.npy"))) > 16
     assert_same_bytes(tmp_path / "out", single_host)
 
 
