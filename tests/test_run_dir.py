@@ -152,3 +152,64 @@ def test_the_commands_that_write_into_a_run_directory_follow_no_link(tmp_path, c
         link.unlink()
         assert main([str(a) for a in command]) == 0, capsys.readouterr().err
         assert not link.is_symlink() and link.stat().st_size > 0
+
+
+def test_compare_checks_all_its_outputs_before_writing_one(tmp_path, capsys):
+    """`compare` wrote compare.tsv, then refused a link at compare.png: one refused file now writes none."""
+    runs = [RunDir(tmp_path / name) for name in ("a", "b")]
+    for run in runs:
+        own_dir(run.location)
+        run.metrics.write_text("".join(json.dumps({"step": s, "train/CE loss": 10 - s / 10}) + "\n" for s in range(1, 41)))
+    target = tmp_path / "target"
+    target.write_text("precious")
+    (runs[0].location / "compare.png").symlink_to(target)
+    assert main(["compare", str(runs[0].location), str(runs[1].location)]) == 2
+    [line] = capsys.readouterr().err.splitlines()
+    assert line.startswith(f"olmax: RunDirError: {runs[0].location / 'compare.png'} is a symbolic link"), line
+    assert target.read_text() == "precious"
+    assert sorted(p.name for p in runs[0].location.iterdir()) == ["compare.png", "metrics.jsonl"]
+
+
+def test_a_directory_where_a_command_writes_a_file_is_exit_2_naming_it_and_leaves_nothing(tmp_path, capsys):
+    """`mkdir RUN/goodput.png; olmax goodput RUN` (and a directory at `goodput --out`, compare.png, or a file of the
+    run's page) ended in an IsADirectoryError traceback with a .partial left beside it: one line naming the path
+    and the fix, exit 2, nothing written."""
+    runs = [RunDir(tmp_path / name) for name in ("a", "b")]
+    for run in runs:
+        own_dir(run.location)
+        run.metrics.write_text("".join(json.dumps({"step": s, "train/CE loss": 10 - s / 10}) + "\n" for s in range(1, 41)))
+    Goodput(runs[0].location).persist()
+    a, b, page = runs[0].location, runs[1].location, runs[0].page
+    assert main(["report", str(a)]) == 0  # the page, written again below with a directory in place of each file
+    capsys.readouterr()
+    cases = [(a / "goodput.png", ["goodput", a]), (tmp_path / "plots", ["goodput", a, "--out", tmp_path / "plots"]),
+             (a / "compare.png", ["compare", a, b]),
+             *((page / name, ["report", a]) for name in ("index.html", "report.json", "config.yaml"))]
+    for directory, command in cases:
+        kept = directory.with_name(directory.name + ".kept")
+        if directory.exists():
+            directory.rename(kept)
+        directory.mkdir()
+        before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+        assert main([str(arg) for arg in command]) == 2, directory
+        [line] = capsys.readouterr().err.splitlines()
+        assert str(directory.parent) in line and f"{directory.name} is a directory" in line, line
+        assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before, directory
+        assert not list(tmp_path.rglob("*.partial")), directory
+        directory.rmdir()
+        if kept.exists():
+            kept.rename(directory)
+
+
+def test_a_directory_at_a_file_olmax_writes_is_refused_by_the_writer(tmp_path):
+    """Where the check before a command cannot see it (made while the command runs): the writer names it, and
+    leaves no .partial."""
+    for path in (tmp_path / "made", tmp_path / "partial"):
+        path.mkdir()
+    (tmp_path / "file.partial").mkdir()
+    for path in (tmp_path / "made", tmp_path / "file"):
+        with pytest.raises(RunDirError, match="is a directory where olmax writes a file"):
+            write_own(path, b"x")
+    with pytest.raises(RunDirError, match="is a directory where olmax writes a file"):
+        open_own(tmp_path / "made", append=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file.partial", "made", "partial"]

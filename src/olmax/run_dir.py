@@ -20,10 +20,11 @@ Everything else asks a `RunDir` for a path (`RunDir(cfg.run_location).metrics`),
 steps, its metrics records or its lock file; nothing else spells these names. A new file of a run is one line
 in `RunDir`'s table (`goodput = File("goodput.jsonl")`; then `run.goodput` is its path) and its line above.
 
-olmax writes its files there through `open_own`, `replace_own` (`write_own`, for a path or a URL) and `own_dir`,
-which follow no symbolic link: a link where olmax expects its own file or directory (planted by whoever else can
-write there) would have it truncate or overwrite the link's target, so it is refused (RunDirError, exit 2) naming
-it. A full disk while writing one is DiskFull (exit 74) naming the file.
+olmax writes its files there, and every other file it writes over (a page, a plot, a table), through `open_own`,
+`replace_own` (`write_own`, for a path or a URL) and `own_dir`, which follow no symbolic link: a link where olmax
+expects its own file or directory (planted by whoever else can write there, before the command or while it runs)
+would have it truncate or overwrite the link's target, so it is refused (RunDirError, exit 2) naming it, as is a
+directory where olmax writes a file. A full disk while writing one is DiskFull (exit 74) naming the file.
 """
 
 from __future__ import annotations
@@ -148,7 +149,7 @@ def refuse_link(path: str | os.PathLike) -> None:
     """RunDirError when `path` is a symbolic link, where olmax writes a file or directory of its own."""
     if os.path.islink(path):
         raise RunDirError(f"{path} is a symbolic link (to {os.readlink(path)}) where olmax writes its own file; it "
-                          "follows no link in a run directory: remove the link, or set another output_dir")
+                          "follows no link where it writes: remove the link, or have olmax write elsewhere")
 
 
 @contextlib.contextmanager
@@ -168,25 +169,46 @@ def open_own(path: str | os.PathLike, append: bool = False):
     try:
         fd = os.open(path, flags, 0o644)
     except OSError as err:
-        if err.errno == errno.ELOOP:
-            refuse_link(path)
+        if err.errno in (errno.ELOOP, errno.EISDIR):
+            check_own_files(path)
         raise
     return os.fdopen(fd, "a" if append else "w")
 
 
+def check_own_files(*paths: str | os.PathLike) -> None:
+    """RunDirError naming the first of `paths` (files olmax writes whole, see `replace_own`; a bucket URL has no
+    links) that is a symbolic link or a directory, or whose PATH.partial is one: a command that writes several
+    files checks them all first, so that none is written when a later one would be refused."""
+    for path in paths:
+        if storage.is_remote(path):
+            continue
+        for name in (Path(path), Path(str(path) + PARTIAL)):
+            refuse_link(name)
+            if name.is_dir():
+                raise RunDirError(f"{name} is a directory where olmax writes a file of its own; move it away, or have "
+                                  "olmax write elsewhere")
+
+
 def replace_own(path: str | os.PathLike, data: str | bytes) -> None:
     """Write `path` whole (text as UTF-8): into a new PATH.partial (O_EXCL: never through a link), renamed over
-    PATH, so that a crash leaves the old file or the new one. Neither may be a symbolic link."""
+    PATH, so that a crash leaves the old file or the new one. Neither may be a symbolic link nor a directory, when
+    the write starts and again when it ends (a link planted between the last check and the rename is replaced
+    itself, never followed); a refused or failed write leaves no PATH.partial."""
     path = Path(path)
     partial = path.with_name(path.name + PARTIAL)
-    refuse_link(path)
-    refuse_link(partial)
+    check_own_files(path)
     with writing(path):
         partial.unlink(missing_ok=True)  # left by a process killed while writing it
         fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
-        with os.fdopen(fd, "wb") as f:
-            f.write(data.encode() if isinstance(data, str) else data)
-        os.replace(partial, path)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data.encode() if isinstance(data, str) else data)
+            check_own_files(path)  # what was planted there while the file was written
+            os.replace(partial, path)
+        except BaseException:
+            partial.unlink(missing_ok=True)
+            check_own_files(path)  # a directory made there since the check: named, not IsADirectoryError
+            raise
 
 
 def write_own(path: str | os.PathLike, data: str | bytes) -> None:

@@ -223,6 +223,28 @@ def test_a_report_directory_that_is_a_file_is_refused_before_any_work(tmp_path, 
     assert "not a report.json" in capsys.readouterr().err and not (tmp_path / "out").exists()
 
 
+def test_a_link_planted_in_the_page_directory_during_the_work_is_not_written_through(tmp_path, capsys, monkeypatch):
+    """`--report DIR` (compile, plan, tune) and `report --out DIR` checked DIR's files for links before the work and
+    wrote them after it following links: a link planted at DIR/index.html during the work (here after the check,
+    as the page's writer is called) had its target overwritten. Each file is checked as it is written now, and
+    all of them before the first: exit 2 naming the link, nothing written, the target untouched."""
+    from olmax.scale import report
+
+    directory, target = tmp_path / "page", tmp_path / "target"
+    target.write_text("precious")
+    write = report.write
+
+    def plant_then_write(r, to):
+        (directory / "index.html").symlink_to(target)
+        return write(r, to)
+
+    monkeypatch.setattr(report, "write", plant_then_write)
+    assert main(["report", str(STORED), "--out", str(directory)]) == 2
+    [line] = capsys.readouterr().err.splitlines()
+    assert line.startswith(f"olmax: RunDirError: {directory / 'index.html'} is a symbolic link (to {target})"), line
+    assert target.read_text() == "precious" and [p.name for p in directory.iterdir()] == ["index.html"]
+
+
 def test_collectives_are_counted_per_mesh_axis_and_loop_run():
     """A program with a loop of 4 runs around a gather over the second mesh axis, and one reduction over all."""
     hlo = """HloModule m

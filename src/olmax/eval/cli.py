@@ -157,11 +157,12 @@ def cmd_harness(args) -> None:
 def cmd_compare(args) -> None:
     from olmax import storage
     from olmax.eval import curves
-    from olmax.run_dir import write_own
+    from olmax.run_dir import check_own_files, write_own
 
     first = args.a.rstrip("/")
     out = _stem(args.out or storage.join(first if storage.is_dir(first) else storage.parent(first), "compare"))
     _writable(out)
+    check_own_files(out + ".tsv", out + ".png", out + ".json")  # none written when one would be refused
     a = curves.read_curve(args.a, args.metric)
     b = curves.read_curve(args.b, args.metric_b or args.metric)
     window = args.window or curves.default_window(a, b)

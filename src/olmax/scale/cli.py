@@ -113,6 +113,9 @@ def _report_dir(value: str | None, option: str = "--report") -> str | None:
     if link := next((name for name in PAGE_FILES if os.path.islink(os.path.join(value, name))), None):
         raise ConfigError(f"{option} {value}: its {link} is a symbolic link, which olmax does not write through; "
                           "give another directory")
+    if taken := next((name for name in PAGE_FILES if os.path.isdir(os.path.join(value, name))), None):
+        raise ConfigError(f"{option} {value}: its {taken} is a directory, where the page writes a file; give another "
+                          "directory")
     if os.path.lexists(os.path.join(value, "index.html")) and not os.path.isfile(os.path.join(value, "report.json")):
         raise ConfigError(f"{option} {value}: it holds an index.html with no report.json beside it (not a page "
                           "olmax wrote); give a new or empty directory")

@@ -13,6 +13,7 @@ import re
 from olmax import storage
 from olmax.figures import figure, percent
 from olmax.pages import document, fact, table
+from olmax.run_dir import check_own_files, write_own
 from olmax.scale import step_time
 
 GiB = 2**30
@@ -475,8 +476,13 @@ def write(report: dict, directory: str) -> str:
 
 
 def _write(directory: str, report: dict, html_page: str) -> str:
-    storage.write_bytes(storage.join(directory, "report.json"), (json.dumps(report, indent=1) + "\n").encode())
-    storage.write_bytes(storage.join(directory, "index.html"), html_page.encode())
+    """DIR/report.json and DIR/index.html, each replaced whole through no symbolic link, even one planted while the
+    report was made (run_dir.write_own); neither is written when either would be refused."""
+    files = {storage.join(directory, "report.json"): json.dumps(report, indent=1) + "\n",
+             storage.join(directory, "index.html"): html_page}
+    check_own_files(*files)
+    for path, text in files.items():
+        write_own(path, text)
     return storage.join(directory, "index.html")
 
 
