@@ -110,15 +110,14 @@ def cmd_resume_check(args) -> None:
     from pathlib import Path
 
     from olmax.config import load_config
-    from olmax.train.resume_check import plot, resume_check
+    from olmax.run_dir import check_own_files
+    from olmax.train.resume_check import OUTPUTS, resume_check, write_results
 
     cfg = load_config(args.config, args.overrides)  # validate before starting any process
     out = Path(args.out or cfg.run_dir.parent / f"{cfg.name}-resume-check")
+    check_own_files(*(out / name for name in OUTPUTS))
     rows = resume_check(args.config, args.overrides, args.at, args.steps, out)
-    lines = ["step\tcontinuous\tresumed\tdelta"] + [f"{s}\t{a!r}\t{b!r}\t{d:.3f}" for s, a, b, d in rows]
-    (out / "resume_check.tsv").write_text("\n".join(lines) + "\n")
-    plot(rows, out / "resume_check.png", args.at)
-    print("\n".join(lines))
+    print(write_results(rows, out, args.at))
     worst = max(abs(r[3]) for r in rows)
     print(f"max |delta| {worst!r} over {len(rows)} steps after the resume at {args.at}; "
           f"table and plot in {out}")

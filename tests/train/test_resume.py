@@ -312,3 +312,36 @@ def test_resume_check_heads_each_of_its_three_runs(tmp_path, capfd):
     headings = [line for line in capfd.readouterr().out.splitlines() if line.startswith("== resume-check ")]
     assert [h.split(":")[0] for h in headings] == [f"== resume-check {n}/3" for n in (1, 2, 3)]
     assert "stopped after step 1" in headings[1] and "resumed from its checkpoint 1" in headings[2]
+
+
+def test_resume_check_writes_its_table_and_plot_through_no_link(tmp_path, capsys):
+    """`resume-check --out DIR` wrote resume_check.tsv and its plot through a link planted there (its target
+    overwritten): refused now, exit 2 naming it before any run, and by the writer of the results, which writes
+    neither file when either would be refused."""
+    from olmax.cli import main
+    from olmax.errors import RunDirError
+
+    shards = write_synthetic_shards(tmp_path / "shards", vocab_size=512, eos_id=0, n_tokens=40_000, n_shards=1,
+                                    seed=0, token_dtype="uint16")
+    out, target = tmp_path / "check", tmp_path / "target"
+    out.mkdir()
+    target.write_text("precious")
+    (out / "resume_check.tsv").symlink_to(target)
+    assert main(["resume-check", "tiny", "mesh.fsdp=1", f"data.paths={json.dumps(shards)}", "--at", "1",
+                 "--steps", "2", "--out", str(out)]) == 2
+    [line] = capsys.readouterr().err.splitlines()
+    assert line.startswith(f"olmax: RunDirError: {out / 'resume_check.tsv'} is a symbolic link (to {target})"), line
+    assert target.read_text() == "precious" and [p.name for p in out.iterdir()] == ["resume_check.tsv"]
+
+    from olmax.train.resume_check import write_results
+
+    (out / "resume_check.tsv").unlink()
+    (out / "resume_check.png").symlink_to(target)  # as if planted while the three runs trained
+    rows = [(2, 3.5, 3.5, 0.0), (3, 3.25, 3.25, 0.0)]
+    with pytest.raises(RunDirError, match="resume_check.png is a symbolic link"):
+        write_results(rows, out, 1)
+    assert target.read_text() == "precious" and [p.name for p in out.iterdir()] == ["resume_check.png"]
+    (out / "resume_check.png").unlink()
+    assert write_results(rows, out, 1).splitlines()[1] == "2\t3.5\t3.5\t0.000"
+    assert (out / "resume_check.tsv").read_text().splitlines()[2] == "3\t3.25\t3.25\t0.000"
+    assert (out / "resume_check.png").read_bytes().startswith(b"\x89PNG")

@@ -6,6 +6,7 @@ resume. On CPU every per-step delta must be exactly 0.
 
 from __future__ import annotations
 
+import io
 import json
 import shutil
 import subprocess
@@ -13,7 +14,9 @@ import sys
 from pathlib import Path
 
 from olmax.config import ConfigError
-from olmax.run_dir import RunDir
+from olmax.run_dir import RunDir, check_own_files, write_own
+
+OUTPUTS = ("resume_check.tsv", "resume_check.png")  # the table and its plot, in --out beside the two runs
 
 
 def _train(config: str, overrides: list[str], run_dir: Path, steps: int, stop_after: int | None, every: int) -> None:
@@ -48,7 +51,20 @@ def resume_check(config: str, overrides: list[str], at: int, steps: int, out: Pa
     return [(step, a[step], b[step], b[step] - a[step]) for step in range(at + 1, steps + 1)]
 
 
-def plot(rows, path: Path, at: int) -> None:
+def write_results(rows, out: Path, at: int) -> str:
+    """The table of `rows` (`resume_check`'s), written to OUT/resume_check.tsv beside its plot, each through no
+    symbolic link (run_dir.write_own; neither written when either would be refused); the table."""
+    text = "\n".join(["step\tcontinuous\tresumed\tdelta"] + [f"{s}\t{a!r}\t{b!r}\t{d:.3f}" for s, a, b, d in rows])
+    png = io.BytesIO()
+    plot(rows, png, at)
+    files = dict(zip((out / name for name in OUTPUTS), (text + "\n", png.getvalue())))
+    check_own_files(*files)
+    for path, data in files.items():
+        write_own(path, data)
+    return text
+
+
+def plot(rows, file, at: int) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -64,5 +80,5 @@ def plot(rows, path: Path, at: int) -> None:
     bottom.set_ylabel("resumed - continuous")
     bottom.set_xlabel("step")
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    fig.savefig(file, dpi=100)
     plt.close(fig)
