@@ -267,22 +267,14 @@ def run_tune(args: argparse.Namespace) -> None:
 
 def run_report(args: argparse.Namespace) -> None:
     from olmax import storage
-    from olmax.scale.report import markdown_table, unusable, write, write_comparison
+    from olmax.scale.report import load, markdown_table, write, write_comparison
 
     if len(args.reports) == 1 and (storage.is_remote(args.reports[0]) and not args.reports[0].endswith(".json")
                                    or os.path.isdir(args.reports[0])):
         return _run_page(args.reports[0], args.out, args.watch)
     if args.watch is not None:
         raise ConfigError("--watch: only a run's page is written again; give one run directory")
-    reports = []
-    for path in args.reports:
-        try:
-            reports.append(json.loads(open(path).read()))
-        except (OSError, ValueError) as err:
-            raise ConfigError(f"{path}: not a report.json olmax wrote ({err}); give the report.json of a --report, "
-                              "or a run directory") from None
-        if why := unusable(reports[-1]):
-            raise ConfigError(f"{path}: not a report.json olmax wrote ({why}); give the report.json of a --report")
+    reports = [load(path) for path in args.reports]
     if args.out is None:
         raise ConfigError("--out: give the directory for the page of the report.json files")
     directory = _report_dir(args.out, "--out")
