@@ -74,7 +74,8 @@ def add_commands(subparsers) -> None:
                    help="a run directory (local or a bucket URL), or report.json files written by --report")
     p.add_argument("--out", help="directory for index.html and report.json (a run's default: RUN/page)")
     p.add_argument("--watch", type=float, metavar="SECONDS",
-                   help="a run's page: write it again every SECONDS while the run goes on (Ctrl-C stops)")
+                   help="a run's page: write it again every SECONDS (at most a day) while the run goes on (Ctrl-C "
+                   "stops)")
     p.set_defaults(func=run_report)
 
 
@@ -283,6 +284,9 @@ def run_report(args: argparse.Namespace) -> None:
     print(f"olmax: report {written}", file=sys.stderr)
 
 
+WATCH_MOST = 86400.0  # a day between two writes of a run's page; more is a mistyped --watch (time.sleep refuses 1e10)
+
+
 def _run_page(run: str, out: str | None, watch: float | None) -> None:
     """The page of the run directory `run`, written again every `watch` seconds when given."""
     import time
@@ -291,8 +295,9 @@ def _run_page(run: str, out: str | None, watch: float | None) -> None:
     from olmax.run_dir import RunDir
     from olmax.train.run_page import write
 
-    if watch is not None and not watch > 0:
-        raise ConfigError(f"--watch {watch}: give the seconds between two writes of the page, e.g. 60")
+    if watch is not None and not 0 < watch <= WATCH_MOST:
+        raise ConfigError(f"--watch {watch}: give the seconds between two writes of the page, more than 0 and at "
+                          f"most {WATCH_MOST:,.0f} (a day), e.g. 60")
     files = RunDir(run)
     if not any(storage.exists(str(path)) for path in (files.metrics, files.goodput, files.checkpoints)):
         raise ConfigError(f"{run}: not a run directory (no metrics.jsonl, goodput.json or checkpoints/ there); give "
