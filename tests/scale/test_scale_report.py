@@ -15,6 +15,7 @@ import pytest
 from testlib import apt_install
 
 from olmax.cli import main
+from olmax.errors import ConfigError
 from olmax.scale.anatomy import collectives
 from olmax.scale.targets import aot_missing
 
@@ -393,6 +394,77 @@ def test_a_report_without_the_fields_of_a_page_is_refused_in_one_line(tmp_path, 
     assert main(["report", str(tmp_path / "minimal.json"), "--out", str(tmp_path / "out")]) == 2
     [line] = capsys.readouterr().err.splitlines()
     assert "not a report.json olmax wrote (no field" in line and not (tmp_path / "out").exists()
+
+
+def _set(path: str, value):
+    """An edit of report.json: the value at the dotted `path` made `value`."""
+    def edit(report):
+        *parents, last = [int(k) if k.isdigit() else k for k in path.split(".")]
+        node = report
+        for key in parents:
+            node = node[key]
+        node[last] = value
+    return edit
+
+
+# A report.json whose figures are beyond a page's bounds: the field the one line names. A place in the slice of
+# 10^30 drew 10^30 panels (20 GB before the kernel killed it), stages of 10^9 as many rows; 10^400 bytes was an
+# OverflowError, NaN bytes a page of "nan%", an array 100,000 deep a RecursionError.
+BEYOND = {
+    "a place in the slice of 10^30": (_set("chips.0.at.z", 10**30), "chips.0.at.z is 1e+30"),
+    "a place in the slice of 1e30": (_set("chips.3.at.x", 1e30), "chips.3.at.x is 1e+30"),
+    "10^9 pipeline stages": (_set("plan.schedules.0.stages", 10**9), "plan.schedules.0.stages is 1000000000"),
+    "a peak of 10^400 bytes": (_set("peak", 10**400), "peak is a number of 401 digits"),
+    "a peak of NaN bytes": (_set("peak", math.nan), "peak is nan"),
+    "an infinite step time": (_set("plan.exact_window.step_seconds", math.inf), "plan.exact_window.step_seconds is inf"),
+    "a list 100 deep": (_set("remat", json.loads("[" * 100 + "]" * 100)), "remat.0.0.0"),
+}
+
+
+@pytest.mark.parametrize("damage", BEYOND)
+def test_a_figure_beyond_what_a_page_draws_is_exit_2_naming_it(tmp_path, capsys, damage):
+    from olmax.scale.report import load  # before anything is drawn: the old code drew until memory ran out
+
+    edit, words = BEYOND[damage]
+    report = json.loads(STORED.read_text())
+    edit(report)
+    crafted = tmp_path / "crafted.json"
+    crafted.write_text(json.dumps(report))
+    with pytest.raises(ConfigError, match=re.escape(words)):
+        load(str(crafted))
+    for reports in ([crafted], [STORED, crafted]):
+        assert main(["report", *map(str, reports), "--out", str(tmp_path / "out")]) == 2
+        out, err = capsys.readouterr()
+        [line] = err.splitlines()
+        assert line.startswith(f"olmax: ConfigError: {crafted}: not a report.json olmax wrote") and words in line, line
+        assert out == "" and not (tmp_path / "out").exists()
+
+
+def test_a_json_array_100000_deep_is_not_a_report(tmp_path, capsys):
+    (tmp_path / "deep.json").write_text("[" * 100_000 + "]" * 100_000)
+    assert main(["report", str(tmp_path / "deep.json"), "--out", str(tmp_path / "out")]) == 2
+    [line] = capsys.readouterr().err.splitlines()
+    assert line.startswith(f"olmax: ConfigError: {tmp_path / 'deep.json'}: not a report.json olmax wrote (JSON "
+                           "nested deeper"), line
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_report_of_a_tune_or_of_a_comparison_is_named_as_what_it_is(tmp_path, capsys):
+    """`olmax report A.json TUNE/report.json` said the tune's report was "not a report.json olmax wrote"."""
+    from olmax.scale.report import write_tune
+
+    write_tune({"config": "tiny", "overrides": [], "target": "tpu:v5p:2x2x2", "budget": 2, "headroom": 0.1,
+                "space": 4, "compiled": 0, "seconds": 3.0, "memory_per_device": 2**30, "results": []},
+               str(tmp_path / "tune"))  # as `olmax tune --report` writes it
+    assert main(["report", str(STORED), str(STORED), "--out", str(tmp_path / "both")]) == 0
+    capsys.readouterr()
+    takes = "; olmax report takes report.json files of olmax compile or olmax plan --report, or a run directory"
+    for directory, what in (("tune", "the report of olmax tune --report"), ("both", "the report of a comparison page")):
+        path = tmp_path / directory / "report.json"
+        assert main(["report", str(STORED), str(path), "--out", str(tmp_path / "out")]) == 2
+        [line] = capsys.readouterr().err.splitlines()
+        assert line.startswith(f"olmax: ConfigError: {path}: {what}") and line.endswith(takes), line
+    assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize("where", ["", "{file}/report", "/proc/olmax-report"])

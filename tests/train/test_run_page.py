@@ -12,6 +12,7 @@ import pytest
 from scale.test_scale_report import HOSTILE, Facts, check_inert, check_rendered, chromium  # noqa: F401
 
 from olmax.cli import main
+from olmax.train.run_page import Metrics
 
 sys.path.insert(0, str(Path(__file__).parents[2] / "benchmarks"))
 from run_page import write_run  # noqa: E402 - the benchmark's run directory, small
@@ -160,7 +161,10 @@ NOT_A_RECORD = {
     "a string loss": (lambda line: line.replace('"train/CE loss": ', '"train/CE loss": "high", "x": '),
                       'train/CE loss "high"'),
     "a list of grad norms": (lambda line: line.replace('"optim/total grad norm": ', '"optim/total grad norm": [1, 2], '
-                                                       '"x": '), "optim/total grad norm [1"),
+                                                       '"x": '), "optim/total grad norm [1, 2], not a number"),
+    "500 grad norms": (lambda line: line.replace('"optim/total grad norm": ', '"optim/total grad norm": '
+                                                 f"{[0] * 500}, " '"x": '),
+                       f"has optim/total grad norm {str([0] * 500)[:57]}..., not a number"),  # at most 60 characters
     "a negative step": (lambda line: line.replace('{"step": 3', '{"step": -5'), "step -5"),
     "a step of 10^23": (lambda line: line.replace('{"step": 3', '{"step": ' + "1" + "0" * 23), "step 1000"),
     "a wall time as a string": (lambda line: line.replace('"wall_time": ', '"wall_time": "noon", "x": '),
@@ -171,6 +175,18 @@ NOT_A_RECORD = {
     "a torn line that is not the last": (lambda line: line[:40] + "\n", "line 3"),
     "a record inside a record": (lambda line: line.replace('"wall_time": ', '"x": {"step": 4}, "wall_time": '),
                                  "is not a record olmax wrote"),
+    # JSON has no leading zero: the step was read with isdigit() and values with numpy, which take 0003 and +5
+    "a step with leading zeros": (lambda line: line.replace('{"step": 3', '{"step": 0003'), "has step 0003, not a"),
+    "a loss with a leading zero": (lambda line: line.replace('"train/CE loss": ', '"train/CE loss": 05, "x": '),
+                                   "has train/CE loss 05, not a number"),
+    "a loss with a plus": (lambda line: line.replace('"train/CE loss": ', '"train/CE loss": +5, "x": '),
+                           "has train/CE loss +5, not a number"),
+    # a key spelled with an escape is that key (the page looked for its plain spelling only)
+    "a string loss under an escaped key": (lambda line: line.replace('"train/CE loss": ',
+                                                                     '"train\\/CE loss": "abc", "x": '),
+                                           'has train/CE loss "abc", not a number'),
+    "an escape that is not JSON": (lambda line: line.replace('"wall_time": ', '"w\\all": 1, "wall_time": '),
+                                   "is not JSON (JSONDecodeError: Invalid \\escape"),
 }
 
 
@@ -199,6 +215,32 @@ def test_a_last_line_torn_by_a_kill_is_left_out_as_a_resume_leaves_it(tmp_path, 
     report = json.loads((run / "page" / "report.json").read_text())
     assert report["last_step"] == 10 and report["steps_logged"] == 10 and report["torn_last_line"]
     assert "not a whole record" in (run / "page" / "index.html").read_text()
+
+
+def test_keys_spelled_with_escapes_or_beyond_ascii_are_read_decoded(tmp_path):
+    """A key is compared as JSON decodes it: the loss under "train\\u002fCE loss" is drawn as the loss, an eval
+    label written as UTF-8 (no \\u escape) is drawn under its name (it was an IndexError)."""
+    run = tmp_path / "run"
+    write_run(run, 10)
+    _replace_line(run / "metrics.jsonl", 3, lambda line: line.replace('"train/CE loss": ', '"train\\u002fCE loss": '))
+    with open(run / "metrics.jsonl", "ab") as f:
+        f.write('{"step": 11, "wall_time": 1800000006.0, "eval/lm/wéb/CE loss": 2.5}\n'.encode())
+    assert main(["report", str(run)]) == 0
+    loss = json.loads((run / "metrics.jsonl").read_text().splitlines()[2])["train/CE loss"]  # under the escape
+    metrics = Metrics((run / "metrics.jsonl").read_bytes())
+    assert metrics.column("train/CE loss")[2] == loss and metrics.optional == ["eval/lm/wéb/CE loss"]
+    assert "<h3>wéb</h3>" in (run / "page" / "index.html").read_text()
+
+
+@pytest.mark.parametrize("seconds", ["inf", "1e300", "1e10"])
+def test_watch_beyond_a_day_is_refused_in_one_line(tmp_path, capsys, seconds):
+    """Each wrote the page, then its sleep was an OverflowError."""
+    run = tmp_path / "run"
+    write_run(run, 3)
+    assert main(["report", str(run), "--watch", seconds]) == 2
+    [line] = capsys.readouterr().err.splitlines()
+    assert line.startswith(f"olmax: ConfigError: --watch {float(seconds)}: give the seconds between two writes"), line
+    assert not (run / "page").exists()
 
 
 def test_checkpoint_metadata_or_a_goodput_record_olmax_did_not_write_is_exit_2_naming_it(tmp_path, capsys):

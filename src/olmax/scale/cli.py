@@ -74,7 +74,8 @@ def add_commands(subparsers) -> None:
                    help="a run directory (local or a bucket URL), or report.json files written by --report")
     p.add_argument("--out", help="directory for index.html and report.json (a run's default: RUN/page)")
     p.add_argument("--watch", type=float, metavar="SECONDS",
-                   help="a run's page: write it again every SECONDS while the run goes on (Ctrl-C stops)")
+                   help="a run's page: write it again every SECONDS (at most a day) while the run goes on (Ctrl-C "
+                   "stops)")
     p.set_defaults(func=run_report)
 
 
@@ -270,28 +271,23 @@ def run_tune(args: argparse.Namespace) -> None:
 
 def run_report(args: argparse.Namespace) -> None:
     from olmax import storage
-    from olmax.scale.report import markdown_table, unusable, write, write_comparison
+    from olmax.scale.report import load, markdown_table, write, write_comparison
 
     if len(args.reports) == 1 and (storage.is_remote(args.reports[0]) and not args.reports[0].endswith(".json")
                                    or os.path.isdir(args.reports[0])):
         return _run_page(args.reports[0], args.out, args.watch)
     if args.watch is not None:
         raise ConfigError("--watch: only a run's page is written again; give one run directory")
-    reports = []
-    for path in args.reports:
-        try:
-            reports.append(json.loads(open(path).read()))
-        except (OSError, ValueError) as err:
-            raise ConfigError(f"{path}: not a report.json olmax wrote ({err}); give the report.json of a --report, "
-                              "or a run directory") from None
-        if why := unusable(reports[-1]):
-            raise ConfigError(f"{path}: not a report.json olmax wrote ({why}); give the report.json of a --report")
+    reports = [load(path) for path in args.reports]
     if args.out is None:
         raise ConfigError("--out: give the directory for the page of the report.json files")
     directory = _report_dir(args.out, "--out")
     print(markdown_table(reports))
     written = write(reports[0], directory) if len(reports) == 1 else write_comparison(reports, directory)
     print(f"olmax: report {written}", file=sys.stderr)
+
+
+WATCH_MOST = 86400.0  # a day between two writes of a run's page; more is a mistyped --watch (time.sleep refuses 1e10)
 
 
 def _run_page(run: str, out: str | None, watch: float | None) -> None:
@@ -302,8 +298,9 @@ def _run_page(run: str, out: str | None, watch: float | None) -> None:
     from olmax.run_dir import RunDir
     from olmax.train.run_page import write
 
-    if watch is not None and not watch > 0:
-        raise ConfigError(f"--watch {watch}: give the seconds between two writes of the page, e.g. 60")
+    if watch is not None and not 0 < watch <= WATCH_MOST:
+        raise ConfigError(f"--watch {watch}: give the seconds between two writes of the page, more than 0 and at "
+                          f"most {WATCH_MOST:,.0f} (a day), e.g. 60")
     files = RunDir(run)
     if not any(storage.exists(str(path)) for path in (files.metrics, files.goodput, files.checkpoints)):
         raise ConfigError(f"{run}: not a run directory (no metrics.jsonl, goodput.json or checkpoints/ there); give "

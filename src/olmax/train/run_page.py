@@ -13,6 +13,7 @@ point pair a pixel: the minimum and maximum of the steps that fall in it, so a s
 from __future__ import annotations
 
 import html
+import itertools
 import json
 import math
 import re
@@ -39,11 +40,13 @@ GOODPUT_COLOURS = dict(zip(CATEGORIES, ["#bab0ac", "#9c755f", "#f28e2b", "#59a14
 class Metrics:
     """The columns of metrics.jsonl the page draws. A last line that is not a whole record is what a run killed
     mid-write leaves: it is left out, as a resume leaves it out. Any other line that is not a record olmax wrote,
-    and any drawn value that is not a number, is BadInput naming the line."""
+    and any step or drawn value that is not a JSON number as olmax writes it (a step: an integer from 0), is
+    BadInput naming the line and the value."""
 
     def __init__(self, data: bytes, source: str = RunDir.metrics.name):
         self.source = source
-        self.data, self.torn = _without_torn_end(data)
+        data, self.torn = _without_torn_end(data)
+        self.data = self._respelled(data)
         raw = RECORD.findall(self.data)  # `{"step": ` is only ever at a line's start (in a string its " is \")
         text = np.frombuffer(self.data, np.uint8)
         ends = np.flatnonzero(text == ord("\n"))
@@ -56,11 +59,34 @@ class Metrics:
                           if not (line.startswith(RECORD_START) and line.endswith(b"}")
                                   and line.count(RECORD_START) == 1))
             self.refuse(number, "is not a record olmax wrote (one JSON object a line, starting with its step)")
-        if (bad := next((i for i, step in enumerate(raw) if not step.isdigit() or len(step) > 15), None)) is not None:
-            self.refuse(bad, f"has step {raw[bad][:40].decode(errors='replace')}, not a step number")
+        if b"" in raw:  # a step that is not a JSON integer from 0 of at most 15 digits
+            bad = raw.index(b"")
+            self.refuse(bad, f"has step {_value_at(self.data, self.starts[bad] + len(RECORD_START))}, not a step "
+                        "number")
         self.steps = np.array(raw).astype(np.int64) if raw else np.zeros(0, np.int64)
         self.optional = sorted({json.loads(b'"' + key + b'"') for key in OPTIONAL.findall(self.data)})
         self._columns = {}
+
+    def _respelled(self, data: bytes) -> bytes:
+        """`data` with each line that holds an escape or a character beyond ASCII written again as olmax writes
+        it (json.dumps): its keys are compared decoded, so that "train\\/CE loss" is checked as train/CE loss.
+        Such a line that is not JSON is refused. Other lines are read as they are: an escape is rare."""
+        if b"\\" not in data and data.isascii():
+            return data
+        text = np.frombuffer(data, np.uint8)
+        ends = np.flatnonzero(text == ord("\n"))
+        odd = text >= 0x80
+        odd |= text == ord("\\")
+        pieces, done = [], 0
+        for line in np.unique(np.searchsorted(ends, np.flatnonzero(odd))):
+            start, end = (ends[line - 1] + 1 if line else 0), ends[line]
+            try:
+                record = json.loads(data[start:end])
+            except (ValueError, RecursionError) as err:
+                self.refuse(line, f"is not JSON ({type(err).__name__}: {str(err)[:80]})")
+            pieces += [data[done:start], json.dumps(record).encode()]
+            done = end
+        return b"".join([*pieces, data[done:]])
 
     def refuse(self, record: int, what: str):
         raise BadInput(f"{self.source} line {record + 1} {what}; correct or remove that line (a page is drawn "
@@ -80,16 +106,17 @@ class Metrics:
         return index, values
 
     def _read_column(self, name: str):
-        key = re.compile(b'"' + re.escape(json.dumps(name)[1:-1].encode()) + rb'": ([^,}\]]*)')
-        values = key.findall(self.data)
+        spelled = json.dumps(name)[1:-1]  # as olmax writes it, and every line is (_respelled)
+        key = re.compile(b'"' + re.escape(spelled.encode()) + b'": ((?:' + NUMBER + b")(?=[,}])|)")
+        values = key.findall(self.data)  # b"": a value that is not a JSON number
         in_every_record = len(values) == len(self.steps)  # then in record order
         index = np.arange(len(values)) if in_every_record or not values else \
             np.searchsorted(self.starts, [m.start() for m in key.finditer(self.data)], side="right") - 1
-        try:
-            numbers = _floats(values)
-        except ValueError:
-            bad = next(i for i, value in enumerate(values) if not _is_number(value))
-            self.refuse(int(index[bad]), f"has {name} {values[bad][:40].decode(errors='replace')}, not a number")
+        if b"" in values:
+            bad = values.index(b"")
+            at = next(itertools.islice(key.finditer(self.data), bad, None)).end()
+            self.refuse(int(index[bad]), f"has {spelled} {_value_at(self.data, at)}, not a number")
+        numbers = np.array(values).astype(np.float64)
         if in_every_record:
             return numbers, index, numbers
         out = np.full(len(self.steps), np.nan)
@@ -98,7 +125,11 @@ class Metrics:
 
 
 RECORD_START = b'{"step": '
-RECORD = re.compile(re.escape(RECORD_START) + rb'([^,}\n]*)')
+# JSON's numbers (no leading zero, no sign but a minus, no point without digits either side) and the NaN, Infinity
+# and -Infinity of Python's json; a step: a JSON integer from 0 of at most 15 digits. Each read where its value
+# ends: b"" where there is no such number.
+NUMBER = rb"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][-+]?[0-9]+)?|NaN|-?Infinity"
+RECORD = re.compile(re.escape(RECORD_START) + rb"((?:0|[1-9][0-9]{0,14})(?=[,}])|)")
 
 
 def _without_torn_end(data: bytes) -> tuple[bytes, bool]:
@@ -115,16 +146,18 @@ def _without_torn_end(data: bytes) -> tuple[bytes, bool]:
     return (head + last + b"\n", False) if whole else (head, True)
 
 
-def _floats(values: list[bytes]) -> np.ndarray:
-    return np.array(values).astype(np.float64)  # JSON's numbers and Python's NaN, Infinity, -Infinity
-
-
-def _is_number(value: bytes) -> bool:
+def _value_at(data: bytes, at: int, most: int = 60) -> str:
+    """The value written at byte `at` of a line, for an error's one line: a JSON value whole (a list with its
+    commas), else what stands up to the line's next key or its end; at most `most` characters, escaped."""
+    line = data[at:data.index(b"\n", at)].decode(errors="replace")
     try:
-        _floats([value])
-    except ValueError:
-        return False
-    return True
+        length = json.JSONDecoder().raw_decode(line)[1]
+    except (ValueError, RecursionError):
+        length = 0
+    if line[length:length + 1] not in (",", "}"):  # not a JSON value (0005: a 0, then digits)
+        length = next((i for i in (line.find(', "'), len(line) - 1) if i >= 0))
+    text = "".join(c if c.isprintable() else c.encode("unicode_escape").decode() for c in line[:length])
+    return text if len(text) <= most else text[:most - 3] + "..."
 
 
 def envelope(x: np.ndarray, y: np.ndarray, x_range: tuple[float, float], width: int):
