@@ -294,8 +294,8 @@ class MoEImplConfig(Section):
     )
     block: int | None = Field(None, gt=0, description="rows per block of the grouped matmul; None = auto")
     ep_capacity: float | None = Field(
-        None, gt=0, description="expert parallelism: None = dropless (every token to every device of its expert "
-        "group); a factor = send each peer only its routed rows, up to factor x the mean share (k x tokens / EP), "
+        None, gt=0, description="expert parallelism: None = dropless (ragged_all_to_all: each token once to each "
+        "peer holding any of its experts; receive buffers sized for the worst case, EP x a device's tokens); a factor = send each peer only its routed rows, up to factor x the mean share (k x tokens / EP), "
         "dropping (and counting, train/dropped rate) the rest: buffers independent of the EP size"
     )
 

@@ -94,6 +94,13 @@ def send_plan(experts: jax.Array, per_device: int, ep: int) -> tuple[jax.Array, 
     return token, destination, send_sizes
 
 
+def expected_peers(num_experts: int, top_k: int, ep: int) -> float:
+    """Devices of an expert group a token is sent to, expected when its top_k distinct experts are uniformly
+    drawn from num_experts spread evenly over ep devices: ep x P(a device holds at least one of them)."""
+    per_device = num_experts // ep
+    return ep * (1 - math.comb(num_experts - per_device, top_k) / math.comb(num_experts, top_k))
+
+
 def exclusive_cumsum(sizes: jax.Array) -> jax.Array:
     return jnp.cumsum(sizes) - sizes
 

@@ -141,15 +141,18 @@ def expert_blocks(cfg: RunConfig, layout: Layout, micro_rows: int) -> step_time.
     passes = (cfg.impl.pipeline.microbatches or cfg.mesh.stage) if cfg.mesh.stage > 1 else 1
     tokens = micro_rows // layout.data_parallel_size * cfg.data.sequence_length // passes
     routed = tokens * moe.top_k  # expected
+    exchanged = None
     if ep > 1 and cfg.impl.moe.ep_capacity is not None:
         sized_for = ep * expert_parallel.peer_capacity(tokens, moe.top_k, ep, cfg.impl.moe.ep_capacity)
     else:
         sized_for = routed
+        if ep > 1:  # the dropless ragged exchange (olmax.parallel.expert)
+            exchanged = tokens * expert_parallel.expected_peers(moe.num_experts, moe.top_k, ep)
     smallest = fp8.MX_BLOCK if cfg.impl.fp8 == "mxfp8" else 16
     block = cfg.impl.moe.block or gmm.auto_block_size(sized_for, local_experts, smallest)
     if sublayer.dispatch_for(cfg.impl.moe.dispatch, *moe_target(cfg.model, cfg.impl, layout)) == "grouped":
         block = grouped.Chip.of(layout.mesh.devices.flat[0]).block  # the kernels' layout (Blackwell's dw loops)
-    return step_time.ExpertBlocks(routed / local_experts, block, moe.routing, gmm.BLOCK_LOOP)
+    return step_time.ExpertBlocks(routed / local_experts, block, moe.routing, gmm.BLOCK_LOOP, exchanged)
 
 
 def cache_dir() -> Path:
