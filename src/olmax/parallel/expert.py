@@ -169,6 +169,7 @@ def routed_experts(
     mesh: Mesh,
     batch_axes: tuple[str, ...],
     capacity: int | None = None,
+    chunks: int = 1,
 ) -> jax.Array:
     """The routed output [N, D] of tokens [N, D] for expert ids [N, k] (E = dropped) and gates [N, k].
 
@@ -176,7 +177,9 @@ def routed_experts(
     `run_experts(x [M, D], groups [M, k] ids in [0, G] (G = none), gates [M, k], *local_weights,
     expected_rows)` computes sum_k gates * expert_k(x) [M, D] on one device's G local experts.
     `capacity` (rows per peer; see `drop_over_peer_capacity`, which must have been applied with it): at most
-    that many assignments to each peer; None: dropless, each token to each peer holding any of its experts.
+    that many assignments to each peer; None: dropless, each token to each peer holding any of its experts, a
+    device's tokens in `chunks` parts, each exchanged and run on its own: no part depends on another, so XLA's
+    scheduler can run one part's exchange while the experts compute another's.
     """
     n_experts = weights[0].shape[0]
     ep = mesh.shape.get(EXPERT_AXIS, 1)
@@ -198,7 +201,11 @@ def routed_experts(
         per_device = n_experts // ep
         if capacity is not None:
             return capacity_exchange(x, experts, gates, local_weights, per_device)
-        return ragged_exchange(run_experts, x, experts, gates, local_weights, per_device, ep, exchange)
+        if n % chunks:
+            raise ValueError(f"{n} tokens a device do not divide into impl.moe.exchange_chunks={chunks} parts")
+        parts = [ragged_exchange(run_experts, *(a[i * n // chunks:(i + 1) * n // chunks] for a in (x, experts, gates)),
+                                 local_weights, per_device, ep, exchange) for i in range(chunks)]
+        return jnp.concatenate(parts) if chunks > 1 else parts[0]
 
     def capacity_exchange(x, experts, gates, local_weights, per_device):
         n, k = experts.shape
