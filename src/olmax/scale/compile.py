@@ -131,7 +131,8 @@ def expert_blocks(cfg: RunConfig, layout: Layout, micro_rows: int) -> step_time.
     """What the step-time model needs to know of the experts' block loops (impl.moe.dispatch blocks, and grouped's
     weight gradient on Blackwell): the rows each
     of a device's experts gets a micro-step under the routing's expectation (a device's tokens x top_k, spread
-    evenly over the experts it holds), and the block the model picks for them (olmax.model.moe.sublayer)."""
+    evenly over the experts it holds; dropless, one part's of impl.moe.exchange_chunks), the block the model picks
+    for them (olmax.model.moe.sublayer) and the rows a ragged exchange sends."""
     if cfg.model.mlp != "moe":
         return None
     moe = cfg.model.moe
@@ -140,6 +141,8 @@ def expert_blocks(cfg: RunConfig, layout: Layout, micro_rows: int) -> step_time.
     # a device's tokens in one pass through a layer: a micro-step's, or with pipeline stages one pipeline micro-batch's
     passes = (cfg.impl.pipeline.microbatches or cfg.mesh.stage) if cfg.mesh.stage > 1 else 1
     tokens = micro_rows // layout.data_parallel_size * cfg.data.sequence_length // passes
+    if ep > 1 and cfg.impl.moe.ep_capacity is None:  # dropless: the tokens exchanged and run in parts
+        tokens //= cfg.impl.moe.exchange_chunks
     routed = tokens * moe.top_k  # expected
     exchanged = None
     if ep > 1 and cfg.impl.moe.ep_capacity is not None:
