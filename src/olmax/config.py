@@ -294,9 +294,14 @@ class MoEImplConfig(Section):
     )
     block: int | None = Field(None, gt=0, description="rows per block of the grouped matmul; None = auto")
     ep_capacity: float | None = Field(
-        None, gt=0, description="expert parallelism: None = dropless (every token to every device of its expert "
-        "group); a factor = send each peer only its routed rows, up to factor x the mean share (k x tokens / EP), "
+        None, gt=0, description="expert parallelism: None = dropless (ragged_all_to_all: each token once to each "
+        "peer holding any of its experts; receive buffers sized for the worst case, EP x a device's tokens); a factor = send each peer only its routed rows, up to factor x the mean share (k x tokens / EP), "
         "dropping (and counting, train/dropped rate) the rest: buffers independent of the EP size"
+    )
+    exchange_chunks: int = Field(
+        1, ge=1, description="expert parallelism, dropless: the tokens of a layer exchanged and run in this many "
+        "parts, so that one part's exchange can run while the experts compute another's (XLA's asynchronous "
+        "collectives); each part's receive buffer is the worst case of its tokens"
     )
 
 
@@ -660,6 +665,15 @@ class RunConfig(Section):
         if m.moe is not None and self.impl.moe.dispatch in ("ragged_dot", "grouped"):
             raise ValueError("impl.fp8=mxfp8 runs the experts in the block loop (JAX has no MXFP8 ragged_dot, "
                              "olmax no MXFP8 grouped kernel); set impl.moe.dispatch=auto or blocks")
+
+    @model_validator(mode="after")
+    def _exchange_chunks(self):
+        chunks = self.impl.moe.exchange_chunks
+        if chunks > 1 and self.data.sequence_length % chunks:  # a device's tokens: whole sequences
+            raise ValueError(f"impl.moe.exchange_chunks={chunks} does not divide data.sequence_length "
+                             f"{self.data.sequence_length}, and a device's tokens are whole sequences; choose a "
+                             "divisor of it")
+        return self
 
     @model_validator(mode="after")
     def _pipeline(self):

@@ -162,6 +162,35 @@ def test_moe_experts_run_on_the_tpu_grouped_matmul_kernel(capsys):
     assert "experts by ragged_dot" in format_compile(report)
 
 
+@pytest.mark.slow
+@needs_tpu
+def test_expert_parallel_moe_exchanges_tokens_by_ragged_all_to_all_on_tpu(capsys):
+    """Dropless expert parallelism over the 8 chips compiles the real ragged all-to-all (XLA:CPU's emulation is
+    for CPU devices only), and the step-time model costs it by the rows the routing sends, below its buffers."""
+    assert main(["compile", "tiny_moe", "mesh.expert=8", "mesh.fsdp=1", "--target", "tpu:v5p:2x2x2", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    moved = report["step_time"]["collectives"]["bytes_by_kind"]
+    assert moved.get("ragged-all-to-all", 0) > 0, moved
+    assert "all-to-all" in moved  # the counts, first
+
+
+def test_the_model_expects_the_rows_a_dropless_exchange_sends_and_each_part_runs():
+    """Dropless over 8 devices of one expert each (top-2 of 8): a device's tokens each go to 2 peers, and each of
+    its experts runs tokens x 2 / 1 rows; in 2 parts each exchange and each part's experts have half of that. A
+    capacity per peer has no ragged exchange."""
+    from olmax.parallel.mesh import make_layout
+    from olmax.scale.compile import expert_blocks
+
+    def expected(*overrides):
+        cfg = load_config("tiny_moe", ["mesh.expert=8", "mesh.fsdp=1", "train.micro_batch_per_device=1", *overrides])
+        found = expert_blocks(cfg, make_layout(cfg.mesh), 8)
+        return found.rows_per_expert, found.exchanged_rows
+
+    assert expected() == (64 * 2, 64 * 2)
+    assert expected("impl.moe.exchange_chunks=2") == (32 * 2, 32 * 2)
+    assert expected("impl.moe.ep_capacity=1.25")[1] is None
+
+
 def test_moe_dispatch_auto_is_ragged_dot_on_tpu_only():
     from olmax.model.moe.sublayer import dispatch_for
 

@@ -233,6 +233,42 @@ def test_a_data_dependent_block_loop_costs_the_blocks_the_routing_gives_each_exp
                                    "model cannot derive; counted once"]
 
 
+def test_a_ragged_all_to_all_moves_the_rows_the_routing_sends_not_its_static_buffer():
+    """The dropless exchange's buffers hold the worst case (every token of the group); the model costs the rows
+    the routing is expected to send (ExpertBlocks.exchanged_rows) at the operand's row size, never more than the
+    buffer, and the static buffer where no expectation is given."""
+    rows, width = 4096, 1024
+    text = program(f"""  %x = bf16[{rows},{width}]{{1,0}} parameter(0)
+  %o = bf16[{4 * rows},{width}]{{1,0}} parameter(1)
+  %s = s32[4]{{0}} parameter(2)
+  ROOT %r = bf16[{4 * rows},{width}]{{1,0}} ragged-all-to-all(%x, %o, %s, %s, %s, %s), replica_groups=[16,4]<=[64]""")
+
+    def seconds(exchanged):
+        experts = step_time.ExpertBlocks(100, 128, "learned", "expert_block_loop", exchanged)
+        found = step_time.predict(text, TPU, coords_4x4x4(), experts=experts)["collectives"]
+        return found["total_seconds"], found["bytes_by_kind"]["ragged-all-to-all"]
+
+    static_seconds, static_bytes = seconds(None)
+    assert static_bytes == 5 * rows * width * 2 + 4 * 4 * 4  # its inputs: the send and receive buffers, the offsets
+    expected_seconds, expected_bytes = seconds(1500.0)
+    assert expected_bytes == 1500 * width * 2
+    latency = TPU.collective_latency
+    assert expected_seconds - latency == pytest.approx((static_seconds - latency) * expected_bytes / static_bytes,
+                                                       rel=1e-9)
+    assert seconds(1e9)[1] == static_bytes
+
+
+def test_a_token_reaches_the_expected_number_of_peers():
+    """Devices a token with top_k distinct experts is sent to: every device with one expert each; one device when
+    they all sit there; ep x P(a device holds one of them) between (128 experts, top-4, 8 devices: 3.34)."""
+    from olmax.parallel import expert
+
+    assert expert.expected_peers(8, 2, 8) == pytest.approx(2)
+    assert expert.expected_peers(8, 2, 1) == pytest.approx(1)
+    assert expert.expected_peers(128, 4, 8) == pytest.approx(8 * (1 - math.comb(112, 4) / math.comb(128, 4)))
+    assert 3.3 < expert.expected_peers(128, 4, 8) < 3.4
+
+
 RAGGED_DOT = """  %offsets = s32[9]{{0}} parameter(0)
   %x = bf16[{m},{k}]{{1,0}} parameter(1)
   %w = bf16[8,{k},{n}]{{2,1,0}} parameter(2)

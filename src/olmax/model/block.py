@@ -85,7 +85,8 @@ def mlp_sublayer(cfg: ModelConfig, impl: ImplConfig, layout: Layout | None = Non
     def moe_mlp(p: dict, h: jax.Array, key: jax.Array | None = None) -> tuple[jax.Array, dict]:
         return sublayer.moe_mlp(cfg.moe, p, h, key=key, mesh=layout.mesh if layout else None,
                                 batch_axes=layout.batch_axes if layout else (), dispatch=dispatch,
-                                block_size=impl.moe.block, ep_capacity=impl.moe.ep_capacity, chip=chip, **mx)
+                                block_size=impl.moe.block, ep_capacity=impl.moe.ep_capacity,
+                                exchange_chunks=impl.moe.exchange_chunks, chip=chip, **mx)
 
     return moe_mlp
 

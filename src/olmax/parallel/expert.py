@@ -1,21 +1,26 @@
 """Expert parallelism: experts stay resident on the `expert` mesh axis and tokens travel to them.
 
 Each device holds a shard of the batch's tokens and E / P of the experts (P = size of the expert
-axis; the tokens are sharded over it too). Inside shard_map the devices of an expert group exchange
-their tokens, with the ids and gates of the experts each device owns, in one all_to_all over the
-expert axis; each runs its own experts on its assignments (only those: the grouped matmul skips
-the rest) and sends back its share of each token's output, which the token's device sums. Expert
-weights are never gathered, unlike FSDP, which would re-gather every expert for every micro-batch;
-OLMo-core's expert-parallel MoE (olmo_core/nn/moe/v2) keeps its experts resident the same way.
+axis; the tokens are sharded over it too). Inside shard_map each device sends every peer exactly
+the tokens routed there, once per peer however many of that peer's experts a token chose, with those
+experts' ids (local to the peer) and gates; each runs its own experts on what it received (only
+those rows: the grouped matmul's work follows the rows routed to each expert), weighs each row's
+outputs by its gates and sends the row back, and the token's device sums what its peers returned.
+Expert weights are never gathered, unlike FSDP, which would re-gather every expert for every
+micro-batch; OLMo-core's expert-parallel MoE (olmo_core/nn/moe/v2) keeps its experts resident the
+same way, and is dropless like this default.
 
-all_to_all needs static shapes, and without dropping a device may receive every token of its
-group, so by default (dropless) every token travels to every device of the group once (not once per
-assignment): the traffic, and the receive buffer, of an all-gather of the group's tokens, P times a
-device's tokens. `ragged_all_to_all` would send only the routed rows, but it does not compile on
-XLA:CPU. With a capacity per peer (`impl.moe.ep_capacity`), each device sends each peer only the
-assignments routed there, up to `capacity` rows (assignments beyond it are dropped before the
-exchange, by `drop_over_peer_capacity`, and counted): buffers of P x capacity rows, about
-factor x k x a device's tokens, whatever P.
+The exchange is `jax.lax.ragged_all_to_all` (counts first, in a small all_to_all, then the rows): it
+sends only the routed rows, and its buffers are static, so a device's receive buffer holds the worst
+case, every token of its group (P times a device's tokens; the compile page shows what that costs).
+XLA:CPU has no ragged-all-to-all, so on CPU devices `emulated_ragged_all_to_all` stands in for the
+primitive alone, with its exact semantics (every offset and size as the primitive takes them), made of
+all_to_all over padded blocks.
+
+With a capacity per peer (`impl.moe.ep_capacity`), each device sends each peer only the assignments
+routed there, up to `capacity` rows (assignments beyond it are dropped before the exchange, by
+`drop_over_peer_capacity`, and counted): buffers of P x capacity rows, about factor x k x a device's
+tokens, whatever P; it changes the training math wherever it drops.
 """
 
 from __future__ import annotations
@@ -70,6 +75,91 @@ def drop_over_peer_capacity(experts: jax.Array, n_experts: int, ep: int, ranks: 
     return jnp.where(rank < capacity, per_rank, n_experts).reshape(experts.shape)
 
 
+def send_plan(experts: jax.Array, per_device: int, ep: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Which rows a device sends, for expert ids [n, k] (ids past the last expert: dropped) of its n tokens with
+    `per_device` experts on each of `ep` devices: each token once to each device holding any of its experts.
+
+    Returns the send buffer's rows grouped by destination, as (token [S] (n: an empty row), destination [S]
+    (ep: empty), send_sizes [ep]); S = n x min(k, ep) holds the worst case, every token's experts on
+    min(k, ep) devices."""
+    n, k = experts.shape
+    holds = jnp.any(experts[:, :, None] // per_device == jnp.arange(ep), axis=1)  # [n, ep]
+    send_sizes = jnp.sum(holds, axis=0, dtype=jnp.int32)
+    starts = jnp.cumsum(send_sizes) - send_sizes
+    rows = n * min(k, ep)
+    slot = jnp.where(holds, starts + jnp.cumsum(holds, axis=0, dtype=jnp.int32) - 1, rows).reshape(-1)
+    token = jnp.full(rows, n, jnp.int32).at[slot].set(jnp.repeat(jnp.arange(n, dtype=jnp.int32), ep), mode="drop")
+    destination = jnp.full(rows, ep, jnp.int32).at[slot].set(jnp.tile(jnp.arange(ep, dtype=jnp.int32), n),
+                                                             mode="drop")
+    return token, destination, send_sizes
+
+
+def expected_peers(num_experts: int, top_k: int, ep: int) -> float:
+    """Devices of an expert group a token is sent to, expected when its top_k distinct experts are uniformly
+    drawn from num_experts spread evenly over ep devices: ep x P(a device holds at least one of them)."""
+    per_device = num_experts // ep
+    return ep * (1 - math.comb(num_experts - per_device, top_k) / math.comb(num_experts, top_k))
+
+
+def exclusive_cumsum(sizes: jax.Array) -> jax.Array:
+    return jnp.cumsum(sizes) - sizes
+
+
+def emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *,
+                               axis_name):
+    """`jax.lax.ragged_all_to_all` made of all_to_all, for devices whose compiler has no ragged-all-to-all
+    (XLA:CPU): operand[input_offsets[j]:][:send_sizes[j]] is written to peer j's output at output_offsets[j];
+    rows of `output` nothing was written to keep their values. Each device sends each peer a block the size of
+    its whole operand (padding past send_sizes), so it moves P times the primitive's data; `recv_sizes` must
+    equal what the peers send, as for the primitive, and is not needed to place the rows."""
+    del recv_sizes
+    rows = operand.shape[0]
+    within = jnp.arange(rows, dtype=jnp.int32)
+    sent = within < send_sizes[:, None]  # [P, rows]
+    blocks = jnp.take(operand, jnp.where(sent, input_offsets[:, None] + within, rows), axis=0, mode="fill",
+                      fill_value=0)
+    landing = jnp.where(sent, output_offsets[:, None] + within, output.shape[0])  # in the receiver's output
+
+    def exchange(a):
+        return jax.lax.all_to_all(a, axis_name, 0, 0, tiled=True)
+
+    received, landing = exchange(blocks), exchange(landing)
+    return output.at[landing.reshape(-1)].set(received.reshape(-1, *operand.shape[1:]), mode="drop")
+
+
+def ragged_exchange(run_experts: Callable, x, experts, gates, local_weights, per_device: int, ep: int,
+                    ragged_all_to_all: Callable) -> jax.Array:
+    """One device's routed output [n, D] (inside shard_map over the expert axis), dropless: its tokens sent to the
+    peers holding their experts (`send_plan`), run there, returned and summed."""
+    n, k = experts.shape
+    token, destination, send_sizes = send_plan(experts, per_device, ep)
+    input_offsets = exclusive_cumsum(send_sizes)
+
+    def exchange(a):
+        return jax.lax.all_to_all(a, EXPERT_AXIS, 0, 0, tiled=True)
+
+    # Counts first: what each peer sends this device and from where in its buffer, then where this device's
+    # rows land in each peer's receive buffer (the peers' rows packed in peer order).
+    recv_sizes, peer_offsets = exchange(jnp.stack([send_sizes, input_offsets], axis=1)).T
+    recv_offsets = exclusive_cumsum(recv_sizes)
+    output_offsets = exchange(recv_offsets)
+    received_rows = ep * n  # the worst case: every token of the group routed here
+
+    def send(a, fill):
+        return ragged_all_to_all(a, jnp.full((received_rows, *a.shape[1:]), fill, a.dtype), input_offsets,
+                                 send_sizes, output_offsets, recv_sizes, axis_name=EXPERT_AXIS)
+
+    sent_experts = jnp.take(experts, token, axis=0, mode="fill", fill_value=ep * per_device)
+    local = jnp.where(sent_experts // per_device == destination[:, None], sent_experts % per_device, per_device)
+    received = send(jnp.take(x, token, axis=0, mode="fill", fill_value=0), 0)
+    y = run_experts(received, send(local, per_device), send(jnp.take(gates, token, axis=0, mode="fill",
+                                                                     fill_value=0), 0), *local_weights, n * k)
+    back = ragged_all_to_all(y, jnp.zeros((token.shape[0], y.shape[1]), y.dtype), recv_offsets, recv_sizes,
+                             peer_offsets, send_sizes, axis_name=EXPERT_AXIS)
+    out = jnp.zeros((n, y.shape[1]), jnp.float32).at[token].add(back.astype(jnp.float32), mode="drop")
+    return out.astype(x.dtype)
+
+
 def routed_experts(
     run_experts: Callable,
     tokens: jax.Array,
@@ -79,14 +169,17 @@ def routed_experts(
     mesh: Mesh,
     batch_axes: tuple[str, ...],
     capacity: int | None = None,
+    chunks: int = 1,
 ) -> jax.Array:
     """The routed output [N, D] of tokens [N, D] for expert ids [N, k] (E = dropped) and gates [N, k].
 
     `weights` have a leading expert dimension [E, ...], sharded over the expert axis.
     `run_experts(x [M, D], groups [M, k] ids in [0, G] (G = none), gates [M, k], *local_weights,
     expected_rows)` computes sum_k gates * expert_k(x) [M, D] on one device's G local experts.
-    `capacity` (rows per peer; see `drop_over_peer_capacity`, which must have been applied with it): send
-    only the routed rows; None: every token to every device of the group (dropless).
+    `capacity` (rows per peer; see `drop_over_peer_capacity`, which must have been applied with it): at most
+    that many assignments to each peer; None: dropless, each token to each peer holding any of its experts, a
+    device's tokens in `chunks` parts, each exchanged and run on its own: no part depends on another, so XLA's
+    scheduler can run one part's exchange while the experts compute another's.
     """
     n_experts = weights[0].shape[0]
     ep = mesh.shape.get(EXPERT_AXIS, 1)
@@ -98,6 +191,7 @@ def routed_experts(
     if tokens.shape[0] % batch_shards(mesh, batch_axes):
         raise ValueError(f"{tokens.shape[0]} tokens do not divide over {batch} ({batch_shards(mesh, batch_axes)})")
     rows = PartitionSpec(batch or None)
+    exchange = emulated_ragged_all_to_all if mesh.devices.flat[0].platform == "cpu" else jax.lax.ragged_all_to_all
     expert_spec = PartitionSpec(EXPERT_AXIS if ep > 1 else None)
 
     def local(x, experts, gates, *local_weights):
@@ -105,23 +199,13 @@ def routed_experts(
         if ep == 1:
             return run_experts(x, experts, gates, *local_weights, n * k)
         per_device = n_experts // ep
-        # Every token goes once to every device of the expert group, with the ids (local to that
-        # device) of its experts there, or `per_device` (none). A static buffer that could hold fewer
-        # rows per device would drop tokens whenever routing concentrates on one device.
         if capacity is not None:
             return capacity_exchange(x, experts, gates, local_weights, per_device)
-        device = jnp.arange(ep)[:, None, None]
-        groups = jnp.where(experts // per_device == device, experts % per_device, per_device)
-
-        def exchange(a):
-            return jax.lax.all_to_all(a, EXPERT_AXIS, 0, 0, tiled=True)
-
-        received = exchange(jnp.broadcast_to(x, (ep, *x.shape))).reshape(ep * n, -1)
-        received_groups = exchange(groups).reshape(ep * n, k)
-        received_gates = exchange(jnp.broadcast_to(gates, (ep, *gates.shape))).reshape(ep * n, k)
-        y = run_experts(received, received_groups, received_gates, *local_weights, n * k)
-        # Each device returns its experts' share of every token's output; the shares add up.
-        return jnp.sum(exchange(y.reshape(ep, n, -1)), axis=0)
+        if n % chunks:
+            raise ValueError(f"{n} tokens a device do not divide into impl.moe.exchange_chunks={chunks} parts")
+        parts = [ragged_exchange(run_experts, *(a[i * n // chunks:(i + 1) * n // chunks] for a in (x, experts, gates)),
+                                 local_weights, per_device, ep, exchange) for i in range(chunks)]
+        return jnp.concatenate(parts) if chunks > 1 else parts[0]
 
     def capacity_exchange(x, experts, gates, local_weights, per_device):
         n, k = experts.shape

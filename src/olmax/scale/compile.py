@@ -131,7 +131,8 @@ def expert_blocks(cfg: RunConfig, layout: Layout, micro_rows: int) -> step_time.
     """What the step-time model needs to know of the experts' block loops (impl.moe.dispatch blocks, and grouped's
     weight gradient on Blackwell): the rows each
     of a device's experts gets a micro-step under the routing's expectation (a device's tokens x top_k, spread
-    evenly over the experts it holds), and the block the model picks for them (olmax.model.moe.sublayer)."""
+    evenly over the experts it holds; dropless, one part's of impl.moe.exchange_chunks), the block the model picks
+    for them (olmax.model.moe.sublayer) and the rows a ragged exchange sends."""
     if cfg.model.mlp != "moe":
         return None
     moe = cfg.model.moe
@@ -140,16 +141,21 @@ def expert_blocks(cfg: RunConfig, layout: Layout, micro_rows: int) -> step_time.
     # a device's tokens in one pass through a layer: a micro-step's, or with pipeline stages one pipeline micro-batch's
     passes = (cfg.impl.pipeline.microbatches or cfg.mesh.stage) if cfg.mesh.stage > 1 else 1
     tokens = micro_rows // layout.data_parallel_size * cfg.data.sequence_length // passes
+    if ep > 1 and cfg.impl.moe.ep_capacity is None:  # dropless: the tokens exchanged and run in parts
+        tokens //= cfg.impl.moe.exchange_chunks
     routed = tokens * moe.top_k  # expected
+    exchanged = None
     if ep > 1 and cfg.impl.moe.ep_capacity is not None:
         sized_for = ep * expert_parallel.peer_capacity(tokens, moe.top_k, ep, cfg.impl.moe.ep_capacity)
     else:
         sized_for = routed
+        if ep > 1:  # the dropless ragged exchange (olmax.parallel.expert)
+            exchanged = tokens * expert_parallel.expected_peers(moe.num_experts, moe.top_k, ep)
     smallest = fp8.MX_BLOCK if cfg.impl.fp8 == "mxfp8" else 16
     block = cfg.impl.moe.block or gmm.auto_block_size(sized_for, local_experts, smallest)
     if sublayer.dispatch_for(cfg.impl.moe.dispatch, *moe_target(cfg.model, cfg.impl, layout)) == "grouped":
         block = grouped.Chip.of(layout.mesh.devices.flat[0]).block  # the kernels' layout (Blackwell's dw loops)
-    return step_time.ExpertBlocks(routed / local_experts, block, moe.routing, gmm.BLOCK_LOOP)
+    return step_time.ExpertBlocks(routed / local_experts, block, moe.routing, gmm.BLOCK_LOOP, exchanged)
 
 
 def cache_dir() -> Path:

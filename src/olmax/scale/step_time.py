@@ -236,6 +236,9 @@ class ExpertBlocks:
     block: int  # rows a block
     routing: str  # the config's routing, said with the count
     scope: str  # the named scope the loops run under (olmax.model.moe.gmm.BLOCK_LOOP)
+    # rows a device sends its expert group in one ragged exchange, expected (its tokens x the peers holding any of
+    # a token's experts); a ragged-all-to-all moves these, not its static buffer. None: no ragged exchange.
+    exchanged_rows: float | None = None
 
     @property
     def trips(self) -> int:
@@ -462,9 +465,13 @@ class ProgramCost:
 
     # -- collectives
     def collective(self, computation: hlo.Computation, instruction: hlo.Instruction, kind: str) -> Cost:
-        """Its bytes a device: the larger of its inputs and its results (a tuple's arrays travel together)."""
+        """Its bytes a device: the larger of its inputs and its results (a tuple's arrays travel together); a
+        ragged all-to-all's, the rows the routing sends (ExpertBlocks.exchanged_rows) at its operand's row size."""
         inputs = self.operands(computation, instruction)
         size = max(sum(a.bytes for a in inputs), sum(a.bytes for a in instruction.results(inputs)))
+        if kind == "ragged-all-to-all" and self.experts is not None and self.experts.exchanged_rows is not None:
+            rows = inputs[0]  # operand, output, then the offsets and sizes
+            size = min(size, self.experts.exchanged_rows * rows.bytes / max(rows.dims[0], 1))
         groups = hlo.replica_groups(instruction, self.n_devices)
         return Cost(collective_seconds(kind, size, groups[0], self.coords, self.hw), kind, 0.0, size)
 

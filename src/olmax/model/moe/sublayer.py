@@ -68,6 +68,7 @@ def moe_mlp(
     dispatch: str = "blocks",
     block_size: int | None = None,
     ep_capacity: float | None = None,
+    exchange_chunks: int = 1,
     dot=gmm.dot_f32,
     smallest_block: int = 16,
     chip: grouped.Chip | None = None,
@@ -76,7 +77,8 @@ def moe_mlp(
     `dispatch` ("blocks", "ragged_dot" or "grouped": the kernels for GPU `chip`) and `block_size` (None = auto,
     at least `smallest_block`) choose how the experts run, `dot` the block loop's products (gmm.gmm);
     `ep_capacity` (None: dropless) bounds what a device sends each peer of its expert group (see
-    olmax.parallel.expert), dropping, and counting, assignments beyond it.
+    olmax.parallel.expert), dropping, and counting, assignments beyond it; dropless, `exchange_chunks` parts of
+    each device's tokens are exchanged and run one after another, so one's exchange can overlap another's experts.
 
     aux (one layer's values; the model stacks them over layers):
       load_balancing_loss  f32 []   unscaled, see `load_balancing_loss`
@@ -125,7 +127,7 @@ def moe_mlp(
         y = run_experts(tokens, experts, r.gates, *weights, experts.size)
     else:
         y = expert_parallel.routed_experts(run_experts, tokens, experts, r.gates, weights, mesh, batch_axes,
-                                           capacity)
+                                           capacity, exchange_chunks)
     if cfg.shared_expert_hidden:
         shared = swiglu(tokens, p["shared_w1"], p["shared_w3"], p["shared_w2"], lambda a, w, _: a @ w.astype(x.dtype))
         y = (shared + cfg.top_k * y) / (cfg.top_k + 1)
