@@ -191,6 +191,29 @@ def test_the_model_expects_the_rows_a_dropless_exchange_sends_and_each_part_runs
     assert expected("impl.moe.ep_capacity=1.25")[1] is None
 
 
+def test_the_compile_page_states_what_the_exchange_holds():
+    """A dropless exchange's receive buffer is sized for every token of the expert group (8 x 64 rows of 64 float32
+    values here); a capacity's for the capacity of each peer; the compile output says which, and what arrives."""
+    from olmax.parallel.mesh import make_layout
+    from olmax.scale.cli import _exchange
+    from olmax.scale.compile import expert_exchange
+
+    def exchange(*overrides):
+        cfg = load_config("tiny_moe", ["mesh.expert=8", "mesh.fsdp=1", "train.micro_batch_per_device=1", *overrides])
+        return expert_exchange(cfg, make_layout(cfg.mesh), 8)
+
+    dropless = exchange()
+    assert dropless == {"kind": "dropless, ragged", "parts": 1, "receive_rows": 512, "receive_bytes": 512 * 64 * 4,
+                        "expected_rows": 128.0}
+    assert _exchange(dropless) == ("expert exchange: dropless, ragged; a layer's receive buffer 512 rows (128.00 KiB "
+                                   "of hidden states) a part, 128 expected to arrive")
+    assert exchange("impl.moe.exchange_chunks=2")["receive_rows"] == 256
+    capacity = exchange("impl.moe.ep_capacity=1.25")
+    assert (capacity["receive_rows"], capacity["expected_rows"]) == (8 * 20, 128)
+    assert "capacity 1.25 a peer (drops beyond it)" in _exchange(capacity)
+    assert exchange("mesh.expert=1") is None
+
+
 def test_moe_dispatch_auto_is_ragged_dot_on_tpu_only():
     from olmax.model.moe.sublayer import dispatch_for
 

@@ -323,6 +323,14 @@ def _tiles(tiles: dict | None) -> str:
 FP8_NOTE = {False: "", True: " (fp8 projections)", "mxfp8": " (MXFP8 projections and experts)"}
 
 
+def _exchange(e: dict) -> str:
+    from olmax.scale.report import size
+
+    parts = f", in {e['parts']} parts" if e["parts"] > 1 else ""
+    return (f"expert exchange: {e['kind']}{parts}; a layer's receive buffer {e['receive_rows']:,} rows "
+            f"({size(e['receive_bytes'])} of hidden states) a part, {e['expected_rows']:,.0f} expected to arrive")
+
+
 def format_compile(r: dict) -> str:
     from olmax.figures import percent, si
     from olmax.scale.report import size
@@ -342,6 +350,7 @@ def format_compile(r: dict) -> str:
         f"remat {r['remat']}",
         *([f"layout for {r['layout']['target']} from the config: {' '.join(r['layout']['settings'])}"]
           if r.get("layout") else []),
+        *([_exchange(r["expert_exchange"])] if r.get("expert_exchange") else []),
         "",
         "per device",
         row("device memory", device),

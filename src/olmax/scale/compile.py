@@ -158,6 +158,26 @@ def expert_blocks(cfg: RunConfig, layout: Layout, micro_rows: int) -> step_time.
     return step_time.ExpertBlocks(routed / local_experts, block, moe.routing, gmm.BLOCK_LOOP, exchanged)
 
 
+def expert_exchange(cfg: RunConfig, layout: Layout, micro_rows: int) -> dict | None:
+    """What expert parallelism's exchange holds a layer on a device: the rows its receive buffer is sized for
+    (dropless: the worst case, every token of the expert group; with a capacity: the capacity of each peer) and
+    their bytes in the compute dtype, and the rows the routing is expected to fill (olmax.parallel.expert)."""
+    ep = layout.mesh.shape.get("expert", 1)
+    if cfg.model.mlp != "moe" or ep == 1:
+        return None
+    blocks = expert_blocks(cfg, layout, micro_rows)
+    tokens = blocks.rows_per_expert * (cfg.model.moe.num_experts // ep) / cfg.model.moe.top_k  # one exchange's
+    if cfg.impl.moe.ep_capacity is not None:
+        rows = ep * expert_parallel.peer_capacity(int(tokens), cfg.model.moe.top_k, ep, cfg.impl.moe.ep_capacity)
+        kind = f"capacity {cfg.impl.moe.ep_capacity:g} a peer (drops beyond it)"
+        expected = min(rows, blocks.rows_per_expert * (cfg.model.moe.num_experts // ep))  # one row an assignment
+    else:
+        rows, kind, expected = ep * int(tokens), "dropless, ragged", blocks.exchanged_rows
+    width = jnp.dtype(transformer.compute_dtype(cfg.impl, layout)).itemsize * cfg.model.d_model
+    return {"kind": kind, "parts": cfg.impl.moe.exchange_chunks if cfg.impl.moe.ep_capacity is None else 1,
+            "receive_rows": rows, "receive_bytes": rows * width, "expected_rows": expected}
+
+
 def cache_dir() -> Path:
     """Where compiled programs are kept by their program (`OLMAX_COMPILE_CACHE`, or the user's cache directory)."""
     home = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
@@ -295,6 +315,7 @@ def compile_train_step(cfg: RunConfig, target: Target, mfu: float | None = None,
         "moe_dispatch": sublayer.dispatch_for(cfg.impl.moe.dispatch, *moe_target(cfg.model, cfg.impl, layout))
         if cfg.model.mlp == "moe"
         else None,
+        "expert_exchange": expert_exchange(cfg, layout, micro_rows),
         "fp8": cfg.impl.fp8,
         "loss_chunk": cfg.impl.loss_chunk,
         "remat": cfg.impl.remat,
