@@ -353,3 +353,34 @@ def test_a_pallas_kernel_is_costed_by_the_work_registered_under_its_name(monkeyp
     monkeypatch.setitem(kernel_work.WORK, "probe_matmul", probe_matmul)
     found = predict(program(PALLAS_CALL.format(target=target, instruction=instruction, config=config)))
     assert seen == [grid] and found["executed_flops"] == 2 * 512 * 512 * 256 and found["warnings"] == []
+
+
+def test_a_hopper_grouped_kernel_costs_the_rows_routed_and_blackwells_its_whole_grid():
+    """The Hopper kernels skip the row tiles after the last group: given the rows each group is expected to get
+    they cost those, padded to whole 64-row tiles, not the static buffer; without the expectation, the buffer (an
+    upper bound). JAX's Blackwell kernel runs every tile of its grid and costs it whatever the routing."""
+    from types import SimpleNamespace
+
+    from olmax.model import kernel_work
+    from olmax.model.moe import grouped
+
+    def array(*dims, dtype="bf16"):
+        return SimpleNamespace(dims=dims, dtype=dtype, bytes=2 * math.prod(dims))
+
+    rows, k, n, groups = 4096, 512, 1024, 8
+    forward = [array(groups + 1, dtype="s32"), array(rows, k), array(groups, k, n)]
+    weight_grad = [array(groups + 1, dtype="s32"), array(k, rows), array(rows, n)]
+
+    def work(entry, operands, outputs, per_group):
+        return entry(kernel_work.KernelCall("k", operands, outputs, rows_per_group=per_group))
+
+    whole = work(grouped.grouped_matmul_work, forward, [array(rows, n)], None)
+    routed = work(grouped.grouped_matmul_work, forward, [array(rows, n)], 100.0)
+    assert (whole.flops, routed.flops) == (2.0 * rows * k * n, 2.0 * groups * 128 * k * n)
+    assert routed.bytes == pytest.approx(groups * k * n * 2 + 2 * (groups * 128) * (k + n) + 2 * (groups + 1))
+    assert work(grouped.grouped_matmul_work, forward, [array(rows, n)], 1e9).flops == whole.flops
+    dw = work(grouped.grouped_weight_grad_work, weight_grad, [array(groups, k, n, dtype="f32")], 100.0)
+    assert dw.flops == 2.0 * k * groups * 128 * n
+    blackwell = [array(rows, k), array(groups, k, n), array(groups, dtype="s32")]
+    assert (work(grouped.blackwell_ragged_dot_work, blackwell, [array(rows, n)], 100.0).flops
+            == work(grouped.blackwell_ragged_dot_work, blackwell, [array(rows, n)], None).flops)

@@ -17,7 +17,8 @@ The name is the kernel's as the compiled program shows it:
 A name is looked up whole, then by its longest registered prefix followed by `-` (`ragged-dot` covers
 `ragged-dot-none`). The entry gets a `KernelCall`: the operands' and outputs' shapes, the grid where the
 program states it (Pallas Triton's `grid_x/y/z`; Mosaic kernels serialize theirs, so an entry computes its grid
-from the shapes as its kernel does) and the call's frontend attributes. It returns the kernel's `Work` in all
+from the shapes as its kernel does), the call's frontend attributes and, for MoE kernels, the rows each group is
+expected to get. It returns the kernel's `Work` in all
 (every grid step together): FLOPs, bytes moved to and from HBM, the matmul tile each grid step multiplies
 (m, n, k: how well it fills the matrix unit) and the operands' dtype. A kernel's entry lives beside the
 kernel: register it with `WORK["my_kernel"] = my_kernel_work` in the kernel's module, or add it here.
@@ -45,6 +46,10 @@ class KernelCall:
     outputs: list  # Shape each
     grid: tuple[int, ...] | None = None  # where the compiled program states it
     attributes: dict = field(default_factory=dict)  # the custom call's frontend attributes
+    # for a kernel over an MoE's routed rows: the rows each group (expert) is expected to get, from the routing's
+    # expectation (the program states only the static buffer); a kernel that skips the rows no group fills counts
+    # these, one that runs its whole grid ignores them
+    rows_per_group: float | None = None
 
 
 @dataclass(frozen=True)

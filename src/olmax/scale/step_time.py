@@ -458,7 +458,9 @@ class ProgramCost:
             return Cost(moved / (hw.memory_bandwidth * hw.memory_efficiency) + hw.op_overhead, "memory", 0.0, moved,
                         unknown_kernel=name)
         grid = tuple(int(v) for v in re.findall(r"grid_[xyz] = (\d+)", instruction.attributes)) or None
-        work = entry(kernel_work.KernelCall(name, operands, instruction.outputs, grid, frontend_attributes(instruction)))
+        per_group = self.experts.rows_per_expert if self.experts is not None else None
+        work = entry(kernel_work.KernelCall(name, operands, instruction.outputs, grid, frontend_attributes(instruction),
+                                            per_group))
         seconds = _matmul_seconds(work.flops, work.dtype, *work.tile, hw) if work.flops else 0.0
         return Cost(max(seconds, work.bytes / (hw.memory_bandwidth * hw.memory_efficiency)) + hw.op_overhead,
                     "matmul" if work.flops else "memory", work.flops, work.bytes)

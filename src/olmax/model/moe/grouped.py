@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import types
 from dataclasses import dataclass
 
@@ -254,21 +255,37 @@ gmm.defvjp(_gmm_fwd, _gmm_bwd)
 
 
 # The kernels' work for the step-time model (olmax.model.kernel_work), from their grids and tiles as they
-# launch them: every grid step's full tile counted (Hopper's skipped tiles after the last group, and the rows of
-# the layout's static bound no assignment fills, included: an upper bound), each operand read from HBM once
-# (the grid orders keep the programs that run together on the same rows and weights).
+# launch them, each operand read from HBM once (the grid orders keep the programs that run together on the same
+# rows and weights). The Hopper kernels skip the tiles after the last group: they run the rows the routing fills,
+# each group's padded to whole tiles (at the routing's expectation where the step-time model gives it; the whole
+# buffer otherwise, an upper bound). Blackwell's runs every row tile of its grid, filled or not.
+def _routed_rows(call: kernel_work.KernelCall, rows: int, groups: int) -> int:
+    if call.rows_per_group is None:
+        return rows
+    return min(rows, groups * -(-math.ceil(call.rows_per_group) // ALIGN) * ALIGN)
+
+
 def grouped_matmul_work(call: kernel_work.KernelCall) -> kernel_work.Work:
     x, w = call.operands[1], call.operands[2]
     rows, k = x.dims
     n = w.dims[2]
-    return kernel_work.Work(2.0 * rows * k * n, kernel_work.moved(call), (ALIGN, HOPPER["block_n"], k), x.dtype)
+    used = _routed_rows(call, rows, w.dims[0])
+    over_rows = x.bytes + sum(a.bytes for a in call.outputs)
+    return kernel_work.Work(2.0 * used * k * n, _moved(call, over_rows, used / rows), (ALIGN, HOPPER["block_n"], k),
+                            x.dtype)
 
 
 def grouped_weight_grad_work(call: kernel_work.KernelCall) -> kernel_work.Work:
     xt, dy = call.operands[1], call.operands[2]
     (k, rows), n, groups = xt.dims, dy.dims[1], call.outputs[0].dims[0]
-    tile = (HOPPER["block_m"], HOPPER["block_n"], max(rows // groups, ALIGN))  # a group's rows, on average
-    return kernel_work.Work(2.0 * k * rows * n, kernel_work.moved(call), tile, xt.dtype)
+    used = _routed_rows(call, rows, groups)
+    tile = (HOPPER["block_m"], HOPPER["block_n"], max(used // groups, ALIGN))  # a group's rows, on average
+    return kernel_work.Work(2.0 * k * used * n, _moved(call, xt.bytes + dy.bytes, used / rows), tile, xt.dtype)
+
+
+def _moved(call: kernel_work.KernelCall, over_rows: float, share: float) -> float:
+    # the arrays over the rows are read or written only where a tile runs; the weights whole
+    return kernel_work.moved(call) - over_rows * (1 - share)
 
 
 def blackwell_ragged_dot_work(call: kernel_work.KernelCall) -> kernel_work.Work:
