@@ -103,18 +103,35 @@ def _one_group_wrong(x, w, starts, block):
     return gmm.gmm(x, w.at[2].multiply(1.1), starts, block)
 
 
+@jax.custom_vjp
+def _nan_weight_grad(x, w, starts):
+    """The block loop's product whose weight gradient is NaN (its value and input gradient right)."""
+    return gmm.gmm(x, w, starts, BLOCK)
+
+
+def _nan_weight_grad_bwd(res, dy):
+    x, w, starts = res
+    dx, dw = jax.vjp(lambda a, b: gmm.gmm(a, b, starts, BLOCK), x, w)[1](dy)
+    return dx, dw * jnp.nan, None
+
+
+_nan_weight_grad.defvjp(lambda x, w, starts: (_nan_weight_grad(x, w, starts), (x, w, starts)), _nan_weight_grad_bwd)
+
+
 def _launch_fails(x, w, starts, block):
     raise RuntimeError("CUDA_ERROR_LAUNCH_FAILED: unspecified launch failure\n(the driver's details)")
 
 
 def test_the_check_names_a_wrong_kernel_and_its_error():
     """The check before a run trusts the kernels: a product off in one group's weights fails it, naming the
-    kernel and the largest error; one that raises fails it with the first line of what it raised; the block
+    kernel and the largest error; one with a NaN gradient fails it; one that raises fails it with the first line of what it raised; the block
     loop passes it. (The Hopper kernels against lax.ragged_dot: test_hopper_kernels_match_ragged_dot_and_the_block_loop.)"""
     line = selfcheck.verdict(_one_group_wrong, "wrong_kernel", jnp.bfloat16, BLOCK)
     assert line.startswith("wrong_kernel: dw in bfloat16 off lax.ragged_dot by 0.1")
     assert selfcheck.verdict(_launch_fails, "launcher", jnp.bfloat16, BLOCK) == (
         "launcher: RuntimeError: CUDA_ERROR_LAUNCH_FAILED: unspecified launch failure")
+    assert selfcheck.verdict(lambda x, w, starts, block: _nan_weight_grad(x, w, starts), "nan", jnp.bfloat16,
+                             BLOCK).startswith("nan: dw in bfloat16 off lax.ragged_dot by nan")
     loop = selfcheck.verdict(lambda x, w, starts, block: gmm.gmm(x, w, starts, block), "loop", jnp.float32, BLOCK)
     assert loop is None
 

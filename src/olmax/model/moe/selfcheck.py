@@ -81,8 +81,8 @@ def verdict(product, name: str, dtype, block: int) -> str | None:
             found = thread.submit(errors, product, dtype, block).result()
     except Exception as e:  # whatever the kernel raises (a launch failure among them) is its failure
         return f"{name}: {type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"
-    worst = max(found, key=found.get)
-    if not found[worst] <= TOLERANCE[dtype]:  # NaN fails too
+    worst = max(found, key=lambda name: (np.isnan(found[name]), found[name]))  # a NaN is the worst
+    if not found[worst] <= TOLERANCE[dtype]:
         return (f"{name}: {worst} in {dtype} off lax.ragged_dot by {found[worst]:.3g} of its largest value "
                 f"(tolerance {TOLERANCE[dtype]})")
     return None
