@@ -156,6 +156,10 @@ def test_a_failed_check_runs_the_block_loop_and_says_why(capsys):
                            "block loop (impl.moe.dispatch=blocks): grouped.gmm for sm_90 (grouped_matmul, "
                            "grouped_weight_grad): dw in bfloat16 off lax.ragged_dot by 0.1")
     assert selfcheck.checked_dispatch("grouped", HOPPER, jnp.bfloat16, lambda chip, dtype: None) == "grouped"
+    # Several processes each check their own GPU: one falling back alone would build another program than its
+    # peers, so the run stops with the line instead.
+    with pytest.raises(ConfigError, match="cannot fall back on one alone: set impl.moe.dispatch=blocks"):
+        selfcheck.checked_dispatch("grouped", HOPPER, jnp.bfloat16, check, processes=2)
 
 
 def _compiled_in_own_process(check: str, target: str) -> None:

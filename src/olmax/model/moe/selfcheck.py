@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from olmax.config import ConfigError
 from olmax.model.moe import grouped
 
 COUNTS = (37, 0, 130, 64)  # rows a group: uneven, one empty, one of whole blocks (Hopper's), off the tiles
@@ -111,11 +112,15 @@ def failed() -> list[str]:
     return [line for line in _verdicts.values() if line]
 
 
-def checked_dispatch(dispatch: str, chip: grouped.Chip, dtype, check=check) -> str:
+def checked_dispatch(dispatch: str, chip: grouped.Chip, dtype, check=check, processes: int | None = None) -> str:
     """`dispatch` for a run on this process's GPUs: `blocks` instead of `grouped` where the kernels fail
-    `check`, said in one line."""
+    `check`, said in one line. A run of several processes stops instead (ConfigError): each process checks its own
+    GPU, and one falling back alone would build another program than its peers, which would wait for it."""
     if dispatch != "grouped" or (reason := check(chip, dtype)) is None:
         return dispatch
+    if (processes or jax.process_count()) > 1:
+        raise ConfigError(f"the grouped kernels failed their check on this process's GPU ({reason}); a run of "
+                          "several processes cannot fall back on one alone: set impl.moe.dispatch=blocks")
     if reason not in _said:  # once a process, however many times the model is built
         _said.add(reason)
         print(f"olmax: the grouped kernels failed their check on this GPU, so the experts run in the block loop "
