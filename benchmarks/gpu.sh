@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# olmax on one NVIDIA H200, in about 15 minutes: the train step at the CPU benchmark's shape and at a slice
+# olmax on one NVIDIA H200, in about 15 minutes: the grouped-matmul kernels' check, the train step at the CPU benchmark's shape and at a slice
 # of the OLMo 3 7B shape, cuDNN attention against olmax's blocked XLA attention (numerics and time), and the
 # MoE experts' grouped-matmul kernels and a 47B-shaped MoE layer.
 # JSON results go to $OUT (default benchmarks/out/gpu); MFU is against 989 TFLOP/s, the H200's dense bf16
@@ -39,6 +39,9 @@ done
 
 # Each part has its own time limit, so one that hangs leaves the others their results.
 status=0
+# First the check a run makes before it trusts the experts' grouped kernels, for every one this GPU runs (and the
+# block loop), with each one's error against float64: a kernel that fails it leaves a run the block loop.
+timeout 120 "$PY" benchmarks/gpu_bench.py check --out "$OUT/kernel_check.json" || status=1
 timeout 150 "$PY" benchmarks/gpu_bench.py step --shape cpu --steps 10 --out "$OUT/step_cpu_shape.json" || status=1
 timeout 210 "$PY" benchmarks/gpu_bench.py step --shape 7b-slice --steps 5 --out "$OUT/step_7b_slice.json" || status=1
 timeout 120 "$PY" benchmarks/gpu_bench.py attention --implementation cudnn --out "$OUT/attention_cudnn.json" || status=1

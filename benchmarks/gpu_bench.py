@@ -1,5 +1,6 @@
 """Train-step throughput and attention on one GPU: the Python half of benchmarks/gpu.sh.
 
+    python benchmarks/gpu_bench.py check [--out FILE]
     python benchmarks/gpu_bench.py step --shape cpu|7b-slice [--steps 5] [--out FILE] [key=value ...]
     python benchmarks/gpu_bench.py attention [--seq 8192] [--implementation cudnn] [--out FILE]
     python benchmarks/gpu_bench.py experts [--steps 10] [--out FILE]
@@ -17,6 +18,9 @@ constants from olmax.scale.targets; on a CPU, the CPU measured now), beside the 
 accelerator this runs on checks the model. `experts` times the experts' grouped-matmul kernels
 (olmax.model.moe.grouped, impl.moe.dispatch=grouped) against the block loop and lax.ragged_dot on one GPU's
 share of the 47B's experts; `moe-layer` a 47B-shaped MoE layer's step per dispatch, measured and predicted.
+`check` runs the check a run makes before it trusts the grouped kernels (olmax.model.moe.selfcheck: against
+lax.ragged_dot in float32) for every product the experts can run on this GPU, and gives each one's largest
+errors against float64 (numpy).
 """
 
 from __future__ import annotations
@@ -211,6 +215,25 @@ def experts_benchmark(rows: int, d: int, f: int, groups: int, steps: int, chip=N
     return report
 
 
+def kernel_checks(products: dict, block: int, dtypes=(jnp.bfloat16, jnp.float32)) -> dict:
+    """Each of `products` (name: product with grouped.gmm's arguments, on the layout of `block` rows) in each
+    dtype: the run's check's verdict ("passed" or its line) and the largest errors of y, dx and dw against
+    float64, each a fraction of the reference's largest value."""
+    from olmax.model.moe import selfcheck
+
+    report = {}
+    for name, product in products.items():
+        for dtype in map(jnp.dtype, dtypes):
+            line = selfcheck.verdict(product, name, dtype, block)
+            try:
+                found = selfcheck.errors(product, dtype, block, selfcheck.float64)
+            except Exception as e:  # the verdict says what it raised
+                found = {"error": f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"}
+            report[f"{name} {dtype.name}"] = {"verdict": line or "passed", "error_vs_float64": found}
+            print(f"{name} {dtype.name}: {line or 'passed'}; against float64 {found}", file=sys.stderr)
+    return report
+
+
 def moe_layer_benchmark(tokens: int, d: int, f: int, experts: int, top_k: int, dispatches: list[str],
                         steps: int) -> dict:
     """A 47B-shaped MoE layer on one GPU (by default its share under 8-way expert parallelism: 16 experts, 8192
@@ -282,6 +305,7 @@ def experts_prediction(target: str, dispatch: str, rows: int, routed: int, d: in
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="what", required=True)
+    check = sub.add_parser("check")
     step = sub.add_parser("step")
     step.add_argument("--shape", choices=SHAPES, required=True)
     step.add_argument("--steps", type=int, default=5)
@@ -299,7 +323,7 @@ def main() -> None:
     predict.add_argument("--target", required=True)
     predict.add_argument("--dispatch", default="grouped")
     predict.add_argument("--experts", type=int, default=128, help="the model's experts (8 GPUs hold them)")
-    for p in (step, attention, experts, layer, predict):
+    for p in (check, step, attention, experts, layer, predict):
         p.add_argument("--out", help="write the JSON here too")
     args = parser.parse_args()
     if args.what == "step":
@@ -307,6 +331,12 @@ def main() -> None:
         print(f"step-time model on {report['predicted_hardware']}: predicted {report['predicted_step_s']:.4g} s, "
               f"measured {report['median_step_s']:.4g} s ({report['predicted_step_s'] / report['median_step_s'] - 1:+.1%})",
               file=sys.stderr)
+    elif args.what == "check":  # the kernels of this GPU, then the block loop they fall back to
+        from olmax.model.moe import gmm, grouped, selfcheck
+
+        chip = grouped.Chip.of(jax.devices()[0])
+        report = kernel_checks({selfcheck.kernel_name(chip): lambda x, w, s, b: grouped.gmm(x, w, s, b, chip),
+                                "block loop": lambda x, w, s, b: gmm.gmm(x, w, s, b)}, chip.block)
     elif args.what == "experts":
         report = experts_benchmark(**EXPERT_SHAPE, steps=args.steps)
     elif args.what == "predict-experts":  # the 47B preset's layout: 8-way EP, 8192 tokens a GPU, capacity 1.25

@@ -17,7 +17,7 @@ import pytest
 from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams, force_gpu_interpret_mode
 
 from olmax.config import ConfigError, MoEConfig
-from olmax.model.moe import gmm, grouped, sublayer
+from olmax.model.moe import gmm, grouped, selfcheck, sublayer
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from olmax.scale.targets import aot_missing, compile_only_devices, parse_target
 from testlib import moe_layer_params
@@ -96,6 +96,70 @@ def test_grouped_is_refused_with_mxfp8(capsys):
     assert main(["config", "show", "tiny_moe", "impl.fp8=mxfp8", "impl.moe.dispatch=grouped"]) == 2
     [line] = capsys.readouterr().err.splitlines()
     assert "no MXFP8 grouped kernel" in line and "set impl.moe.dispatch=auto or blocks" in line
+
+
+def _one_group_wrong(x, w, starts, block):
+    """The block loop's product with group 2's weights 10% too large: a kernel that launches and is wrong."""
+    return gmm.gmm(x, w.at[2].multiply(1.1), starts, block)
+
+
+@jax.custom_vjp
+def _nan_weight_grad(x, w, starts):
+    """The block loop's product whose weight gradient is NaN (its value and input gradient right)."""
+    return gmm.gmm(x, w, starts, BLOCK)
+
+
+def _nan_weight_grad_bwd(res, dy):
+    x, w, starts = res
+    dx, dw = jax.vjp(lambda a, b: gmm.gmm(a, b, starts, BLOCK), x, w)[1](dy)
+    return dx, dw * jnp.nan, None
+
+
+_nan_weight_grad.defvjp(lambda x, w, starts: (_nan_weight_grad(x, w, starts), (x, w, starts)), _nan_weight_grad_bwd)
+
+
+def _launch_fails(x, w, starts, block):
+    raise RuntimeError("CUDA_ERROR_LAUNCH_FAILED: unspecified launch failure\n(the driver's details)")
+
+
+def test_the_check_names_a_wrong_kernel_and_its_error():
+    """The check before a run trusts the kernels: a product off in one group's weights fails it, naming the
+    kernel and the largest error; one with a NaN gradient fails it; one that raises fails it with the first line of what it raised; the block
+    loop passes it. (The Hopper kernels against lax.ragged_dot: test_hopper_kernels_match_ragged_dot_and_the_block_loop.)"""
+    line = selfcheck.verdict(_one_group_wrong, "wrong_kernel", jnp.bfloat16, BLOCK)
+    assert line.startswith("wrong_kernel: dw in bfloat16 off lax.ragged_dot by 0.1")
+    assert selfcheck.verdict(_launch_fails, "launcher", jnp.bfloat16, BLOCK) == (
+        "launcher: RuntimeError: CUDA_ERROR_LAUNCH_FAILED: unspecified launch failure")
+    assert selfcheck.verdict(lambda x, w, starts, block: _nan_weight_grad(x, w, starts), "nan", jnp.bfloat16,
+                             BLOCK).startswith("nan: dw in bfloat16 off lax.ragged_dot by nan")
+    loop = selfcheck.verdict(lambda x, w, starts, block: gmm.gmm(x, w, starts, block), "loop", jnp.float32, BLOCK)
+    assert loop is None
+
+
+def test_a_failed_check_runs_the_block_loop_and_says_why(capsys):
+    """Inside the trace of the program being built (as the train step builds its model), the check runs on
+    concrete arrays; a failure makes the dispatch `blocks`, said once in one line naming the kernel."""
+    def check(chip, dtype):
+        return selfcheck.verdict(_one_group_wrong, selfcheck.kernel_name(chip), dtype, BLOCK)
+
+    dispatches = []
+
+    @jax.jit
+    def build(a):  # the model built twice in one process (the train step, an eval)
+        dispatches.extend(selfcheck.checked_dispatch("grouped", HOPPER, jnp.bfloat16, check) for _ in range(2))
+        return a
+
+    build(1.0)
+    assert dispatches == ["blocks", "blocks"]
+    [line] = capsys.readouterr().err.splitlines()
+    assert line.startswith("olmax: the grouped kernels failed their check on this GPU, so the experts run in the "
+                           "block loop (impl.moe.dispatch=blocks): grouped.gmm for sm_90 (grouped_matmul, "
+                           "grouped_weight_grad): dw in bfloat16 off lax.ragged_dot by 0.1")
+    assert selfcheck.checked_dispatch("grouped", HOPPER, jnp.bfloat16, lambda chip, dtype: None) == "grouped"
+    # Several processes each check their own GPU: one falling back alone would build another program than its
+    # peers, so the run stops with the line instead.
+    with pytest.raises(ConfigError, match="cannot fall back on one alone: set impl.moe.dispatch=blocks"):
+        selfcheck.checked_dispatch("grouped", HOPPER, jnp.bfloat16, check, processes=2)
 
 
 def _compiled_in_own_process(check: str, target: str) -> None:

@@ -57,6 +57,20 @@ def test_experts_benchmark_runs(gpu_bench):
     assert all(r[name]["train_s"] > 0 for name in ("grouped", "blocks", "ragged_dot"))
 
 
+def test_kernel_checks_run(gpu_bench):
+    """`check`'s path with the block loop and one product off in one group's weights (on the GPU: its grouped
+    kernels and the block loop): each one's verdict, and its errors against float64."""
+    from olmax.model.moe import gmm
+
+    r = gpu_bench.kernel_checks({"loop": lambda x, w, s, b: gmm.gmm(x, w, s, b),
+                                 "wrong": lambda x, w, s, b: gmm.gmm(x, w.at[0].multiply(2), s, b)}, 64,
+                                dtypes=[jnp.bfloat16])
+    assert r["loop bfloat16"]["verdict"] == "passed"
+    assert 0 < max(r["loop bfloat16"]["error_vs_float64"].values()) < 0.01
+    assert r["wrong bfloat16"]["verdict"].startswith("wrong: dx in bfloat16 off lax.ragged_dot by 0.9")
+    assert r["wrong bfloat16"]["error_vs_float64"]["y"] > 0.5
+
+
 def test_moe_layer_benchmark_runs(gpu_bench):
     """The MoE layer's step predicted beside measured (on this CPU: the block loop and ragged_dot)."""
     r = gpu_bench.moe_layer_benchmark(tokens=64, d=32, f=64, experts=4, top_k=2, dispatches=["blocks", "ragged_dot"],

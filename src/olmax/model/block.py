@@ -32,11 +32,18 @@ from jax.ad_checkpoint import checkpoint_name
 from olmax.config import ImplConfig, ModelConfig
 from olmax.model import families, fp8
 from olmax.model.mlp import DenseTraining, dense_mlp
-from olmax.model.moe import sublayer
+from olmax.model.moe import selfcheck, sublayer
 from olmax.model import rope as rope_lib
 from olmax.parallel.mesh import Layout, constrain, platform
 
 ACTIVATION = ("batch", "length", "embed")
+
+
+def compute_dtype(impl: ImplConfig, layout: Layout | None = None):
+    """`auto`: bfloat16 where the layout's devices are accelerators (not where JAX runs: see mesh.platform)."""
+    if impl.compute_dtype == "auto":
+        return jnp.float32 if platform(layout) == "cpu" else jnp.bfloat16
+    return jnp.dtype(impl.compute_dtype)
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -75,9 +82,12 @@ def mlp_sublayer(cfg: ModelConfig, impl: ImplConfig, layout: Layout | None = Non
     if (kind or cfg.mlp) == "dense":
         return functools.partial(dense_mlp, dense=dense)
 
-    dispatch, chip = sublayer.dispatch_for(impl.moe.dispatch, *moe_target(cfg, impl, layout)), None
+    target = moe_target(cfg, impl, layout)
+    dispatch, chip = sublayer.dispatch_for(impl.moe.dispatch, *target), None
     if dispatch == "grouped":
-        chip = sublayer.grouped.Chip.of(layout.mesh.devices.flat[0] if layout else jax.devices()[0])
+        chip = sublayer.grouped.Chip.of(target[2])
+        if target[2] in jax.devices():  # this process's GPUs, not a compile-only target's: the kernels run here
+            dispatch = selfcheck.checked_dispatch(dispatch, chip, compute_dtype(impl, layout))
     mx = {}
     if impl.fp8 == "mxfp8":
         mx = {"dot": fp8.MXDot(platform(layout)), "smallest_block": fp8.MX_BLOCK}

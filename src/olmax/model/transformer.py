@@ -24,16 +24,9 @@ from olmax.model import families
 from olmax.model import rope as rope_lib
 from olmax.model.attention import cached
 from olmax.model import block as block_lib
-from olmax.model.block import ACTIVATION, block, dense_for, mlp_sublayer, rms_norm
+from olmax.model.block import ACTIVATION, block, compute_dtype, dense_for, mlp_sublayer, rms_norm
 from olmax.parallel import pipeline
-from olmax.parallel.mesh import Layout, constrain, platform
-
-
-def compute_dtype(impl: ImplConfig, layout: Layout | None = None):
-    """`auto`: bfloat16 where the layout's devices are accelerators (not where JAX runs: see mesh.platform)."""
-    if impl.compute_dtype == "auto":
-        return jnp.float32 if platform(layout) == "cpu" else jnp.bfloat16
-    return jnp.dtype(impl.compute_dtype)
+from olmax.parallel.mesh import Layout, constrain
 
 
 GROUP_INPUT = "group_input"  # a layer group's input in the pipeline: kept by every remat policy

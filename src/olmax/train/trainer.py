@@ -25,6 +25,7 @@ from olmax.config import ConfigError, RunConfig, writable_dir
 from olmax.errors import Diverged, ExitCode, Preempted
 from olmax.data import build_loader
 from olmax.model import flops
+from olmax.model.moe import selfcheck
 from olmax.model.transformer import compute_dtype
 from olmax.parallel import pipeline
 from olmax.parallel.mesh import make_layout
@@ -184,6 +185,8 @@ def _train(cfg: RunConfig, quiet: bool, make_eval, bucket: BucketRun | None, run
         } | goodput.metrics())
         if step == start + 1:  # its time is mostly the compile's: no throughput, a mark instead
             values[COMPILED] = 1.0
+            if selfcheck.failed():  # the experts fell back to the block loop (the line on stderr says why)
+                values[selfcheck.FAILED] = 1.0
         else:
             values["throughput/device/TPS"] = tps = tokens_per_step / seconds / jax.device_count()
             mfu = None if peak is None else 100.0 * tps * flops_per_token / peak

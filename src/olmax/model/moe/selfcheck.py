@@ -1,0 +1,128 @@
+"""The grouped kernels (grouped.py) checked on the GPU before a run uses them: once a process, for the chip and
+dtype the run uses, forward, input and weight gradient on a small problem against `lax.ragged_dot` in float32.
+A kernel that launches but computes wrong values (a compiler or driver the kernels were never run with) would
+otherwise train on garbage; one that fails, or fails to launch, leaves the run the block loop instead."""
+
+from __future__ import annotations
+
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from olmax.config import ConfigError
+from olmax.model.moe import grouped
+
+COUNTS = (37, 0, 130, 64)  # rows a group: uneven, one empty, one of whole blocks (Hopper's), off the tiles
+WIDTH = grouped.WIDTH_MULTIPLE  # d and f: one of Blackwell's cluster tiles, two of Hopper's
+# The largest difference allowed, a fraction of the reference's largest value: bf16 outputs round at 2^-9
+# relative; float32 inputs run as TF32 on the tensor cores (10-bit mantissa). A wrong group is off by order 1.
+TOLERANCE = {"bfloat16": 3e-2, "float32": 5e-3}
+FAILED = "moe/grouped kernels failed check"  # the metric, 1 at the run's first step where they did
+
+
+def problem(dtype, block: int, counts=COUNTS, width: int = WIDTH, seed: int = 0):
+    """x [rows, width] in the kernels' layout (each group's rows padded with zero rows to a multiple of `block`,
+    a spare block after the last), w [G, width, width], the block starts, the layout's group sizes, and a
+    cotangent for the gradients."""
+    counts = np.asarray(counts)
+    blocks = -(-counts // block)
+    starts = np.concatenate([[0], np.cumsum(blocks)]).astype(np.int32)
+    rows = (int(starts[-1]) + 1) * block
+    used = np.zeros(rows, bool)
+    for g, n in enumerate(counts):
+        used[starts[g] * block: starts[g] * block + n] = True
+    kx, kw, ky = jax.random.split(jax.random.key(seed), 3)
+    x = jnp.where(jnp.asarray(used)[:, None], jax.random.normal(kx, (rows, width), dtype), 0)
+    w = (jax.random.normal(kw, (len(counts), width, width)) * width**-0.5).astype(dtype)
+    cotangent = jax.random.normal(ky, (rows, width), dtype)
+    return x, w, jnp.asarray(starts), jnp.asarray(blocks * block, jnp.int32), cotangent
+
+
+def ragged_dot_f32(x, w, sizes, cotangent):
+    """y, dx, dw by `lax.ragged_dot` on the inputs in float32."""
+    f32 = [a.astype(jnp.float32) for a in (x, w, cotangent)]
+    y, vjp = jax.vjp(lambda a, b: jax.lax.ragged_dot(a, b, sizes), f32[0], f32[1])
+    return (y, *vjp(f32[2]))
+
+
+def float64(x, w, sizes, cotangent):
+    """y, dx, dw in float64 by numpy, group by group."""
+    x, w, dy = (np.asarray(a.astype(jnp.float32), np.float64) for a in (x, w, cotangent))
+    y, dx, dw = np.zeros((x.shape[0], w.shape[2])), np.zeros_like(x), np.zeros_like(w)
+    ends = np.cumsum(np.asarray(sizes))
+    for g, (start, end) in enumerate(zip(ends - np.asarray(sizes), ends)):
+        y[start:end] = x[start:end] @ w[g]
+        dx[start:end] = dy[start:end] @ w[g].T
+        dw[g] = x[start:end].T @ dy[start:end]
+    return y, dx, dw
+
+
+def errors(product, dtype, block: int, reference=ragged_dot_f32) -> dict[str, float]:
+    """`product(x, w, block_starts, block)` (grouped.gmm's arguments) on the small problem: the largest
+    difference of y, dx and dw from `reference`'s, each a fraction of the reference's largest value."""
+    x, w, starts, sizes, cotangent = problem(dtype, block)
+    y, vjp = jax.vjp(jax.jit(lambda a, b: product(a, b, starts, block)), x, w)
+    ours = (y, *vjp(cotangent))
+    theirs = reference(x, w, sizes, cotangent)
+    return {name: float(np.max(np.abs(np.float64(a.astype(jnp.float32)) - np.float64(b))) / np.max(np.abs(b)))
+            for name, a, b in zip(("y", "dx", "dw"), ours, theirs)}
+
+
+def verdict(product, name: str, dtype, block: int) -> str | None:
+    """None where `product` (named `name`) agrees with lax.ragged_dot on the small problem, else one line saying
+    how it does not: its largest error, or the first line of what it raised (a launch failure among them)."""
+    dtype = jnp.dtype(dtype).name
+    try:
+        # In a thread of its own: JAX's tracing state is a thread's, so the check runs now, on concrete arrays and
+        # outside any mesh, even while the program that asks for it is being traced.
+        with ThreadPoolExecutor(1) as thread:
+            found = thread.submit(errors, product, dtype, block).result()
+    except Exception as e:  # whatever the kernel raises (a launch failure among them) is its failure
+        return f"{name}: {type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"
+    worst = max(found, key=lambda name: (np.isnan(found[name]), found[name]))  # a NaN is the worst
+    if not found[worst] <= TOLERANCE[dtype]:
+        return (f"{name}: {worst} in {dtype} off lax.ragged_dot by {found[worst]:.3g} of its largest value "
+                f"(tolerance {TOLERANCE[dtype]})")
+    return None
+
+
+def kernel_name(chip: grouped.Chip) -> str:
+    kernels = "grouped_matmul, grouped_weight_grad" if chip.major == 9 else "blackwell_ragged_dot_mgpu"
+    return f"grouped.gmm for sm_{chip.major}0 ({kernels})"
+
+
+_verdicts: dict[tuple, str | None] = {}
+_said: set[str] = set()
+
+
+def check(chip: grouped.Chip, dtype) -> str | None:
+    """The grouped kernels' verdict for `chip` in `dtype` on this process's GPU (see `verdict`), found once."""
+    key = (chip, jnp.dtype(dtype).name)
+    if key not in _verdicts:
+        _verdicts[key] = verdict(lambda x, w, starts, block: grouped.gmm(x, w, starts, block, chip),
+                                 kernel_name(chip), dtype, chip.block)
+    return _verdicts[key]
+
+
+def failed() -> list[str]:
+    """The lines of this process's checks that failed."""
+    return [line for line in _verdicts.values() if line]
+
+
+def checked_dispatch(dispatch: str, chip: grouped.Chip, dtype, check=check, processes: int | None = None) -> str:
+    """`dispatch` for a run on this process's GPUs: `blocks` instead of `grouped` where the kernels fail
+    `check`, said in one line. A run of several processes stops instead (ConfigError): each process checks its own
+    GPU, and one falling back alone would build another program than its peers, which would wait for it."""
+    if dispatch != "grouped" or (reason := check(chip, dtype)) is None:
+        return dispatch
+    if (processes or jax.process_count()) > 1:
+        raise ConfigError(f"the grouped kernels failed their check on this process's GPU ({reason}); a run of "
+                          "several processes cannot fall back on one alone: set impl.moe.dispatch=blocks")
+    if reason not in _said:  # once a process, however many times the model is built
+        _said.add(reason)
+        print(f"olmax: the grouped kernels failed their check on this GPU, so the experts run in the block loop "
+              f"(impl.moe.dispatch=blocks): {reason}", file=sys.stderr, flush=True)
+    return "blocks"
