@@ -136,6 +136,13 @@ def _new_file(value: str, option: str) -> None:
     writable_dir(Path(value).absolute().parent, option)
 
 
+def _compile_cache() -> None:
+    """Refuse a compile cache (`OLMAX_COMPILE_CACHE`) that cannot be used before anything is compiled or written."""
+    from olmax.scale.compile import usable_cache_dir
+
+    usable_cache_dir()
+
+
 def _write_report(report: dict, directory: str | None, overrides: list[str]) -> None:
     if directory is not None:
         from olmax.scale.report import write
@@ -163,6 +170,8 @@ def run_plan(args: argparse.Namespace) -> None:
     if args.goodput is not None and not 0 < args.goodput <= 1:
         raise ConfigError(f"--goodput {args.goodput}: give a fraction in (0, 1], e.g. 0.9")
     cfg, mfu = load_config(args.config, args.overrides, target.name), _mfu(args.mfu)
+    if mfu is None:
+        _compile_cache()
     directory = _report_dir(args.report)
     prediction, err = None, None
     if mfu is None:
@@ -211,6 +220,7 @@ def run_compile(args: argparse.Namespace) -> None:
     load_config(args.config, args.overrides, target.name)  # refused before anything else
     layout = target_layout(args.config, target.name)
     layout = layout and {"target": layout[0], "settings": layout[1]}
+    _compile_cache()
     directory = _report_dir(args.report)
     report, err = _compile(args, target)
     report["layout"] = layout
@@ -237,6 +247,7 @@ def run_tune(args: argparse.Namespace) -> None:
     if reason := aot_missing(target.platform):
         raise ConfigError(reason)
     load_config(args.config, args.overrides, target.name)  # a bad config is refused before any compile
+    _compile_cache()
     directory = _report_dir(args.report)
     search = tune.tune(args.config, args.overrides, target, args.budget, args.headroom,
                        args.jobs or tune.default_jobs(), tune.print_err)
