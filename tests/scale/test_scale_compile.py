@@ -75,6 +75,7 @@ def test_ironwood_compiles_with_its_sparsecore_flag_profile(capsys, monkeypatch)
     assert report["program"]["sparsecore_collectives"] > 0
     table = format_compile(report)
     assert "XLA flags (tpu7x profile): --xla_tpu_enable_async_collective_fusion_fuse_all_gather=false" in table
+    assert f"; {report['program']['sparsecore_collectives']} collectives on the SparseCores" in table
     # The tiny model's memory in its own units (it read 0.00 GiB everywhere), and no summed temporaries (buffers
     # that never all coexist: for the 7B recipe 101.06 GiB beside a peak of 78.74) as if they were held: the
     # temporaries shown are what the peak leaves beside the split's other parts, which add up to the peak.
@@ -233,6 +234,8 @@ def test_tiny_step_compiles_with_cudnn_for_a_gpu_host(fp8):
     assert report["program"]["custom_calls"] == {"__cudnn$fmhaSoftmax": 4, "__cudnn$fmhaSoftmaxBackward": 4}
     float8 = report["program"]["float8_matmuls"]
     assert float8 == (3 * 7 * cfg.model.n_layers if fp8 else 0) and report["program"]["matmuls"] > float8
+    # a GPU has no SparseCores: the report says nothing of them (it said "0 collectives on the SparseCores")
+    assert "compiled: " in format_compile(report) and "SparseCores" not in format_compile(report)
 
 
 @needs_tpu

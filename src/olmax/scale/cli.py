@@ -261,15 +261,24 @@ def run_tune(args: argparse.Namespace) -> None:
         print(tune.table(search, target))
         print(tune.coverage(search))
         print(tune.main_line(search))
+    unwritten = None
     if args.out and search.best is not None:
-        Path(args.out).absolute().parent.mkdir(parents=True, exist_ok=True)
-        with open(args.out, "x") as f:  # a new file (O_EXCL: not one made since the check, nor through a link)
-            f.write(tune.overlay(args.config, search, target))
-        print(f"olmax: best layout {args.out}", file=sys.stderr)
+        layout = tune.overlay(args.config, search, target)
+        try:
+            Path(args.out).absolute().parent.mkdir(parents=True, exist_ok=True)
+            with open(args.out, "x") as f:  # a new file (O_EXCL: not one made since the check, nor through a link)
+                f.write(layout)
+            print(f"olmax: best layout {args.out}", file=sys.stderr)
+        except OSError as err:  # something took its place during the search: the layout is printed instead
+            why = "something appeared there during the search" if isinstance(err, FileExistsError) else err.strerror
+            print(f"olmax tune: the best layout, not written to {args.out}:\n{layout}", file=sys.stderr, end="")
+            unwritten = f"--out {args.out}: {why}; the best layout is printed above: save it to a new file"
     if directory is not None:
         from olmax.scale.report import write_tune
 
         print(f"olmax: report {write_tune(report, directory)}", file=sys.stderr)
+    if unwritten:
+        raise ConfigError(unwritten)
     if search.best is None:
         from olmax.errors import ExitCode
 
@@ -381,9 +390,11 @@ def format_compile(r: dict) -> str:
         program = r["program"]
         kernels = ", ".join(f"{name} x{n}" for name, n in program["custom_calls"].items())
         mxfp8 = f", {program['mxfp8_matmuls']} MXFP8 (cuDNN block-scaled)" if program.get("mxfp8_matmuls") else ""
+        # the SparseCores only where the program uses them or the target's flags offload collectives to them
+        offload = program["sparsecore_collectives"] or any("sparse_core" in flag for flag in r.get("xla_flags") or {})
         lines += [f"compiled: {program['float8_matmuls']} of {program['matmuls']} matmuls float8{mxfp8}; "
-                  f"custom calls {kernels}; "
-                  f"{program['sparsecore_collectives']} collectives on the SparseCores"]
+                  f"custom calls {kernels or 'none'}"
+                  + (f"; {program['sparsecore_collectives']} collectives on the SparseCores" if offload else "")]
     if r.get("xla_flags"):
         flags = " ".join(f"--{name}={str(value).lower()}" for name, value in r["xla_flags"].items())
         lines += [f"XLA flags ({r['target'].split(':')[1]} profile): {flags}"]

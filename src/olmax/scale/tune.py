@@ -25,6 +25,7 @@ import math
 import multiprocessing
 import os
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -35,6 +36,7 @@ from olmax.model import families, flops
 from olmax.parallel import expert as expert_parallel
 from olmax.parallel import pipeline
 from olmax.parallel.mesh import Layout, spec_axes
+from olmax.progress import SILENCE
 from olmax.scale import anatomy
 from olmax.scale.report import size
 from olmax.scale.targets import Target
@@ -390,6 +392,10 @@ def tune(config: str, overrides: list[str], target: Target, budget: int, headroo
         return priority(seconds * (1 + tiles), memory, device_memory)
 
     remaining = ordered(candidates, key)
+    progress(f"searching {len(candidates):,} layouts of {config} on {target.name} (remat, mesh, micro-batch"
+             f"{', Splash tiles' if any(c.tiles for c in candidates) else ''}"
+             f"{', XLA flags' if target.xla_flags else ''}): up to {budget} compiles, {jobs} at a time, the most "
+             "promising first")
     search = Search(size=len(candidates))
     out_of_memory: list[Candidate] = []
     start = time.perf_counter()
@@ -408,6 +414,8 @@ def tune(config: str, overrides: list[str], target: Target, budget: int, headroo
             if not batch:
                 break
             futures = [pool.submit(evaluate, config, overrides, target.name, c, headroom) for c in batch]
+            if not evaluated:
+                progress(f"[0/{budget}] compiling {'; '.join(f'({c.describe()})' for c in batch)}")
             for future in _ticking(futures, progress, start, evaluated, budget, search):
                 result = future.result()
                 evaluated += 1
@@ -434,27 +442,39 @@ def tune(config: str, overrides: list[str], target: Target, budget: int, headroo
 
 
 def _pool(jobs: int):
-    """Worker processes to compile side by side, or this process for one job at a time (no start-up to pay)."""
+    """Worker processes to compile side by side, or a thread of this process for one job at a time (no start-up to
+    pay)."""
     if jobs > 1:
         return concurrent.futures.ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn"))
-    return _InProcess()
+    return _InThread()
 
 
-class _InProcess(concurrent.futures.Executor):
+class _InThread(concurrent.futures.Executor):
+    """Each call in a thread of its own, so that the search goes on saying that a compile goes on (`_ticking`); a
+    daemon thread, which an interrupt does not wait for."""
+
     def submit(self, fn, /, *args, **kwargs):
         future = concurrent.futures.Future()
-        try:
-            future.set_result(fn(*args, **kwargs))
-        except BaseException as err:  # noqa: BLE001 - handed to the caller as a process pool would
-            future.set_exception(err)
+
+        def run() -> None:
+            try:
+                future.set_result(fn(*args, **kwargs))
+            except BaseException as err:  # noqa: BLE001 - handed to the caller as a process pool would
+                future.set_exception(err)
+
+        threading.Thread(target=run, name="olmax tune compile", daemon=True).start()
         return future
 
 
+TICK = SILENCE * 5 / 6  # seconds of compiling between two lines that say it goes on (olmax.progress's promise)
+
+
 def _ticking(futures, progress, start, evaluated, budget, search):
-    """The futures as they finish, with a line every 30 s while they compile (a big step compiles for minutes)."""
+    """The futures as they finish, with a line every TICK seconds while they compile (a big step compiles for
+    minutes)."""
     pending = set(futures)
     while pending:
-        done, pending = concurrent.futures.wait(pending, timeout=30, return_when=concurrent.futures.FIRST_COMPLETED)
+        done, pending = concurrent.futures.wait(pending, timeout=TICK, return_when=concurrent.futures.FIRST_COMPLETED)
         if not done:
             progress(f"[{evaluated}/{budget}] still compiling {len(pending)} candidate(s) "
                      f"({time.perf_counter() - start:.0f} s so far)")
