@@ -20,6 +20,7 @@ fits and runs fast. What did not compile for another reason is listed with the r
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import itertools
 import math
 import multiprocessing
@@ -413,27 +414,34 @@ def tune(config: str, overrides: list[str], target: Target, budget: int, headroo
                 batch.append(candidate)
             if not batch:
                 break
-            futures = [pool.submit(evaluate, config, overrides, target.name, c, headroom) for c in batch]
             if not evaluated:
                 progress(f"[0/{budget}] compiling {'; '.join(f'({c.describe()})' for c in batch)}")
-            for future in _ticking(futures, progress, start, evaluated, budget, search):
-                result = future.result()
-                evaluated += 1
-                search.results.append(result)
-                search.compiled += not result.cached and result.status != "failed"
-                if result.status == "out of memory":
-                    out_of_memory.append(result.candidate)
-                if result.peak:
-                    mesh = result.candidate.mesh
-                    scale[mesh] = max(scale.get(mesh, 0.0), result.peak / estimates[result.candidate][1])
-                if result.step_seconds:
-                    speed[result.candidate.mesh] = result.step_seconds / estimates[result.candidate][0]
-                elapsed = time.perf_counter() - start
-                eta = elapsed / evaluated * (min(budget, len(candidates)) - evaluated)
-                figure = (f"{result.step_seconds:.4g} s, peak {size(result.peak)}" if result.step_seconds
-                          else result.reason[:100])
-                progress(f"[{evaluated}/{budget}] {result.candidate.describe()}: {result.status}, {figure}"
-                         f"{' (cached)' if result.cached else ''}; {elapsed:.0f} s so far, about {eta:.0f} s left")
+            before = evaluated
+
+            def waiting() -> str:
+                return (f"[{evaluated}/{budget}] still compiling {len(batch) - (evaluated - before)} candidate(s) "
+                        f"({time.perf_counter() - start:.0f} s so far)")
+
+            with _said_every_tick(progress, waiting):  # a compile in this process, or in the workers, takes minutes
+                futures = [pool.submit(evaluate, config, overrides, target.name, c, headroom) for c in batch]
+                for future in concurrent.futures.as_completed(futures):
+                    result = future.result()
+                    evaluated += 1
+                    search.results.append(result)
+                    search.compiled += not result.cached and result.status != "failed"
+                    if result.status == "out of memory":
+                        out_of_memory.append(result.candidate)
+                    if result.peak:
+                        mesh = result.candidate.mesh
+                        scale[mesh] = max(scale.get(mesh, 0.0), result.peak / estimates[result.candidate][1])
+                    if result.step_seconds:
+                        speed[result.candidate.mesh] = result.step_seconds / estimates[result.candidate][0]
+                    elapsed = time.perf_counter() - start
+                    eta = elapsed / evaluated * (min(budget, len(candidates)) - evaluated)
+                    figure = (f"{result.step_seconds:.4g} s, peak {size(result.peak)}" if result.step_seconds
+                              else result.reason[:100])
+                    progress(f"[{evaluated}/{budget}] {result.candidate.describe()}: {result.status}, {figure}"
+                             f"{' (cached)' if result.cached else ''}; {elapsed:.0f} s so far, about {eta:.0f} s left")
             # what the compiler said reorders the rest; a mesh not tried yet and the estimate's best take turns
             tried = {(r.candidate.mesh, r.candidate.micro_batch) for r in search.results if r.status != "pruned"}
             remaining = ordered(remaining, key, tried, leader_first=evaluated % 2 == 0)
@@ -442,43 +450,42 @@ def tune(config: str, overrides: list[str], target: Target, budget: int, headroo
 
 
 def _pool(jobs: int):
-    """Worker processes to compile side by side, or a thread of this process for one job at a time (no start-up to
-    pay)."""
+    """Worker processes to compile side by side, or this process for one job at a time (no start-up to pay)."""
     if jobs > 1:
         return concurrent.futures.ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn"))
-    return _InThread()
+    return _InProcess()
 
 
-class _InThread(concurrent.futures.Executor):
-    """Each call in a thread of its own, so that the search goes on saying that a compile goes on (`_ticking`); a
-    daemon thread, which an interrupt does not wait for."""
-
+class _InProcess(concurrent.futures.Executor):
     def submit(self, fn, /, *args, **kwargs):
         future = concurrent.futures.Future()
-
-        def run() -> None:
-            try:
-                future.set_result(fn(*args, **kwargs))
-            except BaseException as err:  # noqa: BLE001 - handed to the caller as a process pool would
-                future.set_exception(err)
-
-        threading.Thread(target=run, name="olmax tune compile", daemon=True).start()
+        try:
+            future.set_result(fn(*args, **kwargs))
+        except BaseException as err:  # noqa: BLE001 - handed to the caller as a process pool would
+            future.set_exception(err)
         return future
 
 
 TICK = SILENCE * 5 / 6  # seconds of compiling between two lines that say it goes on (olmax.progress's promise)
 
 
-def _ticking(futures, progress, start, evaluated, budget, search):
-    """The futures as they finish, with a line every TICK seconds while they compile (a big step compiles for
-    minutes)."""
-    pending = set(futures)
-    while pending:
-        done, pending = concurrent.futures.wait(pending, timeout=TICK, return_when=concurrent.futures.FIRST_COMPLETED)
-        if not done:
-            progress(f"[{evaluated}/{budget}] still compiling {len(pending)} candidate(s) "
-                     f"({time.perf_counter() - start:.0f} s so far)")
-        yield from done
+@contextlib.contextmanager
+def _said_every_tick(progress, line):
+    """Inside the block, `line()` told to `progress` every TICK seconds, from a thread of its own (the compile itself
+    may hold this one: an interrupt then comes when it returns, as it did before)."""
+    stop = threading.Event()
+
+    def tick() -> None:
+        while not stop.wait(TICK):
+            progress(line())
+
+    thread = threading.Thread(target=tick, name="olmax tune progress", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
 
 
 def default_jobs() -> int:
