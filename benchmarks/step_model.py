@@ -140,8 +140,19 @@ def predict_row(row: Row) -> dict:
         "chip_seconds": step * target.chips,
         "seconds": prediction["seconds"], "collectives": prediction["collectives"],
         "loops": prediction["loops"], "warnings": prediction["warnings"],
-        "libtpu_estimate": prediction.get("libtpu_estimate"),
+        "libtpu_estimate": prediction.get("libtpu_estimate"), "step_range": prediction.get("step_range"),
     }
+
+
+def step_range(result: dict) -> str:
+    """A prediction's range where libtpu's estimate and the roofline give steps more than 10% apart (the step and
+    the MFU, every layer global, at each end), and which the point figure follows; empty where it has none."""
+    if not result.get("step_range"):
+        return ""
+    low, high = result["step_range"]
+    flops = result["mfu_all_global"] * result["step_seconds"]
+    return (f" (range {low:.3g}-{high:.3g} s, {flops / high:.1%}-{flops / low:.1%}: the point figure is libtpu's "
+            "estimate, the range's other end the roofline)")
 
 
 def compare(row: Row, result: dict, by_name: dict) -> tuple[float | None, str]:
@@ -165,6 +176,11 @@ def compare(row: Row, result: dict, by_name: dict) -> tuple[float | None, str]:
         value = result[measure]
     if row.value is None:
         return value, "reference"
+    if measure in ("mfu_all_global", "tokens_per_device", "tflops_per_device") and result.get("step_range"):
+        # a rate: at the range's ends, the point figure's rate times its step over theirs
+        ends = [value * result["step_seconds"] / end for end in result["step_range"]]
+        inside = "inside" if min(ends) <= row.value <= max(ends) else "outside"
+        return value, f"{value / row.value - 1:+.1%}; the published figure {inside} the range"
     if measure in ("mfu_all_global", "tokens_per_device", "tflops_per_device", "speedup"):
         return value, f"{value / row.value - 1:+.1%}"
     if measure == "tflops_delta":
@@ -189,7 +205,8 @@ def markdown(rows: list[Row], results: dict) -> str:
         result = results[row.name]
         value, verdict = compare(row, result, results)
         shown = FORMATS[row.measure](value) if value is not None else "-"
-        step = (f"{result['step_seconds']:.3g} s, {result['mfu_all_global']:.1%}" if "step_seconds" in result else "-")
+        step = (f"{result['step_seconds']:.3g} s, {result['mfu_all_global']:.1%}{step_range(result)}"
+                if "step_seconds" in result else "-")
         fits = (f"{'yes' if result['fits'] else 'no'} ({result['peak_gib']:.1f})" if "fits" in result else "-")
         lines.append(f"| {row.name} | `{row.config}` {' '.join(row.overrides)} on `{row.target}` | {row.published} | "
                      f"{shown} | {verdict} | {step} | {fits} | {row.assumed} |")
@@ -260,7 +277,8 @@ def main() -> None:
     for row in rows:
         value, verdict = compare(row, results[row.name], results)
         shown = FORMATS[row.measure](value) if value is not None else "-"
-        print(f"{row.name:16} published {row.published:60.60} predicted {shown:>18}  {verdict}")
+        print(f"{row.name:16} published {row.published:60.60} predicted {shown:>18}  {verdict}"
+              f"{step_range(results[row.name])}")
     if args.markdown:
         print(markdown(rows, results))
     if args.json:

@@ -3,8 +3,10 @@
 TPU targets need the aot extra (libtpu; CI installs it), GPU targets the aot-gpu extra (skipped without it).
 """
 
+import gzip
 import json
 import re
+import shutil
 import subprocess
 import sys
 
@@ -73,6 +75,7 @@ def test_ironwood_compiles_with_its_sparsecore_flag_profile(capsys, monkeypatch)
     assert report["program"]["sparsecore_collectives"] > 0
     table = format_compile(report)
     assert "XLA flags (tpu7x profile): --xla_tpu_enable_async_collective_fusion_fuse_all_gather=false" in table
+    assert f"; {report['program']['sparsecore_collectives']} collectives on the SparseCores" in table
     # The tiny model's memory in its own units (it read 0.00 GiB everywhere), and no summed temporaries (buffers
     # that never all coexist: for the 7B recipe 101.06 GiB beside a peak of 78.74) as if they were held: the
     # temporaries shown are what the peak leaves beside the split's other parts, which add up to the peak.
@@ -283,6 +286,8 @@ def test_tiny_step_compiles_with_cudnn_for_a_gpu_host(fp8):
     assert report["program"]["custom_calls"] == {"__cudnn$fmhaSoftmax": 4, "__cudnn$fmhaSoftmaxBackward": 4}
     float8 = report["program"]["float8_matmuls"]
     assert float8 == (3 * 7 * cfg.model.n_layers if fp8 else 0) and report["program"]["matmuls"] > float8
+    # a GPU has no SparseCores: the report says nothing of them (it said "0 collectives on the SparseCores")
+    assert "compiled: " in format_compile(report) and "SparseCores" not in format_compile(report)
 
 
 @needs_tpu
@@ -335,25 +340,86 @@ def test_a_step_lowers_to_the_same_program_whatever_the_process_traced_before():
     assert "splash" in first and first == second
 
 
+def _tamper(entry, how: str, other, tmp_path) -> None:
+    """Do to the cache entry `entry` what `how` says; `other` is another program's entry."""
+    result = entry / "result.json"
+    record = json.loads(result.read_text())
+    if how == "result.json cut short":
+        result.write_text(result.read_text()[: len(result.read_text()) // 2])
+    elif how == "program.hlo.gz garbled":
+        stored = (entry / "program.hlo.gz").read_bytes()
+        (entry / "program.hlo.gz").write_bytes(stored[:20] + bytes(b ^ 0xFF for b in stored[20:40]) + stored[40:])
+    elif how == "program.hlo.gz empty":
+        (entry / "program.hlo.gz").write_bytes(b"")
+    elif how == "program.hlo.gz another text":
+        (entry / "program.hlo.gz").write_bytes(gzip.compress(b"not a program"))
+    elif how in ("a link to another program's entry", "a dangling link", "a copy of another program's entry"):
+        shutil.rmtree(entry)
+        if how == "a copy of another program's entry":
+            shutil.copytree(other, entry)
+        else:
+            entry.symlink_to(other if how == "a link to another program's entry" else tmp_path / "gone")
+    elif how == "a negative peak":
+        result.write_text(json.dumps({**record, "peak": -5}))
+    elif how == "a compile time of NaN":
+        result.write_text(json.dumps({**record, "compile_seconds": float("nan")}))
+    else:  # an out-of-memory refusal the compiler never gave
+        assert how == "a made-up RESOURCE_EXHAUSTED"
+        (entry / "program.hlo.gz").unlink()
+        made_up = {"compile_seconds": 1.0, "error": "RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. Ran out "
+                   "of memory in memory space hbm. Used 200.00G of 95.74G hbm. Exceeded hbm capacity by 104.26G."}
+        result.write_text(json.dumps({**{k: v for k, v in record.items() if k in ("key", "digest")}, **made_up}))
+
+
 @needs_tpu
-@pytest.mark.parametrize("damaged", ["result.json", "program.hlo.gz"])
-def test_a_damaged_compile_cache_entry_is_compiled_again_and_said(tmp_path, monkeypatch, caplog, damaged):
+@pytest.mark.parametrize("how", ["result.json cut short", "program.hlo.gz garbled", "program.hlo.gz empty",
+                                 "program.hlo.gz another text", "a link to another program's entry",
+                                 "a copy of another program's entry", "a dangling link", "a negative peak",
+                                 "a compile time of NaN", "a made-up RESOURCE_EXHAUSTED"])
+def test_a_compile_cache_entry_not_this_programs_whole_and_valid_is_compiled_again_and_said(tmp_path, monkeypatch,
+                                                                                            caplog, how):
     """A truncated result.json or a garbled program.hlo.gz was trusted on every later read (`olmax tune` then said
-    no layout fits, on every rerun): an entry is verified when read, and a damaged one is compiled again."""
+    no layout fits, on every rerun); so were an empty program.hlo.gz or a gzip of other text (an AttributeError
+    from the report), an entry replaced by a link to (or a copy of) another program's (its figures shown for this
+    one), and well-formed lies (a negative peak, a compile time of NaN, an out-of-memory refusal turned into
+    DoesNotFit); a dangling link made every run compile again, silently. An entry must prove it is this program's,
+    stored whole, with valid figures, or it is compiled again, with one line naming it, and stored whole again
+    (what a link pointed to left as it was)."""
     from olmax.scale.compile import compiled_program
 
-    monkeypatch.setenv("OLMAX_COMPILE_CACHE", str(tmp_path))
+    monkeypatch.setenv("OLMAX_COMPILE_CACHE", str(tmp_path / "cache"))
     target = parse_target("tpu:v5p:2x2x2")
     mesh = Mesh(np.asarray(compile_only_devices(target)), ("fsdp",))
     x = jax.ShapeDtypeStruct((256, 128), jnp.float32, sharding=NamedSharding(mesh, PartitionSpec("fsdp")))
     lowered = jax.jit(lambda a: jnp.tanh(a @ a.T)).trace(x).lower()
+    other_lowered = jax.jit(lambda a: jnp.tanh(a @ a.T) @ a).trace(x).lower()
     first = compiled_program(lowered, target)
-    assert not first["cached"] and compiled_program(lowered, target)["cached"]
-    (entry,) = tmp_path.iterdir()
-    stored = (entry / damaged).read_bytes()
-    (entry / damaged).write_bytes(stored[: len(stored) // 2] if damaged == "result.json"
-                                  else stored[:20] + bytes(b ^ 0xFF for b in stored[20:40]) + stored[40:])
+    (entry,) = (tmp_path / "cache").iterdir()
+    other = compiled_program(other_lowered, target)
+    assert not first["cached"] and compiled_program(lowered, target)["cached"] and other["peak"] != first["peak"]
+    (other_entry,) = set((tmp_path / "cache").iterdir()) - {entry}
+    _tamper(entry, how, other_entry, tmp_path)
+    caplog.clear()
     again = compiled_program(lowered, target)
     assert not again["cached"] and again["peak"] == first["peak"] and again["text"] == first["text"]
-    assert f"the compile cache entry {entry} is damaged" in caplog.text and "compiling the program again" in caplog.text
-    assert compiled_program(lowered, target)["cached"]  # stored whole again
+    said = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(said) == 1 and f"the compile cache entry {entry} " in said[0], said
+    assert "compiling the program again" in said[0] and "\n" not in said[0]
+    assert compiled_program(lowered, target)["cached"] and not entry.is_symlink()  # stored whole again
+    assert compiled_program(other_lowered, target) == {**other, "cached": True}  # the other entry untouched
+
+
+@pytest.mark.parametrize("command", [["compile"], ["plan"], ["tune", "--budget", "1", "--jobs", "1"]])
+def test_a_compile_cache_that_names_a_file_is_refused_before_anything_is_compiled(tmp_path, monkeypatch, capsys,
+                                                                                   command):
+    """`OLMAX_COMPILE_CACHE` naming a regular file: the compile ran, then a traceback, no result printed. Exit 2 and
+    one line now, before any compile, and before the --report directory is made."""
+    cache = tmp_path / "cache"
+    cache.write_text("someone's file\n")
+    monkeypatch.setenv("OLMAX_COMPILE_CACHE", str(cache))
+    args = [*command, "tiny", "--target", "tpu:v5p:2x2x1", "--report", str(tmp_path / "page")]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert err.splitlines() == [f"olmax: ConfigError: OLMAX_COMPILE_CACHE {cache}: {cache} is a file, not a directory; set another "
+                                "OLMAX_COMPILE_CACHE"], err
+    assert cache.read_text() == "someone's file\n" and not (tmp_path / "page").exists()

@@ -312,6 +312,39 @@ def test_a_v5p_op_costs_libtpus_estimated_cycles_at_the_chips_clock():
         2 * 8192**3 / (hw.matmul_flops["bf16"] * hw.matmul_efficiency) + hw.op_overhead, rel=1e-6)
 
 
+@pytest.mark.parametrize("ratio", [1.3, 1.05, 0.95, 0.7])
+def test_where_libtpus_estimate_and_the_roofline_disagree_by_over_a_tenth_the_prediction_is_a_range(ratio):
+    """On v5p the 7B's ops cost 6.10 s a step at libtpu's estimated cycles and 4.80 s by the roofline, and the
+    published run fell between the two steps; the plan showed only the one at libtpu's estimate. Both steps are
+    predicted now, and where they are more than 10% apart the prediction is their range (shortest first), said first
+    where the plan and compile say where the time goes, with the point figure still libtpu's estimate."""
+    from olmax.scale.plan import format_prediction
+
+    hw = step_time.target_hardware(parse_target("tpu:v5p:2x2x1"))
+    roofline = 2 * 8192**3 / (hw.matmul_flops["bf16"] * hw.matmul_efficiency) + hw.op_overhead
+    cycles = round(ratio * roofline * hw.clock)
+    text = dot_program(8192, 8192, 8192).replace(
+        "rhs_contracting_dims={0}", 'rhs_contracting_dims={0}, backend_config={"window_config":{"estimated_cycles":'
+        f'"{cycles}"}}}}')
+    found = step_time.predict(text, hw, model_flops_per_device=2 * 8192**3)
+    step = cycles / hw.clock
+    assert found["step_seconds"] == pytest.approx(step, rel=1e-9)
+    assert found["libtpu_estimate"]["roofline_step_seconds"] == pytest.approx(roofline, rel=1e-9)
+    lines = format_prediction(found)
+    if abs(ratio - 1) < 0.1:
+        assert "step_range" not in found and step_time.range_line(found) is None
+        assert lines[0].startswith("predicted step ") and "where the time goes" in lines[0]
+        return
+    assert found["step_range"] == pytest.approx(sorted([step, roofline]), rel=1e-9)
+    low, high = sorted([step, roofline])
+    mfu = found["mfu"] * step
+    assert lines[0] == (f"predicted step {low * 1e3:.4g}-{high * 1e3:.4g} ms, MFU {100 * mfu / high:.3g}%-"
+                        f"{100 * mfu / low:.3g}% (exact count): {step * 1e3:.4g} ms with its 1 ops at libtpu's "
+                        f"estimated cycles, {roofline * 1e3:.4g} ms with them at the roofline, {high / low - 1:.0%} "
+                        "apart; the point figure follows libtpu's estimate")
+    assert lines[1].startswith(f"predicted step {step * 1e3:.4g} ms, where the time goes")
+
+
 def test_the_plan_and_the_page_state_the_counts_assumed_and_name_what_was_not_counted():
     from olmax.scale.plan import format_prediction
     from olmax.scale.report import _step_time

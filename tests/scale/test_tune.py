@@ -2,6 +2,7 @@
 written layout, which trains and compiles to the layout the table reported."""
 
 import json
+import threading
 
 import pytest
 
@@ -202,3 +203,50 @@ def test_the_written_layout_trains_and_compiles_to_the_layout_reported(tuned, ca
     # a layout file for another config is refused, naming both
     assert main(["train", "tiny_moe", str(best_file), f"output_dir={tmp_path}/other"]) == 2
     assert "has base tiny, not tiny_moe" in capsys.readouterr().err
+
+
+@needs_tpu
+def test_tune_says_at_once_what_it_searches_and_keeps_its_result_when_out_appears_during_it(tmp_path, monkeypatch,
+                                                                                            capsys):
+    """`olmax tune` printed nothing until its first compile had ended (32 s for the 7B), and with one job at a time
+    nothing while a compile ran: its first lines say what it searches and which compile is under way, and a compile
+    that goes on is said every TICK seconds (here the compile waits until that line has come). `--out FILE` where
+    FILE appeared while the search ran was a FileExistsError traceback, the search's result lost: the results are
+    printed and the report written, the file left as it is, the best layout printed (stderr) with one line saying
+    where and why, exit 2."""
+    out, searches, said = tmp_path / "best.yaml", [], threading.Event()
+
+    def print_err(line: str) -> None:
+        printed(line)
+        if "still compiling" in line:
+            said.set()
+
+    def evaluate_once_said(*args):
+        assert said.wait(timeout=60)  # a guard: the line comes after TICK seconds
+        return evaluate(*args)
+
+    def search_while_someone_writes_out(*args, **kwargs):
+        searches.append(search(*args, **kwargs))
+        out.write_text("someone's\n")
+        return searches[-1]
+
+    printed, evaluate, search = tune.print_err, tune.evaluate, tune.tune
+    monkeypatch.setattr(tune, "TICK", 0.05, raising=False)
+    monkeypatch.setattr(tune, "print_err", print_err)
+    monkeypatch.setattr(tune, "evaluate", evaluate_once_said)
+    monkeypatch.setattr(tune, "tune", search_while_someone_writes_out)
+    args = ["tune", "tiny", "--target", "tpu:v5p:2x2x2", "--budget", "1", "--jobs", "1", "--json"]
+    assert main([*args, "--out", str(out), "--report", str(tmp_path / "page")]) == 2
+    captured = capsys.readouterr()
+    (result,) = searches[0].results
+    assert json.loads(captured.out)["results"][0]["status"] == result.status == "fits"
+    err = captured.err.splitlines()
+    assert err[0] == (f"olmax tune: searching {searches[0].size:,} layouts of tiny on tpu:v5p:2x2x2 (remat, mesh, "
+                      "micro-batch): up to 1 compiles, 1 at a time, the most promising first")
+    assert err[1] == f"olmax tune: [0/1] compiling ({result.candidate.describe()})"
+    assert err[2].startswith("olmax tune: [0/1] still compiling 1 candidate(s) (")
+    assert out.read_text() == "someone's\n" and (tmp_path / "page" / "report.json").is_file()
+    layout = tune.overlay("tiny", searches[0], parse_target("tpu:v5p:2x2x2"))
+    assert f"olmax tune: the best layout, not written to {out}:\n{layout}" in captured.err
+    assert err[-1] == (f"olmax: ConfigError: --out {out}: something appeared there during the search; the best layout "
+                       "is printed above: save it to a new file")

@@ -140,6 +140,13 @@ def _new_file(value: str, option: str) -> None:
     writable_dir(Path(value).absolute().parent, option)
 
 
+def _compile_cache() -> None:
+    """Refuse a compile cache (`OLMAX_COMPILE_CACHE`) that cannot be used before anything is compiled or written."""
+    from olmax.scale.compile import usable_cache_dir
+
+    usable_cache_dir()
+
+
 def _write_report(report: dict, directory: str | None, overrides: list[str]) -> None:
     if directory is not None:
         from olmax.scale.report import write
@@ -167,6 +174,8 @@ def run_plan(args: argparse.Namespace) -> None:
     if args.goodput is not None and not 0 < args.goodput <= 1:
         raise ConfigError(f"--goodput {args.goodput}: give a fraction in (0, 1], e.g. 0.9")
     cfg, mfu = load_config(args.config, args.overrides, target.name), _mfu(args.mfu)
+    if mfu is None:
+        _compile_cache()
     directory = _report_dir(args.report)
     prediction, err = None, None
     if mfu is None:
@@ -215,6 +224,7 @@ def run_compile(args: argparse.Namespace) -> None:
     load_config(args.config, args.overrides, target.name)  # refused before anything else
     layout = target_layout(args.config, target.name)
     layout = layout and {"target": layout[0], "settings": layout[1]}
+    _compile_cache()
     directory = _report_dir(args.report)
     report, err = _compile(args, target)
     report["layout"] = layout
@@ -241,6 +251,7 @@ def run_tune(args: argparse.Namespace) -> None:
     if reason := aot_missing(target.platform):
         raise ConfigError(reason)
     load_config(args.config, args.overrides, target.name)  # a bad config is refused before any compile
+    _compile_cache()
     directory = _report_dir(args.report)
     search = tune.tune(args.config, args.overrides, target, args.budget, args.headroom,
                        args.jobs or tune.default_jobs(), tune.print_err)
@@ -254,15 +265,24 @@ def run_tune(args: argparse.Namespace) -> None:
         print(tune.table(search, target))
         print(tune.coverage(search))
         print(tune.main_line(search))
+    unwritten = None
     if args.out and search.best is not None:
-        Path(args.out).absolute().parent.mkdir(parents=True, exist_ok=True)
-        with open(args.out, "x") as f:  # a new file (O_EXCL: not one made since the check, nor through a link)
-            f.write(tune.overlay(args.config, search, target))
-        print(f"olmax: best layout {args.out}", file=sys.stderr)
+        layout = tune.overlay(args.config, search, target)
+        try:
+            Path(args.out).absolute().parent.mkdir(parents=True, exist_ok=True)
+            with open(args.out, "x") as f:  # a new file (O_EXCL: not one made since the check, nor through a link)
+                f.write(layout)
+            print(f"olmax: best layout {args.out}", file=sys.stderr)
+        except OSError as err:  # something took its place during the search: the layout is printed instead
+            why = "something appeared there during the search" if isinstance(err, FileExistsError) else err.strerror
+            print(f"olmax tune: the best layout, not written to {args.out}:\n{layout}", file=sys.stderr, end="")
+            unwritten = f"--out {args.out}: {why}; the best layout is printed above: save it to a new file"
     if directory is not None:
         from olmax.scale.report import write_tune
 
         print(f"olmax: report {write_tune(report, directory)}", file=sys.stderr)
+    if unwritten:
+        raise ConfigError(unwritten)
     if search.best is None:
         from olmax.errors import ExitCode
 
@@ -379,9 +399,11 @@ def format_compile(r: dict) -> str:
         program = r["program"]
         kernels = ", ".join(f"{name} x{n}" for name, n in program["custom_calls"].items())
         mxfp8 = f", {program['mxfp8_matmuls']} MXFP8 (cuDNN block-scaled)" if program.get("mxfp8_matmuls") else ""
+        # the SparseCores only where the program uses them or the target's flags offload collectives to them
+        offload = program["sparsecore_collectives"] or any("sparse_core" in flag for flag in r.get("xla_flags") or {})
         lines += [f"compiled: {program['float8_matmuls']} of {program['matmuls']} matmuls float8{mxfp8}; "
-                  f"custom calls {kernels}; "
-                  f"{program['sparsecore_collectives']} collectives on the SparseCores"]
+                  f"custom calls {kernels or 'none'}"
+                  + (f"; {program['sparsecore_collectives']} collectives on the SparseCores" if offload else "")]
     if r.get("xla_flags"):
         flags = " ".join(f"--{name}={str(value).lower()}" for name, value in r["xla_flags"].items())
         lines += [f"XLA flags ({r['target'].split(':')[1]} profile): {flags}"]

@@ -139,13 +139,16 @@ LABELS = {"matmul": "matmuls", "attention": "attention", "memory": "memory-bound
 
 
 def format_prediction(prediction: dict) -> list[str]:
-    """The predicted step's time by category and by layer kind, and its collectives, hidden and exposed."""
+    """The predicted step's time by category and by layer kind, and its collectives, hidden and exposed; first its
+    range, where it has one (olmax.scale.step_time.range_line)."""
     step = prediction["step_seconds"]
     scale, unit = next(((scale, u) for scale, u in TIME_UNITS if step >= scale), TIME_UNITS[-1])
     regions = [r for r in REGIONS if r in prediction["by_region"]] + sorted(
         set(prediction["by_region"]) - set(REGIONS))
     width = 14
-    lines = [f"predicted step {figure(step / scale)} {unit}, where the time goes ({unit}, one device):",
+    span = step_time.range_line(prediction)
+    lines = [*([span] if span else []),
+             f"predicted step {figure(step / scale)} {unit}, where the time goes ({unit}, one device):",
              f"{'':24}" + "".join(f"{r[:width - 1]:>{width}}" for r in regions) + f"{'total':>{width}}"]
     for category, label in LABELS.items():
         values = [prediction["by_region"][r][category] for r in regions]

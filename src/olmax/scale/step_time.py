@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import bisect
 import collections
+import dataclasses
 import functools
 import math
 import re
@@ -44,6 +45,9 @@ FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after
         "opt-barrier", "add-dependency", "domain", "iota"}
 COLLECTIVES = hlo.COLLECTIVES
 CATEGORIES = ("matmul", "attention", "memory", "collective")  # compute categories, then exposed communication
+# Where libtpu's estimated cycles and the roofline give steps further apart than this, a prediction is a range:
+# neither is known to be the better (the v5p 7B's measured step fell between the two)
+SPREAD = 0.10
 
 
 @dataclass(frozen=True)
@@ -822,7 +826,9 @@ def predict(text: str, hw: Hardware, coords: list[dict] | None = None, attention
     `loops` lists the loops whose trip count the model derived (the program does not state it) with the count
     it assumed; `warnings` names what the model could not count: a loop without a derivable trip count (counted
     once) and a custom call it does not know (costed by its bytes only, `unknown_kernels` by calls a step).
-    `libtpu_estimate`: the ops costed at libtpu's own cycle estimate, and what the roofline gives for them."""
+    `libtpu_estimate`: the ops costed at libtpu's own cycle estimate, what the roofline gives for them, and the
+    step with them at the roofline; where the two steps are more than SPREAD apart, `step_range` is both (shortest
+    first), and `step_seconds` still the one at libtpu's estimate."""
     module = hlo.Module(text)
     simulator = Simulator(ProgramCost(module, hw, coords, attention, experts))
     tally = simulator.run()
@@ -862,8 +868,14 @@ def predict(text: str, hw: Hardware, coords: list[dict] | None = None, attention
         "timeline_until": min(tally.timeline_cut, step),
     }
     if tally.estimated_ops:
+        # the same step with those ops at the roofline: the other prediction, which the point figure does not follow
+        roofline = Simulator(ProgramCost(module, dataclasses.replace(hw, clock=0.0), coords, attention, experts),
+                             keep_events=0).run().total
         report["libtpu_estimate"] = {"ops": len(tally.estimated_ops), "seconds": tally.estimated_seconds,
-                                     "roofline_seconds": tally.roofline_seconds, "clock": hw.clock}
+                                     "roofline_seconds": tally.roofline_seconds, "clock": hw.clock,
+                                     "roofline_step_seconds": roofline}
+        if step and max(step, roofline) > (1 + SPREAD) * min(step, roofline):
+            report["step_range"] = [min(step, roofline), max(step, roofline)]
     if model_flops_per_device:
         report["model_flops_per_device"] = model_flops_per_device
         report["mfu"] = model_flops_per_device / (step * peak) if step else None
@@ -881,6 +893,24 @@ def matmul_rate(constants: dict) -> str:
                 else "")
     return (f"matmuls at {k['matmul_efficiency']:.0%} of the {k['peak_flops_per_device'] / 1e12:,.0f} TFLOP/s peak, "
             f"derated where their dimensions do not fill the unit{estimate}")
+
+
+def range_line(prediction: dict) -> str | None:
+    """The predicted step as the range of its two predictions, in words, where it has one (`step_range`): the step
+    and its MFU at each end, and which the point figure follows."""
+    if not prediction.get("step_range"):
+        return None
+    from olmax.figures import figure, percent
+
+    estimate, step = prediction["libtpu_estimate"], prediction["step_seconds"]
+    (low, high), roofline = prediction["step_range"], estimate["roofline_step_seconds"]
+    scale, unit = next(((scale, unit) for scale, unit in ((1.0, "s"), (1e-3, "ms")) if low >= scale), (1e-6, "us"))
+    mfu = [f"{percent(prediction[key] * step / high)}-{percent(prediction[key] * step / low)}{count}"
+           for key, count in (("mfu", " (exact count)"), ("mfu_all_global", " (every layer global)")) if prediction.get(key)]
+    return (f"predicted step {figure(low / scale)}-{figure(high / scale)} {unit}"
+            f"{', MFU ' + ', '.join(mfu) if mfu else ''}: {figure(step / scale)} {unit} with its {estimate['ops']:,} "
+            f"ops at libtpu's estimated cycles, {figure(roofline / scale)} {unit} with them at the roofline, "
+            f"{max(step, roofline) / min(step, roofline) - 1:.0%} apart; the point figure follows libtpu's estimate")
 
 
 def notes(prediction: dict) -> list[str]:

@@ -20,11 +20,13 @@ fits and runs fast. What did not compile for another reason is listed with the r
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import itertools
 import math
 import multiprocessing
 import os
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -35,6 +37,7 @@ from olmax.model import families, flops
 from olmax.parallel import expert as expert_parallel
 from olmax.parallel import pipeline
 from olmax.parallel.mesh import Layout, spec_axes
+from olmax.progress import SILENCE
 from olmax.scale import anatomy
 from olmax.scale.report import size
 from olmax.scale.targets import Target
@@ -390,6 +393,10 @@ def tune(config: str, overrides: list[str], target: Target, budget: int, headroo
         return priority(seconds * (1 + tiles), memory, device_memory)
 
     remaining = ordered(candidates, key)
+    progress(f"searching {len(candidates):,} layouts of {config} on {target.name} (remat, mesh, micro-batch"
+             f"{', Splash tiles' if any(c.tiles for c in candidates) else ''}"
+             f"{', XLA flags' if target.xla_flags else ''}): up to {budget} compiles, {jobs} at a time, the most "
+             "promising first")
     search = Search(size=len(candidates))
     out_of_memory: list[Candidate] = []
     start = time.perf_counter()
@@ -407,25 +414,34 @@ def tune(config: str, overrides: list[str], target: Target, budget: int, headroo
                 batch.append(candidate)
             if not batch:
                 break
-            futures = [pool.submit(evaluate, config, overrides, target.name, c, headroom) for c in batch]
-            for future in _ticking(futures, progress, start, evaluated, budget, search):
-                result = future.result()
-                evaluated += 1
-                search.results.append(result)
-                search.compiled += not result.cached and result.status != "failed"
-                if result.status == "out of memory":
-                    out_of_memory.append(result.candidate)
-                if result.peak:
-                    mesh = result.candidate.mesh
-                    scale[mesh] = max(scale.get(mesh, 0.0), result.peak / estimates[result.candidate][1])
-                if result.step_seconds:
-                    speed[result.candidate.mesh] = result.step_seconds / estimates[result.candidate][0]
-                elapsed = time.perf_counter() - start
-                eta = elapsed / evaluated * (min(budget, len(candidates)) - evaluated)
-                figure = (f"{result.step_seconds:.4g} s, peak {size(result.peak)}" if result.step_seconds
-                          else result.reason[:100])
-                progress(f"[{evaluated}/{budget}] {result.candidate.describe()}: {result.status}, {figure}"
-                         f"{' (cached)' if result.cached else ''}; {elapsed:.0f} s so far, about {eta:.0f} s left")
+            if not evaluated:
+                progress(f"[0/{budget}] compiling {'; '.join(f'({c.describe()})' for c in batch)}")
+            before = evaluated
+
+            def waiting() -> str:
+                return (f"[{evaluated}/{budget}] still compiling {len(batch) - (evaluated - before)} candidate(s) "
+                        f"({time.perf_counter() - start:.0f} s so far)")
+
+            with _said_every_tick(progress, waiting):  # a compile in this process, or in the workers, takes minutes
+                futures = [pool.submit(evaluate, config, overrides, target.name, c, headroom) for c in batch]
+                for future in concurrent.futures.as_completed(futures):
+                    result = future.result()
+                    evaluated += 1
+                    search.results.append(result)
+                    search.compiled += not result.cached and result.status != "failed"
+                    if result.status == "out of memory":
+                        out_of_memory.append(result.candidate)
+                    if result.peak:
+                        mesh = result.candidate.mesh
+                        scale[mesh] = max(scale.get(mesh, 0.0), result.peak / estimates[result.candidate][1])
+                    if result.step_seconds:
+                        speed[result.candidate.mesh] = result.step_seconds / estimates[result.candidate][0]
+                    elapsed = time.perf_counter() - start
+                    eta = elapsed / evaluated * (min(budget, len(candidates)) - evaluated)
+                    figure = (f"{result.step_seconds:.4g} s, peak {size(result.peak)}" if result.step_seconds
+                              else result.reason[:100])
+                    progress(f"[{evaluated}/{budget}] {result.candidate.describe()}: {result.status}, {figure}"
+                             f"{' (cached)' if result.cached else ''}; {elapsed:.0f} s so far, about {eta:.0f} s left")
             # what the compiler said reorders the rest; a mesh not tried yet and the estimate's best take turns
             tried = {(r.candidate.mesh, r.candidate.micro_batch) for r in search.results if r.status != "pruned"}
             remaining = ordered(remaining, key, tried, leader_first=evaluated % 2 == 0)
@@ -450,15 +466,26 @@ class _InProcess(concurrent.futures.Executor):
         return future
 
 
-def _ticking(futures, progress, start, evaluated, budget, search):
-    """The futures as they finish, with a line every 30 s while they compile (a big step compiles for minutes)."""
-    pending = set(futures)
-    while pending:
-        done, pending = concurrent.futures.wait(pending, timeout=30, return_when=concurrent.futures.FIRST_COMPLETED)
-        if not done:
-            progress(f"[{evaluated}/{budget}] still compiling {len(pending)} candidate(s) "
-                     f"({time.perf_counter() - start:.0f} s so far)")
-        yield from done
+TICK = SILENCE * 5 / 6  # seconds of compiling between two lines that say it goes on (olmax.progress's promise)
+
+
+@contextlib.contextmanager
+def _said_every_tick(progress, line):
+    """Inside the block, `line()` told to `progress` every TICK seconds, from a thread of its own (the compile itself
+    may hold this one: an interrupt then comes when it returns, as it did before)."""
+    stop = threading.Event()
+
+    def tick() -> None:
+        while not stop.wait(TICK):
+            progress(line())
+
+    thread = threading.Thread(target=tick, name="olmax tune progress", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
 
 
 def default_jobs() -> int:
