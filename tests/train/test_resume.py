@@ -312,3 +312,22 @@ def test_resume_check_heads_each_of_its_three_runs(tmp_path, capfd):
     headings = [line for line in capfd.readouterr().out.splitlines() if line.startswith("== resume-check ")]
     assert [h.split(":")[0] for h in headings] == [f"== resume-check {n}/3" for n in (1, 2, 3)]
     assert "stopped after step 1" in headings[1] and "resumed from its checkpoint 1" in headings[2]
+
+
+def test_resume_check_ends_with_its_train_process_line_and_code_and_says_what_it_deletes(tmp_path, synth_mix, capfd):
+    """A train process of the check that refused its config printed its line, then the check a CalledProcessError
+    traceback (exit 1); and the check's earlier runs were deleted without a word."""
+    from olmax.cli import main
+
+    out = tmp_path / "check"
+    (out / "continuous" / "checkpoints").mkdir(parents=True)  # an earlier check's run
+    with pytest.raises(SystemExit) as exited:
+        main(["resume-check", "tiny_moe", f"data.mix_file={synth_mix}", "impl.moe.dispatch=grouped", "--at", "1",
+              "--steps", "2", "--out", str(out)])
+    assert exited.value.code == 2
+    captured = capfd.readouterr()
+    assert (f"resume-check: deleting the runs of an earlier check in {out} (continuous), to run them again\n"
+            in captured.out)
+    assert captured.err.startswith("olmax: ConfigError: impl.moe.dispatch=grouped: its kernels are for NVIDIA GPUs")
+    assert captured.err.count("\n") == 1, captured.err
+    assert not (out / "continuous").exists()  # refused before its run directory was made
