@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+import zstandard
 from ray_cluster import kill_tasks, local_cluster, ray_env
 from testlib import write_text_corpus
 
@@ -95,3 +96,25 @@ def test_the_local_ray_of_a_killed_command_is_gone_and_the_same_command_finishes
     left = subprocess.run(["pgrep", "-f", ray_dir], capture_output=True, text=True).stdout.split()
     shutil.rmtree(ray_dir)
     assert left == []
+
+
+def test_a_failed_task_stops_the_others_and_leaves_the_output_as_it_was(corpus, tmp_path):
+    """Truncated .zst inputs: the driver force-cancelled the other tasks on the first failure, which aborted it
+    inside Ray in 2 runs of 5 (`Check failed: it != submissible_tasks_.end()`, exit 1, no olmax line), and left
+    `.tokenize` and `.tokenize.lock` in --out, and a staging directory of a cancelled task."""
+    _, tokenizer, _ = corpus
+    line = (json.dumps({"text": "a document cut short " * 2000}) + "\n").encode()
+    (tmp_path / "in").mkdir()
+    for number in range(4):  # each a task (at least --shard-tokens bytes), none with a whole document
+        whole = zstandard.ZstdCompressor().compress(line * (number + 1))
+        (tmp_path / "in" / f"cut-{number}.jsonl.zst").write_bytes(whole[: len(whole) // 2])
+    ray_dir = tempfile.mkdtemp(prefix="ray-")  # short: Ray's socket paths must fit in 107 characters
+    done = subprocess.run([sys.executable, "-m", "olmax.cli", "tokenize", str(tmp_path / "in"), "--tokenizer",
+                           str(tokenizer), "--out", str(tmp_path / "out"), "--shard-tokens", "16", "--engine", "ray",
+                           "--workers", "2", "--skip-bad", "--quiet"],
+                          env=ray_env(RAY_TMPDIR=ray_dir), capture_output=True, text=True)
+    shutil.rmtree(ray_dir, ignore_errors=True)
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert done.stderr.startswith("olmax: DataError: ") and done.stderr.count("\n") == 1, done.stderr[-3000:]
+    assert ".jsonl.zst: cannot read it (EOFError: the file ends inside a zstd frame" in done.stderr
+    assert not (tmp_path / "out").exists()
