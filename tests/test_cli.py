@@ -234,6 +234,9 @@ REFUSED_UP_FRONT = {
                                               ["16384 chips, more than a whole v5p pod (8960 chips)"]),
     "resume-check resuming after the end": (["resume-check", "tiny", "--at", "5", "--steps", "4"],
                                             ["--at 5 must be between 0 and --steps 4"]),
+    "resume-check of a missing mix file": (["resume-check", "tiny", "data.mix_file={ro}/missing.txt", "--at", "1",
+                                            "--steps", "2", "--out", "{ro}/check"],
+                                           ["DataError: mix file {ro}/missing.txt does not exist"]),
 }
 
 

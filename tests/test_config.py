@@ -139,6 +139,9 @@ def test_every_float_must_be_finite(tmp_path, capsys, value):
 @pytest.mark.parametrize("config, overrides, message", [
     ("tiny_moe", ["model.moe.num_experts=6", "mesh.expert=4"],
      "model.moe.num_experts 6 do not divide over mesh.expert 4"),
+    # refused after 38 s of start-up, the run directory made
+    ("tiny_moe", ["impl.moe.dispatch=grouped"],
+     "impl.moe.dispatch=grouped: its kernels are for NVIDIA GPUs, and this layout's devices are CPUs"),
     ("tiny", ["train.steps=3000000000"], "train.steps: Input should be less than or equal to 2147483647"),
     ("tiny", ["output_dir={run}/{{foo}}"], "output_dir: the one placeholder is {{name}}, the run's name, as it is"),
     # str.format reached the name's attributes, or padded it (an AttributeError traceback, a docstring in the path)

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from olmax.cli import main
-from olmax.demo import run_demo
+from olmax.demo import MADE, cache_key, clear_outputs, demo_config, record_outputs, run_demo
+from olmax.errors import BadInput
 from olmax.eval.documents import choose_documents, sets_from_argument
 
 
@@ -36,7 +37,8 @@ def test_demo_end_to_end_twice_bitwise(tmp_path, monkeypatch, capsys):
     short = ["train.steps=40", "eval.every=20", "eval.tokens=4096", "checkpoint.every=20", "model.vocab_size=1024",
              "schedule.warmup_steps=5"]
     report = run_demo(short, fresh=False)
-    stages = [line.split("] ")[1] for line in capsys.readouterr().out.splitlines() if line.startswith("demo: [")]
+    stages = [line.split("] ")[1] for line in capsys.readouterr().out.splitlines()
+              if line.startswith("demo: [") and "] still " not in line]  # not the ticks of a busy machine
     assert [stage.split()[0] for stage in stages] == ["building", "corpus:", "training", *["writing"] * 4, "data"]
     first = json.loads(Path("runs/demo/report.json").read_text())
     assert first["losses_repeat_previous_run"] is None
@@ -72,6 +74,58 @@ def test_demo_moe_reports_the_load_of_every_expert(tmp_path, monkeypatch):
     assert "run `olmax demo --moe` again" in text and "runs/demo/hf_moe --tokenizer" in text
     assert Path("runs/demo/expert_load_moe.png").stat().st_size > 10_000
     assert not Path("runs/demo/report.md").exists()  # the dense demo's report is its own
+
+
+def _files(root: Path) -> dict[str, str]:
+    return {str(p.relative_to(root)): p.read_text() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_the_demo_refuses_an_output_dir_it_did_not_make(tmp_path, capsys):
+    """`olmax demo output_dir=DIR` deleted DIR whatever it held (a run's checkpoints, a file of the user's), then
+    failed on its own data: the preset's mix file under runs/demo/cache, not beside DIR."""
+    run = tmp_path / "mine" / "run"
+    (run / "checkpoints" / "20").mkdir(parents=True)
+    (run / "checkpoints" / "20" / "meta").write_text("a checkpoint")
+    (run / "notes.txt").write_text("my notes")
+    before = _files(tmp_path)
+    assert main(["demo", f"output_dir={run}"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"olmax: BadInput: {run}/checkpoints/20/meta, {run}/notes.txt: "
+                                                    "not made by olmax demo"), err
+    assert "nothing was deleted" in err and _files(tmp_path) == before
+
+    cfg = demo_config([f"output_dir={run}"])  # its data where it builds it: beside the run, whatever DIR is
+    assert cfg.data.mix_file == str(tmp_path / "mine" / "cache" / "train-mix.txt")
+    assert [s.mix_file for s in cfg.eval.sets] == [str(tmp_path / "mine" / "cache" / "shards" / f"{d}-heldout" / "mix.txt")
+                                                   for d in ("code", "prose")]
+
+
+def test_a_rerun_deletes_what_the_demo_made_and_nothing_else(tmp_path, capsys):
+    cfg = demo_config([f"output_dir={tmp_path}/run"])
+    (tmp_path / "run" / "checkpoints" / "150").mkdir(parents=True)
+    (tmp_path / "run" / "checkpoints" / "150" / "meta").write_text("the demo's")
+    (tmp_path / "cache").mkdir()
+    (tmp_path / "cache" / "manifest.json").write_text(json.dumps({"key": cache_key(cfg.model.vocab_size)}))
+    (tmp_path / "report.md").write_text("the demo's report")
+    (tmp_path / "notes.txt").write_text("beside the demo's files, not where it writes")
+    record_outputs(cfg, moe=False)  # as a demo run does when it ends
+    assert json.loads((tmp_path / MADE).read_text())["files"] == [
+        "cache/manifest.json", "report.md", "run/checkpoints/150/meta"]
+
+    (tmp_path / "run" / "mine.txt").write_text("added since")
+    before = _files(tmp_path)
+    with pytest.raises(BadInput, match=f"^{tmp_path}/run/mine.txt: not made by olmax demo"):
+        clear_outputs(cfg, moe=False, fresh=False)
+    assert _files(tmp_path) == before
+
+    (tmp_path / "run" / "mine.txt").unlink()
+    assert clear_outputs(cfg, moe=False, fresh=False) == {"key": cache_key(cfg.model.vocab_size)}  # reused
+    assert capsys.readouterr().out == f"demo: deleting the run an earlier demo made in {tmp_path}/run (1 file)\n"
+    assert not (tmp_path / "run").exists() and (tmp_path / "cache" / "manifest.json").exists()
+    assert clear_outputs(cfg, moe=False, fresh=True) is None  # rebuilt
+    assert capsys.readouterr().out == (f"demo: deleting the corpus, tokenizer and shards an earlier demo made in "
+                                       f"{tmp_path}/cache (1 file)\n")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [MADE, "notes.txt", "report.md"]
 
 
 def test_the_loss_picture_draws_each_domains_unigram_baseline(tmp_path):

@@ -15,6 +15,10 @@ which adds the load of every expert over training (expert_load_moe.png).
 Corpus, tokenizer and shards are cached under runs/demo/cache (`--fresh` rebuilds);
 the training run always starts over, and the report says whether its losses are
 bitwise equal to the previous run's when that run had the same config.
+
+`output_dir=DIR` puts the run in DIR and the cache and the report beside it, in DIR's
+parent. The demo deletes or overwrites only files it made there, which MADE lists: any
+other file where it writes is refused (BadInput, exit 2) before anything is touched.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from __future__ import annotations
 import ast
 import hashlib
 import json
+import os
 import shutil
 import sys
 import sysconfig
@@ -32,11 +37,13 @@ import numpy as np
 
 from olmax import progress
 from olmax.config import load_config
-from olmax.run_dir import RunDir
+from olmax.errors import BadInput
+from olmax.run_dir import RunDir, write_own
 
 DOMAINS = ("code", "prose")
 SKIP_DIRS = {"site-packages", "test", "tests", "idlelib", "lib2to3", "__pycache__"}
 CACHE_VERSION = 1
+MADE = "made_by_demo.json"  # beside the report: the files the demo made there, the only ones it deletes or overwrites
 
 
 def stdlib_files() -> list[Path]:
@@ -78,18 +85,27 @@ def build_corpus(out: Path) -> dict[str, int]:
     return counts
 
 
-def prepare_data(cache: Path, vocab_size: int, fresh: bool, doing: list[str]) -> dict:
-    """Corpus, tokenizer and shards, built once and reused while the cache key matches; `doing[0]` is the stage."""
+def cache_key(vocab_size: int) -> dict:
+    return {"version": CACHE_VERSION, "python": sys.version, "stdlib": sysconfig.get_paths()["stdlib"],
+            "vocab_size": vocab_size}
+
+
+def cached_data(cache: Path, vocab_size: int, fresh: bool) -> dict | None:
+    """The manifest of the corpus, tokenizer and shards in `cache` when they can be reused (built for this Python
+    and `vocab_size`, and not `fresh`), else None."""
+    try:
+        info = json.loads((cache / "manifest.json").read_text())
+    except (OSError, ValueError):  # none, or torn by a kill while it was written
+        return None
+    return None if fresh or info.get("key") != cache_key(vocab_size) else info
+
+
+def prepare_data(cache: Path, vocab_size: int, doing: list[str]) -> dict:
+    """Corpus, tokenizer and shards built in `cache` (not there yet); `doing[0]` is the stage."""
     from olmax.data.shards import Source, write_mix_file
     from olmax.data.tokenize import tokenize_corpus, train_tokenizer
 
-    key = {"version": CACHE_VERSION, "python": sys.version, "stdlib": sysconfig.get_paths()["stdlib"],
-           "vocab_size": vocab_size}
     manifest = cache / "manifest.json"
-    if not fresh and manifest.exists() and json.loads(manifest.read_text())["key"] == key:
-        print(f"demo: reusing corpus, tokenizer and shards from {cache} (--fresh rebuilds)")
-        return json.loads(manifest.read_text())
-    shutil.rmtree(cache, ignore_errors=True)
     started = time.perf_counter()
 
     def stage(line: str) -> None:  # building the data takes about a minute: say what is being done
@@ -114,7 +130,7 @@ def prepare_data(cache: Path, vocab_size: int, fresh: bool, doing: list[str]) ->
     stage(f"data ready in {cache}")
     write_mix_file(cache / "train-mix.txt",
                    [Source(d, p) for d in DOMAINS for p in shards[f"{d}-train"]["paths"]])
-    info = {"key": key, "tokenizer": tokenizer, "shards": shards, "documents": counts,
+    info = {"key": cache_key(vocab_size), "tokenizer": tokenizer, "shards": shards, "documents": counts,
             "seconds": time.perf_counter() - started}
     manifest.write_text(json.dumps(info, indent=1))
     return info
@@ -225,32 +241,110 @@ def plot_expert_load(cfg, metrics: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
+def demo_config(overrides: list[str], moe: bool = False):
+    """The demo preset (`demo_moe` with `moe`) with `overrides`, training and evaluating on the data cache beside
+    its run directory, wherever output_dir puts that."""
+    name = "demo_moe" if moe else "demo"
+    cache = load_config(name, overrides).run_dir.parent / "cache"
+    sets = [{"label": d, "mix_file": str(cache / "shards" / f"{d}-heldout" / "mix.txt")} for d in DOMAINS]
+    return load_config(name, [f"data.mix_file={cache / 'train-mix.txt'}", f"eval.sets={json.dumps(sets)}",
+                              *overrides])
+
+
+def outputs(cfg, moe: bool) -> list[Path]:
+    """What the demo deletes or overwrites: its data cache, its run directory and its report's files."""
+    out, suffix = cfg.run_dir.parent, "_moe" if moe else ""
+    return [out / "cache", cfg.run_dir, out / f"report{suffix}.md", out / f"report{suffix}.json",
+            out / f"loss_curves{suffix}.png", *([out / "expert_load_moe.png"] if moe else [])]
+
+
+def files_at(path: Path) -> list[Path]:
+    """`path` itself, or every file under it when it is a directory (a symbolic link counts as a file)."""
+    if path.is_symlink() or not path.is_dir():
+        return [path] if path.is_symlink() or path.exists() else []
+    return [Path(root, name) for root, dirs, files in os.walk(path)
+            for name in files + [d for d in dirs if os.path.islink(os.path.join(root, d))]]
+
+
+def made_files(out: Path) -> set[str]:
+    """The files under `out` (paths relative to it) that earlier demos made, as MADE lists them."""
+    marker = out / MADE
+    if not marker.exists():
+        return set()
+    try:
+        return set(json.loads(marker.read_text())["files"])
+    except (OSError, ValueError, KeyError, TypeError):
+        raise BadInput(f"{marker} is not the list of its files olmax demo writes; move it away, or give the demo "
+                       "another output_dir") from None
+
+
+def clear_outputs(cfg, moe: bool, fresh: bool) -> dict | None:
+    """Delete the earlier run, and the data cache unless it can be reused (its manifest, returned; else None),
+    each said in a line. Refused (BadInput, nothing deleted) when a file where the demo writes is not one it
+    made."""
+    out = cfg.run_dir.parent
+    made = made_files(out)
+    others = sorted(str(f) for path in outputs(cfg, moe) for f in files_at(path)
+                    if f.relative_to(out).as_posix() not in made)
+    if others:
+        more = f" and {len(others) - 3:,} more" if len(others) > 3 else ""
+        raise BadInput(f"{', '.join(others[:3])}{more}: not made by olmax demo (not in {out / MADE}), where the demo "
+                       "deletes or overwrites what is there; nothing was deleted: move them away, or give the demo "
+                       "another output_dir")
+    data = cached_data(out / "cache", cfg.model.vocab_size, fresh)
+    stale = [] if data else [(out / "cache", "the corpus, tokenizer and shards")]
+    for directory, what in [(cfg.run_dir, "the run"), *stale]:
+        if files := files_at(directory):
+            count = f"{len(files):,} file{'s' if len(files) > 1 else ''}"
+            print(f"demo: deleting {what} an earlier demo made in {directory} ({count})", flush=True)
+            shutil.rmtree(directory)
+    return data
+
+
+def record_outputs(cfg, moe: bool) -> None:
+    """List the files where the demo writes in MADE, beside those of the other demo (dense or MoE)."""
+    out = cfg.run_dir.parent
+    made = {name for name in made_files(out) if (out / name).exists()}
+    made |= {f.relative_to(out).as_posix() for path in outputs(cfg, moe) for f in files_at(path)}
+    if made:
+        write_own(out / MADE, json.dumps({"files": sorted(made)}, indent=0) + "\n")
+
+
 def run_demo(overrides: list[str], fresh: bool, moe: bool = False) -> Path:
     """Build (or reuse) the data, train the demo preset (`demo_moe` with `moe`) from scratch, evaluate, write
     the report."""
+    cfg = demo_config(overrides, moe)
+    data = clear_outputs(cfg, moe, fresh)
+    try:
+        return _run_demo(cfg, data, moe)
+    finally:  # however it ends: a rerun may delete what it made
+        record_outputs(cfg, moe)
+
+
+def _run_demo(cfg, data: dict | None, moe: bool) -> Path:
     from olmax.checkpoint import Checkpointer
     from olmax.eval.in_loop import eval_selection, make_in_loop_eval
     from olmax.parallel.mesh import make_layout
     from olmax.train.resume import restore_or_init
     from olmax.train.trainer import train
 
-    cfg = load_config("demo_moe" if moe else "demo", overrides)
-    suffix = "_moe" if moe else ""
-    out = cfg.run_dir.parent
-    doing = ["reading the data cache"]  # what the demo waits for, said in its silences (training says its own)
+    out, suffix = cfg.run_dir.parent, "_moe" if moe else ""
+    doing = ["building the data"]  # what the demo waits for, said in its silences (training says its own)
     began = time.perf_counter()
 
     def silences():
         return progress.ticking(lambda _: f"demo: [{time.perf_counter() - began:4.0f} s] still {doing[0]}", "stdout")
 
-    with silences():
-        data = prepare_data(out / "cache", cfg.model.vocab_size, fresh, doing)
+    if data is None:
+        with silences():
+            data = prepare_data(out / "cache", cfg.model.vocab_size, doing)
+    else:
+        print(f"demo: reusing corpus, tokenizer and shards from {out / 'cache'} (--fresh rebuilds)")
     shards = data["shards"]
     previous = out / f"report{suffix}.json"
     previous_losses = None
     if previous.exists() and json.loads(previous.read_text()).get("config") == cfg.model_dump(mode="json"):
         previous_losses = json.loads(previous.read_text())["losses"]
-    shutil.rmtree(cfg.run_dir, ignore_errors=True)
 
     started = time.perf_counter()
     history = train(cfg, make_eval=make_in_loop_eval)

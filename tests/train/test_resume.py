@@ -345,3 +345,22 @@ def test_resume_check_writes_its_table_and_plot_through_no_link(tmp_path, capsys
     assert write_results(rows, out, 1).splitlines()[1] == "2\t3.5\t3.5\t0.000"
     assert (out / "resume_check.tsv").read_text().splitlines()[2] == "3\t3.25\t3.25\t0.000"
     assert (out / "resume_check.png").read_bytes().startswith(b"\x89PNG")
+
+
+def test_resume_check_ends_with_its_train_process_line_and_code_and_says_what_it_deletes(tmp_path, synth_mix, capfd):
+    """A train process of the check that refused its config printed its line, then the check a CalledProcessError
+    traceback (exit 1); and the check's earlier runs were deleted without a word."""
+    from olmax.cli import main
+
+    out = tmp_path / "check"
+    (out / "continuous" / "checkpoints").mkdir(parents=True)  # an earlier check's run
+    with pytest.raises(SystemExit) as exited:
+        main(["resume-check", "tiny_moe", f"data.mix_file={synth_mix}", "impl.moe.dispatch=grouped", "--at", "1",
+              "--steps", "2", "--out", str(out)])
+    assert exited.value.code == 2
+    captured = capfd.readouterr()
+    assert (f"resume-check: deleting the runs of an earlier check in {out} (continuous), to run them again\n"
+            in captured.out)
+    assert captured.err.startswith("olmax: ConfigError: impl.moe.dispatch=grouped: its kernels are for NVIDIA GPUs")
+    assert captured.err.count("\n") == 1, captured.err
+    assert not (out / "continuous").exists()  # refused before its run directory was made

@@ -151,6 +151,7 @@ def tokenize_corpus(
     # What tokenize.json records of the command, to recognize its finished output: the plan, by value (no paths).
     command = {"input_bytes": [size for _, size in files], "tokenizer_sha256": plan["tokenizer_sha256"],
                "eos_token": eos_token, "shard_tokens": shard_tokens, "label": label}
+    made = not storage.is_remote(out) and not Path(out).exists()
     with run_lock.hold(out, lock=storage.join(out, LOCK), setting="--out"):  # one command at a time on `out`
         summary = _finished(out, [f for f, _ in files], command)
         done_before = summary is not None
@@ -163,6 +164,9 @@ def tokenize_corpus(
                                     sum(done_files))
                 try:
                     done.update(run_tasks(pending, settings, tokenizer_json, line))
+                except BaseException:
+                    _remove_if_unbegun(out, made)
+                    raise
                 finally:
                     line.close()
             records = [done[task.index] for task in tasks]
@@ -246,6 +250,18 @@ def _remove_work(out: str) -> None:
         storage.remove(storage.join(out, WORK))
     if not storage.is_remote(out):
         Path(out, LOCK).unlink(missing_ok=True)
+
+
+def _remove_if_unbegun(out: str, made: bool) -> None:
+    """After a failure (its tasks ended): when no shard or task of `out`, a directory, is committed, there is
+    nothing to resume, and the output is left as it was before the command: its work directory and lock removed,
+    and `out` too if the command `made` it."""
+    if storage.is_remote(out) or any(name.startswith(("part-", "task-")) for name in os.listdir(Path(out, WORK))):
+        return
+    _remove_work(out)
+    if made:
+        with contextlib.suppress(OSError):  # not empty: something else is in it now
+            os.rmdir(out)
 
 
 @contextlib.contextmanager

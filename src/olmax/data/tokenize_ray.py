@@ -3,20 +3,24 @@ or on a local Ray started for the command and stopped after it.
 
 A task reads its inputs and writes its shards itself; the driver sends the tokenizer once, through Ray's object
 store, and holds no text. A task whose worker process or node is lost is run again by Ray and resumes after its
-last committed shard; a bad input fails the command (running it again fails the same way). Imported only for
+last committed shard; a bad input fails the command (running it again fails the same way). Once a task has failed,
+the others are asked to stop (an actor's flag, read before each chunk) and the command waits for them to end:
+ray.cancel of a task that is finishing at that moment aborts the driver inside Ray ("Check failed: it !=
+submissible_tasks_.end()"), and a task killed in the middle leaves its staging directory behind. Imported only for
 `--engine ray`: nothing else needs Ray installed.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from olmax.data.tokenize_tasks import Progress, ProgressLine, Settings, Task, init_worker, run_task
+from olmax.data.tokenize_tasks import Progress, ProgressLine, Settings, Task, init_worker, remove_staging, run_task
 from olmax.errors import DataError, OlmaxError
 
 log = logging.getLogger(__name__)
@@ -39,9 +43,39 @@ class _Report:
         self.counter.wrote.remote(documents, tokens)
 
 
-def _tokenize_task(task: Task, settings: Settings, tokenizer_json: str, counter) -> dict:
+class _Stop:
+    """The command's request to its tasks to stop, an actor: set once a task has failed."""
+
+    def __init__(self):
+        self.requested = False
+
+    def request(self) -> None:
+        self.requested = True
+
+    def asked(self) -> bool:
+        return self.requested
+
+
+class Stopped(Exception):
+    """A task that ended early, asked to by the command."""
+
+
+def _until_stopped(stop, encode, chunks):
+    """map(encode, chunks), ending (Stopped) before a chunk once the command asks its tasks to stop; should the
+    flag's actor be lost, the task goes on to its end."""
+    for chunk in chunks:
+        try:
+            asked = ray.get(stop.asked.remote())
+        except ray.exceptions.RayActorError:
+            asked = False
+        if asked:
+            raise Stopped("the command stopped its tasks")
+        yield encode(chunk)
+
+
+def _tokenize_task(task: Task, settings: Settings, tokenizer_json: str, counter, stop) -> dict:
     init_worker(tokenizer_json, settings.eos_id, settings.dtype, settings.skip_bad, one_of_many=True)
-    return run_task(task, settings, map, _Report(counter))
+    return run_task(task, settings, functools.partial(_until_stopped, stop), _Report(counter))
 
 
 def _show_progress(line: ProgressLine, counter):
@@ -84,8 +118,9 @@ def run_on_ray(tasks: list[Task], settings: Settings, tokenizer_json: str, line:
         tokenizer = ray.put(tokenizer_json)
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
         counter = ray.remote(num_cpus=0, scheduling_strategy=here)(Progress).remote()
+        stop = ray.remote(num_cpus=0, scheduling_strategy=here)(_Stop).remote()
         remote = ray.remote(num_cpus=1, max_retries=TASK_RETRIES)(_tokenize_task)
-        running = {remote.remote(task, settings, tokenizer, counter): task.index for task in tasks}
+        running = {remote.remote(task, settings, tokenizer, counter, stop): task.index for task in tasks}
         done = {}
         while running:
             ready, _ = ray.wait(list(running), num_returns=len(running), timeout=POLL_S)
@@ -105,5 +140,16 @@ def run_on_ray(tasks: list[Task], settings: Settings, tokenizer_json: str, line:
         raise OlmaxError(f"{what} ({type(err).__name__}: {first}); its committed shards stay: run the same command "
                          "again to resume") from None
     finally:
-        for ref in running:
-            ray.cancel(ref, force=True)
+        if running:
+            _stop_tasks(stop, list(running), settings.out)
+
+
+def _stop_tasks(stop, refs: list, out: str) -> None:
+    """Ask the tasks of `refs` to stop, wait for them to end, then remove the staging directories on disk that
+    tasks whose worker was lost left in `out`."""
+    try:
+        ray.get(stop.request.remote())
+    except ray.exceptions.RayActorError:  # lost: the tasks run to their ends
+        log.warning("olmax: tokenize's stop flag, a Ray actor, was lost; waiting for the running tasks to end")
+    ray.wait(refs, num_returns=len(refs), fetch_local=False)
+    remove_staging(out)

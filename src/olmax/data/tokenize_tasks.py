@@ -273,6 +273,14 @@ def _staging(out: str):
         shutil.rmtree(stage, ignore_errors=True)
 
 
+def remove_staging(out: str) -> None:
+    """Remove the staging directories in an output on disk (a task's worker killed while it wrote leaves its own):
+    called when no task is running."""
+    if not storage.is_remote(out):
+        for stage in Path(out, WORK).glob("stage-*"):
+            shutil.rmtree(stage, ignore_errors=True)
+
+
 def _record_path(out: str, name: str) -> str:
     return storage.join(out, WORK, name)
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 
 from olmax.arguments import given, old_spelling
@@ -19,13 +20,16 @@ MODEL_HELP = ("olmax checkpoint directory (latest step), a step of one (.../chec
 
 
 def _writable(out: str | None) -> None:
-    """Refuse an --out that cannot be written before the work whose results it would hold."""
+    """Refuse an --out that cannot be written (in a directory that cannot be, or a symbolic link, which olmax does
+    not write through) before the work whose results it would hold."""
     from olmax import storage
     from olmax.config import writable_dir
+    from olmax.run_dir import refuse_link
 
     if out and storage.is_remote(out):
         storage.check_writable(out)
     elif out:
+        refuse_link(out)
         writable_dir(Path(out).absolute().parent, "--out")
 
 
@@ -83,12 +87,18 @@ def cmd_heldout(args) -> None:
     from olmax.eval.heldout import evaluate
     from olmax.eval.models import eval_layout, place
     from olmax.interop.hf import load_model
+    from olmax.progress import ticking
 
-    model = load_model(args.model)
-    selection = _selection(args, model)
-    layout = eval_layout()
-    results = evaluate(model.cfg, place(model.cfg, model.params, layout), selection, layout,
-                       rows_per_batch=_rows(args, layout))
+    doing = [f"loading {args.model}"]  # said in every silence; stdout holds the JSON alone
+    with ticking(lambda seconds: f"olmax eval heldout: [{seconds:.0f} s] still {doing[0]}"):
+        model = load_model(args.model)
+        selection = _selection(args, model)
+        layout = eval_layout()
+        doing[0] = (f"scoring {model.name} on {int(sum(selection.tokens)):,} tokens of "
+                    f"{', '.join(s.label for s in selection.sets)} (compiling first)")
+        print(f"olmax eval heldout: {doing[0]}", file=sys.stderr, flush=True)
+        results = evaluate(model.cfg, place(model.cfg, model.params, layout), selection, layout,
+                           rows_per_batch=_rows(args, layout))
     _print_json({"model": model.name, **results, "tokens": int(sum(selection.tokens)), "seed": args.seed,
                  "token_budget_per_set": args.tokens, "devices": jax.device_count()}, args.out)
 

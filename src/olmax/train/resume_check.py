@@ -9,11 +9,14 @@ from __future__ import annotations
 import io
 import json
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
-from olmax.config import ConfigError
+from olmax.config import ConfigError, load_config
+from olmax.data import build_loader
+from olmax.errors import OlmaxError
 from olmax.run_dir import RunDir, check_own_files, write_own
 
 OUTPUTS = ("resume_check.tsv", "resume_check.png")  # the table and its plot, in --out beside the two runs
@@ -24,7 +27,11 @@ def _train(config: str, overrides: list[str], run_dir: Path, steps: int, stop_af
             f"train.steps={steps}", f"checkpoint.every={every}", "checkpoint.resume=true"]
     if stop_after:
         args.append(f"train.stop_after={stop_after}")
-    subprocess.run(args, check=True)
+    code = subprocess.run(args).returncode
+    if code > 0:
+        sys.exit(code)  # the train process said why itself: its one line, and its exit code is the check's
+    if code < 0:
+        raise OlmaxError(f"the train process in {run_dir} was killed by signal {-code} ({signal.strsignal(-code)})")
 
 
 def _metric(run_dir: Path, name: str) -> dict[int, float]:
@@ -38,7 +45,14 @@ def resume_check(config: str, overrides: list[str], at: int, steps: int, out: Pa
     if not 0 < at < steps:
         raise ConfigError(f"--at {at} must be between 0 and --steps {steps} (exclusive): the run stops and resumes "
                           "after step --at and is compared up to step --steps")
+    cfg = load_config(config, overrides)
+    # Bad data refused here, before any train process starts, with the line each of them would print.
+    build_loader(cfg.data, global_batch_instances=cfg.train.global_batch_instances,
+                 vocab_size=cfg.model.vocab_size).close()
     continuous, resumed = out / "continuous", out / "resumed"
+    if earlier := [run_dir.name for run_dir in (continuous, resumed) if run_dir.exists()]:
+        print(f"resume-check: deleting the runs of an earlier check in {out} ({' and '.join(earlier)}), to run "
+              "them again", flush=True)
     for run_dir in (continuous, resumed):
         shutil.rmtree(run_dir, ignore_errors=True)
     phases = [(f"the continuous run, steps 1 to {steps}, in {continuous}", continuous, None),

@@ -25,10 +25,11 @@ from olmax.config import ConfigError, RunConfig, writable_dir
 from olmax.errors import Diverged, ExitCode, Preempted
 from olmax.data import build_loader
 from olmax.model import flops
-from olmax.model.moe import selfcheck
+from olmax.model.block import moe_target
+from olmax.model.moe import selfcheck, sublayer
 from olmax.model.transformer import compute_dtype
 from olmax.parallel import pipeline
-from olmax.parallel.mesh import make_layout
+from olmax.parallel.mesh import Layout, make_layout
 from olmax.run_dir import RunDir
 from olmax.runtime import StopSignals, preemption_signals
 from olmax.train.bucket_run import BucketRun
@@ -93,6 +94,10 @@ def train(cfg: RunConfig, *, quiet: bool = False, make_eval=None, on_start=None,
         raise ConfigError("the config asks for in-loop evals (eval.every / eval.harness_every) but train() was "
                           "given no make_eval; pass olmax.eval.in_loop.make_in_loop_eval")
     storage.configure(cfg.storage.retry_seconds)
+    # The config against these devices, before the run directory is made: the mesh, and the experts' matmuls.
+    layout = make_layout(cfg.mesh)
+    if cfg.model.mlp == "moe":
+        sublayer.dispatch_for(cfg.impl.moe.dispatch, *moe_target(cfg.model, cfg.impl, layout))
     remote = storage.is_remote(cfg.run_location)
     if not remote:
         check_outputs(cfg.run_dir)
@@ -111,7 +116,7 @@ def train(cfg: RunConfig, *, quiet: bool = False, make_eval=None, on_start=None,
         doing = ["restoring the run's state or initializing it"]  # what the run waits for, said in its silences
         with progress.ticking(lambda seconds: f"olmax: [{seconds:.0f} s] {doing[0]}", "stdout") \
                 if not quiet and jax.process_index() == 0 else contextlib.nullcontext():
-            return _train(cfg, quiet, make_eval, bucket, run_dir, started, doing)
+            return _train(cfg, layout, quiet, make_eval, bucket, run_dir, started, doing)
 
 
 def check_outputs(run_dir) -> None:
@@ -126,10 +131,9 @@ def check_outputs(run_dir) -> None:
                               f"{'directory' if directory else 'file'} there: move it away or set another output_dir")
 
 
-def _train(cfg: RunConfig, quiet: bool, make_eval, bucket: BucketRun | None, run_dir: Path, started,
+def _train(cfg: RunConfig, layout: Layout, quiet: bool, make_eval, bucket: BucketRun | None, run_dir: Path, started,
            doing: list[str]) -> list[dict]:
     goodput = Goodput(run_dir, started, enabled=jax.process_index() == 0)
-    layout = make_layout(cfg.mesh)
     micro_rows = micro_batch_rows(cfg, layout.data_parallel_size)
     # Bad data fails first, before the model is built.
     loader = build_loader(cfg.data, global_batch_instances=cfg.train.global_batch_instances,
