@@ -27,24 +27,38 @@ class _Watched:
 
 
 @contextlib.contextmanager
-def ticking(line: Callable[[float], str], stream: str = "stderr"):
-    """Inside the block, whenever sys.`stream` ("stdout" or "stderr") has been silent for 5/6 of SILENCE seconds,
-    write `line(seconds since the block began)` to it."""
-    watched = _Watched(getattr(sys, stream))
-    setattr(sys, stream, watched)
-    began, stop = time.monotonic(), threading.Event()
+def repeating(seconds: float, action: Callable[[], None], name: str = "olmax progress"):
+    """Inside the block, `action()` every `seconds`, from a thread of its own (the block may hold this one)."""
+    stop = threading.Event()
 
-    def tick() -> None:
-        while not stop.wait(min(1.0, SILENCE / 4)):
-            if time.monotonic() - watched.written >= SILENCE * 5 / 6:
-                print(line(time.monotonic() - began), file=watched, flush=True)
+    def run() -> None:
+        while not stop.wait(seconds):
+            action()
 
-    thread = threading.Thread(target=tick, name="olmax progress", daemon=True)
+    thread = threading.Thread(target=run, name=name, daemon=True)
     thread.start()
     try:
         yield
     finally:
         stop.set()
         thread.join()
+
+
+@contextlib.contextmanager
+def ticking(line: Callable[[float], str], stream: str = "stderr"):
+    """Inside the block, whenever sys.`stream` ("stdout" or "stderr") has been silent for 5/6 of SILENCE seconds,
+    write `line(seconds since the block began)` to it."""
+    watched = _Watched(getattr(sys, stream))
+    setattr(sys, stream, watched)
+    began = time.monotonic()
+
+    def tick() -> None:
+        if time.monotonic() - watched.written >= SILENCE * 5 / 6:
+            print(line(time.monotonic() - began), file=watched, flush=True)
+
+    try:
+        with repeating(min(1.0, SILENCE / 4), tick):
+            yield
+    finally:
         if getattr(sys, stream) is watched:
             setattr(sys, stream, watched.stream)

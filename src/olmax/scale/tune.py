@@ -20,13 +20,11 @@ fits and runs fast. What did not compile for another reason is listed with the r
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import itertools
 import math
 import multiprocessing
 import os
 import sys
-import threading
 import time
 from dataclasses import dataclass, field
 
@@ -37,7 +35,7 @@ from olmax.model import families, flops
 from olmax.parallel import expert as expert_parallel
 from olmax.parallel import pipeline
 from olmax.parallel.mesh import Layout, spec_axes
-from olmax.progress import SILENCE
+from olmax.progress import SILENCE, repeating
 from olmax.scale import anatomy
 from olmax.scale.report import size
 from olmax.scale.targets import Target
@@ -422,7 +420,9 @@ def tune(config: str, overrides: list[str], target: Target, budget: int, headroo
                 return (f"[{evaluated}/{budget}] still compiling {len(batch) - (evaluated - before)} candidate(s) "
                         f"({time.perf_counter() - start:.0f} s so far)")
 
-            with _said_every_tick(progress, waiting):  # a compile in this process, or in the workers, takes minutes
+            # A compile here or in the workers takes minutes: said from a thread of its own, as the compile may hold
+            # this one (an interrupt then comes when it returns).
+            with repeating(TICK, lambda: progress(waiting()), "olmax tune progress"):
                 futures = [pool.submit(evaluate, config, overrides, target.name, c, headroom) for c in batch]
                 for future in concurrent.futures.as_completed(futures):
                     result = future.result()
@@ -467,25 +467,6 @@ class _InProcess(concurrent.futures.Executor):
 
 
 TICK = SILENCE * 5 / 6  # seconds of compiling between two lines that say it goes on (olmax.progress's promise)
-
-
-@contextlib.contextmanager
-def _said_every_tick(progress, line):
-    """Inside the block, `line()` told to `progress` every TICK seconds, from a thread of its own (the compile itself
-    may hold this one: an interrupt then comes when it returns, as it did before)."""
-    stop = threading.Event()
-
-    def tick() -> None:
-        while not stop.wait(TICK):
-            progress(line())
-
-    thread = threading.Thread(target=tick, name="olmax tune progress", daemon=True)
-    thread.start()
-    try:
-        yield
-    finally:
-        stop.set()
-        thread.join()
 
 
 def default_jobs() -> int:
