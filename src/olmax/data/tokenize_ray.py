@@ -56,20 +56,16 @@ class _Stop:
         return self.requested
 
 
-class Stopped(Exception):
-    """A task that ended early, asked to by the command."""
-
-
 def _until_stopped(stop, encode, chunks):
-    """map(encode, chunks), ending (Stopped) before a chunk once the command asks its tasks to stop; should the
-    flag's actor be lost, the task goes on to its end."""
+    """map(encode, chunks), ending (an OlmaxError no one reads: the command already has its failure) before a chunk
+    once the command asks its tasks to stop; should the flag's actor be lost, the task goes on to its end."""
     for chunk in chunks:
         try:
             asked = ray.get(stop.asked.remote())
         except ray.exceptions.RayActorError:
             asked = False
         if asked:
-            raise Stopped("the command stopped its tasks")
+            raise OlmaxError("the command stopped its tasks")
         yield encode(chunk)
 
 
