@@ -138,11 +138,7 @@ def expert_blocks(cfg: RunConfig, layout: Layout, micro_rows: int) -> step_time.
     moe = cfg.model.moe
     ep = layout.mesh.shape.get("expert", 1)
     local_experts = moe.num_experts // ep
-    # a device's tokens in one pass through a layer: a micro-step's, or with pipeline stages one pipeline micro-batch's
-    passes = (cfg.impl.pipeline.microbatches or cfg.mesh.stage) if cfg.mesh.stage > 1 else 1
-    tokens = micro_rows // layout.data_parallel_size * cfg.data.sequence_length // passes
-    if ep > 1 and cfg.impl.moe.ep_capacity is None:  # dropless: the tokens exchanged and run in parts
-        tokens //= cfg.impl.moe.exchange_chunks
+    tokens = _tokens_at_once(cfg, layout, micro_rows)
     routed = tokens * moe.top_k  # expected
     exchanged = None
     if ep > 1 and cfg.impl.moe.ep_capacity is not None:
@@ -158,6 +154,16 @@ def expert_blocks(cfg: RunConfig, layout: Layout, micro_rows: int) -> step_time.
     return step_time.ExpertBlocks(routed / local_experts, block, moe.routing, gmm.BLOCK_LOOP, exchanged)
 
 
+def _tokens_at_once(cfg: RunConfig, layout: Layout, micro_rows: int) -> int:
+    """A device's tokens the experts run on at once: a micro-step's, or with pipeline stages one pipeline
+    micro-batch's; dropless over several devices, one of impl.moe.exchange_chunks parts of them."""
+    passes = (cfg.impl.pipeline.microbatches or cfg.mesh.stage) if cfg.mesh.stage > 1 else 1
+    tokens = micro_rows // layout.data_parallel_size * cfg.data.sequence_length // passes
+    if layout.mesh.shape.get("expert", 1) > 1 and cfg.impl.moe.ep_capacity is None:
+        tokens //= cfg.impl.moe.exchange_chunks
+    return tokens
+
+
 def expert_exchange(cfg: RunConfig, layout: Layout, micro_rows: int) -> dict | None:
     """What expert parallelism's exchange holds a layer on a device: the rows its receive buffer is sized for
     (dropless: the worst case, every token of the expert group; with a capacity: the capacity of each peer) and
@@ -165,14 +171,14 @@ def expert_exchange(cfg: RunConfig, layout: Layout, micro_rows: int) -> dict | N
     ep = layout.mesh.shape.get("expert", 1)
     if cfg.model.mlp != "moe" or ep == 1:
         return None
-    blocks = expert_blocks(cfg, layout, micro_rows)
-    tokens = blocks.rows_per_expert * (cfg.model.moe.num_experts // ep) / cfg.model.moe.top_k  # one exchange's
+    tokens, top_k = _tokens_at_once(cfg, layout, micro_rows), cfg.model.moe.top_k
     if cfg.impl.moe.ep_capacity is not None:
-        rows = ep * expert_parallel.peer_capacity(int(tokens), cfg.model.moe.top_k, ep, cfg.impl.moe.ep_capacity)
+        rows = ep * expert_parallel.peer_capacity(tokens, top_k, ep, cfg.impl.moe.ep_capacity)
         kind = f"capacity {cfg.impl.moe.ep_capacity:g} a peer (drops beyond it)"
-        expected = min(rows, blocks.rows_per_expert * (cfg.model.moe.num_experts // ep))  # one row an assignment
+        expected = min(rows, tokens * top_k)  # one row an assignment
     else:
-        rows, kind, expected = ep * int(tokens), "dropless, ragged", blocks.exchanged_rows
+        rows, kind = ep * tokens, "dropless, ragged"
+        expected = tokens * expert_parallel.expected_peers(cfg.model.moe.num_experts, top_k, ep)
     width = jnp.dtype(transformer.compute_dtype(cfg.impl, layout)).itemsize * cfg.model.d_model
     return {"kind": kind, "parts": cfg.impl.moe.exchange_chunks if cfg.impl.moe.ep_capacity is None else 1,
             "receive_rows": rows, "receive_bytes": rows * width, "expected_rows": expected}
