@@ -8,7 +8,7 @@ import pytest
 
 from olmax.cli import main
 from olmax.demo import MADE, cache_key, clear_outputs, demo_config, record_outputs, run_demo
-from olmax.errors import BadInput
+from olmax.errors import BadInput, RunDirError
 from olmax.eval.documents import choose_documents, sets_from_argument
 
 
@@ -136,6 +136,13 @@ def test_the_loss_picture_draws_each_domains_unigram_baseline(tmp_path):
     legend = plot_curves(metrics, {"code": 6.9, "prose": 6.7}, tmp_path / "curves.png")
     assert legend == ["code", "code unigram baseline", "prose", "prose unigram baseline"]
     assert (tmp_path / "curves.png").stat().st_size > 10_000
+    # A link planted where the picture goes while the demo ran (after its start's check) is not written through.
+    (tmp_path / "curves.png").unlink()
+    (tmp_path / "victim").write_text("precious")
+    (tmp_path / "curves.png").symlink_to(tmp_path / "victim")
+    with pytest.raises(RunDirError, match="curves.png is a symbolic link"):
+        plot_curves(metrics, {"code": 6.9, "prose": 6.7}, tmp_path / "curves.png")
+    assert (tmp_path / "victim").read_text() == "precious"
 
 
 def test_the_legend_covers_no_curve():

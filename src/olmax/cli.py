@@ -126,11 +126,9 @@ def cmd_resume_check(args) -> None:
 
 
 def cmd_goodput(args) -> None:
-    import io
-
     from olmax import storage
     from olmax.errors import BadInput
-    from olmax.run_dir import RunDir, write_own
+    from olmax.run_dir import RunDir, drawn, write_own
     from olmax.train.goodput import plot, read_record, report
 
     path = RunDir(args.run).goodput
@@ -143,9 +141,7 @@ def cmd_goodput(args) -> None:
         return
     print(report(record))
     out = given(args, "out", "--out") or RunDir(args.run).goodput_plot  # never the current directory
-    png = io.BytesIO()
-    plot(record, png, title=storage.basename(args.run))
-    write_own(out, png.getvalue())  # through no symbolic link
+    write_own(out, drawn(lambda png: plot(record, png, title=storage.basename(args.run))))  # through no link
     print(f"wrote {out}")
 
 

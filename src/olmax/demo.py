@@ -38,7 +38,7 @@ import numpy as np
 from olmax import progress
 from olmax.config import load_config
 from olmax.errors import BadInput
-from olmax.run_dir import RunDir, write_own
+from olmax.run_dir import RunDir, drawn, write_own
 
 DOMAINS = ("code", "prose")
 SKIP_DIRS = {"site-packages", "test", "tests", "idlelib", "lib2to3", "__pycache__"}
@@ -209,7 +209,7 @@ def plot_curves(metrics: list[dict], baselines: dict[str, float], path: Path) ->
     import matplotlib.pyplot as plt
 
     fig, _, legend = curves_figure(metrics, baselines)
-    fig.savefig(path, dpi=100)
+    write_own(path, drawn(lambda png: fig.savefig(png, dpi=100)))  # through no link, even one planted meanwhile
     plt.close(fig)
     return [text.get_text() for text in legend.get_texts()]
 
@@ -237,7 +237,7 @@ def plot_expert_load(cfg, metrics: list[dict], path: Path) -> None:
     handles, labels = axes[0][0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 8), frameon=False)
     fig.tight_layout(rect=(0, 0.06 * -(-len(labels) // 8), 1, 1))
-    fig.savefig(path, dpi=100)
+    write_own(path, drawn(lambda png: fig.savefig(png, dpi=100)))
     plt.close(fig)
 
 
@@ -458,8 +458,8 @@ def write_report(out: Path, cfg, data, history, baselines, scored, samples, trai
         "```", "",
     ]
     report = out / f"report{suffix}.md"
-    report.write_text("\n".join(lines))
-    (out / f"report{suffix}.json").write_text(json.dumps({"final": final, "unigram_baseline": baselines,
+    write_own(report, "\n".join(lines))
+    write_own(out / f"report{suffix}.json", json.dumps({"final": final, "unigram_baseline": baselines,
                                                  "scored": scored,
                                                  "config": cfg.model_dump(mode="json"),
                                                  "losses": [h["train/CE loss"] for h in history],

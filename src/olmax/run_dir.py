@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import io
 import json
 import logging
 import os
@@ -209,6 +210,13 @@ def replace_own(path: str | os.PathLike, data: str | bytes) -> None:
             partial.unlink(missing_ok=True)
             check_own_files(path)  # a directory made there since the check: named, not IsADirectoryError
             raise
+
+
+def drawn(draw) -> bytes:
+    """The bytes `draw(file)` writes into a file in memory (a figure's savefig), for `write_own`."""
+    buffer = io.BytesIO()
+    draw(buffer)
+    return buffer.getvalue()
 
 
 def write_own(path: str | os.PathLike, data: str | bytes) -> None:

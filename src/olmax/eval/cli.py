@@ -46,13 +46,9 @@ def _print_json(report: dict, out: str | None) -> None:
 def _write_plot(draw, out: str) -> None:
     """The PNG `draw(file)` writes, written to `out` (a path or a bucket URL) through no symbolic link: the default
     `out` of `compare` is in a run directory."""
-    import io
+    from olmax.run_dir import drawn, write_own
 
-    from olmax.run_dir import write_own
-
-    png = io.BytesIO()
-    draw(png)
-    write_own(out, png.getvalue())
+    write_own(out, drawn(draw))
 
 
 def _stem(out: str) -> str:
