@@ -267,7 +267,7 @@ def _to_circular(local: jax.Array, *, stage_axis: str, sched: Schedule) -> jax.A
 
 # Copies that move or cast data: cheaper to redo in the backward pass than to keep for every iteration.
 _COPIES = (jax.lax.gather_p, jax.lax.dynamic_slice_p, jax.lax.squeeze_p, jax.lax.reshape_p, jax.lax.transpose_p,
-           jax.lax.convert_element_type_p)
+           jax.lax.convert_element_type_p, jax.lax.select_n_p, jax.lax.slice_p, jax.lax.broadcast_in_dim_p)
 
 
 def run(stage_fn: Callable, weights, x: jax.Array, names: tuple[str, ...], sched: Schedule,
@@ -288,8 +288,15 @@ def run(stage_fn: Callable, weights, x: jax.Array, names: tuple[str, ...], sched
     # kept as the layers' own remat policy says.
     @functools.partial(jax.checkpoint, policy=lambda prim, *a, **p: prim not in _COPIES and kept(prim, *a, **p))
     def circular_stages(weights, repeat, inputs):
-        chunk = jax.tree.map(lambda w: vmap(lambda w, r: w[r], in_axes=(1, 0))(w, repeat), weights)
-        return vmap(stage_fn)(chunk, inputs)
+        # Each stage's chunk by a select over the R chunks, not a gather: the gather's transpose (a scatter over
+        # the stage axis) is a program XLA's GPU compiler refuses ("Bounds of the window dimensions of updates
+        # must not exceed the bounds of the corresponding dimensions of operand").
+        def pick(w):  # [R, S, C, ...] -> [S, C, ...]
+            chunk = w[0]
+            for r in range(1, R):
+                chunk = jnp.where((repeat == r).reshape(S, *[1] * (chunk.ndim - 1)), w[r], chunk)
+            return chunk
+        return vmap(stage_fn)(jax.tree.map(pick, weights), inputs)
 
     def iteration(carry, t):
         state, buffer = carry  # state: each stage's previous output [S, b, ...]; buffer [M, b, ...]
