@@ -116,14 +116,69 @@ def test_candidates_estimated_over_memory_are_tried_least_memory_first():
         0.5, 1.1 * memory, memory)
 
 
-def test_a_pipelined_config_is_searched_only_at_micro_batches_its_pipeline_can_cut():
-    """Every micro-batch a device runs splits into the pipeline's micro-batches (the 1.2T MoE's 8 stages and 8
-    micro-batches: the search tried micro-batches 1 and 2, each a ConfigError instead of a compile)."""
-    cfg = load_config("tiny", ["model.n_layers=8", "model.layer_pattern=[sliding,global]", "mesh.stage=2",
-                               "mesh.fsdp=1", "impl.pipeline.microbatches=2"])
+PIPELINED = ["model.n_layers=8", "model.layer_pattern=[sliding,global]", "mesh.stage=2", "mesh.fsdp=1",
+             "impl.pipeline.microbatches=2"]
+
+
+def test_the_search_varies_pipeline_stages_schedules_and_micro_batches_each_can_cut():
+    """Pipeline stages (none, the config's, 2-16 dividing the depth's periods), every schedule with one and two
+    micro-batches a stage and the circular ones' chunks join the space; every micro-batch a device runs splits
+    into its pipeline's micro-batches (the 1.2T MoE's 8 stages and 8 micro-batches: the search tried
+    micro-batches 1 and 2, each a ConfigError instead of a compile); each candidate's settings load."""
+    cfg = load_config("tiny", PIPELINED)
     space = tune.space(cfg, parse_target("tpu:v5p:2x2x2"))
-    assert space and {c.micro_batch % 2 for c in space} == {0}
-    assert {dict(c.mesh)["stage"] for c in space} == {2}
+    settings: dict = {}
+    for c in space:
+        settings.setdefault(dict(c.mesh)["stage"], set()).add(c.pipeline)
+        assert c.micro_batch % (c.pipeline[1] if c.pipeline else 1) == 0
+    assert set(settings) == {1, 2, 4} and settings[1] == {None}
+    assert {s[0] for s in settings[2]} == {"gpipe", "circular", "1f1b", "interleaved_1f1b"}
+    assert {s[1] for s in settings[4]} == {4, 8} and ("circular", 4, 2) in settings[2]
+    for c in space[:: len(space) // 25]:
+        loaded = load_config("tiny", [*PIPELINED, *c.overrides()])
+        assert loaded.mesh.stage == dict(c.mesh)["stage"]
+        assert c.pipeline is None or (c.pipeline[0], c.pipeline[1]) == (loaded.impl.pipeline.schedule,
+                                                                       loaded.impl.pipeline.microbatches)
+    # a random routing runs no 1F1B; a model with dense layers first no pipeline
+    moe = load_config("tiny_moe", ["model.n_layers=16", "model.moe.routing=random"])
+    assert {s[0] for s in tune.pipelines(moe, 2)} == {"gpipe", "circular"}
+    assert tune.stages(load_config("tiny_moe", ["model.n_layers=8", "model.dense_layers=4"]), 8) == [1]
+
+
+def test_a_depth_reduced_compile_runs_one_and_two_units_of_the_repeated_layers():
+    """A unit is a layer_pattern period on each stage's each chunk (the schedule unchanged), after the dense
+    layers; a stack under four units is compiled whole; a figure is extrapolated on the line through the two."""
+    assert tune.depths(load_config("tiny", ["model.n_layers=16"])) == (4, 8)
+    assert tune.depths(load_config("tiny", ["model.n_layers=12"])) is None
+    moe = load_config("tiny_moe", ["model.n_layers=20", "model.dense_layers=4"])
+    assert tune.depths(moe) == (8, 12)
+    circular = load_config("tiny", ["model.n_layers=64", "mesh.stage=2", "mesh.fsdp=1",
+                                    "impl.pipeline.schedule=circular", "impl.pipeline.microbatches=2"])
+    assert tune.depths(circular) is None  # 8 chunks of 4 layers: one unit is 32
+    two = load_config("tiny", ["model.n_layers=64", "mesh.stage=2", "mesh.fsdp=1", "impl.pipeline.schedule=circular",
+                               "impl.pipeline.microbatches=2", "impl.pipeline.repeats=2"])
+    assert tune.depths(two) == (16, 32)
+    reduced = tune.at_depth(two, 16)
+    assert reduced.model.n_layers == 16 and tune.pipeline.schedule_for(reduced).repeats == 2
+    assert tune.extrapolated(64, (16, 32), [10.0, 14.0]) == 26.0 and tune.extrapolated(64, None, [3.0]) == 3.0
+    assert tune.trusted({"peak": 0.049, "step": -0.05}) and not tune.trusted({"peak": 0.051, "step": 0.0})
+
+
+@needs_tpu
+def test_a_depth_reduced_search_confirms_its_best_by_a_full_compile(capsys):
+    """`--depth reduced`: the candidate is compiled at 4 and 8 of its 16 layers, said to fit, and confirmed whole
+    (the first one the extrapolation says fits: the check that decides whether the rest may be extrapolated);
+    the report keeps the extrapolation's error beside the full compile's figures."""
+    args = ["tune", "tiny", "model.n_layers=16", "--target", "tpu:v5p:2x2x2", "--budget", "1", "--jobs", "1",
+            "--depth", "reduced", "--json"]
+    assert main(args) == 0
+    out, err = capsys.readouterr()
+    best = json.loads(out)["results"][0]
+    assert best["status"] == "fits" and best["extrapolated_from"] is None
+    assert set(best["extrapolation_error"]) == {"peak", "step"}
+    assert "extrapolated from 4 and 8 layers" in err and "confirmed: fits" in err
+    missed = max(abs(e) for e in best["extrapolation_error"].values())
+    assert ("the rest of the search compiles whole layouts" in err) == (missed > tune.TRUSTED)
 
 
 def test_tune_refuses_an_out_or_report_it_would_overwrite_or_cannot_write_before_searching(tmp_path, capsys):

@@ -53,6 +53,11 @@ def add_commands(subparsers) -> None:
     p.add_argument("--headroom", type=float, default=0.1,
                    help="the share of a device's memory a layout must leave free to count as fitting (default 0.1)")
     p.add_argument("--jobs", type=int, help="compiles side by side (default: one a core, as many as memory allows)")
+    p.add_argument("--depth", choices=("reduced", "full"), default="reduced",
+                   help="reduced (default): compile each candidate with one and two units of its repeated layers (a "
+                   "layer_pattern period on each pipeline stage) and extrapolate its peak and step to the whole "
+                   "depth, confirm the best by a full compile, and compile whole from the first confirmation that "
+                   "misses by more than 5%%; full: compile every candidate whole")
     p.add_argument("--out", metavar="FILE", help="write the best layout to this new file (its directory made if "
                    "missing) as a config file (base: CONFIG, its settings over it): `olmax train FILE`, or "
                    "`olmax train CONFIG FILE`")
@@ -254,9 +259,9 @@ def run_tune(args: argparse.Namespace) -> None:
     _compile_cache()
     directory = _report_dir(args.report)
     search = tune.tune(args.config, args.overrides, target, args.budget, args.headroom,
-                       args.jobs or tune.default_jobs(), tune.print_err)
+                       args.jobs or tune.default_jobs(), tune.print_err, args.depth == "reduced")
     report = {"config": args.config, "overrides": args.overrides, "target": target.name, "budget": args.budget,
-              "headroom": args.headroom, "space": search.size, "compiled": search.compiled, "seconds": search.seconds,
+              "headroom": args.headroom, "depth": args.depth, "space": search.size, "compiled": search.compiled, "seconds": search.seconds,
               "memory_per_device": target.accelerator.memory_per_device,
               "results": [r.row() for r in search.ranked()]}
     if args.json:

@@ -30,7 +30,8 @@ from dataclasses import dataclass, field
 
 from jax.sharding import AbstractMesh
 
-from olmax.config import MESH_AXES, RunConfig, load_config
+from olmax.config import MESH_AXES, PipelineConfig, RunConfig, load_config
+from olmax.errors import ConfigError
 from olmax.model import families, flops
 from olmax.parallel import expert as expert_parallel
 from olmax.parallel import pipeline
@@ -51,6 +52,7 @@ class Candidate:
     micro_batch: int  # instances a device runs a micro-step
     tiles: int | None  # Splash's query and key tile, None where it has none
     flags: bool  # the target's XLA flag profile
+    pipeline: tuple[str, int, int | None] | None = None  # with stages: (schedule, micro-batches, repeats or None)
 
     @property
     def remat(self):
@@ -62,6 +64,10 @@ class Candidate:
         remat = self.remat if isinstance(self.remat, str) else "[" + ",".join(self.remat) + "]"
         found = [f"mesh.{axis}={size}" for axis, size in self.mesh] + [f"impl.remat={remat}",
                                                                        f"train.micro_batch_per_device={self.micro_batch}"]
+        if self.pipeline:
+            schedule, microbatches, repeats = self.pipeline
+            found += [f"impl.pipeline.schedule={schedule}", f"impl.pipeline.microbatches={microbatches}",
+                      f"impl.pipeline.repeats={'null' if repeats is None else repeats}"]
         if self.tiles:
             found += [f"impl.attention.splash.block_q={self.tiles}", f"impl.attention.splash.block_kv={self.tiles}",
                       f"impl.attention.splash.block_kv_compute={self.tiles}"]
@@ -71,11 +77,16 @@ class Candidate:
         mesh = " x ".join(f"{axis} {size}" for axis, size in self.mesh if size > 1) or "one device"
         remat = self.remat if isinstance(self.remat, str) else "+".join(self.remat)
         tiles = f", tiles {self.tiles}" if self.tiles else ""
-        return f"{mesh}; remat {remat}; micro-batch {self.micro_batch}{tiles}; flags {'on' if self.flags else 'off'}"
+        stages = ""
+        if self.pipeline:
+            schedule, microbatches, repeats = self.pipeline
+            stages = f"{schedule}{f' x {repeats} chunks' if repeats else ''}, {microbatches} pipeline micro-batches; "
+        return (f"{mesh}; {stages}remat {remat}; micro-batch {self.micro_batch}{tiles}; "
+                f"flags {'on' if self.flags else 'off'}")
 
     def same_but_memory(self, other: Candidate) -> bool:
         """The same layout but for what it keeps (Splash's tiles live in the cores' VMEM, not in HBM)."""
-        return (self.mesh, self.flags) == (other.mesh, other.flags)
+        return (self.mesh, self.flags, self.pipeline) == (other.mesh, other.flags, other.pipeline)
 
     def keeps_at_least(self, other: Candidate) -> bool:
         """Everything `other` keeps in memory, this keeps too: its saved activations and its micro-batch."""
@@ -93,15 +104,55 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+def stages(cfg: RunConfig, devices: int) -> list[int]:
+    """Pipeline stages to search: the config's, none, and 2 to 16 that divide the devices and the layer_pattern
+    periods of the depth (a model with dense layers first runs unpipelined: one stack of like layers a pipeline)."""
+    groups = cfg.model.n_layers // len(cfg.model.layer_pattern)
+    found = {cfg.mesh.stage, 1}
+    if not cfg.model.dense_layers:
+        found |= {s for s in (2, 4, 8, 16) if devices % s == 0 and groups % s == 0}
+    return sorted(found)
+
+
+def pipelines(cfg: RunConfig, stage: int) -> list[tuple[str, int, int | None] | None]:
+    """The pipeline settings searched with `stage` stages: each schedule the config can run (a random routing
+    runs no 1F1B), with one and two micro-batches a stage, the circular ones with 2 chunks a stage and with the
+    most the depth allows; the config's own among them."""
+    if stage == 1:
+        return [None]
+    own = cfg.impl.pipeline
+    tried = {(own.schedule, own.microbatches or stage, own.repeats)} if stage == cfg.mesh.stage else set()
+    for schedule, microbatches in itertools.product(pipeline.SCHEDULES, (stage, 2 * stage)):
+        tried |= {(schedule, microbatches, repeats) for repeats in ((None, 2) if schedule in ("circular",
+                  "interleaved_1f1b") else (None,))}
+    found = set()
+    for schedule, microbatches, repeats in tried:
+        try:
+            chunks = pipeline.schedule_for(configured(cfg, stage, (schedule, microbatches, repeats))).repeats
+        except ConfigError:
+            continue
+        found.add((schedule, microbatches, chunks if chunks > 1 else None))  # as many chunks, the same schedule
+    return sorted(found, key=str)
+
+
+def configured(cfg: RunConfig, stage: int, setting: tuple | None, remat=None) -> RunConfig:
+    """`cfg` with these pipeline stages and setting (and remat policy), unvalidated: for estimates and checks."""
+    impl = {"pipeline": PipelineConfig(schedule=setting[0], microbatches=setting[1], repeats=setting[2])} if setting else {}
+    if remat is not None:
+        impl["remat"] = remat
+    return cfg.model_copy(update={"mesh": cfg.mesh.model_copy(update={"stage": stage}),
+                                  "impl": cfg.impl.model_copy(update=impl)})
+
+
 def meshes(cfg: RunConfig, devices: int) -> list[tuple[tuple[str, int], ...]]:
-    """The target's devices factored over the mesh axes the model allows: tensor parallelism up to 8 (within a
-    host or a torus dimension) dividing the heads, expert parallelism dividing the experts (an MoE), the rest data
-    x fsdp; the batch must split over the data-parallel devices, and the config's pipeline stages stay."""
+    """The target's devices factored over the mesh axes the model allows: pipeline stages (`stages`), tensor
+    parallelism up to 8 (within a host or a torus dimension) dividing the heads, expert parallelism dividing the
+    experts (an MoE), the rest data x fsdp; the batch must split over the data-parallel devices."""
     m = cfg.model
-    stage = cfg.mesh.stage
     found = []
     heads = math.gcd(m.n_heads, m.kv_heads)
-    for tensor in [t for t in _divisors(min(8, devices)) if heads % t == 0 and m.mlp_hidden % t == 0]:
+    for stage, tensor in itertools.product(stages(cfg, devices), [t for t in _divisors(min(8, devices))
+                                                                  if heads % t == 0 and m.mlp_hidden % t == 0]):
         experts = _divisors(m.moe.num_experts) if m.mlp == "moe" else [1]
         for expert in [e for e in experts if devices % (stage * tensor * e) == 0]:
             rest = devices // (stage * tensor * expert)
@@ -125,15 +176,15 @@ def space(cfg: RunConfig, target: Target) -> list[Candidate]:
     if target.platform == "tpu" and cfg.impl.attention.implementation in ("auto", "splash"):
         tiles = [t for t in (512, 1024, 2048) if t <= seq and seq % t == 0] or [None]
     flags = [True, False] if target.xla_flags else [False]
-    schedule = pipeline.schedule_for(cfg)
-    split = schedule.microbatches if schedule else 1  # a micro-step's rows are cut into the pipeline's micro-batches
     found = []
     for mesh in meshes(cfg, target.devices):
         dp = math.prod(size for axis, size in mesh if axis in ("data", "fsdp", "expert"))
         per_device = cfg.train.global_batch_instances // dp
-        for micro in [b for b in _divisors(per_device) if (b & (b - 1) == 0 or b == per_device) and b % split == 0]:
-            for saved, tile, flag in itertools.product(remat_policies(), tiles, flags):
-                found.append(Candidate(mesh, saved, micro, tile, flag))
+        for setting in pipelines(cfg, dict(mesh)["stage"]):
+            split = setting[1] if setting else 1  # a micro-step's rows are cut into the pipeline's micro-batches
+            for micro in [b for b in _divisors(per_device) if (b & (b - 1) == 0 or b == per_device) and b % split == 0]:
+                for saved, tile, flag in itertools.product(remat_policies(), tiles, flags):
+                    found.append(Candidate(mesh, saved, micro, tile, flag, setting))
     return found
 
 
@@ -153,10 +204,9 @@ class Estimate:
         self.count = flops.count(cfg.model, cfg.data.sequence_length)
         self.params = families.table(cfg.model)
         self.expert_params = sum(math.prod(p.shape) for p in self.params if "experts" in p.axes)
-        schedule = pipeline.schedule_for(cfg)
-        self.split = schedule.microbatches if schedule else 1  # a stage runs one of the pipeline's micro-batches
         self._held: dict = {}
         self._saved: dict = {}
+        self._bubble: dict = {}
 
     def held(self, mesh: dict) -> tuple[int, int]:
         """(dense, expert) parameters one device holds on `mesh`."""
@@ -174,17 +224,27 @@ class Estimate:
 
     def saved(self, candidate: Candidate) -> int:
         """The activations one device keeps for the backward pass (before tensor parallelism splits them)."""
-        key = (candidate.saved, candidate.micro_batch)
+        stage = dict(candidate.mesh)["stage"]
+        key = (candidate.saved, candidate.micro_batch, stage, candidate.pipeline)
         if key not in self._saved:
-            cfg = self.cfg
             self._saved[key] = anatomy.saved_activation_bytes(
-                cfg.model_copy(update={"impl": cfg.impl.model_copy(update={"remat": candidate.remat})}),
-                candidate.micro_batch * cfg.data.sequence_length, 2)
+                configured(self.cfg, stage, candidate.pipeline, candidate.remat),
+                candidate.micro_batch * self.cfg.data.sequence_length, 2)
         return self._saved[key]
 
     def layer_tokens(self, candidate: Candidate) -> int:
-        """The tokens a device runs a layer on at a time."""
-        return candidate.micro_batch * self.cfg.data.sequence_length // self.split
+        """The tokens a device runs a layer on at a time (a stage runs one of the pipeline's micro-batches)."""
+        split = candidate.pipeline[1] if candidate.pipeline else 1
+        return candidate.micro_batch * self.cfg.data.sequence_length // split
+
+    def bubble(self, candidate: Candidate) -> float:
+        """The share of a stage's time idle in the pipeline's fill and drain."""
+        if not candidate.pipeline:
+            return 0.0
+        key = (dict(candidate.mesh)["stage"], candidate.pipeline)
+        if key not in self._bubble:
+            self._bubble[key] = pipeline.schedule_for(configured(self.cfg, *key)).bubble
+        return self._bubble[key]
 
     def routed(self, candidate: Candidate) -> tuple[int, int, int]:
         """An MoE layer on one device, at a time: (the rows its experts run, the expert outputs it gathers back,
@@ -218,7 +278,7 @@ class Estimate:
         recompute = sum(2 * v for name, v in per_token.items() if name not in kept) * m.n_layers
         a = target.accelerator
         rate = a.peak_flops_per_chip / a.devices_per_chip * a.matmul_efficiency
-        compute = tokens * (count.per_token + recompute) / rate
+        compute = tokens * (count.per_token + recompute) / rate / (1 - self.bubble(candidate))
         dense, experts = self.held(mesh)
         weights = 2 * (count.params - self.expert_params)  # bf16 bytes FSDP gathers (experts stay resident)
         micro_steps = cfg.train.global_batch_instances // (candidate.micro_batch * math.prod(
@@ -263,20 +323,23 @@ class Result:
     cached: bool = False
     reason: str = ""
     by: Candidate | None = None  # pruned: the out-of-memory candidate that proves it
+    depths: tuple[int, int] | None = None  # extrapolated from compiles at these depths; None: compiled whole
+    error: dict | None = None  # a confirmed extrapolation's relative error against the full compile
 
     def row(self) -> dict:
         return {"layout": self.candidate.describe(), "overrides": self.candidate.overrides(),
                 "flags": self.candidate.flags, "status": self.status, "peak": self.peak,
                 "step_seconds": self.step_seconds, "mfu": self.mfu, "tokens_per_second_per_chip": self.tokens_per_chip,
                 "compile_seconds": self.compile_seconds, "cached": self.cached, "reason": self.reason,
-                "pruned_by": self.by.describe() if self.by else None}
+                "pruned_by": self.by.describe() if self.by else None,
+                "extrapolated_from": list(self.depths) if self.depths else None, "extrapolation_error": self.error}
 
 
-def evaluate(config: str, overrides: list[str], target_name: str, candidate: Candidate, headroom: float) -> Result:
-    """Compile one candidate and predict its step (run in a worker process: compiles run side by side)."""
-    from olmax.errors import DoesNotFit
+def evaluate(config: str, overrides: list[str], target_name: str, candidate: Candidate, headroom: float,
+             reduced: bool = False) -> Result:
+    """Compile one candidate and predict its step (run in a worker process: compiles run side by side): whole, or
+    (`reduced`, where its depth allows: `depths`) at two depths, its figures extrapolated to the whole."""
     from olmax.scale import targets
-    from olmax.scale.compile import compile_train_step
 
     target = targets.parse_target(target_name)
     if not candidate.flags:
@@ -284,29 +347,90 @@ def evaluate(config: str, overrides: list[str], target_name: str, candidate: Can
     start = time.perf_counter()
     try:
         cfg = load_config(config, [*overrides, *candidate.overrides()], target.name)
-        report = compile_train_step(cfg, target)
-    except DoesNotFit as err:
-        report = err.report
-        if "step_time" not in report and "VmemOom" in report.get("compiler_error", ""):
-            # Splash's tiles do not fit the cores' VMEM: a failure of this layout's tiles, not of its HBM
-            return Result(candidate, "failed", reason="the attention tiles do not fit the cores' VMEM ("
-                          + report["compiler_error"][:120] + ")", compile_seconds=time.perf_counter() - start,
-                          cached=bool(report.get("compile_cached")))
-        if "step_time" not in report:  # the TPU compiler refused it
-            needs = report.get("required") and report["required"] + report["parameters"] + report["optimizer_state"]
-            return Result(candidate, "out of memory", needs, reason=report.get("compiler_error", ""),
-                          compile_seconds=time.perf_counter() - start, cached=bool(report.get("compile_cached")))
+        at = depths(cfg) if reduced else None
+        reports = [_compiled(cfg, target)] if at is None else [_compiled(at_depth(cfg, d), target) for d in at]
     except Exception as err:  # noqa: BLE001 - a candidate the compiler or the config refuses is listed with why
         return Result(candidate, "failed", reason=f"{type(err).__name__}: {str(err).splitlines()[0][:300]}",
                       compile_seconds=time.perf_counter() - start)
-    prediction = report["step_time"]
-    limit = report["memory_per_device"] * (1 - headroom)
-    status = ("fits" if report["peak"] <= limit else "over headroom" if report["peak"] <= report["memory_per_device"]
+    seconds, cached = time.perf_counter() - start, all(r.get("compile_cached") for r in reports)
+    for depth, report in zip(at or [cfg.model.n_layers], reports):
+        if "step_time" in report:
+            continue
+        if "VmemOom" in report.get("compiler_error", ""):
+            # Splash's tiles do not fit the cores' VMEM: a failure of this layout's tiles, not of its HBM
+            return Result(candidate, "failed", reason="the attention tiles do not fit the cores' VMEM ("
+                          + report["compiler_error"][:120] + ")", compile_seconds=seconds, cached=cached, depths=at)
+        # the TPU compiler refused it: at a reduced depth, the whole needs more still
+        needs = report.get("required") and report["required"] + report["parameters"] + report["optimizer_state"]
+        return Result(candidate, "out of memory", needs if at is None else None, compile_seconds=seconds,
+                      cached=cached, depths=at, reason=(report.get("compiler_error", "") if at is None else
+                                                        f"out of memory at {depth} of {cfg.model.n_layers} layers"))
+    peak = round(extrapolated(cfg.model.n_layers, at, [r["peak"] for r in reports]))
+    step = extrapolated(cfg.model.n_layers, at, [r["step_time"]["step_seconds"] for r in reports])
+    limit = reports[0]["memory_per_device"] * (1 - headroom)
+    status = ("fits" if peak <= limit else "over headroom" if peak <= reports[0]["memory_per_device"]
               else "out of memory")
-    tokens = cfg.train.global_batch_instances * cfg.data.sequence_length
-    return Result(candidate, status, report["peak"], prediction["step_seconds"], prediction["mfu"],
-                  tokens / prediction["step_seconds"] / target.chips, report["compile_seconds"],
-                  bool(report.get("compile_cached")))
+    seq = cfg.data.sequence_length
+    tokens = cfg.train.global_batch_instances * seq
+    mfu = flops.count(cfg.model, seq).per_token * tokens / target.devices / (
+        step * reports[0]["step_time"]["constants"]["peak_flops_per_device"])
+    return Result(candidate, status, peak, step, mfu, tokens / step / target.chips, seconds, cached, depths=at)
+
+
+def _compiled(cfg: RunConfig, target: Target) -> dict:
+    """`olmax compile`'s report of the step, one over the device's memory included."""
+    from olmax.errors import DoesNotFit
+    from olmax.scale.compile import compile_train_step
+
+    try:
+        return compile_train_step(cfg, target)
+    except DoesNotFit as err:
+        return err.report
+
+
+# --- depth-reduced compiles -------------------------------------------------------------------------------------------
+
+TRUSTED = 0.05  # the most an extrapolation may miss a full compile's peak or step by for the search to rely on it
+
+
+def depths(cfg: RunConfig) -> tuple[int, int] | None:
+    """The two depths a depth-reduced compile of `cfg` runs at: the dense layers and one, then two, units of the
+    repeated stack (a layer_pattern period in each pipeline stage's each chunk, so the schedule is the same), or
+    None where that saves little (the stack is under four units deep)."""
+    schedule = pipeline.schedule_for(cfg)
+    unit = len(cfg.model.layer_pattern) * (schedule.stages * schedule.repeats if schedule else 1)
+    base = cfg.model.dense_layers
+    return None if cfg.model.n_layers - base < 4 * unit else (base + unit, base + 2 * unit)
+
+
+def at_depth(cfg: RunConfig, layers: int) -> RunConfig:
+    """`cfg` with `layers` layers, its pipeline's chunks a stage kept (the schedule's repeats fixed)."""
+    schedule = pipeline.schedule_for(cfg)
+    update = {"model": cfg.model.model_copy(update={"n_layers": layers})}
+    if schedule and schedule.repeats > 1:
+        update["impl"] = cfg.impl.model_copy(update={"pipeline": cfg.impl.pipeline.model_copy(
+            update={"repeats": schedule.repeats})})
+    return cfg.model_copy(update=update)
+
+
+def extrapolated(layers: int, at: tuple[int, int] | None, figures: list[float]) -> float:
+    """A figure at `layers` from the same figure at the two depths `at`, on the line through them (a step is its
+    layers repeated: what the layers add grows with their number, what is outside them stays); the figure
+    itself where there was one compile at full depth."""
+    if at is None:
+        return figures[0]
+    (a, b), (fa, fb) = at, figures
+    return fa + (fb - fa) * (layers - a) / (b - a)
+
+
+def extrapolation_error(estimate: Result, full: Result) -> dict:
+    """The relative error of an extrapolated peak and step against the full compile's."""
+    return {"peak": estimate.peak / full.peak - 1 if full.peak else None,
+            "step": estimate.step_seconds / full.step_seconds - 1 if full.step_seconds else None}
+
+
+def trusted(error: dict) -> bool:
+    return all(e is not None and abs(e) <= TRUSTED for e in error.values())
 
 
 def _without_flags(target: Target) -> Target:
@@ -367,7 +491,7 @@ def ordered(candidates: list[Candidate], key, tried: set = frozenset(), leader_f
 
 
 def tune(config: str, overrides: list[str], target: Target, budget: int, headroom: float = 0.1, jobs: int = 1,
-         progress=lambda line: None) -> Search:
+         progress=lambda line: None, reduced: bool = True) -> Search:
     cfg = load_config(config, overrides, target.name)
     candidates = space(cfg, target)
     device_memory = target.accelerator.memory_per_device * (1 - headroom)
@@ -399,6 +523,31 @@ def tune(config: str, overrides: list[str], target: Target, budget: int, headroo
     out_of_memory: list[Candidate] = []
     start = time.perf_counter()
     evaluated = 0
+    # depth-reduced compiles until a full compile of the first candidate they say fits shows them off by more than
+    # TRUSTED (then every compile is whole); None: not checked yet
+    trust: list[bool | None] = [None if reduced else False]
+
+    def confirm(result: Result, pool) -> Result:
+        """The candidate compiled whole in place of its extrapolation, with the extrapolation's error."""
+        progress(f"confirming ({result.candidate.describe()}) by a full compile: extrapolated from "
+                 f"{result.depths[0]} and {result.depths[1]} layers, {result.step_seconds:.4g} s, peak {size(result.peak)}")
+        with repeating(TICK, lambda: progress(f"still compiling the confirmation ({time.perf_counter() - start:.0f} s "
+                                              "so far)"), "olmax tune progress"):
+            full = pool.submit(evaluate, config, overrides, target.name, result.candidate, headroom).result()
+        full.error = extrapolation_error(result, full)
+        full.compile_seconds += result.compile_seconds
+        search.results[search.results.index(result)] = full
+        search.compiled += not full.cached and full.status != "failed"
+        misses = ", ".join(f"{name} {100 * e:+.1f}%" for name, e in full.error.items() if e is not None)
+        progress(f"confirmed: {full.status}, " + (f"{full.step_seconds:.4g} s, peak {size(full.peak)}; the "
+                 f"extrapolation missed by {misses}" if full.step_seconds else full.reason[:100]))
+        if trust[0] is None:
+            trust[0] = trusted(full.error)
+            if not trust[0]:
+                progress(f"the extrapolation missed by more than {TRUSTED:.0%}: the rest of the search compiles "
+                         "whole layouts")
+        return full
+
     with _pool(jobs) as pool:
         while evaluated < budget and remaining:
             batch = []
@@ -423,12 +572,15 @@ def tune(config: str, overrides: list[str], target: Target, budget: int, headroo
             # A compile here or in the workers takes minutes: said from a thread of its own, as the compile may hold
             # this one (an interrupt then comes when it returns).
             with repeating(TICK, lambda: progress(waiting()), "olmax tune progress"):
-                futures = [pool.submit(evaluate, config, overrides, target.name, c, headroom) for c in batch]
+                futures = [pool.submit(evaluate, config, overrides, target.name, c, headroom, trust[0] is not False)
+                           for c in batch]
                 for future in concurrent.futures.as_completed(futures):
                     result = future.result()
                     evaluated += 1
                     search.results.append(result)
-                    search.compiled += not result.cached and result.status != "failed"
+                    search.compiled += (not result.cached and result.status != "failed") * (2 if result.depths else 1)
+                    if result.depths and result.status == "fits" and trust[0] is None:
+                        result = confirm(result, pool)
                     if result.status == "out of memory":
                         out_of_memory.append(result.candidate)
                     if result.peak:
@@ -440,11 +592,18 @@ def tune(config: str, overrides: list[str], target: Target, budget: int, headroo
                     eta = elapsed / evaluated * (min(budget, len(candidates)) - evaluated)
                     figure = (f"{result.step_seconds:.4g} s, peak {size(result.peak)}" if result.step_seconds
                               else result.reason[:100])
-                    progress(f"[{evaluated}/{budget}] {result.candidate.describe()}: {result.status}, {figure}"
+                    way = f" (extrapolated from {result.depths[0]} and {result.depths[1]} layers)" if result.depths else ""
+                    progress(f"[{evaluated}/{budget}] {result.candidate.describe()}: {result.status}, {figure}{way}"
                              f"{' (cached)' if result.cached else ''}; {elapsed:.0f} s so far, about {eta:.0f} s left")
             # what the compiler said reorders the rest; a mesh not tried yet and the estimate's best take turns
             tried = {(r.candidate.mesh, r.candidate.micro_batch) for r in search.results if r.status != "pruned"}
             remaining = ordered(remaining, key, tried, leader_first=evaluated % 2 == 0)
+        # the best is a layout compiled whole: an extrapolated best is confirmed, and the next if it does not fit
+        for _ in range(CONFIRMED):
+            best = search.best
+            if best is None or best.depths is None:
+                break
+            confirm(best, pool)
     search.seconds = time.perf_counter() - start
     return search
 
@@ -466,6 +625,7 @@ class _InProcess(concurrent.futures.Executor):
         return future
 
 
+CONFIRMED = 3  # full compiles at most to confirm the best of a depth-reduced search
 TICK = SILENCE * 5 / 6  # seconds of compiling between two lines that say it goes on (olmax.progress's promise)
 
 
@@ -490,8 +650,18 @@ def table(search: Search, target: Target, limit: int | None = None) -> str:
         tps = f"{r.tokens_per_chip:14,.0f}" if r.tokens_per_chip else f"{'-':>14}"
         peak = f"{size(r.peak):>11}" if r.peak else f"{'-':>11}"
         lines.append(f"{i:3}  {step} {mfu} {tps} {peak}  {r.status:15} {r.candidate.describe()}"
-                     + (f"  ({r.reason})" if r.status == "failed" else ""))
+                     + (f"  ({r.reason})" if r.status == "failed" else "") + _how(r))
     return "\n".join(lines)
+
+
+def _how(r: Result) -> str:
+    """How a row's figures were found, where not by one compile of the whole."""
+    if r.depths:
+        return f"  (extrapolated from {r.depths[0]} and {r.depths[1]} layers)"
+    if r.error:
+        return "  (compiled whole; extrapolated " + ", ".join(
+            f"{name} {100 * e:+.1f}%" for name, e in r.error.items() if e is not None) + ")"
+    return ""
 
 
 def coverage(search: Search) -> str:
@@ -499,11 +669,11 @@ def coverage(search: Search) -> str:
               for s in ("fits", "over headroom", "out of memory", "failed", "pruned")}
     tried = len(search.results) - counts["pruned"]
     left = search.size - len(search.results)
-    return (f"searched {len(search.results)} of {search.size} layouts: {tried} compiled ({search.compiled} new, "
-            f"{tried - search.compiled - counts['failed']} from the cache), {counts['pruned']} pruned as out of memory "
+    return (f"searched {len(search.results)} of {search.size} layouts: {tried} compiled ({search.compiled} programs "
+            f"new, {sum(r.cached for r in search.results)} layouts from the cache), {counts['pruned']} pruned as out of memory "
             f"by a layout that keeps less; {counts['fits']} fit, {counts['over headroom']} over the headroom, "
             f"{counts['out of memory']} out of memory, {counts['failed']} failed; {left} not reached within the budget; "
-            f"{search.seconds:.0f} s")
+            f"{sum(bool(r.depths) for r in search.results)} by depth-reduced compiles; {search.seconds:.0f} s")
 
 
 def overlay(config: str, search: Search, target: Target) -> str:
