@@ -1,7 +1,7 @@
 """The GPU's grouped-matmul kernels (impl.moe.dispatch=grouped) run in Pallas' GPU interpreter on the CPU: the
 Hopper kernels (forward, input and weight gradient) against lax.ragged_dot and the block loop, in float32 and
-bf16, uneven and empty groups. The Blackwell kernel (tcgen05, tensor memory) the interpreter cannot run
-("Unsupported memory space: tmem"): it is compiled for a B300 instead, and expert parallelism for 8 H100s.
+bf16, uneven and empty groups. The Blackwell kernels (tcgen05, tensor memory) the interpreter cannot run
+("Unsupported memory space: tmem"): they are compiled for a B300 instead, and expert parallelism for 8 H100s.
 And `auto`'s choice."""
 
 import os
@@ -173,9 +173,10 @@ def _compiled_in_own_process(check: str, target: str) -> None:
 
 
 def _compile_kernels(target):
-    """Forward and both gradients compiled for one GPU of the target: Mosaic GPU custom calls, the Hopper
-    kernels' wgmma or the Blackwell kernel's tcgen05 lowered by LLVM and assembled by ptxas at compile time
-    (wgmma on a B300 stops LLVM: "Cannot select: intrinsic %llvm.nvvm.wgmma.fence.sync.aligned")."""
+    """Forward and both gradients compiled for one GPU of the target: three Mosaic GPU custom calls, the Hopper
+    kernels' wgmma or the Blackwell kernels' tcgen05 lowered by LLVM and assembled by ptxas at compile time
+    (wgmma on a B300 stops LLVM: "Cannot select: intrinsic %llvm.nvvm.wgmma.fence.sync.aligned"), and no
+    expert block loop left (Blackwell's weight gradient ran in one)."""
     device = compile_only_devices(parse_target(target))[0]
     chip = grouped.Chip.of(device)
     x, w, starts, _, cotangent = _grouped_inputs([300, 0, 90, 122], jnp.bfloat16, grouped.WIDTH_MULTIPLE)
@@ -186,7 +187,8 @@ def _compile_kernels(target):
         return _value_and_grads(lambda a, b: grouped.gmm(a, b, starts, BLOCK, chip), x, w, cotangent)
 
     hlo = jax.jit(step).lower(*spec).compile().as_text()
-    assert hlo.count('custom_call_target="mosaic_gpu_v2"') == (3 if chip.major == 9 else 2)
+    assert hlo.count('custom_call_target="mosaic_gpu_v2"') == 3
+    assert gmm.BLOCK_LOOP not in hlo
 
 
 def _compile_expert_parallel_layer(target):
@@ -208,8 +210,8 @@ def _compile_expert_parallel_layer(target):
 
     hlo = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(p, x).compile().as_text()
     assert "ragged-all-to-all-start" in hlo and "ragged-all-to-all-done" in hlo
-    kernels = 9 if grouped.Chip.of(devices[0]).major == 9 else 6  # 3 matmuls; Blackwell's weight gradient loops
-    assert hlo.count('custom_call_target="mosaic_gpu_v2"') == kernels
+    assert hlo.count('custom_call_target="mosaic_gpu_v2"') == 9  # 3 matmuls, each a kernel and 2 gradients
+    assert gmm.BLOCK_LOOP not in hlo
 
 
 def _compile_train_step_report(target):
@@ -223,7 +225,8 @@ def _compile_train_step_report(target):
     assert report["moe_dispatch"] == "grouped"
     calls = report["program"]["custom_calls"]
     hopper = report["device_kind"].startswith("NVIDIA H")
-    names = (["grouped_matmul", "grouped_weight_grad"] if hopper else [f"ragged_dot_kernel_{grouped.BLACKWELL}"])
+    names = (["grouped_matmul", "grouped_weight_grad"] if hopper
+             else [f"ragged_dot_kernel_{grouped.BLACKWELL}", "blackwell_weight_grad"])
     assert all(calls.get(f"mosaic_gpu_v2 {name}", 0) > 0 for name in names), calls
     assert report["step_time"]["unknown_kernels"] == {} and report["step_time"]["warnings"] == []
 

@@ -90,7 +90,8 @@ def verdict(product, name: str, dtype, block: int) -> str | None:
 
 
 def kernel_name(chip: grouped.Chip) -> str:
-    kernels = "grouped_matmul, grouped_weight_grad" if chip.major == 9 else "blackwell_ragged_dot_mgpu"
+    kernels = ("grouped_matmul, grouped_weight_grad" if chip.major == 9
+               else "blackwell_ragged_dot_mgpu, blackwell_weight_grad")
     return f"grouped.gmm for sm_{chip.major}0 ({kernels})"
 
 
