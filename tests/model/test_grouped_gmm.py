@@ -81,10 +81,13 @@ def test_auto_takes_the_kernels_where_they_run():
     assert sublayer.dispatch_for("auto", "gpu", 2, _device("9.0"), widths) == "blocks"  # pipeline stages
     assert sublayer.dispatch_for("auto", "gpu", 1, _device("9.0"), widths, mxfp8=True) == "blocks"
     assert sublayer.dispatch_for("auto", "gpu", 1, _device("9.0"), {"model.d_model": 3000}) == "blocks"
+    # Hopper's tiles are 128 wide, Blackwell's 256
+    assert sublayer.dispatch_for("auto", "gpu", 1, _device("9.0"), {"model.d_model": 384}) == "grouped"
+    assert sublayer.dispatch_for("auto", "gpu", 1, _device("10.3"), {"model.d_model": 384}) == "blocks"
     assert sublayer.dispatch_for("auto", "cpu", 1, None, widths) == "blocks"  # the CPU keeps its loop
     with pytest.raises(ConfigError, match="mesh.stage 2.*set impl.moe.dispatch=auto or blocks"):
         sublayer.dispatch_for("grouped", "gpu", 2, _device("9.0"), widths)
-    with pytest.raises(ConfigError, match=r"model.d_model \(3000\) in multiples of 256"):
+    with pytest.raises(ConfigError, match=r"for sm_90 tile model.d_model \(3000\) in multiples of 128"):
         sublayer.dispatch_for("grouped", "gpu", 1, _device("9.0"), {"model.d_model": 3000})
     with pytest.raises(ConfigError, match="CPUs; set impl.moe.dispatch=auto or blocks"):
         sublayer.dispatch_for("grouped", "cpu", 1, None, widths)
@@ -179,7 +182,8 @@ def _compile_kernels(target):
     expert block loop left (Blackwell's weight gradient ran in one)."""
     device = compile_only_devices(parse_target(target))[0]
     chip = grouped.Chip.of(device)
-    x, w, starts, _, cotangent = _grouped_inputs([300, 0, 90, 122], jnp.bfloat16, grouped.WIDTH_MULTIPLE)
+    width = grouped.WIDTH_MULTIPLE[chip.major]
+    x, w, starts, _, cotangent = _grouped_inputs([300, 0, 90, 122], jnp.bfloat16, width)
     sharding = jax.sharding.SingleDeviceSharding(device)
     spec = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding) for a in (x, w, starts, cotangent)]
 
@@ -197,15 +201,16 @@ def _compile_expert_parallel_layer(target):
     received rows."""
     devices = compile_only_devices(parse_target(target))
     mesh = Mesh(np.array(devices), ("expert",))
-    cfg = MoEConfig(num_experts=16, top_k=2, expert_hidden=grouped.WIDTH_MULTIPLE)
-    p = jax.eval_shape(lambda: moe_layer_params(cfg, grouped.WIDTH_MULTIPLE, jax.random.key(0)))
+    chip = grouped.Chip.of(devices[0])
+    width = grouped.WIDTH_MULTIPLE[chip.major]  # Hopper's at 128, under the 256 Blackwell needs
+    cfg = MoEConfig(num_experts=16, top_k=2, expert_hidden=width)
+    p = jax.eval_shape(lambda: moe_layer_params(cfg, width, jax.random.key(0)))
     rows, replicated = (NamedSharding(mesh, PartitionSpec(*spec)) for spec in (("expert",), ()))
     p = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, jnp.bfloat16, sharding=replicated), p)
-    x = jax.ShapeDtypeStruct((64, 16, grouped.WIDTH_MULTIPLE), jnp.bfloat16, sharding=rows)
+    x = jax.ShapeDtypeStruct((64, 16, width), jnp.bfloat16, sharding=rows)
 
     def loss(p, x):
-        out, _ = sublayer.moe_mlp(cfg, p, x, mesh=mesh, batch_axes=("expert",), dispatch="grouped",
-                                  chip=grouped.Chip.of(devices[0]))
+        out, _ = sublayer.moe_mlp(cfg, p, x, mesh=mesh, batch_axes=("expert",), dispatch="grouped", chip=chip)
         return jnp.sum(out.astype(jnp.float32))
 
     hlo = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(p, x).compile().as_text()

@@ -78,7 +78,9 @@ BLACKWELL_BLOCK = 256
 # 64 + 64 x 256) x 2 B = 192 KiB of shared memory, and 2 x 16 KiB for the stores, of 227.
 BLACKWELL_GRAD = dict(block_m=128, block_n=256, max_concurrent_steps=4)
 SWIZZLE = 128  # bytes
-WIDTH_MULTIPLE = 256  # d_model and expert_hidden: Blackwell's 256-wide cluster tiles, Hopper's 128 and 64
+# d_model and expert_hidden, by compute capability's major version: Hopper's tiles are 128 and 64 wide,
+# Blackwell's 256 (JAX's kernel's cluster tiles, and the weight gradient's columns)
+WIDTH_MULTIPLE = {9: 128, 10: 256}
 
 
 @dataclass(frozen=True)
@@ -104,11 +106,12 @@ def unsupported(device, widths: dict[str, int]) -> str | None:
     if device is None:
         return "its kernels are chosen for a GPU's compute capability, and no device was given"
     cc = getattr(device, "compute_capability", None)
-    if device.platform not in ("gpu", "cuda") or cc is None or int(float(cc)) not in (9, 10):
+    major = None if cc is None else int(float(cc))
+    if device.platform not in ("gpu", "cuda") or major not in WIDTH_MULTIPLE:
         return f"its kernels are for NVIDIA Hopper (sm_90) and Blackwell (sm_100) GPUs, not {device.device_kind}"
     for name, value in widths.items():
-        if value % WIDTH_MULTIPLE:
-            return f"its kernels tile {name} ({value}) in multiples of {WIDTH_MULTIPLE}"
+        if value % WIDTH_MULTIPLE[major]:
+            return f"its kernels for sm_{major}0 tile {name} ({value}) in multiples of {WIDTH_MULTIPLE[major]}"
     return None
 
 
