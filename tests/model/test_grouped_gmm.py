@@ -1,7 +1,7 @@
 """The GPU's grouped-matmul kernels (impl.moe.dispatch=grouped) run in Pallas' GPU interpreter on the CPU: the
 Hopper kernels (forward, input and weight gradient) against lax.ragged_dot and the block loop, in float32 and
-bf16, uneven and empty groups. The Blackwell kernel (tcgen05, tensor memory) the interpreter cannot run
-("Unsupported memory space: tmem"): it is compiled for a B300 instead, and expert parallelism for 8 H100s.
+bf16, uneven and empty groups. The Blackwell kernels (tcgen05, tensor memory) the interpreter cannot run
+("Unsupported memory space: tmem"): they are compiled for a B300 instead, and expert parallelism for 8 H100s.
 And `auto`'s choice."""
 
 import os
@@ -81,10 +81,13 @@ def test_auto_takes_the_kernels_where_they_run():
     assert sublayer.dispatch_for("auto", "gpu", 2, _device("9.0"), widths) == "blocks"  # pipeline stages
     assert sublayer.dispatch_for("auto", "gpu", 1, _device("9.0"), widths, mxfp8=True) == "blocks"
     assert sublayer.dispatch_for("auto", "gpu", 1, _device("9.0"), {"model.d_model": 3000}) == "blocks"
+    # Hopper's tiles are 128 wide, Blackwell's 256
+    assert sublayer.dispatch_for("auto", "gpu", 1, _device("9.0"), {"model.d_model": 384}) == "grouped"
+    assert sublayer.dispatch_for("auto", "gpu", 1, _device("10.3"), {"model.d_model": 384}) == "blocks"
     assert sublayer.dispatch_for("auto", "cpu", 1, None, widths) == "blocks"  # the CPU keeps its loop
     with pytest.raises(ConfigError, match="mesh.stage 2.*set impl.moe.dispatch=auto or blocks"):
         sublayer.dispatch_for("grouped", "gpu", 2, _device("9.0"), widths)
-    with pytest.raises(ConfigError, match=r"model.d_model \(3000\) in multiples of 256"):
+    with pytest.raises(ConfigError, match=r"for sm_90 tile model.d_model \(3000\) in multiples of 128"):
         sublayer.dispatch_for("grouped", "gpu", 1, _device("9.0"), {"model.d_model": 3000})
     with pytest.raises(ConfigError, match="CPUs; set impl.moe.dispatch=auto or blocks"):
         sublayer.dispatch_for("grouped", "cpu", 1, None, widths)
@@ -173,12 +176,14 @@ def _compiled_in_own_process(check: str, target: str) -> None:
 
 
 def _compile_kernels(target):
-    """Forward and both gradients compiled for one GPU of the target: Mosaic GPU custom calls, the Hopper
-    kernels' wgmma or the Blackwell kernel's tcgen05 lowered by LLVM and assembled by ptxas at compile time
-    (wgmma on a B300 stops LLVM: "Cannot select: intrinsic %llvm.nvvm.wgmma.fence.sync.aligned")."""
+    """Forward and both gradients compiled for one GPU of the target: three Mosaic GPU custom calls, the Hopper
+    kernels' wgmma or the Blackwell kernels' tcgen05 lowered by LLVM and assembled by ptxas at compile time
+    (wgmma on a B300 stops LLVM: "Cannot select: intrinsic %llvm.nvvm.wgmma.fence.sync.aligned"), and no
+    expert block loop left (Blackwell's weight gradient ran in one)."""
     device = compile_only_devices(parse_target(target))[0]
     chip = grouped.Chip.of(device)
-    x, w, starts, _, cotangent = _grouped_inputs([300, 0, 90, 122], jnp.bfloat16, grouped.WIDTH_MULTIPLE)
+    width = grouped.WIDTH_MULTIPLE[chip.major]
+    x, w, starts, _, cotangent = _grouped_inputs([300, 0, 90, 122], jnp.bfloat16, width)
     sharding = jax.sharding.SingleDeviceSharding(device)
     spec = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding) for a in (x, w, starts, cotangent)]
 
@@ -186,7 +191,8 @@ def _compile_kernels(target):
         return _value_and_grads(lambda a, b: grouped.gmm(a, b, starts, BLOCK, chip), x, w, cotangent)
 
     hlo = jax.jit(step).lower(*spec).compile().as_text()
-    assert hlo.count('custom_call_target="mosaic_gpu_v2"') == (3 if chip.major == 9 else 2)
+    assert hlo.count('custom_call_target="mosaic_gpu_v2"') == 3
+    assert gmm.BLOCK_LOOP not in hlo
 
 
 def _compile_expert_parallel_layer(target):
@@ -195,21 +201,22 @@ def _compile_expert_parallel_layer(target):
     received rows."""
     devices = compile_only_devices(parse_target(target))
     mesh = Mesh(np.array(devices), ("expert",))
-    cfg = MoEConfig(num_experts=16, top_k=2, expert_hidden=grouped.WIDTH_MULTIPLE)
-    p = jax.eval_shape(lambda: moe_layer_params(cfg, grouped.WIDTH_MULTIPLE, jax.random.key(0)))
+    chip = grouped.Chip.of(devices[0])
+    width = grouped.WIDTH_MULTIPLE[chip.major]  # Hopper's at 128, under the 256 Blackwell needs
+    cfg = MoEConfig(num_experts=16, top_k=2, expert_hidden=width)
+    p = jax.eval_shape(lambda: moe_layer_params(cfg, width, jax.random.key(0)))
     rows, replicated = (NamedSharding(mesh, PartitionSpec(*spec)) for spec in (("expert",), ()))
     p = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, jnp.bfloat16, sharding=replicated), p)
-    x = jax.ShapeDtypeStruct((64, 16, grouped.WIDTH_MULTIPLE), jnp.bfloat16, sharding=rows)
+    x = jax.ShapeDtypeStruct((64, 16, width), jnp.bfloat16, sharding=rows)
 
     def loss(p, x):
-        out, _ = sublayer.moe_mlp(cfg, p, x, mesh=mesh, batch_axes=("expert",), dispatch="grouped",
-                                  chip=grouped.Chip.of(devices[0]))
+        out, _ = sublayer.moe_mlp(cfg, p, x, mesh=mesh, batch_axes=("expert",), dispatch="grouped", chip=chip)
         return jnp.sum(out.astype(jnp.float32))
 
     hlo = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(p, x).compile().as_text()
     assert "ragged-all-to-all-start" in hlo and "ragged-all-to-all-done" in hlo
-    kernels = 9 if grouped.Chip.of(devices[0]).major == 9 else 6  # 3 matmuls; Blackwell's weight gradient loops
-    assert hlo.count('custom_call_target="mosaic_gpu_v2"') == kernels
+    assert hlo.count('custom_call_target="mosaic_gpu_v2"') == 9  # 3 matmuls, each a kernel and 2 gradients
+    assert gmm.BLOCK_LOOP not in hlo
 
 
 def _compile_train_step_report(target):
@@ -223,7 +230,8 @@ def _compile_train_step_report(target):
     assert report["moe_dispatch"] == "grouped"
     calls = report["program"]["custom_calls"]
     hopper = report["device_kind"].startswith("NVIDIA H")
-    names = (["grouped_matmul", "grouped_weight_grad"] if hopper else [f"ragged_dot_kernel_{grouped.BLACKWELL}"])
+    names = (["grouped_matmul", "grouped_weight_grad"] if hopper
+             else [f"ragged_dot_kernel_{grouped.BLACKWELL}", "blackwell_weight_grad"])
     assert all(calls.get(f"mosaic_gpu_v2 {name}", 0) > 0 for name in names), calls
     assert report["step_time"]["unknown_kernels"] == {} and report["step_time"]["warnings"] == []
 

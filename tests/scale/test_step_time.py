@@ -391,7 +391,8 @@ def test_a_pallas_kernel_is_costed_by_the_work_registered_under_its_name(monkeyp
 def test_a_hopper_grouped_kernel_costs_the_rows_routed_and_blackwells_its_whole_grid():
     """The Hopper kernels skip the row tiles after the last group: given the rows each group is expected to get
     they cost those, padded to whole 64-row tiles, not the static buffer; without the expectation, the buffer (an
-    upper bound). JAX's Blackwell kernel runs every tile of its grid and costs it whatever the routing."""
+    upper bound). So does Blackwell's weight gradient, its groups padded to 256-row blocks. JAX's Blackwell
+    kernel runs every tile of its grid and costs it whatever the routing."""
     from types import SimpleNamespace
 
     from olmax.model import kernel_work
@@ -414,6 +415,10 @@ def test_a_hopper_grouped_kernel_costs_the_rows_routed_and_blackwells_its_whole_
     assert work(grouped.grouped_matmul_work, forward, [array(rows, n)], 1e9).flops == whole.flops
     dw = work(grouped.grouped_weight_grad_work, weight_grad, [array(groups, k, n, dtype="f32")], 100.0)
     assert dw.flops == 2.0 * k * groups * 128 * n
+    blackwell_dw = work(grouped.blackwell_weight_grad_work, weight_grad, [array(groups, k, n)], 100.0)
+    assert blackwell_dw.flops == 2.0 * k * groups * 256 * n and blackwell_dw.tile == (128, 256, 256)
+    assert blackwell_dw.bytes == pytest.approx(2 * groups * k * n + 2 * (groups * 256) * (k + n) + 2 * (groups + 1))
+    assert work(grouped.blackwell_weight_grad_work, weight_grad, [array(groups, k, n)], None).flops == whole.flops
     blackwell = [array(rows, k), array(groups, k, n), array(groups, dtype="s32")]
     assert (work(grouped.blackwell_ragged_dot_work, blackwell, [array(rows, n)], 100.0).flops
             == work(grouped.blackwell_ragged_dot_work, blackwell, [array(rows, n)], None).flops)

@@ -38,7 +38,7 @@ from olmax.config import RunConfig, writable_dir
 from olmax.errors import DoesNotFit
 from olmax.model import attention, fp8, transformer
 from olmax.model.block import moe_target
-from olmax.model.moe import gmm, grouped, sublayer
+from olmax.model.moe import gmm, sublayer
 from olmax.parallel import expert as expert_parallel
 from olmax.parallel.mesh import Layout, make_layout
 from olmax.scale import anatomy, step_time
@@ -128,11 +128,11 @@ def attention_info(cfg: RunConfig, layout: Layout) -> step_time.AttentionInfo:
 
 
 def expert_blocks(cfg: RunConfig, layout: Layout, micro_rows: int) -> step_time.ExpertBlocks | None:
-    """What the step-time model needs to know of the experts' block loops (impl.moe.dispatch blocks, and grouped's
-    weight gradient on Blackwell): the rows each
-    of a device's experts gets a micro-step under the routing's expectation (a device's tokens x top_k, spread
-    evenly over the experts it holds; dropless, one part's of impl.moe.exchange_chunks), the block the model picks
-    for them (olmax.model.moe.sublayer) and the rows a ragged exchange sends."""
+    """What the step-time model needs to know of the experts' block loops (impl.moe.dispatch blocks) and of the
+    grouped kernels, which run the rows routed: the rows each of a device's experts gets a micro-step under the
+    routing's expectation (a device's tokens x top_k, spread evenly over the experts it holds; dropless, one
+    part's of impl.moe.exchange_chunks), the block the model picks for them (olmax.model.moe.sublayer) and the
+    rows a ragged exchange sends."""
     if cfg.model.mlp != "moe":
         return None
     moe = cfg.model.moe
@@ -149,8 +149,6 @@ def expert_blocks(cfg: RunConfig, layout: Layout, micro_rows: int) -> step_time.
             exchanged = tokens * expert_parallel.expected_peers(moe.num_experts, moe.top_k, ep)
     smallest = fp8.MX_BLOCK if cfg.impl.fp8 == "mxfp8" else 16
     block = cfg.impl.moe.block or gmm.auto_block_size(sized_for, local_experts, smallest)
-    if sublayer.dispatch_for(cfg.impl.moe.dispatch, *moe_target(cfg.model, cfg.impl, layout)) == "grouped":
-        block = grouped.Chip.of(layout.mesh.devices.flat[0]).block  # the kernels' layout (Blackwell's dw loops)
     return step_time.ExpertBlocks(routed / local_experts, block, moe.routing, gmm.BLOCK_LOOP, exchanged)
 
 

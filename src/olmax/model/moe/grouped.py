@@ -8,14 +8,15 @@ rows:
     product        Hopper (sm_90, wgmma)                  Blackwell (sm_100, tcgen05)
     y  = x w       grouped_matmul                         JAX's blackwell_ragged_dot_mgpu
     dx = dy w^T    grouped_matmul on w^T                  JAX's blackwell_ragged_dot_mgpu on w^T
-    dw = x^T dy    grouped_weight_grad on x^T             the block loop (gmm.weight_grad): no kernel
+    dw = x^T dy    grouped_weight_grad on x^T             blackwell_weight_grad on x^T
 
-bf16 (or float32) in, accumulated in float32, out in the input's dtype. The Hopper kernels are olmax's: with
-groups aligned to their 64-row tiles each tile belongs to one group, so a program multiplies by one w[g] and
-stores its tile whole, the weight gradient sums whole tiles without masking rows, tiles after the last group
-(the unused part of the layout's static bound: a quarter of the rows at impl.moe.ep_capacity=1.25) are skipped,
-and the grids are one program per output tile (no SM count). w^T and x^T are XLA transposes: the interpreter
-that tests the kernels on a CPU cannot run a wgmma on a transposed view of shared memory.
+bf16 in (float32 too on Hopper), accumulated in float32, out in the input's dtype. The Hopper kernels and
+Blackwell's weight gradient are olmax's: with groups aligned to 64-row tiles each tile belongs to one group, so
+a program multiplies by one w[g] and stores its tile whole, a weight gradient sums whole tiles without masking
+rows, tiles after the last group (the unused part of the layout's static bound: a quarter of the rows at
+impl.moe.ep_capacity=1.25) are skipped, and the grids are one program per output tile (no SM count). w^T and
+x^T are XLA transposes: the interpreter that tests the Hopper kernels on a CPU cannot run a wgmma on a
+transposed view of shared memory.
 
 Evaluated and not taken (jax 0.10.2, tokamax 0.0.12):
 - tokamax, openxla's Pallas kernel library: its `ragged_dot` picks its kernel from the compute capability of the
@@ -30,7 +31,12 @@ Evaluated and not taken (jax 0.10.2, tokamax 0.0.12):
   memory space: tmem"), so it is checked by compiling for a B300; it reads the SM count from
   jax.local_devices()[0], which `_on_device` makes the target's; its `collective=False` form does not trace
   (an unbound cluster axis), so it runs in pairs of SMs on 256 x 256 tiles. JAX has no tcgen05 kernel for the
-  weight gradient, so it stays in the block loop.
+  weight gradient (a ragged contraction): olmax's `blackwell_weight_grad` runs a program per (column tile, row
+  tile of K, group) on one SM each, 128 x 256 tiles accumulated in tensor memory, no cluster: a collective pair
+  would share a 256 x 256 tile (half the shared-memory reads a FLOP) but tie two SMs' programs together, and it
+  is checked by compiling for a B300 as the other is. In float32 neither compiles (JAX's tiles exceed shared
+  memory; tcgen05 in warpgroup semantics takes no TF32): the check before a run (selfcheck) falls back to the
+  block loop.
 Mosaic GPU assembles its kernels with ptxas when XLA compiles the program (CUDA_ROOT, the nvidia-cuda-nvcc
 package, or the PATH provide it), and keeps the first GPU generation a process compiles for: one target a
 process (as `olmax compile` runs).
@@ -51,7 +57,6 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax.experimental.pallas.ops.gpu import blackwell_ragged_dot_mgpu
 
 from olmax.model import kernel_work
-from olmax.model.moe import gmm as block_loop
 
 # Tiles (rows x columns x contraction). Hopper: output tiles of 128 columns and 64 rows (a wgmma's, and a group's
 # alignment: the forward) or 128 (the weight gradient), 64-deep steps, 4 in flight: at most 4 x (128 x 64 + 64 x
@@ -64,11 +69,18 @@ BLACKWELL = blackwell_ragged_dot_mgpu.TuningConfig(
 ROW_TILE = 2 * BLACKWELL.tile_m
 WARPGROUP = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup)
 ALIGN = 64  # rows: each group padded to a multiple (gmm's `block`), the weight gradient's contraction step
-# Blackwell's weight gradient is the block loop over the layout's blocks, each step adding x^T dy of one block to
-# a float32 [K, N] accumulator that XLA reads and writes whole (14.7 MB for 3584 x 1024): 256-row blocks make a
-# quarter of 64-row blocks' steps, for at most 255 zero rows more a group in the forward kernels.
+# Blackwell's layout: 256-row blocks, taken when its weight gradient was XLA's block loop over them (a quarter
+# of 64-row blocks' steps); its kernel steps through 64 rows at a time, so ALIGN would do, with under 64 zero
+# rows a group instead of 256.
 BLACKWELL_BLOCK = 256
-WIDTH_MULTIPLE = 256  # d_model and expert_hidden: Blackwell's 256-wide cluster tiles, Hopper's 128 and 64
+# Blackwell's weight gradient: 128 x 256 output tiles on one SM, accumulated in 256 columns of tensor memory, in
+# steps of rows 128 bytes wide in shared memory (the widest swizzle: 64 rows of bf16), 4 in flight: 4 x (128 x
+# 64 + 64 x 256) x 2 B = 192 KiB of shared memory, and 2 x 16 KiB for the stores, of 227.
+BLACKWELL_GRAD = dict(block_m=128, block_n=256, max_concurrent_steps=4)
+SWIZZLE = 128  # bytes
+# d_model and expert_hidden, by compute capability's major version: Hopper's tiles are 128 and 64 wide,
+# Blackwell's 256 (JAX's kernel's cluster tiles, and the weight gradient's columns)
+WIDTH_MULTIPLE = {9: 128, 10: 256}
 
 
 @dataclass(frozen=True)
@@ -94,11 +106,12 @@ def unsupported(device, widths: dict[str, int]) -> str | None:
     if device is None:
         return "its kernels are chosen for a GPU's compute capability, and no device was given"
     cc = getattr(device, "compute_capability", None)
-    if device.platform not in ("gpu", "cuda") or cc is None or int(float(cc)) not in (9, 10):
+    major = None if cc is None else int(float(cc))
+    if device.platform not in ("gpu", "cuda") or major not in WIDTH_MULTIPLE:
         return f"its kernels are for NVIDIA Hopper (sm_90) and Blackwell (sm_100) GPUs, not {device.device_kind}"
     for name, value in widths.items():
-        if value % WIDTH_MULTIPLE:
-            return f"its kernels tile {name} ({value}) in multiples of {WIDTH_MULTIPLE}"
+        if value % WIDTH_MULTIPLE[major]:
+            return f"its kernels for sm_{major}0 tile {name} ({value}) in multiples of {WIDTH_MULTIPLE[major]}"
     return None
 
 
@@ -220,6 +233,91 @@ def _weight_grad(xt, dy, block_starts):
     )(block_starts, xt, dy)
 
 
+def _blackwell_weight_grad(xt, dy, block_starts):
+    """Per group, xt[:, its rows] @ dy[its rows] ([G, K, N] from xt [K, M] and dy [M, N]) on Blackwell, for
+    groups that start and end on multiples of ALIGN rows (block_starts in ALIGN-row steps), their padding rows
+    zero: one program per (column tile, row tile of K, group) accumulates the group's steps in tensor memory.
+    In one warpgroup, a warp issues the TMA copies of each step into a ring of shared memory, another the
+    tcgen05 MMAs, each MMA freeing its slot when it has read it; then the warpgroup stores the accumulator in
+    column slices. An empty group runs no MMA and stores zeros (its tensor memory is never written)."""
+    k, n, groups, dtype = xt.shape[0], dy.shape[1], block_starts.shape[0] - 1, xt.dtype
+    bm, bn, ring = BLACKWELL_GRAD["block_m"], BLACKWELL_GRAD["block_n"], BLACKWELL_GRAD["max_concurrent_steps"]
+    bk = columns_stored = SWIZZLE // jnp.dtype(dtype).itemsize  # rows a step, columns a store
+    # shared memory's layout for the operands and the stores: 8-row tiles, 128-byte rows swizzled, as tcgen05
+    # and TMA take them
+    swizzled = plgpu.TilingTransform((8, bk)), plgpu.SwizzleTransform(SWIZZLE)
+    TMA_WARP, MMA_WARP = 0, 1
+
+    def body(starts_gmem, xt_gmem, dy_gmem, out_gmem, xt_smem, dy_smem, acc_tmem, out_smem, loaded, consumed,
+             mma_done):
+        g, mi, ni = (jax.lax.axis_index(axis) for axis in ("g", "m", "n"))
+        first, steps = starts_gmem[g] * (ALIGN // bk), (starts_gmem[g + 1] - starts_gmem[g]) * (ALIGN // bk)
+
+        @pl.core_map(plgpu.WarpMesh(axis_name="warp"))
+        def _():
+            warp = jax.lax.axis_index("warp")
+
+            @pl.when(warp == TMA_WARP)
+            def _():
+                def load(i, _):
+                    slot, rows = jax.lax.rem(i, ring), pl.ds((first + i) * bk, bk)
+
+                    @pl.when(i >= ring)  # the slot's previous step read by its MMA
+                    def _():
+                        plgpu.barrier_wait(consumed.at[slot])
+
+                    plgpu.copy_gmem_to_smem(xt_gmem.at[pl.ds(mi * bm, bm), rows], xt_smem.at[slot], loaded.at[slot])
+                    plgpu.copy_gmem_to_smem(dy_gmem.at[rows, pl.ds(ni * bn, bn)], dy_smem.at[slot], loaded.at[slot])
+
+                jax.lax.fori_loop(0, steps, load, None)
+
+            @pl.when(jnp.logical_and(warp == MMA_WARP, steps > 0))
+            def _():
+                def multiply(i, _):
+                    slot = jax.lax.rem(i, ring)
+                    plgpu.barrier_wait(loaded.at[slot])
+                    plgpu.tcgen05_mma(acc_tmem, xt_smem.at[slot], dy_smem.at[slot], consumed.at[slot],
+                                      accumulate=i > 0)
+
+                jax.lax.fori_loop(0, steps, multiply, None)
+                plgpu.tcgen05_commit_arrive(mma_done)
+
+        @pl.when(steps > 0)
+        def _():
+            plgpu.barrier_wait(mma_done)
+
+        out_tile = out_gmem.at[g, pl.ds(mi * bm, bm), pl.ds(ni * bn, bn)]
+        for c in range(bn // columns_stored):
+            columns, buffer = pl.ds(c * columns_stored, columns_stored), out_smem.at[c % 2]
+
+            @pl.when(steps > 0)
+            def _():
+                buffer[...] = plgpu.async_load_tmem(acc_tmem.at[:, columns]).astype(buffer.dtype)
+
+            @pl.when(steps == 0)
+            def _():
+                buffer[...] = jnp.zeros(buffer.shape, buffer.dtype)
+
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(buffer, out_tile.at[:, columns])
+            plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # the other buffer free for the next slice
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+    return plgpu.kernel(
+        body, out_type=jax.ShapeDtypeStruct((groups, k, n), dtype), grid=(n // bn, k // bm, groups),
+        grid_names=("n", "m", "g"), kernel_name="blackwell_weight_grad", compiler_params=WARPGROUP,
+        scratch_types=dict(
+            xt_smem=plgpu.SMEM((ring, bm, bk), dtype, transforms=swizzled),
+            dy_smem=plgpu.SMEM((ring, bk, bn), dtype, transforms=swizzled),
+            acc_tmem=plgpu.TMEM((bm, bn), jnp.float32),
+            out_smem=plgpu.SMEM((2, bm, columns_stored), dtype, transforms=swizzled),
+            loaded=plgpu.Barrier(num_arrivals=2, num_barriers=ring),  # both operands' copies
+            consumed=plgpu.Barrier(num_arrivals=1, num_barriers=ring, orders_tensor_core=True),
+            mma_done=plgpu.Barrier(num_arrivals=1, orders_tensor_core=True),
+        ),
+    )(block_starts, xt, dy)
+
+
 def _in_groups(y, counts):
     return jnp.where((jnp.arange(y.shape[0]) < jnp.sum(counts))[:, None], y, 0)
 
@@ -247,7 +345,7 @@ def _gmm_bwd(block, chip, res, dy):
     if chip.major == 9:
         dw = _weight_grad(x.T, dy, aligned)
     else:
-        dw = block_loop.weight_grad(x, dy, w.shape, block_starts, block, block_loop.dot_f32)
+        dw = _blackwell_weight_grad(x.T, dy, aligned)
     return dx, dw.astype(w.dtype), None
 
 
@@ -256,13 +354,14 @@ gmm.defvjp(_gmm_fwd, _gmm_bwd)
 
 # The kernels' work for the step-time model (olmax.model.kernel_work), from their grids and tiles as they
 # launch them, each operand read from HBM once (the grid orders keep the programs that run together on the same
-# rows and weights). The Hopper kernels skip the tiles after the last group: they run the rows the routing fills,
-# each group's padded to whole tiles (at the routing's expectation where the step-time model gives it; the whole
-# buffer otherwise, an upper bound). Blackwell's runs every row tile of its grid, filled or not.
-def _routed_rows(call: kernel_work.KernelCall, rows: int, groups: int) -> int:
+# rows and weights). olmax's kernels skip the tiles after the last group: they run the rows the routing fills,
+# each group's padded to whole tiles or blocks (at the routing's expectation where the step-time model gives it;
+# the whole buffer otherwise, an upper bound). JAX's Blackwell kernel runs every row tile of its grid, filled or
+# not.
+def _routed_rows(call: kernel_work.KernelCall, rows: int, groups: int, block: int = ALIGN) -> int:
     if call.rows_per_group is None:
         return rows
-    return min(rows, groups * -(-math.ceil(call.rows_per_group) // ALIGN) * ALIGN)
+    return min(rows, groups * -(-math.ceil(call.rows_per_group) // block) * block)
 
 
 def grouped_matmul_work(call: kernel_work.KernelCall) -> kernel_work.Work:
@@ -275,12 +374,21 @@ def grouped_matmul_work(call: kernel_work.KernelCall) -> kernel_work.Work:
                             x.dtype)
 
 
-def grouped_weight_grad_work(call: kernel_work.KernelCall) -> kernel_work.Work:
+def _weight_grad_work(call: kernel_work.KernelCall, block: int, tile_m: int, tile_n: int) -> kernel_work.Work:
+    # a weight gradient's programs step over their group's rows, each group padded to whole blocks
     xt, dy = call.operands[1], call.operands[2]
     (k, rows), n, groups = xt.dims, dy.dims[1], call.outputs[0].dims[0]
-    used = _routed_rows(call, rows, groups)
-    tile = (HOPPER["block_m"], HOPPER["block_n"], max(used // groups, ALIGN))  # a group's rows, on average
+    used = _routed_rows(call, rows, groups, block)
+    tile = (tile_m, tile_n, max(used // groups, block))  # a group's rows, on average
     return kernel_work.Work(2.0 * k * used * n, _moved(call, xt.bytes + dy.bytes, used / rows), tile, xt.dtype)
+
+
+def grouped_weight_grad_work(call: kernel_work.KernelCall) -> kernel_work.Work:
+    return _weight_grad_work(call, ALIGN, HOPPER["block_m"], HOPPER["block_n"])
+
+
+def blackwell_weight_grad_work(call: kernel_work.KernelCall) -> kernel_work.Work:
+    return _weight_grad_work(call, BLACKWELL_BLOCK, BLACKWELL_GRAD["block_m"], BLACKWELL_GRAD["block_n"])
 
 
 def _moved(call: kernel_work.KernelCall, over_rows: float, share: float) -> float:
@@ -298,4 +406,5 @@ def blackwell_ragged_dot_work(call: kernel_work.KernelCall) -> kernel_work.Work:
 
 
 kernel_work.WORK |= {"grouped_matmul": grouped_matmul_work, "grouped_weight_grad": grouped_weight_grad_work,
-                     f"ragged_dot_kernel_{BLACKWELL}": blackwell_ragged_dot_work}
+                     f"ragged_dot_kernel_{BLACKWELL}": blackwell_ragged_dot_work,
+                     "blackwell_weight_grad": blackwell_weight_grad_work}

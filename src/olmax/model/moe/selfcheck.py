@@ -16,7 +16,7 @@ from olmax.config import ConfigError
 from olmax.model.moe import grouped
 
 COUNTS = (37, 0, 130, 64)  # rows a group: uneven, one empty, one of whole blocks (Hopper's), off the tiles
-WIDTH = grouped.WIDTH_MULTIPLE  # d and f: one of Blackwell's cluster tiles, two of Hopper's
+WIDTH = grouped.WIDTH_MULTIPLE[10]  # d and f: one of Blackwell's 256-wide tiles, two of Hopper's
 # The largest difference allowed, a fraction of the reference's largest value: bf16 outputs round at 2^-9
 # relative; float32 inputs run as TF32 on the tensor cores (10-bit mantissa). A wrong group is off by order 1.
 TOLERANCE = {"bfloat16": 3e-2, "float32": 5e-3}
@@ -90,7 +90,8 @@ def verdict(product, name: str, dtype, block: int) -> str | None:
 
 
 def kernel_name(chip: grouped.Chip) -> str:
-    kernels = "grouped_matmul, grouped_weight_grad" if chip.major == 9 else "blackwell_ragged_dot_mgpu"
+    kernels = ("grouped_matmul, grouped_weight_grad" if chip.major == 9
+               else "blackwell_ragged_dot_mgpu, blackwell_weight_grad")
     return f"grouped.gmm for sm_{chip.major}0 ({kernels})"
 
 
