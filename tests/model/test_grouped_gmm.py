@@ -74,23 +74,30 @@ def _device(cc, sms=132, platform="gpu"):
 
 
 def test_auto_takes_the_kernels_where_they_run():
-    widths = {"model.d_model": 3584, "model.moe.expert_hidden": 1024}
-    assert sublayer.dispatch_for("auto", "gpu", 1, _device("9.0"), widths) == "grouped"
-    assert sublayer.dispatch_for("auto", "gpu", 1, _device("10.3"), widths) == "grouped"
-    assert sublayer.dispatch_for("auto", "gpu", 1, _device("8.0"), widths) == "blocks"  # an A100
-    assert sublayer.dispatch_for("auto", "gpu", 2, _device("9.0"), widths) == "blocks"  # pipeline stages
-    assert sublayer.dispatch_for("auto", "gpu", 1, _device("9.0"), widths, mxfp8=True) == "blocks"
-    assert sublayer.dispatch_for("auto", "gpu", 1, _device("9.0"), {"model.d_model": 3000}) == "blocks"
-    # Hopper's tiles are 128 wide, Blackwell's 256
-    assert sublayer.dispatch_for("auto", "gpu", 1, _device("9.0"), {"model.d_model": 384}) == "grouped"
-    assert sublayer.dispatch_for("auto", "gpu", 1, _device("10.3"), {"model.d_model": 384}) == "blocks"
-    assert sublayer.dispatch_for("auto", "cpu", 1, None, widths) == "blocks"  # the CPU keeps its loop
+    """Any width: the kernels pad to their tiles (the 1.2T MoE's 4,480-wide experts were refused)."""
+    assert sublayer.dispatch_for("auto", "gpu", 1, _device("9.0")) == "grouped"
+    assert sublayer.dispatch_for("auto", "gpu", 1, _device("10.3")) == "grouped"
+    assert sublayer.dispatch_for("auto", "gpu", 1, _device("8.0")) == "blocks"  # an A100
+    assert sublayer.dispatch_for("auto", "gpu", 2, _device("9.0")) == "blocks"  # pipeline stages
+    assert sublayer.dispatch_for("auto", "gpu", 1, _device("9.0"), mxfp8=True) == "blocks"
+    assert sublayer.dispatch_for("auto", "cpu", 1, None) == "blocks"  # the CPU keeps its loop
     with pytest.raises(ConfigError, match="mesh.stage 2.*set impl.moe.dispatch=auto or blocks"):
-        sublayer.dispatch_for("grouped", "gpu", 2, _device("9.0"), widths)
-    with pytest.raises(ConfigError, match=r"for sm_90 tile model.d_model \(3000\) in multiples of 128"):
-        sublayer.dispatch_for("grouped", "gpu", 1, _device("9.0"), {"model.d_model": 3000})
+        sublayer.dispatch_for("grouped", "gpu", 2, _device("9.0"))
     with pytest.raises(ConfigError, match="CPUs; set impl.moe.dispatch=auto or blocks"):
-        sublayer.dispatch_for("grouped", "cpu", 1, None, widths)
+        sublayer.dispatch_for("grouped", "cpu", 1, None)
+
+
+@pytest.mark.parametrize("width", [96, 200])
+def test_hopper_kernels_run_any_width_padded_to_their_tiles(width):
+    """Widths off the 128-wide tiles: x's columns and w's rows and columns padded with zeros, the output cut."""
+    x, w, starts, sizes, cotangent = _grouped_inputs([37, 0, 100], jnp.float32, width)
+    with force_gpu_interpret_mode(InterpretGPUParams()):
+        ours = _value_and_grads(lambda a, b: grouped.gmm(a, b, starts, BLOCK, HOPPER), x, w, cotangent)
+    ragged = _value_and_grads(lambda a, b: jax.lax.ragged_dot(a, b, sizes, preferred_element_type=jnp.float32),
+                              x, w, cotangent)
+    for name, a, b in zip(("y", "dx", "dw"), ours, ragged):
+        assert a.shape == b.shape, name
+        np.testing.assert_allclose(np.float32(a), np.float32(b), rtol=1e-5, atol=1e-4, err_msg=name)
 
 
 def test_grouped_is_refused_with_mxfp8(capsys):
@@ -179,11 +186,11 @@ def _compile_kernels(target):
     """Forward and both gradients compiled for one GPU of the target: three Mosaic GPU custom calls, the Hopper
     kernels' wgmma or the Blackwell kernels' tcgen05 lowered by LLVM and assembled by ptxas at compile time
     (wgmma on a B300 stops LLVM: "Cannot select: intrinsic %llvm.nvvm.wgmma.fence.sync.aligned"), and no
-    expert block loop left (Blackwell's weight gradient ran in one)."""
+    expert block loop left (Blackwell's weight gradient ran in one), at a width off both generations' tiles
+    (padded to them)."""
     device = compile_only_devices(parse_target(target))[0]
     chip = grouped.Chip.of(device)
-    width = grouped.WIDTH_MULTIPLE[chip.major]
-    x, w, starts, _, cotangent = _grouped_inputs([300, 0, 90, 122], jnp.bfloat16, width)
+    x, w, starts, _, cotangent = _grouped_inputs([300, 0, 90, 122], jnp.bfloat16, 320)
     sharding = jax.sharding.SingleDeviceSharding(device)
     spec = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding) for a in (x, w, starts, cotangent)]
 

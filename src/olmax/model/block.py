@@ -102,12 +102,10 @@ def mlp_sublayer(cfg: ModelConfig, impl: ImplConfig, layout: Layout | None = Non
 
 
 def moe_target(cfg: ModelConfig, impl: ImplConfig, layout: Layout | None) -> tuple:
-    """What sublayer.dispatch_for needs beyond impl.moe.dispatch: platform, pipeline stages, device, the expert
-    matmuls' widths and MXFP8."""
+    """What sublayer.dispatch_for needs beyond impl.moe.dispatch: platform, pipeline stages, device and MXFP8."""
     stages = layout.mesh.shape.get("stage", 1) if layout else 1
     device = layout.mesh.devices.flat[0] if layout else jax.devices()[0]
-    widths = {"model.d_model": cfg.d_model, "model.moe.expert_hidden": cfg.moe.expert_hidden}
-    return platform(layout), stages, device, widths, impl.fp8 == "mxfp8"
+    return platform(layout), stages, device, impl.fp8 == "mxfp8"
 
 
 def training_hooks(cfg: ModelConfig, seed: int):

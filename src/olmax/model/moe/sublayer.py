@@ -23,17 +23,16 @@ from olmax.model.moe import gmm, grouped, router
 from olmax.parallel import expert as expert_parallel
 
 
-def dispatch_for(chosen: str, platform: str, stages: int = 1, device=None, widths: dict[str, int] | None = None,
-                 mxfp8: bool = False) -> str:
+def dispatch_for(chosen: str, platform: str, stages: int = 1, device=None, mxfp8: bool = False) -> str:
     """The experts' matmul `impl.moe.dispatch` means on `platform` ('cpu', 'gpu', 'tpu') with `stages`
-    pipeline stages, for GPUs on `device` (one of the target's) with the expert matmuls' `widths`. `auto` takes
+    pipeline stages, for GPUs on `device` (one of the target's). `auto` takes
     ragged_dot where the compiler runs it as a grouped-matmul kernel: on TPU (its `ragged-dot` kernels,
     tests/scale/test_scale_compile.py) without pipeline stages. A pipeline maps the layers over the stages, which
     gives ragged_dot a batch dimension, and the TPU kernel takes none (the compiler stops: "Failed to create
     RaggedConvSpec ... number of batch dimensions should be 0"). XLA:CPU expands ragged_dot densely, and so did
     XLA:GPU in jax 0.10.2 (a compile for gpu:h100x8 made each expert matmul a batched dot over every expert and
     every row), so on GPUs `auto` takes `grouped`, the Pallas Mosaic GPU kernels of grouped.py, where they run
-    (Hopper and Blackwell, widths in their tiles, no pipeline stages, not MXFP8), and the block loop elsewhere."""
+    (Hopper and Blackwell, any width, no pipeline stages, not MXFP8), and the block loop elsewhere."""
     kernel = platform == "tpu" and stages == 1
     if chosen == "ragged_dot" and platform == "tpu" and not kernel:
         raise ConfigError(f"impl.moe.dispatch=ragged_dot with mesh.stage {stages}: the TPU's ragged-dot kernel "
@@ -49,7 +48,7 @@ def dispatch_for(chosen: str, platform: str, stages: int = 1, device=None, width
         elif mxfp8:
             refusal = "its kernels are bf16, and impl.fp8=mxfp8 runs the experts' MXFP8 products in the block loop"
         else:
-            refusal = grouped.unsupported(device, widths or {})
+            refusal = grouped.unsupported(device)
         if chosen == "grouped" and refusal:
             raise ConfigError(f"impl.moe.dispatch=grouped: {refusal}; set impl.moe.dispatch=auto or blocks")
         if chosen == "auto":
