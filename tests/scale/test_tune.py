@@ -33,6 +33,12 @@ def test_a_layout_that_keeps_more_than_one_out_of_memory_is_out_of_memory_too():
     other = (("data", 2), ("fsdp", 4), ("tensor", 1), ("expert", 1), ("stage", 1))
     assert tune.pruned_by(candidate({"qkv_proj", "context", "mlpwo"}, mesh=other), [oom]) is None
     assert tune.pruned_by(candidate({"qkv_proj", "context", "mlpwo"}, flags=True), [oom]) is None
+    # its optimizer state sharded (ZeRO-1) holds less than it whole; another pipeline schedule is another layout
+    sharded = tune.Candidate(MESH, frozenset({"qkv_proj", "context"}), 2, None, False, zero1=True)
+    assert tune.pruned_by(candidate({"qkv_proj", "context", "mlpwo"}), [sharded]) == sharded
+    assert tune.pruned_by(sharded, [oom]) is None
+    gpipe = tune.Candidate(MESH, frozenset({"qkv_proj", "context", "mlpwo"}), 2, None, False, ("gpipe", 2, None))
+    assert tune.pruned_by(gpipe, [oom]) is None
 
 
 def test_the_space_covers_remat_meshes_and_micro_batches_and_the_order_sees_many_meshes_first():
@@ -134,6 +140,9 @@ def test_the_search_varies_pipeline_stages_schedules_and_micro_batches_each_can_
     assert set(settings) == {1, 2, 4} and settings[1] == {None}
     assert {s[0] for s in settings[2]} == {"gpipe", "circular", "1f1b", "interleaved_1f1b"}
     assert {s[1] for s in settings[4]} == {4, 8} and ("circular", 4, 2) in settings[2]
+    # ZeRO-1 where a parameter is replicated (a dense model's over data)
+    assert {c.zero1 for c in space if dict(c.mesh)["data"] > 1} == {False, True}
+    assert not any(c.zero1 for c in space if dict(c.mesh)["data"] == 1)
     for c in space[:: len(space) // 25]:
         loaded = load_config("tiny", [*PIPELINED, *c.overrides()])
         assert loaded.mesh.stage == dict(c.mesh)["stage"]
@@ -160,7 +169,7 @@ def test_a_depth_reduced_compile_runs_one_and_two_units_of_the_repeated_layers()
     assert tune.depths(two) == (16, 32)
     reduced = tune.at_depth(two, 16)
     assert reduced.model.n_layers == 16 and tune.pipeline.schedule_for(reduced).repeats == 2
-    assert tune.extrapolated(64, (16, 32), [10.0, 14.0]) == 26.0 and tune.extrapolated(64, None, [3.0]) == 3.0
+    assert tune.extrapolated(64, (16, 32), [10.0, 14.0]) == 22.0 and tune.extrapolated(64, None, [3.0]) == 3.0
     assert tune.trusted({"peak": 0.049, "step": -0.05}) and not tune.trusted({"peak": 0.051, "step": 0.0})
 
 

@@ -53,11 +53,11 @@ def add_commands(subparsers) -> None:
     p.add_argument("--headroom", type=float, default=0.1,
                    help="the share of a device's memory a layout must leave free to count as fitting (default 0.1)")
     p.add_argument("--jobs", type=int, help="compiles side by side (default: one a core, as many as memory allows)")
-    p.add_argument("--depth", choices=("reduced", "full"), default="reduced",
-                   help="reduced (default): compile each candidate with one and two units of its repeated layers (a "
-                   "layer_pattern period on each pipeline stage) and extrapolate its peak and step to the whole "
-                   "depth, confirm the best by a full compile, and compile whole from the first confirmation that "
-                   "misses by more than 5%%; full: compile every candidate whole")
+    p.add_argument("--depth", choices=("full", "reduced"), default="full",
+                   help="full (default): compile every candidate whole; reduced: compile each with one and two units "
+                   "of its repeated layers (a layer_pattern period on each pipeline stage) and extrapolate its peak "
+                   "and step to the whole depth, confirm the best by a full compile, and compile whole from the first "
+                   "confirmation that misses by more than 5%%")
     p.add_argument("--out", metavar="FILE", help="write the best layout to this new file (its directory made if "
                    "missing) as a config file (base: CONFIG, its settings over it): `olmax train FILE`, or "
                    "`olmax train CONFIG FILE`")

@@ -2,8 +2,9 @@
 
 The space is every way to lay the config's step out on the target: the remat policy (which named activations
 the backward pass keeps: none of them, any set of them, or everything), the mesh (the target's devices factored
-over data, fsdp and tensor, and expert for an MoE), the micro-batch a device runs, Splash's tiles on a TPU, and
-the target's XLA flag profile against the compiler's defaults. Each candidate is compiled ahead of time
+over pipeline stages, data, fsdp and tensor, and expert for an MoE), with stages the pipeline's schedule, its
+micro-batches and chunks, ZeRO-1, the micro-batch a device runs, Splash's tiles on a TPU, and the target's XLA
+flag profile against the compiler's defaults. Each candidate is compiled ahead of time
 (`olmax compile`'s step; programs cached by their text, so a rerun or a longer search compiles only what is new),
 judged by the compiler's peak memory (it fits with `headroom` to spare) and by the step-time model's prediction.
 
@@ -53,6 +54,7 @@ class Candidate:
     tiles: int | None  # Splash's query and key tile, None where it has none
     flags: bool  # the target's XLA flag profile
     pipeline: tuple[str, int, int | None] | None = None  # with stages: (schedule, micro-batches, repeats or None)
+    zero1: bool = False  # the optimizer state sharded over the axes its parameter is replicated on
 
     @property
     def remat(self):
@@ -62,8 +64,9 @@ class Candidate:
 
     def overrides(self) -> list[str]:
         remat = self.remat if isinstance(self.remat, str) else "[" + ",".join(self.remat) + "]"
-        found = [f"mesh.{axis}={size}" for axis, size in self.mesh] + [f"impl.remat={remat}",
-                                                                       f"train.micro_batch_per_device={self.micro_batch}"]
+        found = [f"mesh.{axis}={size}" for axis, size in self.mesh] + [
+            f"impl.remat={remat}", f"train.micro_batch_per_device={self.micro_batch}",
+            f"impl.shard_optimizer={str(self.zero1).lower()}"]
         if self.pipeline:
             schedule, microbatches, repeats = self.pipeline
             found += [f"impl.pipeline.schedule={schedule}", f"impl.pipeline.microbatches={microbatches}",
@@ -82,15 +85,17 @@ class Candidate:
             schedule, microbatches, repeats = self.pipeline
             stages = f"{schedule}{f' x {repeats} chunks' if repeats else ''}, {microbatches} pipeline micro-batches; "
         return (f"{mesh}; {stages}remat {remat}; micro-batch {self.micro_batch}{tiles}; "
-                f"flags {'on' if self.flags else 'off'}")
+                f"{'ZeRO-1; ' if self.zero1 else ''}flags {'on' if self.flags else 'off'}")
 
     def same_but_memory(self, other: Candidate) -> bool:
         """The same layout but for what it keeps (Splash's tiles live in the cores' VMEM, not in HBM)."""
         return (self.mesh, self.flags, self.pipeline) == (other.mesh, other.flags, other.pipeline)
 
     def keeps_at_least(self, other: Candidate) -> bool:
-        """Everything `other` keeps in memory, this keeps too: its saved activations and its micro-batch."""
-        return self.same_but_memory(other) and self.saved >= other.saved and self.micro_batch >= other.micro_batch
+        """Everything `other` keeps in memory, this keeps too: its saved activations, its micro-batch and its
+        optimizer state (whole where `other` holds it whole)."""
+        return (self.same_but_memory(other) and self.saved >= other.saved and self.micro_batch >= other.micro_batch
+                and self.zero1 <= other.zero1)
 
 
 def pruned_by(candidate: Candidate, out_of_memory: list[Candidate]) -> Candidate | None:
@@ -180,11 +185,14 @@ def space(cfg: RunConfig, target: Target) -> list[Candidate]:
     for mesh in meshes(cfg, target.devices):
         dp = math.prod(size for axis, size in mesh if axis in ("data", "fsdp", "expert"))
         per_device = cfg.train.global_batch_instances // dp
+        # ZeRO-1 where some parameter is replicated: over data, and an MoE's experts over fsdp too
+        replicated = dict(mesh)["data"] * (dict(mesh)["fsdp"] if cfg.model.mlp == "moe" else 1)
+        sharded = [False, True] if replicated > 1 else [False]
         for setting in pipelines(cfg, dict(mesh)["stage"]):
             split = setting[1] if setting else 1  # a micro-step's rows are cut into the pipeline's micro-batches
             for micro in [b for b in _divisors(per_device) if (b & (b - 1) == 0 or b == per_device) and b % split == 0]:
-                for saved, tile, flag in itertools.product(remat_policies(), tiles, flags):
-                    found.append(Candidate(mesh, saved, micro, tile, flag, setting))
+                for saved, tile, flag, zero1 in itertools.product(remat_policies(), tiles, flags, sharded):
+                    found.append(Candidate(mesh, saved, micro, tile, flag, setting, zero1))
     return found
 
 
@@ -298,7 +306,9 @@ class Estimate:
         moved += (6 * received / self.layer_tokens(candidate) * tokens * tensor * m.n_layers * m.d_model * 2
                   * (peers - 1) / peers)
         comm = moved / link
-        state = (dense + experts) * (4 + 4 + 4 + 4)  # float32 parameters, gradients and two moments
+        # float32 parameters, gradients and two moments; ZeRO-1 shards the moments over the replicas
+        moments = dense / (data if candidate.zero1 else 1) + experts / (replicas if candidate.zero1 else 1)
+        state = (dense + experts) * (4 + 4) + moments * (4 + 4)
         memory = state + self.saved(candidate) / tensor
         if rows:
             d, f, local = m.d_model, m.moe.expert_hidden, m.moe.num_experts // peers
@@ -491,7 +501,7 @@ def ordered(candidates: list[Candidate], key, tried: set = frozenset(), leader_f
 
 
 def tune(config: str, overrides: list[str], target: Target, budget: int, headroom: float = 0.1, jobs: int = 1,
-         progress=lambda line: None, reduced: bool = True) -> Search:
+         progress=lambda line: None, reduced: bool = False) -> Search:
     cfg = load_config(config, overrides, target.name)
     candidates = space(cfg, target)
     device_memory = target.accelerator.memory_per_device * (1 - headroom)
@@ -515,7 +525,8 @@ def tune(config: str, overrides: list[str], target: Target, budget: int, headroo
         return priority(seconds * (1 + tiles), memory, device_memory)
 
     remaining = ordered(candidates, key)
-    progress(f"searching {len(candidates):,} layouts of {config} on {target.name} (remat, mesh, micro-batch"
+    progress(f"searching {len(candidates):,} layouts of {config} on {target.name} (remat, mesh, pipeline, ZeRO-1, "
+             "micro-batch"
              f"{', Splash tiles' if any(c.tiles for c in candidates) else ''}"
              f"{', XLA flags' if target.xla_flags else ''}): up to {budget} compiles, {jobs} at a time, the most "
              "promising first")
