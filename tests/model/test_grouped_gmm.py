@@ -202,6 +202,24 @@ def _compile_kernels(target):
     assert gmm.BLOCK_LOOP not in hlo
 
 
+def _compile_mxfp8_kernels(target):
+    """impl.fp8=mxfp8's kernels, forward and both gradients, compiled for one GPU of the target: three Mosaic GPU
+    custom calls, tcgen05's block-scaled MMAs assembled by ptxas, and no expert block loop left."""
+    device = compile_only_devices(parse_target(target))[0]
+    chip = grouped.Chip.of(device)
+    x, w, starts, _, cotangent = selfcheck.problem(jnp.bfloat16, chip.block, width=320)
+    sharding = jax.sharding.SingleDeviceSharding(device)
+    spec = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding) for a in (x, w, starts, cotangent)]
+
+    def step(x, w, starts, cotangent):
+        return _value_and_grads(lambda a, b: grouped.gmm(a, b, starts, chip.block, chip, mxfp8=True), x, w, cotangent)
+
+    hlo = jax.jit(step).lower(*spec).compile().as_text()
+    assert hlo.count('custom_call_target="mosaic_gpu_v2"') == 3
+    assert "blackwell_mx_grouped_matmul" in hlo and "blackwell_mx_weight_grad" in hlo
+    assert gmm.BLOCK_LOOP not in hlo
+
+
 def _compile_expert_parallel_layer(target):
     """The MoE layer expert-parallel over a host of 8 GPUs (2 experts resident a GPU) with its gradients: the
     dropless exchange is XLA's asynchronous ragged all-to-all (no emulation), and each GPU's kernels run its
@@ -253,6 +271,11 @@ def test_compile_report_names_the_kernels(target):
 @pytest.mark.skipif(aot_missing("gpu") is not None, reason="needs the aot-gpu extra")
 def test_kernels_compile_for_a_b300():
     _compiled_in_own_process("_compile_kernels", "gpu:b300x8")
+
+
+@pytest.mark.skipif(aot_missing("gpu") is not None, reason="needs the aot-gpu extra")
+def test_mxfp8_kernels_compile_for_a_b300():
+    _compiled_in_own_process("_compile_mxfp8_kernels", "gpu:b300x8")
 
 
 @pytest.mark.slow
