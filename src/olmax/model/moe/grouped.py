@@ -501,10 +501,17 @@ _gmm.defvjp(_gmm_fwd, _gmm_bwd)
 # for each gradient, w once for each product), in the layout the kernels read: both operands along the
 # contraction, so x^T, dy^T and w^T are XLA transposes (before quantizing: one pass each). What the backward keeps
 # is x and w as they came (the block loop keeps the same).
+MX_OPERANDS = {  # each product's two operands as its kernel takes them, quantized along the product's contraction
+    "y": lambda x, w: (mx_operand(_padded(x)), mx_operand(jnp.swapaxes(w, 1, 2))),  # x [M, K], w^T [G, N, K]
+    "dx": lambda dy, w: (mx_operand(_padded(dy)), mx_operand(w)),  # dy [M, N], w [G, K, N]
+    "dw": lambda x, dy: (mx_operand(_padded(x).T), mx_operand(_padded(dy).T)),  # x^T [K, M], dy^T [N, M]
+}
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def _mx_gmm(x: jax.Array, w: jax.Array, block_starts: jax.Array, block: int) -> jax.Array:
     tiles = block_starts * (block // BLACKWELL_MX["block_m"])
-    y = _mx_grouped_matmul(mx_operand(_padded(x)), mx_operand(jnp.swapaxes(w, 1, 2)), tiles, x.dtype)
+    y = _mx_grouped_matmul(*MX_OPERANDS["y"](x, w), tiles, x.dtype)
     return _in_groups(y[: x.shape[0]], jnp.diff(block_starts) * block)
 
 
@@ -515,9 +522,9 @@ def _mx_gmm_fwd(x, w, block_starts, block):
 def _mx_gmm_bwd(block, res, dy):
     x, w, block_starts = res
     tiles = block_starts * (block // BLACKWELL_MX["block_m"])
-    dx = _mx_grouped_matmul(mx_operand(_padded(dy)), mx_operand(w), tiles, dy.dtype)
+    dx = _mx_grouped_matmul(*MX_OPERANDS["dx"](dy, w), tiles, dy.dtype)
     dx = _in_groups(dx[: x.shape[0]], jnp.diff(block_starts) * block)
-    dw = _mx_weight_grad(mx_operand(_padded(x).T), mx_operand(_padded(dy).T), tiles, dy.dtype)
+    dw = _mx_weight_grad(*MX_OPERANDS["dw"](x, dy), tiles, dy.dtype)
     return dx, dw.astype(w.dtype), None
 
 
@@ -577,6 +584,28 @@ def blackwell_ragged_dot_work(call: kernel_work.KernelCall) -> kernel_work.Work:
                             (BLACKWELL.tile_m, 2 * BLACKWELL.tile_n, k), x.dtype)
 
 
+# The MXFP8 kernels: e4m3 operands (the step-time model's float8 rate), the scales moved with them (a byte per 32
+# values), the groups padded to Blackwell's 256-row blocks.
+def blackwell_mx_grouped_matmul_work(call: kernel_work.KernelCall) -> kernel_work.Work:
+    _, x, w, x_scales, _ = call.operands
+    (rows, k), (groups, n, _) = x.dims, w.dims
+    used = _routed_rows(call, rows, groups, BLACKWELL_BLOCK)
+    over_rows = x.bytes + x_scales.bytes + sum(a.bytes for a in call.outputs)
+    return kernel_work.Work(2.0 * used * k * n, _moved(call, over_rows, used / rows),
+                            (BLACKWELL_MX["block_m"], BLACKWELL_MX["block_n"], k), x.dtype)
+
+
+def blackwell_mx_weight_grad_work(call: kernel_work.KernelCall) -> kernel_work.Work:
+    xt, dyt = call.operands[1], call.operands[2]
+    (k, rows), n, groups = xt.dims, dyt.dims[0], call.outputs[0].dims[0]
+    used = _routed_rows(call, rows, groups, BLACKWELL_BLOCK)
+    tile = (BLACKWELL_MX["block_m"], BLACKWELL_MX["block_n"], max(used // groups, BLACKWELL_BLOCK))
+    over_rows = sum(a.bytes for a in call.operands[1:])  # the values and scales of x^T and dy^T
+    return kernel_work.Work(2.0 * k * used * n, _moved(call, over_rows, used / rows), tile, xt.dtype)
+
+
 kernel_work.WORK |= {"grouped_matmul": grouped_matmul_work, "grouped_weight_grad": grouped_weight_grad_work,
                      f"ragged_dot_kernel_{BLACKWELL}": blackwell_ragged_dot_work,
-                     "blackwell_weight_grad": blackwell_weight_grad_work}
+                     "blackwell_weight_grad": blackwell_weight_grad_work,
+                     "blackwell_mx_grouped_matmul": blackwell_mx_grouped_matmul_work,
+                     "blackwell_mx_weight_grad": blackwell_mx_weight_grad_work}
