@@ -5,12 +5,18 @@ to a multiple of the chip's block, 64 on Hopper and 256 on Blackwell), group g's
 under one custom VJP whose three products are grouped kernels, each GPU running only its own (resident) experts'
 rows:
 
-    product        Hopper (sm_90, wgmma)                  Blackwell (sm_100, tcgen05)
-    y  = x w       grouped_matmul                         JAX's blackwell_ragged_dot_mgpu
-    dx = dy w^T    grouped_matmul on w^T                  JAX's blackwell_ragged_dot_mgpu on w^T
-    dw = x^T dy    grouped_weight_grad on x^T             blackwell_weight_grad on x^T
+    product        Hopper (sm_90, wgmma)       Blackwell (sm_100, tcgen05)          Blackwell, MXFP8
+    y  = x w       grouped_matmul              JAX's blackwell_ragged_dot_mgpu      blackwell_mx_grouped_matmul on w^T
+    dx = dy w^T    grouped_matmul on w^T       JAX's blackwell_ragged_dot_mgpu      blackwell_mx_grouped_matmul on w
+                                               on w^T
+    dw = x^T dy    grouped_weight_grad on x^T  blackwell_weight_grad on x^T         blackwell_mx_weight_grad on x^T,
+                                                                                    dy^T
 
-bf16 in (float32 too on Hopper), accumulated in float32, out in the input's dtype. The Hopper kernels and
+bf16 in (float32 too on Hopper), accumulated in float32, out in the input's dtype. MXFP8 (impl.fp8=mxfp8,
+Blackwell only): each product's operands quantized once a call along its contraction (fp8.mx_quantize: e4m3
+values, an e8m0 scale per 32), both laid out along it as JAX's scaled tcgen05 MMAs take them (hence the
+transposes, by XLA before quantizing), the scales in tensor memory for tcgen05's block-scaled MMA;
+the weight gradient's contraction is the rows, in 32-row blocks within one group (groups are 256-row aligned). The Hopper kernels and
 Blackwell's weight gradient are olmax's: with groups aligned to 64-row tiles each tile belongs to one group, so
 a program multiplies by one w[g] and stores its tile whole, a weight gradient sums whole tiles without masking
 rows, tiles after the last group (the unused part of the layout's static bound: a quarter of the rows at
