@@ -662,9 +662,9 @@ class RunConfig(Section):
             if value % 32:
                 raise ValueError(f"impl.fp8=mxfp8 scales blocks of 32 values along each matmul's contraction: {name} "
                                  f"{value} is not a multiple of 32; change it or set impl.fp8 to true or false")
-        if m.moe is not None and self.impl.moe.dispatch in ("ragged_dot", "grouped"):
-            raise ValueError("impl.fp8=mxfp8 runs the experts in the block loop (JAX has no MXFP8 ragged_dot, "
-                             "olmax no MXFP8 grouped kernel); set impl.moe.dispatch=auto or blocks")
+        if m.moe is not None and self.impl.moe.dispatch == "ragged_dot":
+            raise ValueError("impl.fp8=mxfp8 runs the experts in the block loop or the grouped kernels (JAX has no "
+                             "MXFP8 ragged_dot); set impl.moe.dispatch=auto, blocks or grouped")
 
     @model_validator(mode="after")
     def _exchange_chunks(self):

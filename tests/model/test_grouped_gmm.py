@@ -4,6 +4,7 @@ bf16, uneven and empty groups. The Blackwell kernels (tcgen05, tensor memory) th
 ("Unsupported memory space: tmem"): they are compiled for a B300 instead, and expert parallelism for 8 H100s.
 And `auto`'s choice."""
 
+import functools
 import os
 import subprocess
 import sys
@@ -80,6 +81,8 @@ def test_auto_takes_the_kernels_where_they_run():
     assert sublayer.dispatch_for("auto", "gpu", 1, _device("8.0")) == "blocks"  # an A100
     assert sublayer.dispatch_for("auto", "gpu", 2, _device("9.0")) == "blocks"  # pipeline stages
     assert sublayer.dispatch_for("auto", "gpu", 1, _device("9.0"), mxfp8=True) == "blocks"
+    assert sublayer.dispatch_for("auto", "gpu", 1, _device("10.3"), mxfp8=True) == "grouped"  # MXFP8 kernels
+    assert sublayer.dispatch_for("auto", "cpu", 1, None, mxfp8=True) == "blocks"  # the CPU emulates MXFP8
     assert sublayer.dispatch_for("auto", "cpu", 1, None) == "blocks"  # the CPU keeps its loop
     with pytest.raises(ConfigError, match="mesh.stage 2.*set impl.moe.dispatch=auto or blocks"):
         sublayer.dispatch_for("grouped", "gpu", 2, _device("9.0"))
@@ -100,12 +103,70 @@ def test_hopper_kernels_run_any_width_padded_to_their_tiles(width):
         np.testing.assert_allclose(np.float32(a), np.float32(b), rtol=1e-5, atol=1e-4, err_msg=name)
 
 
-def test_grouped_is_refused_with_mxfp8(capsys):
+def test_grouped_runs_mxfp8_on_blackwell_only(capsys):
+    """impl.fp8=mxfp8 with impl.moe.dispatch=grouped: the MXFP8 kernels on Blackwell (before: refused on any
+    GPU, "no MXFP8 grouped kernel"); refused on Hopper, whose tensor cores have no block-scaled MMA."""
     from olmax.cli import main
 
-    assert main(["config", "show", "tiny_moe", "impl.fp8=mxfp8", "impl.moe.dispatch=grouped"]) == 2
-    [line] = capsys.readouterr().err.splitlines()
-    assert "no MXFP8 grouped kernel" in line and "set impl.moe.dispatch=auto or blocks" in line
+    assert main(["config", "show", "tiny_moe", "impl.fp8=mxfp8", "impl.moe.dispatch=grouped"]) == 0
+    capsys.readouterr()
+    assert sublayer.dispatch_for("grouped", "gpu", 1, _device("10.0"), mxfp8=True) == "grouped"
+    with pytest.raises(ConfigError, match="MXFP8 kernels are Blackwell's .*; set impl.moe.dispatch=auto or blocks"):
+        sublayer.dispatch_for("grouped", "gpu", 1, _device("9.0"), mxfp8=True)
+
+
+def _untiled(values, tiled):
+    """What a kernel's MXFP8 operand (grouped.mx_operand: values [R, C], scales in tcgen05's layout) stands for,
+    in float32: each value times the scale tcgen05 reads for it, at [r // 128, j // 4, r % 32, (r % 128) // 32 *
+    4 + j % 4] for row r and 32-wide block j = c // 32."""
+    r, c = np.meshgrid(np.arange(values.shape[0]), np.arange(values.shape[1]), indexing="ij")
+    j = c // 32
+    scales = tiled[r // 128, j // 4, r % 32, (r % 128) // 32 * 4 + j % 4]
+    return values.astype(jnp.float32) * scales.astype(jnp.float32)
+
+
+def test_mxfp8_kernels_operands_are_the_block_loops_mxfp8_values():
+    """The operands each MXFP8 kernel reads (values and scales, quantized once a call along its product's
+    contraction, scales in tcgen05's layout) stand for the values fp8's MXFP8 emulation (the block loop's) gives
+    the same product, bit for bit: x and w along K (the forward), dy and w along N (the input gradient), x and dy
+    along the rows (the weight gradient: the rows of a group, 32-row blocks of a 256-row aligned layout)."""
+    from olmax.model import fp8
+
+    rows, k, n = 512, 256, 512
+    kx, kw, ky = jax.random.split(jax.random.key(0), 3)
+    x = jax.random.normal(kx, (rows, k), jnp.bfloat16) * jnp.exp(jax.random.normal(kx, (rows, 1)) * 4)
+    w = (jax.random.normal(kw, (2, k, n)) * 0.05).astype(jnp.bfloat16)
+    dy = jax.random.normal(ky, (rows, n), jnp.bfloat16).at[:32].set(0)  # a block of zeros: scale 2^-127
+    emulated = {"y": (fp8.mx_round(x, 1), jnp.swapaxes(fp8.mx_round(w, 1), 1, 2)),
+                "dx": (fp8.mx_round(dy, 1), fp8.mx_round(w, 2)),
+                "dw": (fp8.mx_round(x, 0).T, fp8.mx_round(dy, 0).T)}
+    inputs = {"y": (x, w), "dx": (dy, w), "dw": (x, dy)}
+    for product, (a, b) in inputs.items():
+        (av, ascales), (bv, bscales) = grouped.MX_OPERANDS[product](a, b)
+        assert av.dtype == bv.dtype == jnp.float8_e4m3fn and ascales.dtype == jnp.float8_e8m0fnu, product
+        ours = [_untiled(av, ascales)] + [_untiled(bv[g], bscales[g]) for g in range(2)] if bv.ndim == 3 else \
+            [_untiled(av, ascales), _untiled(bv, bscales)]
+        a_emulated, b_emulated = emulated[product]
+        theirs = [a_emulated] + ([b_emulated[g] for g in range(2)] if b_emulated.ndim == 3 else [b_emulated])
+        for mine, emulation in zip(ours, theirs):
+            np.testing.assert_array_equal(np.float32(mine), np.float32(emulation.astype(jnp.float32)),
+                                          err_msg=product)
+
+
+def test_the_mxfp8_check_compares_with_the_mxfp8_block_loop():
+    """The check before the MXFP8 kernels run holds them to the block loop's MXFP8 products: the block loop passes,
+    one group's weights 10% off fails it, named."""
+    from olmax.model import fp8
+
+    block = grouped.BLACKWELL_BLOCK
+    reference = dict(reference=functools.partial(selfcheck.mxfp8_block_loop, block=block),
+                     reference_name="the MXFP8 block loop")
+    loop = selfcheck.verdict(lambda x, w, starts, b: gmm.gmm(x, w, starts, b, fp8.MXDot("cpu")), "loop",
+                             jnp.bfloat16, block, **reference)
+    assert loop is None
+    line = selfcheck.verdict(lambda x, w, starts, b: gmm.gmm(x, w.at[2].multiply(1.1), starts, b, fp8.MXDot("cpu")),
+                             "wrong", jnp.bfloat16, block, **reference)
+    assert line.startswith("wrong: y in bfloat16 off the MXFP8 block loop by 0.11")
 
 
 def _one_group_wrong(x, w, starts, block):
@@ -202,6 +263,24 @@ def _compile_kernels(target):
     assert gmm.BLOCK_LOOP not in hlo
 
 
+def _compile_mxfp8_kernels(target):
+    """impl.fp8=mxfp8's kernels, forward and both gradients, compiled for one GPU of the target: three Mosaic GPU
+    custom calls, tcgen05's block-scaled MMAs assembled by ptxas, and no expert block loop left."""
+    device = compile_only_devices(parse_target(target))[0]
+    chip = grouped.Chip.of(device)
+    x, w, starts, _, cotangent = selfcheck.problem(jnp.bfloat16, chip.block, width=320)
+    sharding = jax.sharding.SingleDeviceSharding(device)
+    spec = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding) for a in (x, w, starts, cotangent)]
+
+    def step(x, w, starts, cotangent):
+        return _value_and_grads(lambda a, b: grouped.gmm(a, b, starts, chip.block, chip, mxfp8=True), x, w, cotangent)
+
+    hlo = jax.jit(step).lower(*spec).compile().as_text()
+    assert hlo.count('custom_call_target="mosaic_gpu_v2"') == 3
+    assert "blackwell_mx_grouped_matmul" in hlo and "blackwell_mx_weight_grad" in hlo
+    assert gmm.BLOCK_LOOP not in hlo
+
+
 def _compile_expert_parallel_layer(target):
     """The MoE layer expert-parallel over a host of 8 GPUs (2 experts resident a GPU) with its gradients: the
     dropless exchange is XLA's asynchronous ragged all-to-all (no emulation), and each GPU's kernels run its
@@ -226,21 +305,30 @@ def _compile_expert_parallel_layer(target):
     assert gmm.BLOCK_LOOP not in hlo
 
 
-def _compile_train_step_report(target):
+def _compile_train_step_report(target, overrides=(), mxfp8=False):
     """`olmax compile`'s report of a small MoE (widths in the kernels' tiles) for the target: `auto` takes the
     grouped kernels, the report names them, and the step-time model knows every one."""
     from olmax.config import load_config
     from olmax.scale.compile import compile_train_step
 
-    cfg = load_config("tiny_moe", ["model.d_model=256", "model.moe.expert_hidden=256"])
+    cfg = load_config("tiny_moe", ["model.d_model=256", "model.moe.expert_hidden=256", *overrides])
     report = compile_train_step(cfg, parse_target(target), mfu=None)
     assert report["moe_dispatch"] == "grouped"
     calls = report["program"]["custom_calls"]
     hopper = report["device_kind"].startswith("NVIDIA H")
     names = (["grouped_matmul", "grouped_weight_grad"] if hopper
+             else ["blackwell_mx_grouped_matmul", "blackwell_mx_weight_grad"] if mxfp8
              else [f"ragged_dot_kernel_{grouped.BLACKWELL}", "blackwell_weight_grad"])
     assert all(calls.get(f"mosaic_gpu_v2 {name}", 0) > 0 for name in names), calls
     assert report["step_time"]["unknown_kernels"] == {} and report["step_time"]["warnings"] == []
+    return report
+
+
+def _compile_mxfp8_train_step_report(target):
+    """impl.fp8=mxfp8 on a B300: `auto` takes the MXFP8 grouped kernels (before: the block loop), and the block
+    projections stay cuDNN's block-scaled GEMMs."""
+    report = _compile_train_step_report(target, ["impl.fp8=mxfp8", "data.sequence_length=256"], mxfp8=True)
+    assert report["program"]["mxfp8_matmuls"] > 0
 
 
 @pytest.mark.slow
@@ -250,9 +338,20 @@ def test_compile_report_names_the_kernels(target):
     _compiled_in_own_process("_compile_train_step_report", target)
 
 
+@pytest.mark.slow
+@pytest.mark.skipif(aot_missing("gpu") is not None, reason="needs the aot-gpu extra")
+def test_compile_report_names_the_mxfp8_kernels_on_a_b300():
+    _compiled_in_own_process("_compile_mxfp8_train_step_report", "gpu:b300x8")
+
+
 @pytest.mark.skipif(aot_missing("gpu") is not None, reason="needs the aot-gpu extra")
 def test_kernels_compile_for_a_b300():
     _compiled_in_own_process("_compile_kernels", "gpu:b300x8")
+
+
+@pytest.mark.skipif(aot_missing("gpu") is not None, reason="needs the aot-gpu extra")
+def test_mxfp8_kernels_compile_for_a_b300():
+    _compiled_in_own_process("_compile_mxfp8_kernels", "gpu:b300x8")
 
 
 @pytest.mark.slow

@@ -422,3 +422,39 @@ def test_a_hopper_grouped_kernel_costs_the_rows_routed_and_blackwells_its_whole_
     blackwell = [array(rows, k), array(groups, k, n), array(groups, dtype="s32")]
     assert (work(grouped.blackwell_ragged_dot_work, blackwell, [array(rows, n)], 100.0).flops
             == work(grouped.blackwell_ragged_dot_work, blackwell, [array(rows, n)], None).flops)
+
+
+def test_blackwells_mxfp8_kernels_cost_the_rows_routed_at_the_float8_rate():
+    """impl.fp8=mxfp8's grouped kernels skip the tiles after the last group as the bf16 ones do (groups padded to
+    256-row blocks), move their e4m3 values and e8m0 scales (a byte per 32 values), and name e4m3 as their
+    operands' dtype (the step-time model's float8 rate)."""
+    from types import SimpleNamespace
+
+    from olmax.model import kernel_work
+    from olmax.model.moe import grouped
+
+    def array(*dims, dtype="f8e4m3fn", size=1):
+        return SimpleNamespace(dims=dims, dtype=dtype, bytes=size * math.prod(dims))
+
+    rows, k, n, groups = 4096, 512, 1024, 8
+
+    def scales(r, c):
+        return array(r // 128, c // 128, 32, 16, dtype="f8e8m0fnu")
+
+    forward = [array(rows // 128, dtype="s32", size=4), array(rows, k), array(groups, n, k), scales(rows, k),
+               array(groups, n // 128, k // 128, 32, 16, dtype="f8e8m0fnu")]
+    weight_grad = [array(groups + 1, dtype="s32", size=4), array(k, rows), array(n, rows), scales(k, rows),
+                   scales(n, rows)]
+
+    def work(entry, operands, outputs, per_group):
+        return entry(kernel_work.KernelCall("k", operands, outputs, rows_per_group=per_group))
+
+    y = work(grouped.blackwell_mx_grouped_matmul_work, forward, [array(rows, n, dtype="bf16", size=2)], 100.0)
+    used = groups * 256
+    assert y.flops == 2.0 * used * k * n and y.dtype == "f8e4m3fn"
+    assert y.bytes == pytest.approx(groups * n * k * 33 / 32 + used * k * 33 / 32 + 2 * used * n + 4 * rows // 128)
+    dw = work(grouped.blackwell_mx_weight_grad_work, weight_grad, [array(groups, k, n, dtype="bf16", size=2)], 100.0)
+    assert dw.flops == 2.0 * k * used * n and dw.tile == (128, 256, 256)
+    assert dw.bytes == pytest.approx(used * (k + n) * 33 / 32 + 2 * groups * k * n + 4 * (groups + 1))
+    whole = work(grouped.blackwell_mx_weight_grad_work, weight_grad, [array(groups, k, n, dtype="bf16", size=2)], None)
+    assert whole.flops == 2.0 * k * rows * n

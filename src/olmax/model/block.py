@@ -87,7 +87,8 @@ def mlp_sublayer(cfg: ModelConfig, impl: ImplConfig, layout: Layout | None = Non
     if dispatch == "grouped":
         chip = sublayer.grouped.Chip.of(target[2])
         if target[2] in jax.devices():  # this process's GPUs, not a compile-only target's: the kernels run here
-            dispatch = selfcheck.checked_dispatch(dispatch, chip, compute_dtype(impl, layout))
+            check = functools.partial(selfcheck.check, mxfp8=impl.fp8 == "mxfp8")
+            dispatch = selfcheck.checked_dispatch(dispatch, chip, compute_dtype(impl, layout), check)
     mx = {}
     if impl.fp8 == "mxfp8":
         mx = {"dot": fp8.MXDot(platform(layout)), "smallest_block": fp8.MX_BLOCK}

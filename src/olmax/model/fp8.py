@@ -60,8 +60,9 @@ matmul.defvjp(_forward, _backward)
 # is rounded to e4m3 under its own power-of-two (e8m0) scale, the smallest that holds the run's amax. The
 # forward and both gradient products quantize their two operands along the dimension they contract, as
 # jax.nn.scaled_dot_general does (the gradient in e4m3 too); on a GPU each product is jax.nn.scaled_matmul on
-# the quantized operands (cuDNN's block-scaled GEMM on Blackwell), elsewhere the same rounded values are
-# multiplied in float32. What the backward keeps of a projection is its input as the forward quantized it
+# the quantized operands (cuDNN's block-scaled GEMM on Blackwell; the experts under impl.moe.dispatch=grouped
+# run olmax's MXFP8 grouped kernels on the same values, olmax.model.moe.grouped), elsewhere the same rounded
+# values are multiplied in float32. What the backward keeps of a projection is its input as the forward quantized it
 # (1 byte an element and a scale per 32), from which the weight gradient is made (dequantized: exact, then
 # quantized along the tokens), and the weight as it came in (an FSDP shard): the whole weight is gathered in
 # the compute dtype and quantized again in the backward, not kept between the passes.

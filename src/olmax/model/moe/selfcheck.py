@@ -1,10 +1,12 @@
 """The grouped kernels (grouped.py) checked on the GPU before a run uses them: once a process, for the chip and
-dtype the run uses, forward, input and weight gradient on a small problem against `lax.ragged_dot` in float32.
+dtype the run uses, forward, input and weight gradient on a small problem against `lax.ragged_dot` in float32
+(the MXFP8 kernels against the block loop's MXFP8 products, fp8.MXDot's: the same quantized operands).
 A kernel that launches but computes wrong values (a compiler or driver the kernels were never run with) would
 otherwise train on garbage; one that fails, or fails to launch, leaves the run the block loop instead."""
 
 from __future__ import annotations
 
+import functools
 import sys
 from concurrent.futures import ThreadPoolExecutor
 
@@ -13,7 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from olmax.config import ConfigError
-from olmax.model.moe import grouped
+from olmax.model import fp8
+from olmax.model.moe import gmm, grouped
 
 COUNTS = (37, 0, 130, 64)  # rows a group: uneven, one empty, one of whole blocks (Hopper's), off the tiles
 WIDTH = grouped.WIDTH_MULTIPLE[10]  # d and f: one of Blackwell's 256-wide tiles, two of Hopper's
@@ -60,6 +63,14 @@ def float64(x, w, sizes, cotangent):
     return y, dx, dw
 
 
+def mxfp8_block_loop(x, w, sizes, cotangent, block: int):
+    """y, dx, dw by the block loop in MXFP8 (fp8.MXDot's products of the dequantized operands, in float32 on any
+    platform) over `block`-row blocks."""
+    starts = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(sizes // block)])
+    y, vjp = jax.vjp(lambda a, b: gmm.gmm(a, b, starts, block, fp8.MXDot("cpu")), x, w)
+    return (y, *vjp(cotangent))
+
+
 def errors(product, dtype, block: int, reference=ragged_dot_f32) -> dict[str, float]:
     """`product(x, w, block_starts, block)` (grouped.gmm's arguments) on the small problem: the largest
     difference of y, dx and dw from `reference`'s, each a fraction of the reference's largest value."""
@@ -71,40 +82,46 @@ def errors(product, dtype, block: int, reference=ragged_dot_f32) -> dict[str, fl
             for name, a, b in zip(("y", "dx", "dw"), ours, theirs)}
 
 
-def verdict(product, name: str, dtype, block: int) -> str | None:
-    """None where `product` (named `name`) agrees with lax.ragged_dot on the small problem, else one line saying
-    how it does not: its largest error, or the first line of what it raised (a launch failure among them)."""
+def verdict(product, name: str, dtype, block: int, reference=ragged_dot_f32,
+            reference_name: str = "lax.ragged_dot") -> str | None:
+    """None where `product` (named `name`) agrees with `reference` (lax.ragged_dot) on the small problem, else one
+    line saying how it does not: its largest error, or the first line of what it raised (a launch failure among
+    them)."""
     dtype = jnp.dtype(dtype).name
     try:
         # In a thread of its own: JAX's tracing state is a thread's, so the check runs now, on concrete arrays and
         # outside any mesh, even while the program that asks for it is being traced.
         with ThreadPoolExecutor(1) as thread:
-            found = thread.submit(errors, product, dtype, block).result()
+            found = thread.submit(errors, product, dtype, block, reference).result()
     except Exception as e:  # whatever the kernel raises (a launch failure among them) is its failure
         return f"{name}: {type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"
     worst = max(found, key=lambda name: (np.isnan(found[name]), found[name]))  # a NaN is the worst
     if not found[worst] <= TOLERANCE[dtype]:
-        return (f"{name}: {worst} in {dtype} off lax.ragged_dot by {found[worst]:.3g} of its largest value "
+        return (f"{name}: {worst} in {dtype} off {reference_name} by {found[worst]:.3g} of its largest value "
                 f"(tolerance {TOLERANCE[dtype]})")
     return None
 
 
-def kernel_name(chip: grouped.Chip) -> str:
+def kernel_name(chip: grouped.Chip, mxfp8: bool = False) -> str:
     kernels = ("grouped_matmul, grouped_weight_grad" if chip.major == 9
+               else "blackwell_mx_grouped_matmul, blackwell_mx_weight_grad" if mxfp8
                else "blackwell_ragged_dot_mgpu, blackwell_weight_grad")
-    return f"grouped.gmm for sm_{chip.major}0 ({kernels})"
+    return f"grouped.gmm{' in MXFP8' if mxfp8 else ''} for sm_{chip.major}0 ({kernels})"
 
 
 _verdicts: dict[tuple, str | None] = {}
 _said: set[str] = set()
 
 
-def check(chip: grouped.Chip, dtype) -> str | None:
-    """The grouped kernels' verdict for `chip` in `dtype` on this process's GPU (see `verdict`), found once."""
-    key = (chip, jnp.dtype(dtype).name)
+def check(chip: grouped.Chip, dtype, mxfp8: bool = False) -> str | None:
+    """The grouped kernels' verdict for `chip` in `dtype` (`mxfp8`: the MXFP8 kernels, against the block loop's
+    MXFP8 products) on this process's GPU (see `verdict`), found once."""
+    key = (chip, jnp.dtype(dtype).name, mxfp8)
     if key not in _verdicts:
-        _verdicts[key] = verdict(lambda x, w, starts, block: grouped.gmm(x, w, starts, block, chip),
-                                 kernel_name(chip), dtype, chip.block)
+        reference = (dict(reference=functools.partial(mxfp8_block_loop, block=chip.block),
+                          reference_name="the MXFP8 block loop") if mxfp8 else {})
+        _verdicts[key] = verdict(lambda x, w, starts, block: grouped.gmm(x, w, starts, block, chip, mxfp8),
+                                 kernel_name(chip, mxfp8), dtype, chip.block, **reference)
     return _verdicts[key]
 
 

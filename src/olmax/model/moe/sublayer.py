@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from olmax.config import ConfigError, ModelConfig, MoEConfig
+from olmax.model import fp8
 from olmax.model.mlp import swiglu
 from olmax.model.moe import gmm, grouped, router
 from olmax.parallel import expert as expert_parallel
@@ -32,7 +33,8 @@ def dispatch_for(chosen: str, platform: str, stages: int = 1, device=None, mxfp8
     RaggedConvSpec ... number of batch dimensions should be 0"). XLA:CPU expands ragged_dot densely, and so did
     XLA:GPU in jax 0.10.2 (a compile for gpu:h100x8 made each expert matmul a batched dot over every expert and
     every row), so on GPUs `auto` takes `grouped`, the Pallas Mosaic GPU kernels of grouped.py, where they run
-    (Hopper and Blackwell, any width, no pipeline stages, not MXFP8), and the block loop elsewhere."""
+    (Hopper and Blackwell, any width, no pipeline stages; `mxfp8` on Blackwell only), and the block loop
+    elsewhere (the CPU emulates MXFP8 in it)."""
     kernel = platform == "tpu" and stages == 1
     if chosen == "ragged_dot" and platform == "tpu" and not kernel:
         raise ConfigError(f"impl.moe.dispatch=ragged_dot with mesh.stage {stages}: the TPU's ragged-dot kernel "
@@ -45,10 +47,10 @@ def dispatch_for(chosen: str, platform: str, stages: int = 1, device=None, mxfp8
         elif stages > 1:
             refusal = (f"with mesh.stage {stages} the pipeline's map over its stages would batch the kernels, "
                        "which run one grid over one GPU's rows")
-        elif mxfp8:
-            refusal = "its kernels are bf16, and impl.fp8=mxfp8 runs the experts' MXFP8 products in the block loop"
         else:
             refusal = grouped.unsupported(device)
+        if not refusal and mxfp8 and grouped.Chip.of(device).major != 10:
+            refusal = "its MXFP8 kernels are Blackwell's (sm_100, tcgen05's block-scaled MMA)"
         if chosen == "grouped" and refusal:
             raise ConfigError(f"impl.moe.dispatch=grouped: {refusal}; set impl.moe.dispatch=auto or blocks")
         if chosen == "auto":
@@ -117,7 +119,9 @@ def moe_mlp(
         block = block_size or gmm.auto_block_size(expected_rows, w1.shape[0], smallest_block)
         product = None
         if dispatch == "grouped":  # the kernels' layout (grouped.Chip.block), whatever impl.moe.block
-            block, product = chip.block, lambda a, w, starts, b: grouped.gmm(a, w, starts, b, chip)
+            # the block loop's MXFP8 product means the kernels' MXFP8 products
+            mxfp8 = isinstance(dot, fp8.MXDot)
+            block, product = chip.block, lambda a, w, starts, b: grouped.gmm(a, w, starts, b, chip, mxfp8)
         y = gmm.grouped_swiglu(x_local, groups, w1, w3, w2, dispatch=dispatch, block=block, dot=dot, product=product)
         return gmm.combine(y, gates)
 
