@@ -51,6 +51,9 @@ def row(name: str) -> dict:
 
 
 def main() -> None:
+    from olmax import runtime
+
+    runtime.skip_absent_tpus()  # compile-only targets, from this host's CPU
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", nargs="*", choices=list(ROWS), default=list(ROWS))
     parser.add_argument("--json", help="write the rows to this file too")

@@ -97,12 +97,12 @@ ROWS = [
         "103 -> 95 GiB, says a model of this order)", compare_to="bf16-b300x4"),
     Row("bf16-b300x4", "olmoe_1b_7b", "gpu:b300x4", OLMOE_B300X4,
         "(the bf16 reference of the row above)", "tokens_per_device", None, "", "as above, bf16"),
-    Row("moe1t", "olmo_moe_1t", "gpu:b300x512", ["mesh.stage=1", "mesh.expert=64", "mesh.fsdp=8",
-                                                 "impl.pipeline.microbatches=null", "train.micro_batch_per_device=1"],
+    Row("moe1t", "olmo_moe_1t", "gpu:b300x512", [],
         "up to 858 TFLOP/s per GPU (1.2T MoE, 58B active, 512 GPUs)", "tflops_per_device", 858.0,
         "OLMo-core 3's MoE release (its capacity test)",
-        "64 hosts of 8 B300s, 64-way expert parallelism x 8-way FSDP, no pipeline, random routing (the capacity "
-        "test's); the release's parallel layout is not published"),
+        "64 hosts of 8 B300s in the preset's gpu:b300x512 layout (`olmax tune`'s best: 2 stages, circular at 8 chunks "
+        "a stage, 64-way expert parallelism x 4-way FSDP, ZeRO-1), random routing (the capacity test's); the "
+        "release's parallel layout is not published"),
 ]
 
 

@@ -175,10 +175,11 @@ def test_a_depth_reduced_compile_runs_one_and_two_units_of_the_repeated_layers()
 
 @needs_tpu
 def test_a_depth_reduced_search_confirms_its_best_by_a_full_compile(capsys):
-    """`--depth reduced`: the candidate is compiled at 4 and 8 of its 16 layers, said to fit, and confirmed whole
-    (the first one the extrapolation says fits: the check that decides whether the rest may be extrapolated);
-    the report keeps the extrapolation's error beside the full compile's figures."""
-    args = ["tune", "tiny", "model.n_layers=16", "--target", "tpu:v5p:2x2x2", "--budget", "1", "--jobs", "1",
+    """`--depth reduced`: the candidate is compiled at 4 and 8 of its 20 layers (5 periods of the pattern: no
+    pipeline stages divide them and the 8 devices), said to fit, and confirmed whole (the first one the
+    extrapolation says fits: the check that decides whether the rest may be extrapolated); the report keeps the
+    extrapolation's error beside the full compile's figures."""
+    args = ["tune", "tiny", "model.n_layers=20", "--target", "tpu:v5p:2x2x2", "--budget", "1", "--jobs", "1",
             "--depth", "reduced", "--json"]
     assert main(args) == 0
     out, err = capsys.readouterr()

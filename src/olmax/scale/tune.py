@@ -215,6 +215,7 @@ class Estimate:
         self._held: dict = {}
         self._saved: dict = {}
         self._bubble: dict = {}
+        self._figures: dict = {}
 
     def held(self, mesh: dict) -> tuple[int, int]:
         """(dense, expert) parameters one device holds on `mesh`."""
@@ -273,6 +274,13 @@ class Estimate:
         return peers * tokens * min(k, local), peers * tokens * k, peers * tokens
 
     def __call__(self, candidate: Candidate) -> tuple[float, float]:
+        # Splash's tiles and the flag profile do not change the estimate: one figure for all of them
+        key = (candidate.mesh, candidate.saved, candidate.micro_batch, candidate.pipeline, candidate.zero1)
+        if key not in self._figures:
+            self._figures[key] = self._estimate(candidate)
+        return self._figures[key]
+
+    def _estimate(self, candidate: Candidate) -> tuple[float, float]:
         cfg, target, count = self.cfg, self.target, self.count
         m, seq = cfg.model, cfg.data.sequence_length
         mesh = dict(candidate.mesh)
