@@ -3,6 +3,7 @@ from compiles at one and two units of its repeated layers (olmax.scale.tune.dept
 and what each compile took.
 
     python benchmarks/depth_extrapolation.py [--rows NAME ...] [--json OUT]
+    python benchmarks/depth_extrapolation.py --config tiny --target tpu:v5p:2x2x1 model.n_layers=16   # your own row
 
 Compiles are cached by program (`olmax compile`'s cache), so a rerun reads its figures back; compile times are
 those of the first compile (this machine's, under whatever else ran beside it).
@@ -24,11 +25,10 @@ ROWS = {
 }
 
 
-def row(name: str) -> dict:
+def row(name: str, config: str, target_name: str, overrides: list[str]) -> dict:
     from olmax.config import load_config
     from olmax.scale import targets, tune
 
-    config, target_name, overrides = ROWS[name]
     target = targets.parse_target(target_name)
     cfg = load_config(config, overrides, target.name)
     at = tune.depths(cfg)
@@ -57,13 +57,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", nargs="*", choices=list(ROWS), default=list(ROWS))
     parser.add_argument("--json", help="write the rows to this file too")
+    parser.add_argument("--config", help="a row of your own: this config (with --target and overrides)")
+    parser.add_argument("--target", help="the target of --config's row")
+    parser.add_argument("overrides", nargs="*", help="key=value settings of --config's row")
     args = parser.parse_args()
+    rows = {"own": (args.config, args.target, args.overrides)} if args.config else {n: ROWS[n] for n in args.rows}
     results = []
     print("| row | depths (of) | peak extrapolated / full GiB | error | step extrapolated / full s | error | "
           "compile s (reduced, reduced, full) |")
     print("| --- | --- | ---: | ---: | ---: | ---: | --- |")
-    for name in args.rows:
-        r = row(name)
+    for name, (config, target, overrides) in rows.items():
+        r = row(name, config, target, overrides)
         results.append(r)
         if r.get("reduced", True) is None:
             print(f"| {name} | under four units deep: compiled whole | | | | | |", flush=True)

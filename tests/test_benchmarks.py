@@ -19,6 +19,7 @@ SMALLEST = {
     "checkpoint_checksum.py": ["--arrays", "1", "--mb", "1", "--repeats", "1"],
     "convert_memory.py": ["--layers", "4", "--d-model", "64", "--heads", "4", "--mlp-hidden", "128",
                           "--shard-gb", "0.0001", "--workdir", "{tmp}", "--json"],
+    "depth_extrapolation.py": ["--config", "tiny", "--target", "tpu:v5p:2x2x1", "model.n_layers=16"],
     "data_loader.py": ["--dir", "{tmp}/shards", "--shards", "1", "--tokens-per-shard", "32768", "--sequence-length",
                        "256", "--global-batch", "4", "--repeats", "1", "--json"],
     # One row (the script compiles each config in a fresh process; a second row shows nothing more).

@@ -307,7 +307,7 @@ def test_tune_says_at_once_what_it_searches_and_keeps_its_result_when_out_appear
     assert json.loads(captured.out)["results"][0]["status"] == result.status == "fits"
     err = captured.err.splitlines()
     assert err[0] == (f"olmax tune: searching {searches[0].size:,} layouts of tiny on tpu:v5p:2x2x2 (remat, mesh, "
-                      "micro-batch): up to 1 compiles, 1 at a time, the most promising first")
+                      "pipeline, ZeRO-1, micro-batch): up to 1 compiles, 1 at a time, the most promising first")
     assert err[1] == f"olmax tune: [0/1] compiling ({result.candidate.describe()})"
     assert err[2].startswith("olmax tune: [0/1] still compiling 1 candidate(s) (")
     assert out.read_text() == "someone's\n" and (tmp_path / "page" / "report.json").is_file()
