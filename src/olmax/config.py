@@ -298,6 +298,12 @@ class MoEImplConfig(Section):
         "peer holding any of its experts; receive buffers sized for the worst case, EP x a device's tokens); a factor = send each peer only its routed rows, up to factor x the mean share (k x tokens / EP), "
         "dropping (and counting, train/dropped rate) the rest: buffers independent of the EP size"
     )
+    ep_buffer: float | None = Field(
+        None, gt=0, description="expert parallelism, dropless: a device's receive buffer holds this factor x the rows "
+        "it is expected to receive (a token goes to the peers holding any of its top_k experts), and the exchange "
+        "runs in rounds of that many rows while any device of the group has more: exact whatever the routing, one "
+        "round when it fits (train/exchange extra rounds counts the others); None = the worst case in one round"
+    )
     exchange_chunks: int = Field(
         1, ge=1, description="expert parallelism, dropless: the tokens of a layer exchanged and run in this many "
         "parts, so that one part's exchange can run while the experts compute another's (XLA's asynchronous "
@@ -668,6 +674,10 @@ class RunConfig(Section):
 
     @model_validator(mode="after")
     def _exchange_chunks(self):
+        if self.impl.moe.ep_buffer is not None and self.impl.moe.ep_capacity is not None:
+            raise ValueError(f"impl.moe.ep_buffer={self.impl.moe.ep_buffer:g} sizes the dropless exchange, and "
+                             f"impl.moe.ep_capacity={self.impl.moe.ep_capacity:g} asks for the capacity exchange; "
+                             "set one of them to null")
         chunks = self.impl.moe.exchange_chunks
         if chunks > 1 and self.data.sequence_length % chunks:  # a device's tokens: whole sequences
             raise ValueError(f"impl.moe.exchange_chunks={chunks} does not divide data.sequence_length "

@@ -79,6 +79,8 @@ def test_parameter_counts_equal_olmo_cores_and_flops_count_active_parameters(cap
     (["mesh.rules.experts=[]"], r"mesh.rules.experts must be \[expert\]"),
     (["mesh.expert=2", "mesh.rules.batch=[data,fsdp]"], "mesh.rules.batch must include expert"),
     (["impl.moe.exchange_chunks=3"], "exchange_chunks=3 does not divide data.sequence_length 64"),
+    (["impl.moe.ep_buffer=1.5", "impl.moe.ep_capacity=1.25"], "set one of them to null"),
+    (["impl.moe.ep_buffer=0"], "impl.moe.ep_buffer"),
     (["impl.moe.exchange_chunks=0"], "impl.moe.exchange_chunks"),
 ])
 def test_bad_moe_configs_are_named(overrides, message):

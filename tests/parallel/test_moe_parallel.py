@@ -142,13 +142,13 @@ def test_capacity_dispatch_sends_routed_rows_only_and_drops_beyond_capacity():
     np.testing.assert_array_equal(kept, want.reshape(64, k))
     assert (np.asarray(kept) == E).sum() > 1
 
-    def run(x, groups, gates, w, expected_rows):
+    def run(x, groups, gates, w, expected_rows, assignments=None):
         on = groups < w.shape[0]
         y = jnp.einsum("md,mkde->mke", x, jnp.take(w, jnp.where(on, groups, 0), axis=0)) * on[..., None]
         return jnp.einsum("mke,mk->me", y, gates)
 
     def objective(x, w, capacity):
-        out = expert.routed_experts(run, x, kept, gates, (w,), mesh, BATCH_AXES, capacity)
+        out = expert.routed_experts(run, x, kept, gates, (w,), mesh, BATCH_AXES, capacity)[0]
         return jnp.sum(out * jnp.arange(D)), out
 
     placed = (jax.device_put(x, NamedSharding(mesh, PartitionSpec(BATCH_AXES))),
@@ -200,10 +200,12 @@ def test_emulated_ragged_all_to_all_has_the_primitive_semantics():
     np.testing.assert_array_equal(got, want)
 
 
-def test_dropless_exchange_equals_one_device_with_skewed_routing():
+@pytest.mark.parametrize("buffer", [None, 1.0, 0.3])
+def test_dropless_exchange_equals_one_device_with_skewed_routing(buffer):
     """8 devices of 2 experts each, dropless: one device's tokens all routed to a single device (both experts
     there: one row each), devices no token chose, uneven counts: output and gradients equal the layer on one
-    device, and no token is dropped."""
+    device, and no token is dropped; so with receive buffers below the worst case (`buffer`: of the rows
+    expected), where the busiest device's rows take several rounds."""
     mesh, E, k = _mesh(1, 1, 8), 16, 2
     kx, ke, kg, kw = jax.random.split(jax.random.key(1), 4)
     x = jax.random.normal(kx, (64, D))
@@ -213,18 +215,19 @@ def test_dropless_exchange_equals_one_device_with_skewed_routing():
     gates = jax.random.uniform(kg, (64, k))
     w = jax.random.normal(kw, (E, D, D)) / 4
 
-    def run(x, groups, gates, w, expected_rows):
+    def run(x, groups, gates, w, expected_rows, assignments=None):
         on = groups < w.shape[0]
         y = jnp.einsum("md,mkde->mke", x, jnp.take(w, jnp.where(on, groups, 0), axis=0)) * on[..., None]
         return jnp.einsum("mke,mk->me", y, gates)
 
     def objective(x, gates, w, mesh):
         out = (run(x, experts, gates, w, None) if mesh is None
-               else expert.routed_experts(run, x, experts, gates, (w,), mesh, BATCH_AXES))
+               else expert.routed_experts(run, x, experts, gates, (w,), mesh, BATCH_AXES, buffer=buffer)[0])
         return jnp.sum(out * jnp.arange(D)), out
 
     grad = jax.value_and_grad(objective, argnums=(0, 1, 2), has_aux=True)
     want = jax.jit(lambda *a: grad(*a, None))(x, gates, w)
+
     placed = (jax.device_put(x, NamedSharding(mesh, PartitionSpec(BATCH_AXES))),
               jax.device_put(gates, NamedSharding(mesh, PartitionSpec(BATCH_AXES))),
               jax.device_put(w, NamedSharding(mesh, PartitionSpec("expert"))))
@@ -233,22 +236,35 @@ def test_dropless_exchange_equals_one_device_with_skewed_routing():
         np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5, err_msg=jax.tree_util.keystr(path))
     _, _, first_device_sends = expert.send_plan(experts[:8], per_device=2, ep=8)
     np.testing.assert_array_equal(first_device_sends, [0, 0, 0, 8, 0, 0, 0, 0])  # each token once, not twice
+    # the rounds past the first: the busiest device's assignments over the buffer's
+    extra = jax.jit(lambda x, e, g, w: expert.routed_experts(run, x, e, g, (w,), mesh, BATCH_AXES, buffer=buffer)[1])
+    slots = expert.receive_slots(8, E, k, 8, buffer) if buffer else 8 * 8 * 2
+    assigned = [int(np.sum(np.asarray(experts) // 2 == d)) for d in range(8)]
+    assert int(extra(placed[0], experts, placed[1], placed[2])) == -(-max(assigned) // slots) - 1
+    assert buffer is None or -(-max(assigned) // slots) > 2
 
 
-def test_an_exchange_in_parts_equals_it_whole():
-    """Dropless with a device's tokens in 2 parts, each exchanged and run on its own: the same output, aux
-    values and gradients as one exchange."""
+@pytest.mark.parametrize("chunks, buffer", [(2, None), (1, 0.5), (2, 0.8)])
+def test_an_exchange_in_parts_or_rounds_equals_it_whole(chunks, buffer):
+    """Dropless with a device's tokens in 2 parts, each exchanged and run on its own, or with receive buffers below
+    what the routing sends (impl.moe.ep_buffer: the rows past them go in further rounds, counted in the aux): the
+    same output, aux values and gradients as one exchange."""
     cfg = _cfg()
     p, x, cotangent = _inputs(cfg)
     key = jax.random.key(3)
     mesh = _mesh(2, 1, 4)
     placed = _place(mesh, p, x)
 
-    def run(chunks):
+    def run(chunks, buffer):
         def objective(p, x):
-            out, aux = sublayer.moe_mlp(cfg, p, x, key=key, mesh=mesh, batch_axes=BATCH_AXES, exchange_chunks=chunks)
+            out, aux = sublayer.moe_mlp(cfg, p, x, key=key, mesh=mesh, batch_axes=BATCH_AXES, exchange_chunks=chunks,
+                                        ep_buffer=buffer)
             return jnp.sum(out * cotangent) + aux["load_balancing_loss"], (out, aux)
         return jax.jit(jax.value_and_grad(objective, argnums=(0, 1), has_aux=True))(*placed)
 
-    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(run(2)), jax.tree.leaves(run(1)), strict=True):
+    got, want = run(chunks, buffer), run(1, None)
+    rounds = got[0][1][1].pop("exchange_rounds")
+    assert int(want[0][1][1].pop("exchange_rounds")) == 0
+    assert (int(rounds) > 0) == (buffer is not None)
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want), strict=True):
         np.testing.assert_allclose(a, b, atol=1e-6, rtol=1e-6, err_msg=jax.tree_util.keystr(path))

@@ -184,6 +184,10 @@ def test_the_model_expects_the_rows_a_dropless_exchange_sends_and_each_part_runs
     assert expected() == (64 * 2, 64 * 2)
     assert expected("impl.moe.exchange_chunks=2") == (32 * 2, 32 * 2)
     assert expected("impl.moe.ep_capacity=1.25")[1] is None
+    cfg = load_config("tiny_moe", ["mesh.expert=8", "mesh.fsdp=1", "train.micro_batch_per_device=1",
+                                   "impl.moe.ep_buffer=1.5"])
+    bounded = expert_blocks(cfg, make_layout(cfg.mesh), 8)
+    assert (bounded.buffer_slots, bounded.overflow_trips) == (192, 0)  # 1.5 x 128 assignments expected, one round
 
 
 def test_the_compile_page_states_what_the_exchange_holds():
@@ -203,6 +207,9 @@ def test_the_compile_page_states_what_the_exchange_holds():
     assert _exchange(dropless) == ("expert exchange: dropless, ragged; a layer's receive buffer 512 rows (128.00 KiB "
                                    "of hidden states) a part, 128 expected to arrive")
     assert exchange("impl.moe.exchange_chunks=2")["receive_rows"] == 256
+    bounded = exchange("impl.moe.ep_buffer=1.5")
+    assert (bounded["receive_rows"], bounded["expected_rows"]) == (192, 128)
+    assert "dropless, ragged, rounds of 1.5 x the 128 assignments expected" in _exchange(bounded)
     capacity = exchange("impl.moe.ep_capacity=1.25")
     assert (capacity["receive_rows"], capacity["expected_rows"]) == (8 * 20, 128)
     assert "capacity 1.25 a peer (drops beyond it)" in _exchange(capacity)

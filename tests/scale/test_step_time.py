@@ -233,6 +233,23 @@ def test_a_data_dependent_block_loop_costs_the_blocks_the_routing_gives_each_exp
                                    "model cannot derive; counted once"]
 
 
+def test_a_bounded_exchange_costs_the_rounds_the_routing_is_expected_to_take():
+    """A bounded dropless exchange's loop over its rounds past the first (olmax.parallel.expert.overflow) states no
+    trip count: the model takes ceil(expected assignments / a round's) - 1, none where they fit, and says
+    so; without a bounded buffer the loop is named as one it cannot count."""
+    text = block_loop_program("expert_exchange_overflow")
+    per_round = 2 * 128 * 1024 * 1024
+    for received, buffer, trips in ((1000.0, 1250, 0), (1000.0, 1000, 0), (1000.0, 400, 2)):
+        experts = step_time.ExpertBlocks(100, 128, "learned", "expert_block_loop", 800.0, received, buffer,
+                                         "expert_exchange_overflow")
+        found = step_time.predict(text, TPU, experts=experts)
+        assert found["executed_flops"] == trips * per_round
+        assert found["loops"] == [{"scope": "expert_exchange_overflow", "trips": trips, "loops": 1,
+                                   "basis": experts.overflow_basis()}] and found["warnings"] == []
+    unbounded = step_time.ExpertBlocks(100, 128, "learned", "expert_block_loop", 1000.0)
+    assert step_time.predict(text, TPU, experts=unbounded)["warnings"][0].endswith("counted once")
+
+
 def test_a_ragged_all_to_all_moves_the_rows_the_routing_sends_not_its_static_buffer():
     """The dropless exchange's buffers hold the worst case (every token of the group); the model costs the rows
     the routing is expected to send (ExpertBlocks.exchanged_rows) at the operand's row size, never more than the

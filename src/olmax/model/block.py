@@ -97,7 +97,8 @@ def mlp_sublayer(cfg: ModelConfig, impl: ImplConfig, layout: Layout | None = Non
         return sublayer.moe_mlp(cfg.moe, p, h, key=key, mesh=layout.mesh if layout else None,
                                 batch_axes=layout.batch_axes if layout else (), dispatch=dispatch,
                                 block_size=impl.moe.block, ep_capacity=impl.moe.ep_capacity,
-                                exchange_chunks=impl.moe.exchange_chunks, chip=chip, **mx)
+                                exchange_chunks=impl.moe.exchange_chunks, ep_buffer=impl.moe.ep_buffer,
+                                chip=chip, **mx)
 
     return moe_mlp
 

@@ -101,6 +101,13 @@ def expected_peers(num_experts: int, top_k: int, ep: int) -> float:
     return ep * (1 - math.comb(num_experts - per_device, top_k) / math.comb(num_experts, top_k))
 
 
+def receive_slots(tokens: int, num_experts: int, top_k: int, ep: int, factor: float) -> int:
+    """Assignments a bounded exchange takes a round: `factor` x the assignments a device of `tokens` tokens is
+    expected to receive (tokens x top_k), at most the worst case (every token of the group, with all of its
+    experts a device holds)."""
+    return min(ep * tokens * min(top_k, num_experts // ep), max(1, math.ceil(factor * tokens * top_k)))
+
+
 def exclusive_cumsum(sizes: jax.Array) -> jax.Array:
     return jnp.cumsum(sizes) - sizes
 
@@ -127,37 +134,107 @@ def emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, outpu
     return output.at[landing.reshape(-1)].set(received.reshape(-1, *operand.shape[1:]), mode="drop")
 
 
+OVERFLOW_SCOPE = "expert_exchange_overflow"  # the rounds past the first of a bounded exchange (olmax.scale.step_time)
+
+
 def ragged_exchange(run_experts: Callable, x, experts, gates, local_weights, per_device: int, ep: int,
-                    ragged_all_to_all: Callable) -> jax.Array:
+                    ragged_all_to_all: Callable, buffer: int | None = None) -> tuple[jax.Array, jax.Array]:
     """One device's routed output [n, D] (inside shard_map over the expert axis), dropless: its tokens sent to the
-    peers holding their experts (`send_plan`), run there, returned and summed."""
+    peers holding their experts (`send_plan`), run there, returned and summed; and the rounds past the first.
+
+    The assignments a device receives form a stream, its peers' rows in peer order, each row carrying its
+    assignments to that device's experts (1 to min(k, experts a device)). A buffer of `buffer` assignments (None:
+    the worst case, every token of the group with all its experts here) takes the stream in rounds: round r
+    carries the rows whose first assignment lies in [r x buffer, (r + 1) x buffer) of every device's stream, at
+    most `buffer` rows and buffer + min(k, per_device) - 1 assignments. The first round always runs; the rest
+    (`overflow`) only while some device of the group has rows left, so the result is exact whatever the routing,
+    and a buffer sized for what the routing sends on average costs one round when it fits."""
     n, k = experts.shape
+    width = min(k, per_device)  # the most assignments a row carries to one device
     token, destination, send_sizes = send_plan(experts, per_device, ep)
     input_offsets = exclusive_cumsum(send_sizes)
+    sent_experts = jnp.take(experts, token, axis=0, mode="fill", fill_value=ep * per_device)
+    local = jnp.where(sent_experts // per_device == destination[:, None], sent_experts % per_device, per_device)
+    carried = jnp.sum(local < per_device, axis=1, dtype=jnp.int32)  # assignments a send row carries
+    assigned = jnp.zeros(ep, jnp.int32).at[destination].add(carried, mode="drop")
 
     def exchange(a):
         return jax.lax.all_to_all(a, EXPERT_AXIS, 0, 0, tiled=True)
 
-    # Counts first: what each peer sends this device and from where in its buffer, then where this device's
-    # rows land in each peer's receive buffer (the peers' rows packed in peer order).
-    recv_sizes, peer_offsets = exchange(jnp.stack([send_sizes, input_offsets], axis=1)).T
-    recv_offsets = exclusive_cumsum(recv_sizes)
-    output_offsets = exchange(recv_offsets)
-    received_rows = ep * n  # the worst case: every token of the group routed here
+    # Counts first: the assignments each peer sends this device, then where this device's start in each peer's
+    # stream; a row's first assignment's place there decides its round.
+    received = exchange(assigned)
+    stream_offsets = exchange(exclusive_cumsum(received))
+    within = exclusive_cumsum(carried) - jnp.take(exclusive_cumsum(assigned), destination, mode="fill", fill_value=0)
+    start = jnp.take(stream_offsets, destination, mode="fill", fill_value=0) + within
+    worst = ep * n * width
+    slots = min(buffer or worst, worst)
+    round_of = jnp.where(destination < ep, start // slots, jnp.iinfo(jnp.int32).max)
+    rows = min(slots, ep * n)
+    sent_x = jnp.take(x, token, axis=0, mode="fill", fill_value=0)
+    sent_gates = jnp.take(gates, token, axis=0, mode="fill", fill_value=0)
 
-    def send(a, fill):
-        return ragged_all_to_all(a, jnp.full((received_rows, *a.shape[1:]), fill, a.dtype), input_offsets,
-                                 send_sizes, output_offsets, recv_sizes, axis_name=EXPERT_AXIS)
+    def one_round(r, plan, local, sent_x, sent_gates, weights):
+        """The rows of round r back from the peers, in this device's send buffer [S, D] (zeros elsewhere)."""
+        round_of, destination, input_offsets = plan
+        sizes = jnp.zeros(ep, jnp.int32).at[destination].add((round_of == r).astype(jnp.int32), mode="drop")
+        at = input_offsets + jnp.zeros(ep, jnp.int32).at[destination].add((round_of < r).astype(jnp.int32),
+                                                                           mode="drop")
+        peer_sizes, peer_at = exchange(jnp.stack([sizes, at], axis=1)).T
+        peer_offsets = exclusive_cumsum(peer_sizes)  # the peers' rows packed in peer order
+        offsets = exchange(peer_offsets)
 
-    sent_experts = jnp.take(experts, token, axis=0, mode="fill", fill_value=ep * per_device)
-    local = jnp.where(sent_experts // per_device == destination[:, None], sent_experts % per_device, per_device)
-    received = send(jnp.take(x, token, axis=0, mode="fill", fill_value=0), 0)
-    y = run_experts(received, send(local, per_device), send(jnp.take(gates, token, axis=0, mode="fill",
-                                                                     fill_value=0), 0), *local_weights, n * k)
-    back = ragged_all_to_all(y, jnp.zeros((token.shape[0], y.shape[1]), y.dtype), recv_offsets, recv_sizes,
-                             peer_offsets, send_sizes, axis_name=EXPERT_AXIS)
-    out = jnp.zeros((n, y.shape[1]), jnp.float32).at[token].add(back.astype(jnp.float32), mode="drop")
-    return out.astype(x.dtype)
+        def send(a, fill):
+            return ragged_all_to_all(a, jnp.full((rows, *a.shape[1:]), fill, a.dtype), at, sizes, offsets,
+                                     peer_sizes, axis_name=EXPERT_AXIS)
+
+        y = run_experts(send(sent_x, 0), send(local, per_device), send(sent_gates, 0), *weights, n * k,
+                        min(slots + width - 1, rows * width))
+        return ragged_all_to_all(y, jnp.zeros((local.shape[0], y.shape[1]), y.dtype), peer_offsets, peer_sizes,
+                                 peer_at, sizes, axis_name=EXPERT_AXIS)
+
+    plan = (round_of, destination, input_offsets)
+    back = one_round(0, plan, local, sent_x, sent_gates, local_weights)
+    extra = jnp.zeros((), jnp.int32)
+    if slots < worst:
+        most = jax.lax.pmax(jnp.sum(received), EXPERT_AXIS)
+        extra = jnp.maximum((most + slots - 1) // slots - 1, 0)
+        back = back + overflow(one_round, back, extra, plan, local, sent_x, sent_gates, local_weights)
+    out = jnp.zeros((n, back.shape[1]), jnp.float32).at[token].add(back.astype(jnp.float32), mode="drop")
+    return out.astype(x.dtype), extra
+
+
+def overflow(one_round: Callable, first, extra, plan, local, sent_x, sent_gates, weights) -> jax.Array:
+    """The sum of `one_round` (whose first round gave `first`) over rounds 1 .. extra (a count the routing decides,
+    the same on every device of the group), differentiable in sent_x, sent_gates and weights: a loop forward, and a
+    loop backward that runs each round again to take its gradient (none is kept across rounds: the buffers stay
+    one round's)."""
+    shape, dtype = first.shape, first.dtype
+
+    def rounds(extra, plan, local, sent_x, sent_gates, weights):
+        def body(r, total):
+            return total + one_round(r, plan, local, sent_x, sent_gates, weights)
+
+        with jax.named_scope(OVERFLOW_SCOPE):
+            return jax.lax.fori_loop(1, extra + 1, body, jnp.zeros(shape, dtype))
+
+    def forward(*args):
+        return rounds(*args), args
+
+    def backward(saved, g):
+        extra, plan, local, *differentiable = saved
+
+        def body(r, total):
+            _, pull = jax.vjp(lambda *a: one_round(r, plan, local, *a), *differentiable)
+            return jax.tree.map(jnp.add, total, pull(g))
+
+        with jax.named_scope(OVERFLOW_SCOPE):
+            grads = jax.lax.fori_loop(1, extra + 1, body, jax.tree.map(jnp.zeros_like, tuple(differentiable)))
+        return (None, jax.tree.map(lambda _: None, plan), None, *grads)
+
+    run = jax.custom_vjp(rounds)
+    run.defvjp(forward, backward)
+    return run(extra, plan, local, sent_x, sent_gates, weights)
 
 
 def routed_experts(
@@ -170,16 +247,23 @@ def routed_experts(
     batch_axes: tuple[str, ...],
     capacity: int | None = None,
     chunks: int = 1,
-) -> jax.Array:
+    buffer: float | None = None,
+) -> tuple[jax.Array, jax.Array]:
     """The routed output [N, D] of tokens [N, D] for expert ids [N, k] (E = dropped) and gates [N, k].
 
     `weights` have a leading expert dimension [E, ...], sharded over the expert axis.
     `run_experts(x [M, D], groups [M, k] ids in [0, G] (G = none), gates [M, k], *local_weights,
-    expected_rows)` computes sum_k gates * expert_k(x) [M, D] on one device's G local experts.
+    expected_rows, assignments=None)` computes sum_k gates * expert_k(x) [M, D] on one device's G local experts;
+    `assignments` bounds the ids below G (None: M x min(k, G)).
     `capacity` (rows per peer; see `drop_over_peer_capacity`, which must have been applied with it): at most
     that many assignments to each peer; None: dropless, each token to each peer holding any of its experts, a
     device's tokens in `chunks` parts, each exchanged and run on its own: no part depends on another, so XLA's
-    scheduler can run one part's exchange while the experts compute another's.
+    scheduler can run one part's exchange while the experts compute another's. `buffer` (dropless): a receive
+    buffer of that factor x the assignments a device is expected to receive (`receive_slots`), in rounds while a device
+    has more (`ragged_exchange`); None: the worst case, one round.
+
+    Returns the output and the most rounds past the first any expert group's exchange took [] (summed over the
+    parts; 0 with a capacity or a worst-case buffer).
     """
     n_experts = weights[0].shape[0]
     ep = mesh.shape.get(EXPERT_AXIS, 1)
@@ -196,16 +280,19 @@ def routed_experts(
 
     def local(x, experts, gates, *local_weights):
         n, k = experts.shape
+        none = jnp.zeros((1,), jnp.int32)
         if ep == 1:
-            return run_experts(x, experts, gates, *local_weights, n * k)
+            return run_experts(x, experts, gates, *local_weights, n * k), none
         per_device = n_experts // ep
         if capacity is not None:
-            return capacity_exchange(x, experts, gates, local_weights, per_device)
+            return capacity_exchange(x, experts, gates, local_weights, per_device), none
         if n % chunks:
             raise ValueError(f"{n} tokens a device do not divide into impl.moe.exchange_chunks={chunks} parts")
+        slots = None if buffer is None else receive_slots(n // chunks, n_experts, k, ep, buffer)
         parts = [ragged_exchange(run_experts, *(a[i * n // chunks:(i + 1) * n // chunks] for a in (x, experts, gates)),
-                                 local_weights, per_device, ep, exchange) for i in range(chunks)]
-        return jnp.concatenate(parts) if chunks > 1 else parts[0]
+                                 local_weights, per_device, ep, exchange, slots) for i in range(chunks)]
+        out = jnp.concatenate([y for y, _ in parts]) if chunks > 1 else parts[0][0]
+        return out, sum(extra for _, extra in parts).reshape(1)
 
     def capacity_exchange(x, experts, gates, local_weights, per_device):
         n, k = experts.shape
@@ -231,13 +318,14 @@ def routed_experts(
         out = jnp.take(back, slot, axis=0, mode="fill", fill_value=0).reshape(n, k, -1)
         return jnp.einsum("nkd,nk->nd", out.astype(jnp.float32), gates).astype(x.dtype)
 
-    return jax.shard_map(
+    out, extra = jax.shard_map(
         local,
         mesh=mesh,
         in_specs=(rows, rows, rows) + (expert_spec,) * len(weights),
-        out_specs=rows,
+        out_specs=(rows, rows),
         # Under the pipeline's vmap over stages (spmd_axis_name), JAX 0.10's scan batching gives a loop carry
         # the stage's variation in its output but not its input and refuses the loop; unchecked, the values
         # and gradients equal the unpipelined model's (tests/parallel/test_pipeline.py).
         check_vma=False,
     )(tokens, experts, gates, *weights)
+    return out, jnp.max(extra)

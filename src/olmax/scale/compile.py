@@ -149,7 +149,10 @@ def expert_blocks(cfg: RunConfig, layout: Layout, micro_rows: int) -> step_time.
             exchanged = tokens * expert_parallel.expected_peers(moe.num_experts, moe.top_k, ep)
     smallest = fp8.MX_BLOCK if cfg.impl.fp8 == "mxfp8" else 16
     block = cfg.impl.moe.block or gmm.auto_block_size(sized_for, local_experts, smallest)
-    return step_time.ExpertBlocks(routed / local_experts, block, moe.routing, gmm.BLOCK_LOOP, exchanged)
+    slots = (expert_parallel.receive_slots(tokens, moe.num_experts, moe.top_k, ep, cfg.impl.moe.ep_buffer)
+             if exchanged is not None and cfg.impl.moe.ep_buffer is not None else None)
+    return step_time.ExpertBlocks(routed / local_experts, block, moe.routing, gmm.BLOCK_LOOP, exchanged, routed,
+                                  slots, expert_parallel.OVERFLOW_SCOPE)
 
 
 def _tokens_at_once(cfg: RunConfig, layout: Layout, micro_rows: int) -> int:
@@ -164,7 +167,8 @@ def _tokens_at_once(cfg: RunConfig, layout: Layout, micro_rows: int) -> int:
 
 def expert_exchange(cfg: RunConfig, layout: Layout, micro_rows: int) -> dict | None:
     """What expert parallelism's exchange holds a layer on a device: the rows its receive buffer is sized for
-    (dropless: the worst case, every token of the expert group; with a capacity: the capacity of each peer) and
+    (dropless: the worst case, every token of the expert group, or impl.moe.ep_buffer's bound; with a capacity:
+    the capacity of each peer) and
     their bytes in the compute dtype, and the rows the routing is expected to fill (olmax.parallel.expert)."""
     ep = layout.mesh.shape.get("expert", 1)
     if cfg.model.mlp != "moe" or ep == 1:
@@ -177,6 +181,11 @@ def expert_exchange(cfg: RunConfig, layout: Layout, micro_rows: int) -> dict | N
     else:
         rows, kind = ep * tokens, "dropless, ragged"
         expected = tokens * expert_parallel.expected_peers(cfg.model.moe.num_experts, top_k, ep)
+        if cfg.impl.moe.ep_buffer is not None:
+            slots = expert_parallel.receive_slots(tokens, cfg.model.moe.num_experts, top_k, ep, cfg.impl.moe.ep_buffer)
+            rows = min(rows, slots)
+            kind = (f"dropless, ragged, rounds of {cfg.impl.moe.ep_buffer:g} x the {tokens * top_k:,} assignments "
+                    "expected")
     width = jnp.dtype(transformer.compute_dtype(cfg.impl, layout)).itemsize * cfg.model.d_model
     return {"kind": kind, "parts": cfg.impl.moe.exchange_chunks if cfg.impl.moe.ep_capacity is None else 1,
             "receive_rows": rows, "receive_bytes": rows * width, "expected_rows": expected}

@@ -22,7 +22,8 @@ Every op of the optimized, scheduled HLO (olmax.scale.hlo) is costed on one devi
   left when the done is reached is exposed. A loop's body is simulated twice (a collective started in one
   iteration may finish in the next) and its second iteration counts for all the rest. A loop whose trip count
   the program does not state runs as often as the model derives: the experts' block loops (olmax.model.moe.gmm)
-  by the routing's expectation (ExpertBlocks); any other such loop once, named in the warnings.
+  and a bounded exchange's rounds past its first (olmax.parallel.expert.overflow) by the routing's expectation
+  (ExpertBlocks); any other such loop once, named in the warnings.
 
 The result says where the time goes: matmuls, attention, memory-bound work and exposed collectives, by layer
 kind (from the op names the model's named scopes write), plus a timeline of one step for the layout page.
@@ -243,10 +244,25 @@ class ExpertBlocks:
     # rows a device sends its expert group in one ragged exchange, expected (its tokens x the peers holding any of
     # a token's experts); a ragged-all-to-all moves these, not its static buffer. None: no ragged exchange.
     exchanged_rows: float | None = None
+    # a bounded dropless exchange (impl.moe.ep_buffer): the assignments a device receives a micro-step, expected,
+    # those its buffer takes a round, and the scope of its loops over the rounds past the first
+    # (olmax.parallel.expert.overflow), which run while a device has assignments left
+    received_assignments: float | None = None
+    buffer_slots: int | None = None
+    overflow_scope: str = ""
 
     @property
     def trips(self) -> int:
         return math.ceil(self.rows_per_expert / self.block)
+
+    @property
+    def overflow_trips(self) -> int:
+        """The rounds past the first the expected routing takes."""
+        return max(0, math.ceil(self.received_assignments / self.buffer_slots) - 1)
+
+    def overflow_basis(self) -> str:
+        return (f"{self.received_assignments:,.0f} assignments a device receives an exchange (its tokens x top_k; "
+                f"{self.routing} routing taken as balanced) in rounds of {self.buffer_slots:,}")
 
     def basis(self) -> str:
         return (f"{self.rows_per_expert:,.0f} rows an expert (a device's tokens x top_k / its experts; {self.routing} "
@@ -634,6 +650,8 @@ class Simulator:
                 return
             if trips is None:  # bounded by data: the routing's expectation for the experts' block loops
                 trips = self._derived_trips(instruction, tally)
+            if trips == 0:
+                return
             self._computation(body, clock, tally, weight, record, region, layer)
             if trips > 1:
                 mark = len(tally.events)
@@ -703,11 +721,15 @@ class Simulator:
 
     def _derived_trips(self, loop: hlo.Instruction, tally: Tally) -> int:
         """The trip count of a loop the compiled program does not state: an expert block loop's from the
-        routing's expectation (ExpertBlocks); any other loop's cannot be derived: it counts once, and is named."""
+        routing's expectation (ExpertBlocks), and so the rounds of a bounded exchange past its first; any other
+        loop's cannot be derived: it counts once, and is named."""
         experts = self.cost.experts
         if experts is not None and f"/{experts.scope}/" in f"/{loop.op_name}/":
             tally.derived_loops[loop.name] = (experts.scope, experts.trips, experts.basis())
             return experts.trips
+        if experts is not None and experts.buffer_slots and f"/{experts.overflow_scope}/" in f"/{loop.op_name}/":
+            tally.derived_loops[loop.name] = (experts.overflow_scope, experts.overflow_trips, experts.overflow_basis())
+            return experts.overflow_trips
         tally.uncounted_loops[loop.name] = loop.op_name or loop.name
         return 1
 

@@ -259,7 +259,8 @@ class Estimate:
         """An MoE layer on one device, at a time: (the rows its experts run, the expert outputs it gathers back,
         the rows it receives over the expert axis); zeros for a dense model. Each device of an expert group runs its
         experts on what its peers send: with a capacity a peer, that many rows from each; dropless, every token of
-        the group, once for each local expert it chose (olmax.parallel.expert, olmax.model.moe.gmm)."""
+        the group, once for each local expert it chose, or with impl.moe.ep_buffer a round's buffer
+        (olmax.parallel.expert, olmax.model.moe.gmm)."""
         cfg, m = self.cfg, self.cfg.model
         if m.mlp != "moe":
             return 0, 0, 0
@@ -271,6 +272,9 @@ class Estimate:
         if cfg.impl.moe.ep_capacity is not None:
             received = peers * expert_parallel.peer_capacity(tokens, k, peers, cfg.impl.moe.ep_capacity)
             return received, received, received
+        if cfg.impl.moe.ep_buffer is not None:  # a round's buffer, the expected routing's one round
+            slots = expert_parallel.receive_slots(tokens, m.moe.num_experts, k, peers, cfg.impl.moe.ep_buffer)
+            return slots, slots, min(slots, peers * tokens)
         return peers * tokens * min(k, local), peers * tokens * k, peers * tokens
 
     def __call__(self, candidate: Candidate) -> tuple[float, float]:

@@ -107,21 +107,28 @@ def weight_grad(x, dy, w_shape, block_starts, block: int, dot) -> jax.Array:
 gmm.defvjp(_gmm_fwd, _gmm_bwd)
 
 
-def _swiglu_blocks(x, groups, w1, w3, w2, block, product):
+def _swiglu_blocks(x, groups, w1, w3, w2, block, product, assignments=None, gates=None):
     M, k = groups.shape
     G, R = w1.shape[0], groups.size
     flat = groups.reshape(-1)
     rank, counts = rank_within(flat, G + 1)
     blocks = -(-counts[:G] // block)
     block_starts = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(blocks)])
-    # Static bound: at most min(k, G) real rows per row of x, and each group wastes under one block.
-    n_blocks = -(-(M * min(k, G) + G * (block - 1)) // block)
+    # Static bound: at most min(k, G) real rows per row of x (or the caller's bound), and each group wastes
+    # under one block.
+    real = min(M * min(k, G), assignments or M * min(k, G))
+    n_blocks = -(-(real + G * (block - 1)) // block)
     slot = jnp.where(flat < G, block_starts[jnp.minimum(flat, G - 1)] * block + rank, n_blocks * block)
     source = jnp.full(n_blocks * block, R, jnp.int32).at[slot].set(jnp.arange(R, dtype=jnp.int32), mode="drop")
     xp = jnp.take(x, source // k, axis=0, mode="fill", fill_value=0)
     w1, w3, w2 = (_vary_like(w.astype(x.dtype), x) for w in (w1, w3, w2))
     y = swiglu(xp, w1, w3, w2, lambda a, w, name: checkpoint_name(product(a, w, block_starts, block), name))
-    return jnp.take(y, slot, axis=0, mode="fill", fill_value=0).reshape(M, k, -1)
+    if gates is None or k == 1:  # one id a row (a capacity's exchange): a gather, no scatter
+        y = jnp.take(y, slot, axis=0, mode="fill", fill_value=0).reshape(M, k, -1)
+        return y if gates is None else combine(y, gates)
+    # each laid-out row weighed by its gate and added to its row of x: the laid-out rows' work, not M x k rows'
+    weighed = y.astype(jnp.float32) * jnp.take(gates.reshape(-1), source, mode="fill", fill_value=0)[:, None]
+    return jnp.zeros((M, y.shape[1]), jnp.float32).at[source // k].add(weighed, mode="drop").astype(y.dtype)
 
 
 def _swiglu_ragged(x, groups, w1, w3, w2):
@@ -138,15 +145,19 @@ def _swiglu_ragged(x, groups, w1, w3, w2):
 
 
 def grouped_swiglu(x: jax.Array, groups: jax.Array, w1, w3, w2, *, dispatch: str, block: int,
-                   dot=dot_f32, product=None) -> jax.Array:
-    """Each row's experts on it: x [M, D], groups [M, k] ids in [0, G] (G = none) -> [M, k, D].
+                   dot=dot_f32, product=None, assignments: int | None = None, gates=None) -> jax.Array:
+    """Each row's experts on it: x [M, D], groups [M, k] ids in [0, G] (G = none) -> [M, k, D]; with `gates`
+    [M, k], their sum weighed by them (`combine`) [M, D].
 
     w1, w3 [G, D, F] and w2 [G, F, D] are cast to x's dtype; rows with id G give 0. `dot` is the block
     loop's product (see `gmm`); ragged_dot has its own. `product(x, w, block_starts, block)` replaces `gmm`
-    over the same block layout (grouped.gmm: the GPU's grouped-matmul kernels)."""
+    over the same block layout (grouped.gmm: the GPU's grouped-matmul kernels). `assignments` bounds the ids
+    below G, which sizes the block layout (None: M x min(k, G); an id past the bound would be lost)."""
     if dispatch == "ragged_dot":
-        return _swiglu_ragged(x, groups, w1, w3, w2)
-    return _swiglu_blocks(x, groups, w1, w3, w2, block, product or (lambda a, w, starts, b: gmm(a, w, starts, b, dot)))
+        y = _swiglu_ragged(x, groups, w1, w3, w2)
+        return y if gates is None else combine(y, gates)
+    return _swiglu_blocks(x, groups, w1, w3, w2, block, product or (lambda a, w, starts, b: gmm(a, w, starts, b, dot)),
+                          assignments, gates)
 
 
 def combine(y: jax.Array, gates: jax.Array) -> jax.Array:

@@ -70,6 +70,7 @@ def moe_mlp(
     block_size: int | None = None,
     ep_capacity: float | None = None,
     exchange_chunks: int = 1,
+    ep_buffer: float | None = None,
     dot=gmm.dot_f32,
     smallest_block: int = 16,
     chip: grouped.Chip | None = None,
@@ -79,13 +80,16 @@ def moe_mlp(
     at least `smallest_block`) choose how the experts run, `dot` the block loop's products (gmm.gmm);
     `ep_capacity` (None: dropless) bounds what a device sends each peer of its expert group (see
     olmax.parallel.expert), dropping, and counting, assignments beyond it; dropless, `exchange_chunks` parts of
-    each device's tokens are exchanged and run one after another, so one's exchange can overlap another's experts.
+    each device's tokens are exchanged and run one after another, so one's exchange can overlap another's experts,
+    each into a receive buffer of `ep_buffer` x the rows expected (None: the worst case), in rounds while rows are
+    left.
 
     aux (one layer's values; the model stacks them over layers):
       load_balancing_loss  f32 []   unscaled, see `load_balancing_loss`
       router_z_loss        f32 []   unscaled, mean(logsumexp(logits)^2)
       tokens_per_expert    i32 [E]  assignments routed to each expert (before any drop)
       dropped_tokens       i32 []   assignments over capacity (0 when dropless)
+      exchange_rounds      i32 []   rounds past the first of a bounded dropless exchange, the most of any group
     With a mesh, tokens stay sharded over `batch_axes` and experts over its `expert` axis; `batch_axes`
     must then include `expert` when that axis is larger than 1. The batch's data-parallel shards
     (the product of the batch axes) are the ranks of micro_batch granularity and capacity.
@@ -115,22 +119,23 @@ def moe_mlp(
         experts = expert_parallel.drop_over_peer_capacity(experts, cfg.num_experts, ep, ranks, capacity)
     aux["dropped_tokens"] = jnp.sum(experts == cfg.num_experts, dtype=jnp.int32)
 
-    def run_experts(x_local, groups, gates, w1, w3, w2, expected_rows):
+    def run_experts(x_local, groups, gates, w1, w3, w2, expected_rows, assignments=None):
         block = block_size or gmm.auto_block_size(expected_rows, w1.shape[0], smallest_block)
         product = None
         if dispatch == "grouped":  # the kernels' layout (grouped.Chip.block), whatever impl.moe.block
             # the block loop's MXFP8 product means the kernels' MXFP8 products
             mxfp8 = isinstance(dot, fp8.MXDot)
             block, product = chip.block, lambda a, w, starts, b: grouped.gmm(a, w, starts, b, chip, mxfp8)
-        y = gmm.grouped_swiglu(x_local, groups, w1, w3, w2, dispatch=dispatch, block=block, dot=dot, product=product)
-        return gmm.combine(y, gates)
+        return gmm.grouped_swiglu(x_local, groups, w1, w3, w2, dispatch=dispatch, block=block, dot=dot,
+                                  product=product, assignments=assignments, gates=gates)
 
     weights = (p["w1"], p["w3"], p["w2"])
+    aux["exchange_rounds"] = jnp.zeros((), jnp.int32)
     if mesh is None:
         y = run_experts(tokens, experts, r.gates, *weights, experts.size)
     else:
-        y = expert_parallel.routed_experts(run_experts, tokens, experts, r.gates, weights, mesh, batch_axes,
-                                           capacity, exchange_chunks)
+        y, aux["exchange_rounds"] = expert_parallel.routed_experts(
+            run_experts, tokens, experts, r.gates, weights, mesh, batch_axes, capacity, exchange_chunks, ep_buffer)
     if cfg.shared_expert_hidden:
         shared = swiglu(tokens, p["shared_w1"], p["shared_w3"], p["shared_w2"], lambda a, w, _: a @ w.astype(x.dtype))
         y = (shared + cfg.top_k * y) / (cfg.top_k + 1)
@@ -150,7 +155,8 @@ class MoETraining:
         count, and the values to sum over micro-batches for the metrics, from the per-layer aux."""
         loss, logged = router.aux_loss(self.model.moe, aux, self.model.n_layers, tokens, n_labels)
         return loss, {f"train/{name}": value for name, value in logged.items()} | {
-            "tokens_per_expert": aux["tokens_per_expert"], "dropped_tokens": aux["dropped_tokens"]}
+            "tokens_per_expert": aux["tokens_per_expert"], "dropped_tokens": aux["dropped_tokens"],
+            "exchange_rounds": jnp.sum(aux["exchange_rounds"])}
 
     def metrics(self, logged: dict) -> dict:
         """The step's metrics from the summed values: the true load of the global batch per MoE layer
@@ -161,7 +167,10 @@ class MoETraining:
         load = router.load_metrics(counts, dropped)
         metrics = {"train/load imbalance": jnp.max(load["load imbalance"]),
                    "train/busiest expert share": jnp.max(load["busiest expert share"]),
-                   "train/dropped rate": jnp.sum(dropped) / jnp.sum(counts)}
+                   "train/dropped rate": jnp.sum(dropped) / jnp.sum(counts),
+                   # the exchange's receive buffer overflowed: rounds it took past the first, over layers and
+                   # micro-batches (impl.moe.ep_buffer; exact either way, slower)
+                   "train/exchange extra rounds": logged.pop("exchange_rounds")}
         for i in range(counts.shape[0]):
             layer = self.model.dense_layers + i
             metrics[f"train/block {layer:02d}/load imbalance"] = load["load imbalance"][i]
