@@ -139,7 +139,7 @@ def predict_row(row: Row) -> dict:
         "tokens_per_device": tokens / step / target.devices,
         "chip_seconds": step * target.chips,
         "seconds": prediction["seconds"], "collectives": prediction["collectives"],
-        "loops": prediction["loops"], "warnings": prediction["warnings"],
+        "loops": prediction["loops"], "warnings": prediction["warnings"], "costliest": prediction["costliest"],
         "libtpu_estimate": prediction.get("libtpu_estimate"), "step_range": prediction.get("step_range"),
     }
 

@@ -126,13 +126,15 @@ def test_identical_experts_with_renormalized_gates_are_the_dense_model():
 
 @pytest.mark.slow
 def test_losses_and_true_load_agree_across_expert_parallel_meshes(tmp_path, shards):
-    """Two micro-batches of 8 instances a step, on 1 device, on EP = 8 and on EP = 4 x FSDP = 2: the same
-    losses up to float reassociation, and per layer the assignments of the whole global batch (16 x 64
-    tokens x top-2) in the metrics and, as histograms, in the event files."""
+    """Two micro-batches of 8 instances a step, on 1 device, on EP = 8 and on EP = 4 x FSDP = 2 (its exchange
+    bounded at half the assignments expected, so in several rounds): the same losses up to float reassociation,
+    and per layer the assignments of the whole global batch (16 x 64 tokens x top-2) in the metrics and, as
+    histograms, in the event files."""
     runs = {}
     for name, mesh in (("one", ["train.micro_batch_per_device=8"]),
                        ("ep8", ["mesh.expert=8", "train.micro_batch_per_device=1"]),
-                       ("ep4_fsdp2", ["mesh.expert=4", "mesh.fsdp=2", "train.micro_batch_per_device=1"])):
+                       ("ep4_fsdp2", ["mesh.expert=4", "mesh.fsdp=2", "train.micro_batch_per_device=1",
+                                      "impl.moe.ep_buffer=0.5"])):
         runs[name] = _train(tmp_path, shards, name, "train.steps=4", "checkpoint.every=4", *mesh)
     for name in ("train/CE loss", "train/load balancing loss", "train/router Z loss", "optim/total grad norm"):
         for mesh in ("ep8", "ep4_fsdp2"):
@@ -145,6 +147,8 @@ def test_losses_and_true_load_agree_across_expert_parallel_meshes(tmp_path, shar
         assert first[f"train/block {layer:02d}/load imbalance"] == pytest.approx(max(counts) / np.mean(counts))
     assert first["train/load imbalance"] == max(first[f"train/block {i:02d}/load imbalance"] for i in range(4))
     assert all(step["train/dropped rate"] == 0.0 for mesh in ("ep8", "ep4_fsdp2") for step in runs[mesh])
+    assert [step["train/exchange extra rounds"] > 0 for step in runs["ep4_fsdp2"]] == [True] * 4
+    assert [step["train/exchange extra rounds"] for step in runs["ep8"]] == [0] * 4
     events = Path(tmp_path, "ep8", "tensorboard")
     histogram = _histograms(events)[("train/block 03/tokens per expert", 1)]
     assert (histogram.num, histogram.sum) == (8, 16 * 64 * 2)

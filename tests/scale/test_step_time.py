@@ -233,6 +233,25 @@ def test_a_data_dependent_block_loop_costs_the_blocks_the_routing_gives_each_exp
                                    "model cannot derive; counted once"]
 
 
+def test_the_costliest_op_groups_account_for_the_compute_and_name_its_pass():
+    """The prediction lists its op groups by seconds a step: each op counted as often as it runs, all of the
+    compute's seconds in them; a group says the op's region, its pass and what made it."""
+    experts = step_time.ExpertBlocks(rows_per_expert=1000, block=128, routing="learned", scope="expert_block_loop")
+    found = step_time.predict(block_loop_program("expert_block_loop"), TPU, experts=experts)
+    groups = found["costliest"]
+    assert [(g["category"], g["group"], g["ops"]) for g in groups] == [("matmul", "global: dot", 8),
+                                                                       ("memory", "global: add", 8)]
+    assert sum(g["seconds"] for g in groups) == pytest.approx(sum(found["seconds"].values()), rel=1e-12)
+    module = hlo.Module(program("  ROOT %c = f32[8]{0} parameter(0)"))
+    name = ("jit(train_step)/while/body/closed_call/transpose(jvp())/while/body/closed_call/checkpoint/"
+            "rematted_computation/layer3.global/vmap()/scatter-add")
+    scatter = hlo.parse_instruction(f'  %s = f32[8]{{0}} scatter(%a, %b, %c), metadata={{op_name="{name}"}}')
+    assert step_time.op_group(module, scatter, "global") == "global recomputed: scatter-add"
+    backward = name.replace("checkpoint/rematted_computation/", "").replace("scatter-add", "shard_map/mul")
+    multiply = hlo.parse_instruction(f'  %m = f32[8]{{0}} multiply(%a, %b), metadata={{op_name="{backward}"}}')
+    assert step_time.op_group(module, multiply, "global") == "global backward: shard_map/mul (multiply)"
+
+
 def test_a_bounded_exchange_costs_the_rounds_the_routing_is_expected_to_take():
     """A bounded dropless exchange's loop over its rounds past the first (olmax.parallel.expert.overflow) states no
     trip count: the model takes ceil(expected assignments / a round's) - 1, none where they fit, and says

@@ -147,7 +147,7 @@ def ragged_exchange(run_experts: Callable, x, experts, gates, local_weights, per
     the worst case, every token of the group with all its experts here) takes the stream in rounds: round r
     carries the rows whose first assignment lies in [r x buffer, (r + 1) x buffer) of every device's stream, at
     most `buffer` rows and buffer + min(k, per_device) - 1 assignments. The first round always runs; the rest
-    (`overflow`) only while some device of the group has rows left, so the result is exact whatever the routing,
+    (`rounds`) only while some device of the group has rows left, so the result is exact whatever the routing,
     and a buffer sized for what the routing sends on average costs one round when it fits."""
     n, k = experts.shape
     width = min(k, per_device)  # the most assignments a row carries to one device
@@ -194,45 +194,46 @@ def ragged_exchange(run_experts: Callable, x, experts, gates, local_weights, per
                                  peer_at, sizes, axis_name=EXPERT_AXIS)
 
     plan = (round_of, destination, input_offsets)
-    back = one_round(0, plan, local, sent_x, sent_gates, local_weights)
     extra = jnp.zeros((), jnp.int32)
     if slots < worst:
         most = jax.lax.pmax(jnp.sum(received), EXPERT_AXIS)
         extra = jnp.maximum((most + slots - 1) // slots - 1, 0)
-        back = back + overflow(one_round, back, extra, plan, local, sent_x, sent_gates, local_weights)
+        back = rounds(one_round, extra, plan, local, sent_x, sent_gates, local_weights)
+    else:  # the worst case in one round
+        back = one_round(0, plan, local, sent_x, sent_gates, local_weights)
     out = jnp.zeros((n, back.shape[1]), jnp.float32).at[token].add(back.astype(jnp.float32), mode="drop")
     return out.astype(x.dtype), extra
 
 
-def overflow(one_round: Callable, first, extra, plan, local, sent_x, sent_gates, weights) -> jax.Array:
-    """The sum of `one_round` (whose first round gave `first`) over rounds 1 .. extra (a count the routing decides,
-    the same on every device of the group), differentiable in sent_x, sent_gates and weights: a loop forward, and a
-    loop backward that runs each round again to take its gradient (none is kept across rounds: the buffers stay
-    one round's)."""
-    shape, dtype = first.shape, first.dtype
+def rounds(one_round: Callable, extra, plan, local, sent_x, sent_gates, weights) -> jax.Array:
+    """`one_round` summed over rounds 0 .. extra (a count the routing decides, the same on every device of the
+    group), differentiable in sent_x, sent_gates and weights. Forward, the first round as it is and a loop over the
+    rest adding into it; backward, the first round's gradient from what its forward kept, then a loop that runs
+    each further round again to add its gradient (none is kept across rounds: the buffers stay one round's). With
+    no round past the first nothing more is moved or zeroed."""
 
-    def rounds(extra, plan, local, sent_x, sent_gates, weights):
+    def forward(extra, plan, local, *differentiable):
+        first, pull = jax.vjp(lambda *a: one_round(0, plan, local, *a), *differentiable)
+
         def body(r, total):
-            return total + one_round(r, plan, local, sent_x, sent_gates, weights)
+            return total + one_round(r, plan, local, *differentiable)
 
         with jax.named_scope(OVERFLOW_SCOPE):
-            return jax.lax.fori_loop(1, extra + 1, body, jnp.zeros(shape, dtype))
-
-    def forward(*args):
-        return rounds(*args), args
+            total = jax.lax.fori_loop(1, extra + 1, body, first)
+        return total, (pull, extra, plan, local, *differentiable)
 
     def backward(saved, g):
-        extra, plan, local, *differentiable = saved
+        pull, extra, plan, local, *differentiable = saved
 
         def body(r, total):
-            _, pull = jax.vjp(lambda *a: one_round(r, plan, local, *a), *differentiable)
-            return jax.tree.map(jnp.add, total, pull(g))
+            _, pull_r = jax.vjp(lambda *a: one_round(r, plan, local, *a), *differentiable)
+            return jax.tree.map(jnp.add, total, pull_r(g))
 
         with jax.named_scope(OVERFLOW_SCOPE):
-            grads = jax.lax.fori_loop(1, extra + 1, body, jax.tree.map(jnp.zeros_like, tuple(differentiable)))
+            grads = jax.lax.fori_loop(1, extra + 1, body, pull(g))
         return (None, jax.tree.map(lambda _: None, plan), None, *grads)
 
-    run = jax.custom_vjp(rounds)
+    run = jax.custom_vjp(lambda *args: forward(*args)[0])
     run.defvjp(forward, backward)
     return run(extra, plan, local, sent_x, sent_gates, weights)
 

@@ -391,10 +391,17 @@ def _step_time(r: dict) -> str:
     if counted:
         note += f'<ul class="note">{counted}</ul>'
 
+    costliest = ""
+    if p.get("costliest"):
+        rows = [[html.escape(g["group"]), html.escape(CATEGORY_NAMES.get(g["category"], g["category"])),
+                 f"{g['ops']:,.0f}", _seconds(g["seconds"])] for g in p["costliest"]]
+        costliest = ("<h3>The costliest op groups</h3><p class=\"note\">Ops by region, pass (forward, backward, or "
+                     "the forward recomputed for the backward) and what made them, a step.</p>"
+                     + table(["op group", "kind", "ops", "seconds"], rows, {2, 3}))
     until = p.get("timeline_until", p["step_seconds"])
     cut = (f"<p class=\"note\">The timeline shows the first {_seconds(until)} of the step: it has more ops than a page "
            "draws.</p>" if until < p["step_seconds"] else "")
-    return (f'<section id="step-time"><h2>Predicted step time</h2>{note}{summary}{breakdown}'
+    return (f'<section id="step-time"><h2>Predicted step time</h2>{note}{summary}{breakdown}{costliest}'
             f"{_timeline(p['timeline'], p['step_seconds'])}{cut}</section>")
 
 

@@ -22,7 +22,7 @@ Every op of the optimized, scheduled HLO (olmax.scale.hlo) is costed on one devi
   left when the done is reached is exposed. A loop's body is simulated twice (a collective started in one
   iteration may finish in the next) and its second iteration counts for all the rest. A loop whose trip count
   the program does not state runs as often as the model derives: the experts' block loops (olmax.model.moe.gmm)
-  and a bounded exchange's rounds past its first (olmax.parallel.expert.overflow) by the routing's expectation
+  and a bounded exchange's rounds past its first (olmax.parallel.expert.rounds) by the routing's expectation
   (ExpertBlocks); any other such loop once, named in the warnings.
 
 The result says where the time goes: matmuls, attention, memory-bound work and exposed collectives, by layer
@@ -246,7 +246,7 @@ class ExpertBlocks:
     exchanged_rows: float | None = None
     # a bounded dropless exchange (impl.moe.ep_buffer): the assignments a device receives a micro-step, expected,
     # those its buffer takes a round, and the scope of its loops over the rounds past the first
-    # (olmax.parallel.expert.overflow), which run while a device has assignments left
+    # (olmax.parallel.expert.rounds), which run while a device has assignments left
     received_assignments: float | None = None
     buffer_slots: int | None = None
     overflow_scope: str = ""
@@ -577,6 +577,32 @@ def region_of(instruction: hlo.Instruction, layer_kind: str | None) -> str:
     return "embedding and head" if "closed_call" in name else "optimizer and gradients"
 
 
+def op_group(module: hlo.Module, instruction: hlo.Instruction, region: str) -> str:
+    """What an op is, for the table of where a step's time goes: its region, its pass (forward, backward, or the
+    forward recomputed for the backward), the last part of its op name (the JAX operation or named scope that made
+    it) and, for a fusion, what the fused computation ends in."""
+    name = instruction.op_name
+    if "rematted_computation" in name:
+        step = "recomputed"
+    elif "transpose(" in name:
+        step = "backward"
+    elif "jvp(" in name:
+        step = "forward"
+    else:
+        step = ""
+    parts = [p for p in name.split("/") if p and not re.fullmatch(r"(jit|jvp|transpose|vmap)\(.*\)|while|body|"
+                                                                 r"closed_call|checkpoint|rematted_computation|"
+                                                                 r"layer\d+\.\w+|jit\(\w+\)", p)]
+    what = re.sub(r"_tile_m=[^/]*", "", "/".join(parts[-2:])) or instruction.op  # a kernel's name less its tiles
+    if instruction.op == "fusion" and instruction.calls():
+        fused = module.computation(instruction.calls()[0])
+        if fused is not None and fused.instructions:
+            what += f" ({fused.root.op} fusion)"
+    elif instruction.op not in what:
+        what += f" ({instruction.op})"
+    return f"{region}{' ' + step if step else ''}: {what}"
+
+
 @dataclass
 class Tally:
     """Seconds by (category, region), exposed collective seconds, hidden collective seconds, FLOPs."""
@@ -596,6 +622,10 @@ class Tally:
     total: float = 0.0  # the step's seconds
     timeline_cut: float = math.inf  # where the timeline stops, when a step has more events than it keeps
     events: list = field(default_factory=list)  # (start, end, lane, category, label) of the timeline
+    groups: dict = field(default_factory=lambda: collections.defaultdict(lambda: [0.0, 0.0]))  # (category, op_group) -> [seconds, ops]
+
+
+COSTLIEST = 20  # op groups the prediction lists, by their seconds a step
 
 
 @dataclass
@@ -717,6 +747,9 @@ class Simulator:
         tally.seconds[(cost.category, region)] += weight * cost.seconds
         tally.flops += weight * cost.flops
         tally.ops += weight
+        group = tally.groups[(cost.category, op_group(self.module, instruction, region))]
+        group[0] += weight * cost.seconds
+        group[1] += weight
         self._event(tally, record, start, clock.compute, "compute", cost.category, layer or region)
 
     def _derived_trips(self, loop: hlo.Instruction, tally: Tally) -> int:
@@ -878,6 +911,9 @@ def predict(text: str, hw: Hardware, coords: list[dict] | None = None, attention
         "by_region": {r: {c: v.get(c, 0.0) for c in CATEGORIES} for r, v in sorted(by_region.items())},
         "executed_flops": tally.flops,
         "executed_ops": tally.ops,
+        "costliest": [{"category": category, "group": group, "seconds": seconds, "ops": ops}
+                      for (category, group), (seconds, ops) in sorted(tally.groups.items(), key=lambda kv: -kv[1][0])
+                      [:COSTLIEST]],
         "loops": [{"scope": scope, "trips": trips, "basis": basis, **v} for (scope, trips, basis), v in loops.items()],
         "warnings": warnings,
         "unknown_kernels": dict(tally.unknown_kernels),
