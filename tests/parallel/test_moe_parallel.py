@@ -244,11 +244,12 @@ def test_dropless_exchange_equals_one_device_with_skewed_routing(buffer):
     assert buffer is None or -(-max(assigned) // slots) > 2
 
 
-@pytest.mark.parametrize("chunks, buffer", [(2, None), (1, 0.5), (2, 0.8)])
-def test_an_exchange_in_parts_or_rounds_equals_it_whole(chunks, buffer):
+@pytest.mark.parametrize("chunks, buffer, dispatch", [(2, None, "blocks"), (1, 0.5, "blocks"), (2, 0.8, "blocks"),
+                                                     (1, 0.5, "ragged_dot")])
+def test_an_exchange_in_parts_or_rounds_equals_it_whole(chunks, buffer, dispatch):
     """Dropless with a device's tokens in 2 parts, each exchanged and run on its own, or with receive buffers below
     what the routing sends (impl.moe.ep_buffer: the rows past them go in further rounds, counted in the aux): the
-    same output, aux values and gradients as one exchange."""
+    same output, aux values and gradients as one exchange, with the experts' layout sized by a round's bound."""
     cfg = _cfg()
     p, x, cotangent = _inputs(cfg)
     key = jax.random.key(3)
@@ -258,7 +259,7 @@ def test_an_exchange_in_parts_or_rounds_equals_it_whole(chunks, buffer):
     def run(chunks, buffer):
         def objective(p, x):
             out, aux = sublayer.moe_mlp(cfg, p, x, key=key, mesh=mesh, batch_axes=BATCH_AXES, exchange_chunks=chunks,
-                                        ep_buffer=buffer)
+                                        ep_buffer=buffer, dispatch=dispatch)
             return jnp.sum(out * cotangent) + aux["load_balancing_loss"], (out, aux)
         return jax.jit(jax.value_and_grad(objective, argnums=(0, 1), has_aux=True))(*placed)
 

@@ -131,17 +131,21 @@ def _swiglu_blocks(x, groups, w1, w3, w2, block, product, assignments=None, gate
     return jnp.zeros((M, y.shape[1]), jnp.float32).at[source // k].add(weighed, mode="drop").astype(y.dtype)
 
 
-def _swiglu_ragged(x, groups, w1, w3, w2):
+def _swiglu_ragged(x, groups, w1, w3, w2, assignments=None, gates=None):
     M, k = groups.shape
     G = w1.shape[0]
     flat = groups.reshape(-1)
-    order = jnp.argsort(flat, stable=True)  # dropped ids (G) sort last, outside every group
+    # dropped ids (G) sort last, outside every group: the first `assignments` hold every real one
+    order = jnp.argsort(flat, stable=True)[:min(M * k, assignments or M * k)]
     counts = jnp.zeros(G + 1, jnp.int32).at[flat].add(1)[:G]
     xs = jnp.take(x, order // k, axis=0)
     y = swiglu(xs, w1, w3, w2,
                lambda a, w, name: checkpoint_name(jax.lax.ragged_dot(a, w.astype(x.dtype), counts), name))
     y = jnp.where((flat[order] < G)[:, None], y, 0)
-    return jnp.zeros_like(y).at[order].set(y).reshape(M, k, -1)
+    if gates is None:
+        return jnp.zeros((M * k, y.shape[1]), y.dtype).at[order].set(y).reshape(M, k, -1)
+    weighed = y.astype(jnp.float32) * jnp.take(gates.reshape(-1), order)[:, None]
+    return jnp.zeros((M, y.shape[1]), jnp.float32).at[order // k].add(weighed).astype(y.dtype)
 
 
 def grouped_swiglu(x: jax.Array, groups: jax.Array, w1, w3, w2, *, dispatch: str, block: int,
@@ -154,8 +158,7 @@ def grouped_swiglu(x: jax.Array, groups: jax.Array, w1, w3, w2, *, dispatch: str
     over the same block layout (grouped.gmm: the GPU's grouped-matmul kernels). `assignments` bounds the ids
     below G, which sizes the block layout (None: M x min(k, G); an id past the bound would be lost)."""
     if dispatch == "ragged_dot":
-        y = _swiglu_ragged(x, groups, w1, w3, w2)
-        return y if gates is None else combine(y, gates)
+        return _swiglu_ragged(x, groups, w1, w3, w2, assignments, gates)
     return _swiglu_blocks(x, groups, w1, w3, w2, block, product or (lambda a, w, starts, b: gmm(a, w, starts, b, dot)),
                           assignments, gates)
 
