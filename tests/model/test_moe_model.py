@@ -161,7 +161,10 @@ def test_dropless_expert_parallelism_trains_as_data_parallelism_and_a_capacity_d
     same run data-parallel without expert parallelism. The first 12 steps agree to float reassociation; then a
     router decision flips on a last-bit difference of the gradient sums (the experts' weight gradients are summed
     in another order) and the curves drift slowly apart, 4.4e-4 by step 20 (sending every token to every peer
-    gave the same losses). A capacity per peer drops assignments every step and moves the curve 100x further."""
+    gave the same losses). A capacity per peer drops assignments every step: its first loss, before any update,
+    is already 1e-3 or more away (the dropped assignments' outputs are missing), where EP agrees to 2e-6; how far
+    its curve drifts after that is the dynamics' (a loss spike of the reference's, 0.16, came and went with the
+    summation order of the experts' outputs)."""
     common = ("train.steps=20", "checkpoint.every=20", "train.micro_batch_per_device=1")
     runs = {name: np.array(_column(_train(tmp_path, shards, name, *common, *mesh), "train/CE loss"))
             for name, mesh in (("dp8", ["mesh.data=8"]), ("ep8", ["mesh.expert=8"]))}
@@ -169,7 +172,7 @@ def test_dropless_expert_parallelism_trains_as_data_parallelism_and_a_capacity_d
     np.testing.assert_allclose(runs["ep8"][:12], runs["dp8"][:12], rtol=2e-6)
     assert np.max(np.abs(runs["ep8"] - runs["dp8"])) < 1e-3
     assert min(_column(capacity, "train/dropped rate")) > 0.01
-    assert np.max(np.abs(np.array(_column(capacity, "train/CE loss")) - runs["dp8"])) > 1e-2
+    assert abs(_column(capacity, "train/CE loss")[0] - runs["dp8"][0]) > 1e-3
 
 
 @pytest.mark.slow  # the fast tier keeps a lighter test of the same module
