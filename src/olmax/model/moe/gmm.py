@@ -126,9 +126,15 @@ def _swiglu_blocks(x, groups, w1, w3, w2, block, product, assignments=None, gate
     if gates is None or k == 1:  # one id a row (a capacity's exchange): a gather, no scatter
         y = jnp.take(y, slot, axis=0, mode="fill", fill_value=0).reshape(M, k, -1)
         return y if gates is None else combine(y, gates)
-    # each laid-out row weighed by its gate and added to its row of x: the laid-out rows' work, not M x k rows'
-    weighed = y.astype(jnp.float32) * jnp.take(gates.reshape(-1), source, mode="fill", fill_value=0)[:, None]
-    return jnp.zeros((M, y.shape[1]), jnp.float32).at[source // k].add(weighed, mode="drop").astype(y.dtype)
+    return _summed(y, gates, source, M)
+
+
+def _summed(y, gates, assignment, M: int) -> jax.Array:
+    """[M, D]: each laid-out row of y, the output of flat assignment `assignment` of gates [M, k] (M x k: none),
+    weighed by its gate and added to its row: the laid-out rows' work, not M x k rows'."""
+    k = gates.shape[1]
+    weighed = y.astype(jnp.float32) * jnp.take(gates.reshape(-1), assignment, mode="fill", fill_value=0)[:, None]
+    return jnp.zeros((M, y.shape[1]), jnp.float32).at[assignment // k].add(weighed, mode="drop").astype(y.dtype)
 
 
 def _swiglu_ragged(x, groups, w1, w3, w2, assignments=None, gates=None):
@@ -144,8 +150,7 @@ def _swiglu_ragged(x, groups, w1, w3, w2, assignments=None, gates=None):
     y = jnp.where((flat[order] < G)[:, None], y, 0)
     if gates is None:
         return jnp.zeros((M * k, y.shape[1]), y.dtype).at[order].set(y).reshape(M, k, -1)
-    weighed = y.astype(jnp.float32) * jnp.take(gates.reshape(-1), order)[:, None]
-    return jnp.zeros((M, y.shape[1]), jnp.float32).at[order // k].add(weighed).astype(y.dtype)
+    return _summed(y, gates, order, M)
 
 
 def grouped_swiglu(x: jax.Array, groups: jax.Array, w1, w3, w2, *, dispatch: str, block: int,
