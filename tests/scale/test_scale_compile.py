@@ -22,7 +22,8 @@ from olmax.config import load_config
 from olmax.scale.cli import format_compile
 from olmax.scale.compile import compile_train_step
 from olmax.scale.report import size
-from olmax.scale.targets import ACCELERATORS, GiB, aot_missing, compile_only_devices, parse_target, running_target
+from olmax.scale.targets import (ACCELERATORS, GiB, aot_missing, compile_only_devices, flag_profile, parse_target,
+                                  running_target)
 
 needs_tpu = pytest.mark.skipif(bool(aot_missing("tpu")), reason=str(aot_missing("tpu")))
 needs_gpu = pytest.mark.skipif(bool(aot_missing("gpu")), reason=str(aot_missing("gpu")))
@@ -149,8 +150,14 @@ def test_a_slices_devices_name_their_target(target):
 
 
 @needs_gpu
-def test_a_gpu_hosts_devices_name_their_target():
-    assert running_target(compile_only_devices(parse_target("gpu:b300x8"))) == "gpu:b300x8"
+def test_a_gpu_hosts_devices_name_their_target_and_its_flag_profile():
+    devices = compile_only_devices(parse_target("gpu:b300x8"))
+    assert running_target(devices) == "gpu:b300x8"
+    assert flag_profile(devices) == {"xla_gpu_enable_latency_hiding_scheduler": True}
+
+
+def test_cpus_have_no_flag_profile():
+    assert flag_profile(jax.devices()) == {}
 
 
 @pytest.mark.slow  # the fast tier keeps a lighter test of the same module

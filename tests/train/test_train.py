@@ -101,6 +101,18 @@ def test_a_run_whose_parameters_become_infinite_stops_without_writing_them(tmp_p
     assert code == ExitCode.DIVERGED and "(train/CE loss nan at step 2)" in capsys.readouterr().err
 
 
+def test_the_run_compiles_its_step_with_its_targets_flag_profile(tmp_path, shards, monkeypatch):
+    """`olmax train` gives its step's compile the flag profile of the target its devices make (`olmax compile`
+    predicted the program compiled with it): a flag the compiler does not know fails the run."""
+    import jax
+
+    from olmax.train import trainer
+
+    monkeypatch.setattr(trainer, "flag_profile", lambda devices: {"xla_no_such_flag": True})
+    with pytest.raises(jax.errors.JaxRuntimeError, match="xla_no_such_flag"):
+        train(_cfg(tmp_path, shards, "flags", "train.steps=1", "model.n_layers=1"), quiet=True)
+
+
 @pytest.mark.parametrize("name, make", [("checkpoints", Path.touch), ("tensorboard", Path.touch),
                                         ("metrics.jsonl", Path.mkdir)])
 def test_an_output_path_taken_by_the_wrong_kind_is_refused_before_training(tmp_path, synth_mix, capsys, name, make):

@@ -458,7 +458,8 @@ def _target(r: dict) -> str:
     tiles = r.get("attention_tiles")
     flag_text = (table(["XLA flag", "value"], [[f"<code>{html.escape(k)}</code>", fact(f"xla_flags.{k}", v)]
                                                 for k, v in flags.items()])
-                 + "<p>As <code>LIBTPU_INIT_ARGS</code>: <code>"
+                 + "<p><code>olmax train</code> compiles its step with them on these devices; as <code>"
+                 + ("XLA_FLAGS" if str(r.get("target", "")).startswith("gpu") else "LIBTPU_INIT_ARGS") + "</code>: <code>"
                  + html.escape(" ".join(f"--{k}={str(v).lower()}" for k, v in flags.items())) + "</code></p>"
                  if flags else "<p>No XLA flag profile for this chip kind: the compiler's defaults.</p>")
     tile_text = (table(["tile", "size"], [[html.escape(k), fact(f"attention_tiles.{k}", v)] for k, v in tiles.items()])

@@ -203,11 +203,13 @@ def make_train_step(cfg: RunConfig, layout: Layout):
     return train_step
 
 
-def jit_train_step(cfg: RunConfig, layout: Layout, micro_rows: int):
+def jit_train_step(cfg: RunConfig, layout: Layout, micro_rows: int, compiler_options: dict | None = None):
+    """The jitted train step; `compiler_options`: XLA flags for its compile (a run's target's flag profile)."""
     state_sh = state_shardings(cfg, layout)
     return jax.jit(
         make_train_step(cfg, layout),
         in_shardings=(state_sh, batch_shardings(layout, cfg.data.sequence_length, micro_rows)),
         out_shardings=(state_sh, None),
         donate_argnums=0,
+        compiler_options=compiler_options or None,
     )

@@ -32,6 +32,7 @@ from olmax.parallel import pipeline
 from olmax.parallel.mesh import Layout, make_layout
 from olmax.run_dir import RunDir
 from olmax.runtime import StopSignals, preemption_signals
+from olmax.scale.targets import flag_profile
 from olmax.train.bucket_run import BucketRun
 from olmax.train.goodput import COMPILED, Goodput
 from olmax.train.metrics import MetricsWriter, console_line, device_peak_flops
@@ -162,7 +163,7 @@ def _train(cfg: RunConfig, layout: Layout, quiet: bool, make_eval, bucket: Bucke
         print(f"resuming from step {start} (checkpoint {where})", flush=True)
         if change := schedule_change(restored["config"], cfg, start):
             print(change, flush=True)
-    step_fn = jit_train_step(cfg, layout, micro_rows)
+    step_fn = jit_train_step(cfg, layout, micro_rows, flag_profile(jax.devices()))  # as `olmax compile` predicted
     if (sched := pipeline.schedule_for(cfg)) and not quiet and jax.process_index() == 0:
         print(f"pipeline: {sched.describe()}", flush=True)
     evaluate = make_eval(cfg, layout) if make_eval else None

@@ -137,9 +137,14 @@ KIND_ALIASES = {"ironwood": "tpu7x"}  # the name Google's announcements use for 
 # are exclusive): MaxText's ENABLE_SPARSECORE_OFFLOADING_FOR_RS_AG_AR with its base flags
 # (https://github.com/AI-Hypercomputer/maxtext/blob/main/benchmarks/xla_flags_library.py), which MaxText's
 # performance guide recommends for v7x, less `xla_sc_disjoint_spmem` and `2a886c8_chip_config_name`: libtpu takes
-# those at start-up (LIBTPU_INIT_ARGS), not as compile options. A run on the chips passes the same flags as
-# LIBTPU_INIT_ARGS (`olmax compile` prints them in that form).
+# those at start-up (LIBTPU_INIT_ARGS), not as compile options. GPUs: XLA:GPU's latency-hiding scheduler, which
+# moves an asynchronous collective's start ahead of independent compute so that the two overlap (off by default:
+# JAX's GPU performance tips, https://docs.jax.dev/en/latest/gpu_performance_tips.html, and NVIDIA's JAX images,
+# https://docs.nvidia.com/jax-toolbox/environment-variables, set it). `olmax train` compiles its step with the
+# profile of the target its devices make (`flag_profile`), so a run gets the program `olmax compile` predicted.
+GPU_FLAGS = {"xla_gpu_enable_latency_hiding_scheduler": True}
 XLA_FLAGS = {
+    **{kind: GPU_FLAGS for kind in ("h100", "h200", "b200", "b300")},
     "tpu7x": {
         "xla_tpu_enable_async_collective_fusion_fuse_all_gather": False,
         "xla_tpu_enable_async_collective_fusion_fuse_all_reduce": False,
@@ -235,6 +240,12 @@ def running_target(devices) -> str | None:
         return None
     dims = [max(d.coords[i] for d in devices) + 1 for i in range(len(first.coords))]
     return f"tpu:{kind}:{'x'.join(map(str, dims[:2] if kind in FLAT_TPUS else dims))}"
+
+
+def flag_profile(devices) -> dict:
+    """The XLA flag profile of the target `devices` make (`XLA_FLAGS`); {} for CPUs and chips the table lacks."""
+    target = running_target(devices)
+    return parse_target(target).xla_flags if target else {}
 
 
 def aot_missing(platform: str) -> str | None:
