@@ -165,6 +165,10 @@ def test_an_asynchronous_collective_is_hidden_behind_the_compute_between_its_sta
     assert exposed["step_seconds"] == pytest.approx(2 * matmul + gather, rel=1e-6)
     # on the timeline the wait is one red (exposed) stretch of the links' lane
     assert [e["category"] for e in exposed["timeline"] if e["lane"] == "links"] == ["exposed"]
+    # and among the op groups, by its kind; a hidden one is in none
+    assert ({g["group"]: g["seconds"] for g in exposed["costliest"] if g["category"] == "collective"}
+            == {"other: all-gather (exposed)": pytest.approx(gather, rel=1e-6)})
+    assert not [g for g in hidden["costliest"] if g["category"] == "collective" and g["seconds"] > 0]
 
 
 def test_replica_groups_in_every_form_xla_prints():

@@ -727,7 +727,7 @@ class Simulator:
             cost = self.cost.collective(computation, instruction, kind_name)
             start = max(clock.compute, clock.links)
             end = start + cost.seconds
-            tally.seconds[("collective", region)] += weight * (end - clock.compute)
+            self._exposed(tally, weight, end - clock.compute, region, kind_name)
             tally.collective_seconds += weight * cost.seconds
             tally.collective_bytes[kind_name] += weight * cost.bytes
             self._event(tally, record, start, end, "links", "exposed", layer or region)
@@ -751,6 +751,15 @@ class Simulator:
         group[0] += weight * cost.seconds
         group[1] += weight
         self._event(tally, record, start, clock.compute, "compute", cost.category, layer or region)
+
+    @staticmethod
+    def _exposed(tally, weight, seconds, region, kind):
+        """Seconds the compute waited for a collective (or an asynchronous copy): in its region's exposed
+        collectives, and in the op groups as the collective's kind, exposed."""
+        tally.seconds[("collective", region)] += weight * seconds
+        group = tally.groups[("collective", f"{region}: {kind} (exposed)")]
+        group[0] += weight * seconds
+        group[1] += weight
 
     def _derived_trips(self, loop: hlo.Instruction, tally: Tally) -> int:
         """The trip count of a loop the compiled program does not state: an expert block loop's from the
@@ -821,8 +830,7 @@ class Simulator:
         if on_links:  # the timeline's links lane: hidden while the compute went on, exposed while it waited
             self._event(tally, record, start, min(finish, clock.compute), "links", "hidden", layer or region)
         if finish > clock.compute:
-            exposed = finish - clock.compute
-            tally.seconds[("collective", region)] += weight * exposed
+            self._exposed(tally, weight, finish - clock.compute, region, kind)
             if on_links:
                 self._event(tally, record, clock.compute, finish, "links", "exposed", layer or region)
             clock.compute = finish
