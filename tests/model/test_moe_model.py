@@ -122,6 +122,44 @@ def test_identical_experts_with_renormalized_gates_are_the_dense_model():
     assert int(aux["tokens_per_expert"].sum()) == 4 * 2 * 40 * 2
 
 
+def _eqns(jaxpr, primitive: str) -> int:
+    """How often `primitive` runs in a jaxpr, its sub-jaxprs (loops, shard_map, remat, custom rules) included."""
+    found = 0
+    for eqn in jaxpr.eqns:
+        found += eqn.primitive.name == primitive
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else (value,):
+                sub = getattr(sub, "jaxpr", sub)
+                if hasattr(sub, "eqns"):
+                    found += _eqns(sub, primitive)
+    return found
+
+
+@pytest.mark.parametrize("exchange", ["impl.moe.ep_buffer=1.25", "impl.moe.ep_capacity=1.25"])
+def test_no_remat_in_bfloat16_runs_no_expert_exchange_twice(exchange, monkeypatch):
+    """impl.remat=none keeps what an expert exchange received (rows, expert ids, gates, counts) and the output it
+    summed: the gradient runs as many all_to_alls in bfloat16 (where the layers are rematerialized for their
+    elementwise work) as in float32 (where autodiff keeps everything); unnamed, the backward ran them again."""
+    def exchanges(dtype):
+        cfg = load_config("tiny_moe", ["mesh.expert=8", "mesh.fsdp=1", "impl.remat=none", exchange,
+                                       f"impl.compute_dtype={dtype}"])
+        layout = make_layout(cfg.mesh)
+        params = jax.eval_shape(lambda: families.init_params(cfg.model, jax.random.key(0)))
+        tokens = jax.ShapeDtypeStruct((8, 64), jnp.int32)
+
+        def loss(p, t):
+            return transformer.forward(cfg.model, cfg.impl, p, t, layout)[0].astype(jnp.float32).mean()
+
+        return _eqns(jax.make_jaxpr(jax.grad(loss))(params, tokens).jaxpr, "all_to_all")
+
+    kept = exchanges("float32")
+    assert kept > 0 and exchanges("bfloat16") == kept
+    from olmax.parallel import expert
+
+    monkeypatch.setattr(expert, "EXCHANGED", "unkept")
+    assert exchanges("bfloat16") > kept
+
+
 # The train step.
 
 @pytest.mark.slow

@@ -25,6 +25,7 @@ from olmax.model import rope as rope_lib
 from olmax.model.attention import cached
 from olmax.model import block as block_lib
 from olmax.model.block import ACTIVATION, block, compute_dtype, dense_for, mlp_sublayer, rms_norm
+from olmax.parallel import expert as expert_parallel
 from olmax.parallel import pipeline
 from olmax.parallel.mesh import Layout, constrain
 
@@ -34,11 +35,13 @@ GROUP_INPUT = "group_input"  # a layer group's input in the pipeline: kept by ev
 
 # The primitives whose outputs `impl.remat=none` keeps where the compute dtype is narrower than float32: the
 # matmuls, the attention kernels (cuDNN's forward by its primitive, Splash's residuals by the name it gives
-# them, `context`) and the named activations.
+# them, `context`), the named activations and what an expert exchange received and summed (no collective runs
+# twice).
 _ATTENTION_KERNELS = ("dot_product_attention_fwd_wrapper",)
 _MATMUL_OUTPUTS = jax.checkpoint_policies.save_from_both_policies(
     jax.checkpoint_policies.save_from_both_policies(
-        jax.checkpoint_policies.dots_saveable, jax.checkpoint_policies.save_only_these_names(*REMAT_NAMES)),
+        jax.checkpoint_policies.dots_saveable,
+        jax.checkpoint_policies.save_only_these_names(*REMAT_NAMES, expert_parallel.EXCHANGED)),
     lambda prim, *_, **__: prim.name in _ATTENTION_KERNELS)
 
 

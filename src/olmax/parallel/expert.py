@@ -30,9 +30,13 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh, PartitionSpec
 
 EXPERT_AXIS = "expert"
+# What an exchange received (a device's rows, their expert ids and gates) and the routed output it summed: named so
+# that `impl.remat=none` keeps them (olmax.model.transformer) and the backward pass never runs an exchange again.
+EXCHANGED = "expert_exchange"
 
 
 def _sharded_batch_axes(mesh: Mesh, batch_axes: tuple[str, ...]) -> tuple[str, ...]:
@@ -130,7 +134,7 @@ def emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, outpu
     def exchange(a):
         return jax.lax.all_to_all(a, axis_name, 0, 0, tiled=True)
 
-    received, landing = exchange(blocks), exchange(landing)
+    received, landing = exchange(blocks), checkpoint_name(exchange(landing), EXCHANGED)  # as the primitive's offsets
     return output.at[landing.reshape(-1)].set(received.reshape(-1, *operand.shape[1:]), mode="drop")
 
 
@@ -159,7 +163,7 @@ def ragged_exchange(run_experts: Callable, x, experts, gates, local_weights, per
     assigned = jnp.zeros(ep, jnp.int32).at[destination].add(carried, mode="drop")
 
     def exchange(a):
-        return jax.lax.all_to_all(a, EXPERT_AXIS, 0, 0, tiled=True)
+        return checkpoint_name(jax.lax.all_to_all(a, EXPERT_AXIS, 0, 0, tiled=True), EXCHANGED)
 
     # Counts first: the assignments each peer sends this device, then where this device's start in each peer's
     # stream; a row's first assignment's place there decides its round.
@@ -185,13 +189,13 @@ def ragged_exchange(run_experts: Callable, x, experts, gates, local_weights, per
         offsets = exchange(peer_offsets)
 
         def send(a, fill):
-            return ragged_all_to_all(a, jnp.full((rows, *a.shape[1:]), fill, a.dtype), at, sizes, offsets,
-                                     peer_sizes, axis_name=EXPERT_AXIS)
+            return checkpoint_name(ragged_all_to_all(a, jnp.full((rows, *a.shape[1:]), fill, a.dtype), at, sizes,
+                                                     offsets, peer_sizes, axis_name=EXPERT_AXIS), EXCHANGED)
 
         y = run_experts(send(sent_x, 0), send(local, per_device), send(sent_gates, 0), *weights, n * k,
                         min(slots + width - 1, rows * width))
-        return ragged_all_to_all(y, jnp.zeros((local.shape[0], y.shape[1]), y.dtype), peer_offsets, peer_sizes,
-                                 peer_at, sizes, axis_name=EXPERT_AXIS)
+        return checkpoint_name(ragged_all_to_all(y, jnp.zeros((local.shape[0], y.shape[1]), y.dtype), peer_offsets,
+                                                 peer_sizes, peer_at, sizes, axis_name=EXPERT_AXIS), EXCHANGED)
 
     plan = (round_of, destination, input_offsets)
     extra = jnp.zeros((), jnp.int32)
@@ -202,7 +206,7 @@ def ragged_exchange(run_experts: Callable, x, experts, gates, local_weights, per
     else:  # the worst case in one round
         back = one_round(0, plan, local, sent_x, sent_gates, local_weights)
     out = jnp.zeros((n, back.shape[1]), jnp.float32).at[token].add(back.astype(jnp.float32), mode="drop")
-    return out.astype(x.dtype), extra
+    return checkpoint_name(out.astype(x.dtype), EXCHANGED), extra
 
 
 def rounds(one_round: Callable, extra, plan, local, sent_x, sent_gates, weights) -> jax.Array:
@@ -229,8 +233,9 @@ def rounds(one_round: Callable, extra, plan, local, sent_x, sent_gates, weights)
             _, pull_r = jax.vjp(lambda *a: one_round(r, plan, local, *a), *differentiable)
             return jax.tree.map(jnp.add, total, pull_r(g))
 
+        first = pull(g)  # the first round's gradient, outside the loop's scope: it is not an overflow's
         with jax.named_scope(OVERFLOW_SCOPE):
-            grads = jax.lax.fori_loop(1, extra + 1, body, pull(g))
+            grads = jax.lax.fori_loop(1, extra + 1, body, first)
         return (None, jax.tree.map(lambda _: None, plan), None, *grads)
 
     run = jax.custom_vjp(lambda *args: forward(*args)[0])
@@ -311,13 +316,14 @@ def routed_experts(
         def exchange(a):
             return jax.lax.all_to_all(a.reshape(ep, capacity, *a.shape[1:]), EXPERT_AXIS, 0, 0, tiled=True)
 
-        received = exchange(send).reshape(ep * capacity, -1)
-        received_ids = exchange(local_ids).reshape(ep * capacity, 1)
+        received = checkpoint_name(exchange(send).reshape(ep * capacity, -1), EXCHANGED)
+        received_ids = checkpoint_name(exchange(local_ids).reshape(ep * capacity, 1), EXCHANGED)
         ones = jnp.ones((ep * capacity, 1), jnp.float32)
         y = run_experts(received, received_ids, ones, *local_weights, ep * capacity)
-        back = exchange(y).reshape(ep * capacity, -1)  # row slot: the output of this device's assignment
+        back = checkpoint_name(exchange(y).reshape(ep * capacity, -1), EXCHANGED)  # row slot: the output of this
+        # device's assignment
         out = jnp.take(back, slot, axis=0, mode="fill", fill_value=0).reshape(n, k, -1)
-        return jnp.einsum("nkd,nk->nd", out.astype(jnp.float32), gates).astype(x.dtype)
+        return checkpoint_name(jnp.einsum("nkd,nk->nd", out.astype(jnp.float32), gates).astype(x.dtype), EXCHANGED)
 
     out, extra = jax.shard_map(
         local,
