@@ -191,6 +191,22 @@ def test_a_depth_reduced_search_confirms_its_best_by_a_full_compile(capsys):
     assert ("the rest of the search compiles whole layouts" in err) == (missed > tune.TRUSTED)
 
 
+def test_a_setting_given_on_the_command_line_is_not_searched(capsys):
+    """`olmax tune CONFIG mesh.expert=8 impl.remat=none` searches the layouts with 8-way expert parallelism and
+    nothing recomputed only (it searched every mesh and policy, and the winner overrode what was given); a setting
+    no layout agrees with is refused before any compile."""
+    cfg, target = load_config("tiny_moe"), parse_target("gpu:b300x8")
+    space = tune.space(cfg, target)
+    kept = tune.given(space, ["mesh.expert=8", "impl.remat=none", "optim.lr=0.1"])
+    assert kept and {dict(c.mesh)["expert"] for c in kept} == {8} and {c.remat for c in kept} == {"none"}
+    assert set(kept) == {c for c in space if dict(c.mesh)["expert"] == 8 and c.saved == tune.EVERYTHING}
+    assert tune.given(space, ["impl.remat=[qkv_proj, context]"]) == [c for c in space if c.saved == {"qkv_proj",
+                                                                                                      "context"}]
+    assert main(["tune", "tiny_moe", "--target", "gpu:b300x8", "mesh.expert=8", "mesh.fsdp=2"]) == 2
+    err = capsys.readouterr().err
+    assert "no layout of the target agrees with mesh.expert=8, mesh.fsdp=2" in err and len(err.strip().splitlines()) == 1, err
+
+
 def test_tune_refuses_an_out_or_report_it_would_overwrite_or_cannot_write_before_searching(tmp_path, capsys):
     """`--out RUN/metrics.jsonl` (or a link to it) was replaced with the layout's YAML after the search, exit 0; an
     --out in a directory that cannot be made failed with a traceback after every compile; a --report page's files

@@ -47,7 +47,8 @@ def add_commands(subparsers) -> None:
         "most promising first (cached by program: a rerun compiles nothing new), judges each by the compiler's peak "
         "memory and the step-time model's prediction, prunes by memory as it learns, and prints the ranked table.",
     )
-    _config_and_target(p, "section.key=value (settings tune does not search)")
+    _config_and_target(p, "section.key=value (settings tune does not search; a mesh axis, remat or micro-batch "
+                       "given here is kept, and only the layouts that agree with it are searched)")
     p.add_argument("--budget", type=int, default=24, help="compiles at most (default 24: about an hour for the 7B "
                    "on a laptop's CPU at 2-3 minutes a compile)")
     p.add_argument("--headroom", type=float, default=0.1,

@@ -196,6 +196,21 @@ def space(cfg: RunConfig, target: Target) -> list[Candidate]:
     return found
 
 
+def given(candidates: list[Candidate], overrides: list[str]) -> list[Candidate]:
+    """The candidates that agree with the settings given on the command line: a setting given is not searched
+    (`mesh.expert=8` searches the layouts with 8-way expert parallelism only). ConfigError where none agrees."""
+    def settings(words):
+        return dict(w.replace(" ", "").split("=", 1) for w in words if "=" in w)
+
+    pinned = settings(overrides)
+    found = [c for c in candidates if all(pinned.get(k, v) == v for k, v in settings(c.overrides()).items())]
+    if not found:
+        searched = sorted(k for k in pinned if any(k in settings(c.overrides()) for c in candidates))
+        raise ConfigError(f"no layout of the target agrees with {', '.join(f'{k}={pinned[k]}' for k in searched)}: "
+                          "drop or change those settings")
+    return found
+
+
 # --- a quick estimate, to try the most promising first ---------------------------------------------------------------
 
 class Estimate:
@@ -311,11 +326,13 @@ class Estimate:
         moved += 6 * m.n_layers * tokens * tensor * m.d_model * 2 * 2 * (tensor - 1) / tensor
         # an expert's float32 gradient is summed over the devices that hold the same experts (data x fsdp), and
         # the routed tokens go out and come back in the forward pass, the backward pass and the recomputation
+        # (none where remat keeps everything: olmax.parallel.expert.EXCHANGED)
         replicas = data * fsdp
         moved += 2 * 4 * experts * (replicas - 1) / replicas
         rows, outputs, received = self.routed(candidate)
         peers = mesh["expert"]
-        moved += (6 * received / self.layer_tokens(candidate) * tokens * tensor * m.n_layers * m.d_model * 2
+        passes = 4 if candidate.saved == EVERYTHING else 6
+        moved += (passes * received / self.layer_tokens(candidate) * tokens * tensor * m.n_layers * m.d_model * 2
                   * (peers - 1) / peers)
         comm = moved / link
         # float32 parameters, gradients and two moments; ZeRO-1 shards the moments over the replicas
@@ -515,7 +532,7 @@ def ordered(candidates: list[Candidate], key, tried: set = frozenset(), leader_f
 def tune(config: str, overrides: list[str], target: Target, budget: int, headroom: float = 0.1, jobs: int = 1,
          progress=lambda line: None, reduced: bool = False) -> Search:
     cfg = load_config(config, overrides, target.name)
-    candidates = space(cfg, target)
+    candidates = given(space(cfg, target), overrides)
     device_memory = target.accelerator.memory_per_device * (1 - headroom)
     estimate = Estimate(cfg, target)
     estimates = {c: estimate(c) for c in candidates}
