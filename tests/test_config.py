@@ -181,15 +181,15 @@ def test_a_layout_applies_on_its_target_beneath_the_command_line(tmp_path, capsy
     overrides still win, other targets and no target keep the preset's own; a file based on the preset inherits it."""
     laid_out = load_config("olmo3_moe_47b", target="gpu:b300x8")
     assert (laid_out.mesh.expert, laid_out.mesh.fsdp, laid_out.mesh.rules["embed"]) == (8, 1, ["fsdp", "expert"])
-    assert laid_out.train.micro_batch_per_device == 1 and laid_out.impl.moe.ep_buffer == 1.25
+    assert laid_out.train.micro_batch_per_device == 2 and laid_out.impl.moe.ep_buffer == 1.25
     assert laid_out.impl.moe.ep_capacity is None
     assert laid_out.train.global_batch_instances == load_config("olmo3_moe_47b").train.global_batch_instances
     for target in (None, "gpu:b300x16", "gpu:b200x8", "tpu:v5p:4x4x4"):
         assert load_config("olmo3_moe_47b", target=target).mesh.expert == 1
     assert load_config("olmo3_moe_47b", ["mesh.expert=4", "mesh.fsdp=2"], target="gpu:b300x8").mesh.expert == 4
     child = tmp_path / "child.yaml"
-    child.write_text("base: olmo3_moe_47b\nname: child\nlayouts:\n  gpu:b300x8: {train: {micro_batch_per_device: 2}}\n")
-    assert load_config(str(child), target="gpu:b300x8").train.micro_batch_per_device == 2
+    child.write_text("base: olmo3_moe_47b\nname: child\nlayouts:\n  gpu:b300x8: {train: {micro_batch_per_device: 4}}\n")
+    assert load_config(str(child), target="gpu:b300x8").train.micro_batch_per_device == 4
     assert load_config(str(child), target="gpu:b300x8").mesh.expert == 8
     assert target_layout("olmo3_moe_47b", "gpu:b300x8")[1][:2] == ["mesh.expert=8", "mesh.fsdp=1"]
     assert target_layout("tiny", "gpu:b300x8") is None
