@@ -142,7 +142,7 @@ def test_no_remat_in_bfloat16_runs_no_expert_exchange_twice(exchange, monkeypatc
     elementwise work) as in float32 (where autodiff keeps everything); unnamed, the backward ran them again."""
     def exchanges(dtype):
         cfg = load_config("tiny_moe", ["mesh.expert=8", "mesh.fsdp=1", "impl.remat=none", exchange,
-                                       f"impl.compute_dtype={dtype}"])
+                                       f"impl.compute_dtype={dtype}", "model.n_layers=1", "model.layer_pattern=[global]"])
         layout = make_layout(cfg.mesh)
         params = jax.eval_shape(lambda: families.init_params(cfg.model, jax.random.key(0)))
         tokens = jax.ShapeDtypeStruct((8, 64), jnp.int32)
