@@ -84,8 +84,8 @@ ROWS = [
     Row("moe47b-b300", "olmo3_moe_47b", "gpu:b300x8", [],
         "52,000 tokens/s per GPU", "tokens_per_device", 52000.0,
         "OLMo-core 3's MoE release (experts resident, expert parallelism, 8 GPUs)",
-        "the preset's gpu:b300x8 layout: 8-way expert parallelism (16 experts a GPU), 1 x 8192 tokens a micro-step, "
-        "bf16; the release's GPU model (B200 or B300) and batch are not stated where the figure is"),
+        "the preset's gpu:b300x8 layout: 8-way expert parallelism (16 experts a GPU), 2 x 8192 tokens a micro-step, "
+        "bf16, dropless; the release's GPU model (B200 or B300) and batch are not stated where the figure is"),
     Row("moe8e", "olmo3_moe_47b", "gpu:b300x8", ["model.moe.num_experts=8"],
         "8 -> 128 experts at top-4: under 5% slower", "slowdown", 0.05,
         "OLMo-core 3's MoE release", "the 47B shape with 8 experts (4.6B total) against the row above (128)",
