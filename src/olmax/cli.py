@@ -73,7 +73,7 @@ def cmd_train(args) -> None:
     import jax
 
     from olmax.config import target_layout
-    from olmax.scale.targets import running_target
+    from olmax.scale.targets import flag_profile, running_target
 
     target = running_target(jax.devices())
     if layout := target_layout(args.config, target):  # the config's settings for these devices
@@ -91,7 +91,9 @@ def cmd_train(args) -> None:
             print(line, flush=True)
 
     try:
-        train(cfg, make_eval=make_in_loop_eval, on_start=start, started=process_start_time())
+        # the step compiled with the flag profile of the target these devices make, as `olmax compile` predicted it
+        train(cfg, make_eval=make_in_loop_eval, on_start=start, started=process_start_time(),
+              compiler_options=flag_profile(jax.devices()))
     except BaseException as err:
         host_log.info("stopped: %s", f"{type(err).__name__}: {err}")  # a record that keeps no frame alive
         raise

@@ -101,16 +101,18 @@ def test_a_run_whose_parameters_become_infinite_stops_without_writing_them(tmp_p
     assert code == ExitCode.DIVERGED and "(train/CE loss nan at step 2)" in capsys.readouterr().err
 
 
-def test_the_run_compiles_its_step_with_its_targets_flag_profile(tmp_path, shards, monkeypatch):
+def test_the_run_compiles_its_step_with_its_targets_flag_profile(tmp_path, synth_mix, monkeypatch):
     """`olmax train` gives its step's compile the flag profile of the target its devices make (`olmax compile`
     predicted the program compiled with it): a flag the compiler does not know fails the run."""
+    from olmax.cli import main
+    from olmax.scale import targets
+
     import jax
 
-    from olmax.train import trainer
-
-    monkeypatch.setattr(trainer, "flag_profile", lambda devices: {"xla_no_such_flag": True})
+    monkeypatch.setattr(targets, "flag_profile", lambda devices: {"xla_no_such_flag": True})
     with pytest.raises(jax.errors.JaxRuntimeError, match="xla_no_such_flag"):
-        train(_cfg(tmp_path, shards, "flags", "train.steps=1", "model.n_layers=1"), quiet=True)
+        main(["train", "tiny", "mesh.fsdp=1", "train.steps=1", "model.n_layers=1", "model.layer_pattern=[global]",
+              f"data.mix_file={synth_mix}", f"output_dir={tmp_path}/run"])
 
 
 @pytest.mark.parametrize("name, make", [("checkpoints", Path.touch), ("tensorboard", Path.touch),

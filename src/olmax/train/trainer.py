@@ -32,7 +32,6 @@ from olmax.parallel import pipeline
 from olmax.parallel.mesh import Layout, make_layout
 from olmax.run_dir import RunDir
 from olmax.runtime import StopSignals, preemption_signals
-from olmax.scale.targets import flag_profile
 from olmax.train.bucket_run import BucketRun
 from olmax.train.goodput import COMPILED, Goodput
 from olmax.train.metrics import MetricsWriter, console_line, device_peak_flops
@@ -82,9 +81,10 @@ def place_batch(batch: dict, sharding: dict, micro_rows: int) -> dict:
     return out
 
 
-def train(cfg: RunConfig, *, quiet: bool = False, make_eval=None, on_start=None, started: float | None = None
-          ) -> list[dict]:
-    """Train to cfg.train.steps; returns the metrics of the steps this call ran.
+def train(cfg: RunConfig, *, quiet: bool = False, make_eval=None, on_start=None, started: float | None = None,
+          compiler_options: dict | None = None) -> list[dict]:
+    """Train to cfg.train.steps; returns the metrics of the steps this call ran. `compiler_options`: XLA flags for
+    the train step's compile (`olmax train` gives the flag profile of the target its devices make).
 
     `make_eval(cfg, layout)` builds the in-loop evaluator (`due(step)`, `(step, params) -> metrics`) when the
     config asks for evaluations (olmax.eval.in_loop.make_in_loop_eval). `on_start(run_dir)` is called once the
@@ -117,7 +117,7 @@ def train(cfg: RunConfig, *, quiet: bool = False, make_eval=None, on_start=None,
         doing = ["restoring the run's state or initializing it"]  # what the run waits for, said in its silences
         with progress.ticking(lambda seconds: f"olmax: [{seconds:.0f} s] {doing[0]}", "stdout") \
                 if not quiet and jax.process_index() == 0 else contextlib.nullcontext():
-            return _train(cfg, layout, quiet, make_eval, bucket, run_dir, started, doing)
+            return _train(cfg, layout, quiet, make_eval, bucket, run_dir, started, doing, compiler_options)
 
 
 def check_outputs(run_dir) -> None:
@@ -133,7 +133,7 @@ def check_outputs(run_dir) -> None:
 
 
 def _train(cfg: RunConfig, layout: Layout, quiet: bool, make_eval, bucket: BucketRun | None, run_dir: Path, started,
-           doing: list[str]) -> list[dict]:
+           doing: list[str], compiler_options: dict | None) -> list[dict]:
     goodput = Goodput(run_dir, started, enabled=jax.process_index() == 0)
     micro_rows = micro_batch_rows(cfg, layout.data_parallel_size)
     # Bad data fails first, before the model is built.
@@ -163,7 +163,7 @@ def _train(cfg: RunConfig, layout: Layout, quiet: bool, make_eval, bucket: Bucke
         print(f"resuming from step {start} (checkpoint {where})", flush=True)
         if change := schedule_change(restored["config"], cfg, start):
             print(change, flush=True)
-    step_fn = jit_train_step(cfg, layout, micro_rows, flag_profile(jax.devices()))  # as `olmax compile` predicted
+    step_fn = jit_train_step(cfg, layout, micro_rows, compiler_options)
     if (sched := pipeline.schedule_for(cfg)) and not quiet and jax.process_index() == 0:
         print(f"pipeline: {sched.describe()}", flush=True)
     evaluate = make_eval(cfg, layout) if make_eval else None
