@@ -93,7 +93,7 @@ def cmd_train(args) -> None:
     try:
         # the step compiled with the flag profile of the target these devices make, as `olmax compile` predicted it
         train(cfg, make_eval=make_in_loop_eval, on_start=start, started=process_start_time(),
-              compiler_options=flag_profile(jax.devices()))
+              compiler_options=flag_profile(target))
     except BaseException as err:
         host_log.info("stopped: %s", f"{type(err).__name__}: {err}")  # a record that keeps no frame alive
         raise

@@ -109,7 +109,7 @@ def test_the_run_compiles_its_step_with_its_targets_flag_profile(tmp_path, synth
 
     import jax
 
-    monkeypatch.setattr(targets, "flag_profile", lambda devices: {"xla_no_such_flag": True})
+    monkeypatch.setattr(targets, "flag_profile", lambda target: {"xla_no_such_flag": True})
     with pytest.raises(jax.errors.JaxRuntimeError, match="xla_no_such_flag"):
         main(["train", "tiny", "mesh.fsdp=1", "train.steps=1", "model.n_layers=1", "model.layer_pattern=[global]",
               f"data.mix_file={synth_mix}", f"output_dir={tmp_path}/run"])

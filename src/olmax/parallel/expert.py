@@ -320,8 +320,8 @@ def routed_experts(
         received_ids = checkpoint_name(exchange(local_ids).reshape(ep * capacity, 1), EXCHANGED)
         ones = jnp.ones((ep * capacity, 1), jnp.float32)
         y = run_experts(received, received_ids, ones, *local_weights, ep * capacity)
-        back = checkpoint_name(exchange(y).reshape(ep * capacity, -1), EXCHANGED)  # row slot: the output of this
-        # device's assignment
+        # row slot: the output of this device's assignment
+        back = checkpoint_name(exchange(y).reshape(ep * capacity, -1), EXCHANGED)
         out = jnp.take(back, slot, axis=0, mode="fill", fill_value=0).reshape(n, k, -1)
         return checkpoint_name(jnp.einsum("nkd,nk->nd", out.astype(jnp.float32), gates).astype(x.dtype), EXCHANGED)
 

@@ -242,9 +242,9 @@ def running_target(devices) -> str | None:
     return f"tpu:{kind}:{'x'.join(map(str, dims[:2] if kind in FLAT_TPUS else dims))}"
 
 
-def flag_profile(devices) -> dict:
-    """The XLA flag profile of the target `devices` make (`XLA_FLAGS`); {} for CPUs and chips the table lacks."""
-    target = running_target(devices)
+def flag_profile(target: str | None) -> dict:
+    """The XLA flag profile (`XLA_FLAGS`) of a target as `running_target` names it; {} for None (CPUs, chips the
+    table lacks)."""
     return parse_target(target).xla_flags if target else {}
 
 
