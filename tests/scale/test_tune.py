@@ -9,6 +9,7 @@ import pytest
 from olmax.cli import main
 from olmax.config import load_config
 from olmax.scale import tune
+from olmax.scale import targets
 from olmax.scale.targets import aot_missing, parse_target
 from test_scale_report import check_rendered, chromium  # noqa: F401 (chromium: a fixture)
 
@@ -191,10 +192,12 @@ def test_a_depth_reduced_search_confirms_its_best_by_a_full_compile(capsys):
     assert ("the rest of the search compiles whole layouts" in err) == (missed > tune.TRUSTED)
 
 
-def test_a_setting_given_on_the_command_line_is_not_searched(capsys):
+def test_a_setting_given_on_the_command_line_is_not_searched(capsys, monkeypatch):
     """`olmax tune CONFIG mesh.expert=8 impl.remat=none` searches the layouts with 8-way expert parallelism and
     nothing recomputed only (it searched every mesh and policy, and the winner overrode what was given); a setting
-    no layout agrees with is refused before any compile."""
+    no layout agrees with is refused before any compile, and before a missing aot-gpu extra is named (which hid it
+    where the extra is not installed)."""
+    monkeypatch.setattr(targets, "aot_missing", lambda platform: "the aot-gpu extra is not installed")
     cfg, target = load_config("tiny_moe"), parse_target("gpu:b300x8")
     space = tune.space(cfg, target)
     kept = tune.given(space, ["mesh.expert=8", "impl.remat=none", "optim.lr=0.1"])

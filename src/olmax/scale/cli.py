@@ -254,9 +254,10 @@ def run_tune(args: argparse.Namespace) -> None:
         raise ConfigError(f"--jobs {args.jobs}: give at least 1")
     if args.out:
         _new_file(args.out, "--out")
+    # a bad config, or settings no layout agrees with, are refused before the environment is asked to compile
+    tune.given(tune.space(load_config(args.config, args.overrides, target.name), target), args.overrides)
     if reason := aot_missing(target.platform):
         raise ConfigError(reason)
-    load_config(args.config, args.overrides, target.name)  # a bad config is refused before any compile
     _compile_cache()
     directory = _report_dir(args.report)
     search = tune.tune(args.config, args.overrides, target, args.budget, args.headroom,
