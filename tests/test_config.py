@@ -182,7 +182,8 @@ def test_a_layout_applies_on_its_target_beneath_the_command_line(tmp_path, capsy
     laid_out = load_config("olmo3_moe_47b", target="gpu:b300x8")
     assert (laid_out.mesh.expert, laid_out.mesh.fsdp, laid_out.mesh.rules["embed"]) == (8, 1, ["fsdp", "expert"])
     assert laid_out.train.micro_batch_per_device == 2 and laid_out.impl.moe.ep_buffer == 1.25
-    assert laid_out.impl.moe.ep_capacity is None
+    assert laid_out.impl.moe.ep_capacity is None and laid_out.impl.scan_layers is False
+    assert laid_out.impl.logits_grad == "compute" and load_config("olmo3_moe_47b").impl.logits_grad == "float32"
     assert laid_out.train.global_batch_instances == load_config("olmo3_moe_47b").train.global_batch_instances
     for target in (None, "gpu:b300x16", "gpu:b200x8", "tpu:v5p:4x4x4"):
         assert load_config("olmo3_moe_47b", target=target).mesh.expert == 1

@@ -325,6 +325,11 @@ class ImplConfig(Section):
     scan_layers: bool = Field(
         True, description="scan over layer groups (compile time independent of depth); false unrolls them"
     )
+    logits_grad: Literal["float32", "compute"] = Field(
+        "float32", description="the dtype the LM head's backward takes the float32 logits' gradient in: float32, or "
+        "compute (the compute dtype: a bfloat16 autocast head's backward, as OLMo-core's; its two matmuls over "
+        "[tokens, vocab] at the bfloat16 rate, not float32's)"
+    )
     loss_chunk: int | None = Field(
         1024, gt=0, description="sequence positions per chunk of LM head + loss (never all logits); null = all"
     )

@@ -1,3 +1,4 @@
+import re
 from pathlib import Path
 
 import jax
@@ -185,3 +186,30 @@ def test_bf16_compute_keeps_float32_params_and_logits():
     reference = _logits(_tiny("impl.compute_dtype=float32"), params, tokens)
     assert logits.dtype == jnp.float32 and params["embed"].dtype == jnp.float32
     assert float(jnp.abs(logits - reference).max()) < 0.05
+
+
+def test_the_heads_backward_runs_in_the_compute_dtype_where_asked():
+    """impl.logits_grad=compute under bfloat16 compute: the LM head's float32 logits have their gradient taken back
+    in bfloat16 (a bfloat16 autocast head's backward): no float32 matmul over [tokens, vocab] (two, at the float32
+    rate, by default); the gradients agree with float32 autodiff to bfloat16's precision. Under float32 compute,
+    or by default, the program is autodiff's own."""
+    cfg = _tiny("impl.compute_dtype=bfloat16")
+    params = families.init_params(cfg.model, jax.random.key(0))
+    hidden = jax.random.normal(jax.random.key(1), (2, 64, cfg.model.d_model))
+    targets = jax.random.normal(jax.random.key(2), (2, 64, params["lm_head"].shape[1]))
+
+    def loss(head, hidden, dtype, grad="compute"):
+        return jnp.sum(transformer.logits({"lm_head": head}, hidden.astype(dtype), grad) * targets)
+
+    def operands(grad):  # of the backward's two matmuls (the loss is linear in the logits: no forward one)
+        text = jax.jit(jax.grad(loss, (0, 1)), static_argnums=(2, 3)).lower(params["lm_head"], hidden, jnp.bfloat16,
+                                                                             grad).as_text()
+        return re.findall(r"stablehlo.dot_general [^\n]*: \(tensor<[^>]*x(\w+)>, tensor<[^>]*x(\w+)>\)", text)
+
+    assert operands("compute") == [("bf16", "bf16")] * 2 and operands("float32") == [("f32", "f32")] * 2
+    got = jax.grad(loss, (0, 1))(params["lm_head"], hidden, jnp.bfloat16)
+    want = jax.grad(loss, (0, 1))(params["lm_head"], hidden, jnp.float32)
+    for g, w in zip(got, want):
+        assert float(jnp.abs(g.astype(jnp.float32) - w).max()) < 0.02 * float(jnp.abs(w).max())
+    plain = jax.grad(lambda h, x: jnp.sum(jnp.dot(x, h, preferred_element_type=jnp.float32) * targets), (0, 1))
+    assert all(jnp.array_equal(a, b) for a, b in zip(want, plain(params["lm_head"], hidden)))

@@ -269,3 +269,25 @@ def test_an_exchange_in_parts_or_rounds_equals_it_whole(chunks, buffer, dispatch
     assert (int(rounds) > 0) == (buffer is not None)
     for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want), strict=True):
         np.testing.assert_allclose(a, b, atol=1e-6, rtol=1e-6, err_msg=jax.tree_util.keystr(path))
+
+
+def test_a_layers_filled_buffer_is_its_own_not_a_copy_of_a_shared_one():
+    """XLA merges equal constant buffers (every layer's zeros) into one and copies it, read and written, for each
+    op that updates it in place; `own_full` gives each call its own buffer, only written: no copy compiled for
+    three layers' scatters, where jnp.zeros compiles one a layer past the first."""
+
+    def layers(x, idx, own):
+        for _ in range(3):
+            idx = (idx + 1) % x.shape[0]
+            zeros = expert.own_full(x.shape, 0, jnp.float32, idx) if own else jnp.zeros(x.shape, jnp.float32)
+            x = jnp.tanh(zeros.at[idx].add(x))
+        return x
+
+    def copies(own):
+        compiled = jax.jit(layers, static_argnums=2).lower(jnp.ones((64, 8)), jnp.arange(64), own).compile()
+        return len(re.findall(r" copy\(", compiled.as_text()))
+
+    assert copies(True) == 0 and copies(False) == 2
+    x, idx = jnp.arange(512.0).reshape(64, 8) / 512, jnp.arange(64)
+    np.testing.assert_array_equal(layers(x, idx, True), layers(x, idx, False))
+    assert expert.own_full((3,), 7, jnp.int32, idx).tolist() == [7, 7, 7]

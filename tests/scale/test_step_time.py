@@ -256,6 +256,17 @@ def test_the_costliest_op_groups_account_for_the_compute_and_name_its_pass():
     assert step_time.op_group(module, multiply, "global") == "global backward: shard_map/mul (multiply)"
 
 
+@pytest.mark.parametrize("name", ["jit(step)/while/body/closed_call/layer2.sliding/shard_map/dot_general",
+                                  "jit(step)/while/body/closed_call/transpose(jvp(layer2.sliding))/shard_map/mul"])
+def test_an_op_of_a_layer_is_the_layers_whether_its_layers_are_scanned_or_unrolled(name):
+    """Unrolled (`impl.scan_layers=false`), JAX writes a layer's named scope as its transform's argument, not as a
+    part of the path: every op of the 47B's unrolled step was booked to the embedding and head."""
+    op = hlo.parse_instruction(f'  %m = f32[8]{{0}} multiply(%a, %b), metadata={{op_name="{name}"}}')
+    assert step_time.layer_of(op) == ("layer2.sliding", "sliding")
+    mine = hlo.parse_instruction(f'  %m = f32[8]{{0}} multiply(%a), metadata={{op_name="{name.replace("layer2", "my_layer2")}"}}')
+    assert step_time.layer_of(mine) == (None, None)
+
+
 def test_a_bounded_exchange_costs_the_rounds_the_routing_is_expected_to_take():
     """A bounded dropless exchange's loop over its rounds past the first (olmax.parallel.expert.overflow) states no
     trip count: the model takes ceil(expected assignments / a round's) - 1, none where they fit, and says

@@ -26,17 +26,17 @@ from olmax.model.transformer import logits as lm_logits
 
 
 def over_logits(fn: Callable, params: tuple[dict, ...], hiddens: tuple[jax.Array, ...], per_position: tuple,
-                chunk: int | None):
+                chunk: int | None, grad: str = "float32"):
     """fn(logits tuple, *per_position) -> pytree of [B, T, ...] arrays, computed `chunk` positions at a time.
 
     `logits` holds one float32 [B, C, padded_vocab] array per (params, hidden) pair (several models on the
-    same inputs, for KL); `per_position` arrays are [B, T, ...]. With chunk None or >= T, one call on the
-    whole sequence.
+    same inputs, for KL), their gradient taken in `grad` (impl.logits_grad); `per_position` arrays are [B, T, ...].
+    With chunk None or >= T, one call on the whole sequence.
     """
     T = hiddens[0].shape[1]
 
     def call(hs, extra):
-        return fn(tuple(lm_logits(p, h) for p, h in zip(params, hs)), *extra)
+        return fn(tuple(lm_logits(p, h, grad) for p, h in zip(params, hs)), *extra)
 
     if chunk is None or chunk >= T:
         return call(hiddens, per_position)
@@ -80,10 +80,10 @@ def _lse_and_target(logits: tuple[jax.Array], labels: jax.Array):
 
 
 def loss_sums(params: dict, hidden: jax.Array, input_ids: jax.Array, mask: jax.Array, instance_mask: jax.Array,
-              chunk: int | None):
+              chunk: int | None, grad: str = "float32"):
     """Summed CE and summed logsumexp^2 over counted labels; divide by the batch's label count."""
     labels = jnp.roll(input_ids, -1, axis=1)
-    lse, target = over_logits(_lse_and_target, (params,), (hidden,), (labels,), chunk)
+    lse, target = over_logits(_lse_and_target, (params,), (hidden,), (labels,), chunk, grad)
     counted = mask & instance_mask[:, None]
     ce = jnp.where(counted, lse - target, 0.0).sum()
     z = jnp.where(counted, lse * lse, 0.0).sum()

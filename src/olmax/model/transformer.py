@@ -208,11 +208,37 @@ def forward_loss(cfg: ModelConfig, impl: ImplConfig, params: dict, tokens: jax.A
                              ACTIVATION, sched, layout, layers_loss)
 
 
-def logits(params: dict, hidden: jax.Array) -> jax.Array:
+def logits(params: dict, hidden: jax.Array, grad: str = "float32") -> jax.Array:
     """Float32 logits [..., padded_vocab] of hidden states (by the embedding's transpose in a model without an
-    LM head of its own: model.tie_embeddings)."""
+    LM head of its own: model.tie_embeddings); their gradient taken in float32, or in hidden's dtype where `grad`
+    is "compute" (impl.logits_grad)."""
     head = params["lm_head"] if "lm_head" in params else params["embed"].T
-    return jnp.dot(hidden, head.astype(hidden.dtype), preferred_element_type=jnp.float32)
+    if grad == "float32" or hidden.dtype == jnp.float32:
+        return jnp.dot(hidden, head.astype(hidden.dtype), preferred_element_type=jnp.float32)
+    return _head_product(hidden, head.astype(hidden.dtype))
+
+
+@jax.custom_vjp
+def _head_product(hidden: jax.Array, head: jax.Array) -> jax.Array:
+    """hidden @ head as float32 logits, whose gradient the backward takes in the operands' dtype, as a bfloat16
+    autocast head does (OLMo-core's): both its matmuls [tokens, vocab] run at the bfloat16 rate, where a float32
+    gradient makes them float32 matmuls."""
+    return jnp.dot(hidden, head, preferred_element_type=jnp.float32)
+
+
+def _head_product_fwd(hidden, head):
+    return _head_product(hidden, head), (hidden, head)
+
+
+def _head_product_bwd(saved, g):
+    hidden, head = saved
+    g = g.astype(hidden.dtype)
+    dh = jnp.einsum("...v,dv->...d", g, head, preferred_element_type=jnp.float32)
+    dw = jnp.einsum("...d,...v->dv", hidden, g, preferred_element_type=jnp.float32)
+    return dh.astype(hidden.dtype), dw.astype(head.dtype)
+
+
+_head_product.defvjp(_head_product_fwd, _head_product_bwd)
 
 
 def forward_logits(cfg: ModelConfig, impl: ImplConfig, params: dict, tokens: jax.Array,

@@ -555,11 +555,12 @@ def _gpu(group: list[int], coords: list[dict], hw: Hardware) -> tuple[float, flo
 
 # --- the schedule -------------------------------------------------------------------------------------------------
 
-LAYER = re.compile(r"/layer(\d+)\.(\w+)/")
+LAYER = re.compile(r"[/(]layer(\d+)\.(\w+)[/)]")
 
 
 def layer_of(instruction: hlo.Instruction) -> tuple[str | None, str | None]:
-    """(layer label, layer kind) from the op's name, as the model's named scopes wrote it."""
+    """(layer label, layer kind) from the op's name, as the model's named scopes wrote it: a path part under a
+    scan (`.../layer3.global/...`), a transform's argument where the layers are unrolled (`jvp(layer3.global)`)."""
     found = LAYER.search(f"/{instruction.op_name}/")
     if found:
         return f"layer{found.group(1)}.{found.group(2)}", found.group(2)

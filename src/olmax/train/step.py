@@ -139,7 +139,7 @@ def make_train_step(cfg: RunConfig, layout: Layout):
     def head_loss(params, hidden, inputs, n_labels):  # a 1F1B schedule's loss of one pipeline micro-batch
         input_ids, instance_mask = inputs
         mask = label_mask(input_ids, cfg.data.pad_id, loss_cfg.mask_pad)
-        ce, z = loss_sums(params, hidden, input_ids, mask, instance_mask, impl.loss_chunk)
+        ce, z = loss_sums(params, hidden, input_ids, mask, instance_mask, impl.loss_chunk, impl.logits_grad)
         return (ce + loss_cfg.z_loss * z) / n_labels, (ce, z)
 
     def micro_loss(params, input_ids, instance_mask, n_labels, key):
@@ -151,7 +151,7 @@ def make_train_step(cfg: RunConfig, layout: Layout):
             return loss, (ce, z, per_microbatch_loss(hooks, aux, sched.microbatches, input_ids.size, n_labels)[1])
         hidden, aux = transformer.forward(model_cfg, impl, params, input_ids, layout, key, sched)
         mask = label_mask(input_ids, cfg.data.pad_id, loss_cfg.mask_pad)
-        ce, z = loss_sums(params, hidden, input_ids, mask, instance_mask, impl.loss_chunk)
+        ce, z = loss_sums(params, hidden, input_ids, mask, instance_mask, impl.loss_chunk, impl.logits_grad)
         if sched is None:
             aux_loss, aux_metrics = hooks.loss(aux, input_ids.size, n_labels)
         else:

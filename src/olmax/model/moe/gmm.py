@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from olmax.model.mlp import swiglu
-from olmax.parallel.expert import rank_within
+from olmax.parallel.expert import own_full, rank_within
 
 def auto_block_size(expected_rows: int, groups: int, smallest: int = 16) -> int:
     """A power of two near a quarter of the mean rows per group, in [smallest, 128]: a group's last, partly
@@ -134,7 +134,8 @@ def _summed(y, gates, assignment, M: int) -> jax.Array:
     weighed by its gate and added to its row: the laid-out rows' work, not M x k rows'."""
     k = gates.shape[1]
     weighed = y.astype(jnp.float32) * jnp.take(gates.reshape(-1), assignment, mode="fill", fill_value=0)[:, None]
-    return jnp.zeros((M, y.shape[1]), jnp.float32).at[assignment // k].add(weighed, mode="drop").astype(y.dtype)
+    out = own_full((M, y.shape[1]), 0, jnp.float32, assignment)
+    return out.at[assignment // k].add(weighed, mode="drop").astype(y.dtype)
 
 
 def _swiglu_ragged(x, groups, w1, w3, w2, assignments=None, gates=None):
