@@ -8,8 +8,7 @@ import pytest
 
 from olmax.cli import main
 from olmax.config import load_config
-from olmax.scale import tune
-from olmax.scale import targets
+from olmax.scale import targets, tune
 from olmax.scale.targets import aot_missing, parse_target
 from test_scale_report import check_rendered, chromium  # noqa: F401 (chromium: a fixture)
 
