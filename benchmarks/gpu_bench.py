@@ -106,14 +106,14 @@ def step_benchmark(shape: str, steps: int, overrides: list[str] = ()) -> dict:
 
 def predicted_step(cfg, text: str) -> dict:
     """The step-time model's prediction for this device: a GPU by its datasheet row, a CPU measured now."""
-    from olmax.scale import step_time
+    from olmax.scale import hardware, op_cost, step_time
     from olmax.scale.targets import parse_target, running_target
 
     name = running_target(jax.devices()[:1])
-    hardware = step_time.target_hardware(parse_target(name)) if name else step_time.measure_cpu()
+    hardware = hardware.target_hardware(parse_target(name)) if name else hardware.measure_cpu()
     windows = {kind: (cfg.model.sliding_window if kind == "sliding" else None) for kind in set(cfg.model.layer_pattern)}
     block = 128 if name else cfg.impl.attention.block  # cuDNN's tiles on a GPU, olmax's blocks on a CPU
-    attention = step_time.AttentionInfo(cfg.data.sequence_length, windows, block, block)
+    attention = op_cost.AttentionInfo(cfg.data.sequence_length, windows, block, block)
     prediction = step_time.predict(text, hardware, None, attention)
     return {"predicted_hardware": hardware.name, "predicted_step_s": prediction["step_seconds"],
             "predicted_seconds": prediction["seconds"]}
@@ -241,7 +241,7 @@ def moe_layer_benchmark(tokens: int, d: int, f: int, experts: int, top_k: int, d
     from the compiled program (for this GPU by its datasheet row, a CPU measured now)."""
     from olmax.config import MoEConfig
     from olmax.model.moe import gmm, grouped, sublayer
-    from olmax.scale import step_time
+    from olmax.scale import hardware, op_cost, step_time
     from olmax.scale.targets import parse_target, running_target
 
     cfg = MoEConfig(num_experts=experts, top_k=top_k, expert_hidden=f)
@@ -251,7 +251,7 @@ def moe_layer_benchmark(tokens: int, d: int, f: int, experts: int, top_k: int, d
             (("w1", keys[1], (experts, d, f)), ("w3", keys[2], (experts, d, f)), ("w2", keys[0], (experts, f, d)))}}
     x = jax.random.normal(keys[1], (1, tokens, d), jnp.bfloat16)
     name = running_target(jax.devices()[:1])
-    hardware = step_time.target_hardware(parse_target(name)) if name else step_time.measure_cpu()
+    hardware = hardware.target_hardware(parse_target(name)) if name else hardware.measure_cpu()
     chip = grouped.Chip.of(jax.devices()[0]) if jax.default_backend() == "gpu" else None
     report = {"tokens": tokens, "d": d, "f": f, "experts": experts, "top_k": top_k, "predicted_hardware": hardware.name}
     for dispatch in dispatches:
@@ -263,7 +263,7 @@ def moe_layer_benchmark(tokens: int, d: int, f: int, experts: int, top_k: int, d
         compiled = step.lower(p, x).compile()
         rows = tokens * top_k / experts
         block = chip.block if dispatch == "grouped" else gmm.auto_block_size(tokens * top_k, experts)
-        loops = step_time.ExpertBlocks(rows, block, cfg.routing, gmm.BLOCK_LOOP)
+        loops = op_cost.ExpertBlocks(rows, block, cfg.routing, gmm.BLOCK_LOOP)
         predicted = step_time.predict(compiled.as_text(), hardware, None, None, experts=loops)
         measured = statistics.median(timed(lambda: jax.block_until_ready(compiled(p, x)), 1, steps))
         report[dispatch] = {"measured_s": measured, "predicted_s": predicted["step_seconds"],
@@ -277,7 +277,7 @@ def experts_prediction(target: str, dispatch: str, rows: int, routed: int, d: in
     buffer), `routed` of them to its `groups` resident experts (balanced), the rest to none. Compiled for the
     target's device without the hardware (a GPU generation a process: Mosaic GPU's compiler keeps the first)."""
     from olmax.model.moe import gmm, grouped
-    from olmax.scale import step_time
+    from olmax.scale import hardware, op_cost, step_time
     from olmax.scale.targets import compile_only_devices, parse_target
 
     device = compile_only_devices(parse_target(target))[0]
@@ -295,8 +295,8 @@ def experts_prediction(target: str, dispatch: str, rows: int, routed: int, d: in
         return jnp.sum(y.astype(jnp.float32))
 
     text = jax.jit(jax.grad(loss)).lower(args, ids).compile().as_text()
-    loops = step_time.ExpertBlocks(routed / groups, block, "balanced", gmm.BLOCK_LOOP)
-    predicted = step_time.predict(text, step_time.target_hardware(parse_target(target)), None, None, experts=loops)
+    loops = op_cost.ExpertBlocks(routed / groups, block, "balanced", gmm.BLOCK_LOOP)
+    predicted = step_time.predict(text, hardware.target_hardware(parse_target(target)), None, None, experts=loops)
     return {"target": target, "dispatch": dispatch, "rows": rows, "routed": routed, "d": d, "f": f, "groups": groups,
             "block": block, "predicted_s": predicted["step_seconds"], "ops": predicted["executed_ops"],
             "seconds": predicted["seconds"], "warnings": predicted["warnings"]}

@@ -64,13 +64,13 @@ def shape_config(preset: str, overrides: list[str]):
 
 def predicted_step(cfg, step, state, batch) -> float:
     """The step-time model's prediction for the compiled step on this CPU (measured now, in this process)."""
-    from olmax.scale import step_time
+    from olmax.scale import hardware, op_cost, step_time
 
     windows = {kind: (cfg.model.sliding_window if kind == "sliding" else None) for kind in set(cfg.model.layer_pattern)}
     block = cfg.impl.attention.block
-    attention = step_time.AttentionInfo(cfg.data.sequence_length, windows, block, block)
+    attention = op_cost.AttentionInfo(cfg.data.sequence_length, windows, block, block)
     text = step.lower(state, batch).compile().as_text()
-    return step_time.predict(text, step_time.measure_cpu(), None, attention)["step_seconds"]
+    return step_time.predict(text, hardware.measure_cpu(), None, attention)["step_seconds"]
 
 
 def bench_olmax(overrides: list[str], steps: int, tokens: np.ndarray, preset: str = "shape") -> dict:

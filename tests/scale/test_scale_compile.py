@@ -251,7 +251,7 @@ def test_xla_gpu_expands_ragged_dot_so_auto_keeps_the_blocks_on_gpu():
     expert, each with the same static rows (a dense expansion, no grouped-matmul kernel); the block loop has
     none. Should XLA:GPU lower ragged_dot to a kernel, this fails and `auto` can take it there too."""
     from olmax.parallel.mesh import make_layout
-    from olmax.scale import step_time
+    from olmax.scale import hardware, step_time
     from olmax.scale.compile import abstract_inputs, attention_info, expert_blocks
     from olmax.scale.targets import compile_only_devices
     from olmax.train.step import jit_train_step, micro_batch_rows
@@ -272,7 +272,7 @@ def test_xla_gpu_expands_ragged_dot_so_auto_keeps_the_blocks_on_gpu():
     cfg = load_config("tiny_moe", ["impl.moe.dispatch=blocks"])
     layout = make_layout(cfg.mesh, compile_only_devices(parse_target("gpu:h100x8")))
     experts = expert_blocks(cfg, layout, micro_batch_rows(cfg, layout.data_parallel_size))
-    found = step_time.predict(blocks, step_time.target_hardware(parse_target("gpu:h100x8")),
+    found = step_time.predict(blocks, hardware.target_hardware(parse_target("gpu:h100x8")),
                               attention=attention_info(cfg, layout), experts=experts)
     assert [(loop["scope"], loop["trips"]) for loop in found["loops"]] == [("expert_block_loop", experts.trips)]
     assert experts.trips > 1 and found["warnings"] == []

@@ -6,10 +6,10 @@ import math
 
 import pytest
 
-from olmax.scale import hlo, step_time
+from olmax.scale import hardware, hlo, op_cost, simulator, step_time
 from olmax.scale.targets import parse_target
 
-TPU = step_time.Hardware("test tpu", "tpu", {"bf16": 100e12, "f32": 100e12}, 1.0, 1e12, 1.0, (8, 256, 256),
+TPU = hardware.Hardware("test tpu", "tpu", {"bf16": 100e12, "f32": 100e12}, 1.0, 1e12, 1.0, (8, 256, 256),
                          link_bandwidth=50e9, collective_efficiency=1.0, torus=(4, 4, 4), wraparound=True)
 
 
@@ -37,7 +37,7 @@ def test_a_matmul_costs_its_flops_at_the_peak_and_a_half_filled_unit_costs_a_ful
     full = predict(dot_program(8192, 8192, 256))["seconds"]["matmul"]
     assert half == pytest.approx(full, rel=1e-6)
     # and on a 128-wide unit (v5p's) it runs at the full rate: half the time of 256
-    v5p = step_time.Hardware(**{**TPU.__dict__, "tile": (8, 128, 128)})
+    v5p = hardware.Hardware(**{**TPU.__dict__, "tile": (8, 128, 128)})
     assert predict(dot_program(8192, 8192, 128), v5p)["seconds"]["matmul"] == pytest.approx(full / 2, rel=1e-6)
 
 
@@ -81,7 +81,7 @@ def test_a_ring_collective_moves_its_share_over_the_links_its_group_spans():
   ROOT %r = bf16[{whole}]{{0}} all-reduce(%x), replica_groups=[16,4]<=[64], to_apply=%add"""), coords=coords_4x4x4())
     assert reduce["collectives"]["total_seconds"] == pytest.approx(2 * expected, rel=1e-6)
     # without wraparound (a slice smaller than a cube) a ring has one link a device: twice as long
-    mesh = step_time.Hardware(**{**TPU.__dict__, "wraparound": False})
+    mesh = hardware.Hardware(**{**TPU.__dict__, "wraparound": False})
     assert predict(program(ALL_GATHER.format(shard=shard, whole=whole, groups="[16,4]<=[64]")), mesh,
                    coords_4x4x4())["collectives"]["total_seconds"] == pytest.approx(2 * expected, rel=1e-6)
 
@@ -93,7 +93,7 @@ def test_an_all_to_all_is_bound_by_the_bisection_and_a_gpu_host_by_its_network()
     # a ring of 4 with wraparound: k B / (8 L)
     assert predict(text, coords=coords_4x4x4())["collectives"]["total_seconds"] == pytest.approx(
         4 * size / (8 * 50e9), rel=1e-6)
-    gpu = step_time.target_hardware(parse_target("gpu:h100x16"))
+    gpu = hardware.target_hardware(parse_target("gpu:h100x16"))
     coords = [{"host": i // 8, "device": i} for i in range(16)]
     gather = ALL_GATHER.format(shard=size // 2 // 8, whole=size // 2, groups="{{0,1,2,3,4,5,6,7},{8,9,10,11,12,13,14,15}}")
     across = ALL_GATHER.format(shard=size // 2 // 2, whole=size // 2, groups="{{0,8},{1,9},{2,10},{3,11},{4,12},{5,13},{6,14},{7,15}}")
@@ -222,7 +222,7 @@ def test_a_data_dependent_block_loop_costs_the_blocks_the_routing_gives_each_exp
     per_block = 2 * 128 * 1024 * 1024
     costs = {}
     for rows in (256, 1000, 4096):
-        experts = step_time.ExpertBlocks(rows_per_expert=rows, block=128, routing="learned",
+        experts = op_cost.ExpertBlocks(rows_per_expert=rows, block=128, routing="learned",
                                            scope="expert_block_loop")
         found = step_time.predict(block_loop_program("expert_block_loop"), TPU, experts=experts)
         assert found["executed_flops"] == -(-rows // 128) * per_block
@@ -240,7 +240,7 @@ def test_a_data_dependent_block_loop_costs_the_blocks_the_routing_gives_each_exp
 def test_the_costliest_op_groups_account_for_the_compute_and_name_its_pass():
     """The prediction lists its op groups by seconds a step: each op counted as often as it runs, all of the
     compute's seconds in them; a group says the op's region, its pass and what made it."""
-    experts = step_time.ExpertBlocks(rows_per_expert=1000, block=128, routing="learned", scope="expert_block_loop")
+    experts = op_cost.ExpertBlocks(rows_per_expert=1000, block=128, routing="learned", scope="expert_block_loop")
     found = step_time.predict(block_loop_program("expert_block_loop"), TPU, experts=experts)
     groups = found["costliest"]
     assert [(g["category"], g["group"], g["ops"]) for g in groups] == [("matmul", "global: dot", 8),
@@ -250,10 +250,10 @@ def test_the_costliest_op_groups_account_for_the_compute_and_name_its_pass():
     name = ("jit(train_step)/while/body/closed_call/transpose(jvp())/while/body/closed_call/checkpoint/"
             "rematted_computation/layer3.global/vmap()/scatter-add")
     scatter = hlo.parse_instruction(f'  %s = f32[8]{{0}} scatter(%a, %b, %c), metadata={{op_name="{name}"}}')
-    assert step_time.op_group(module, scatter, "global") == "global recomputed: scatter-add"
+    assert simulator.op_group(module, scatter, "global") == "global recomputed: scatter-add"
     backward = name.replace("checkpoint/rematted_computation/", "").replace("scatter-add", "shard_map/mul")
     multiply = hlo.parse_instruction(f'  %m = f32[8]{{0}} multiply(%a, %b), metadata={{op_name="{backward}"}}')
-    assert step_time.op_group(module, multiply, "global") == "global backward: shard_map/mul (multiply)"
+    assert simulator.op_group(module, multiply, "global") == "global backward: shard_map/mul (multiply)"
 
 
 @pytest.mark.parametrize("name", ["jit(step)/while/body/closed_call/layer2.sliding/shard_map/dot_general",
@@ -262,9 +262,9 @@ def test_an_op_of_a_layer_is_the_layers_whether_its_layers_are_scanned_or_unroll
     """Unrolled (`impl.scan_layers=false`), JAX writes a layer's named scope as its transform's argument, not as a
     part of the path: every op of the 47B's unrolled step was booked to the embedding and head."""
     op = hlo.parse_instruction(f'  %m = f32[8]{{0}} multiply(%a, %b), metadata={{op_name="{name}"}}')
-    assert step_time.layer_of(op) == ("layer2.sliding", "sliding")
+    assert simulator.layer_of(op) == ("layer2.sliding", "sliding")
     mine = hlo.parse_instruction(f'  %m = f32[8]{{0}} multiply(%a), metadata={{op_name="{name.replace("layer2", "my_layer2")}"}}')
-    assert step_time.layer_of(mine) == (None, None)
+    assert simulator.layer_of(mine) == (None, None)
 
 
 def test_a_bounded_exchange_costs_the_rounds_the_routing_is_expected_to_take():
@@ -274,13 +274,13 @@ def test_a_bounded_exchange_costs_the_rounds_the_routing_is_expected_to_take():
     text = block_loop_program("expert_exchange_overflow")
     per_round = 2 * 128 * 1024 * 1024
     for received, buffer, trips in ((1000.0, 1250, 0), (1000.0, 1000, 0), (1000.0, 400, 2)):
-        experts = step_time.ExpertBlocks(100, 128, "learned", "expert_block_loop", 800.0, received, buffer,
+        experts = op_cost.ExpertBlocks(100, 128, "learned", "expert_block_loop", 800.0, received, buffer,
                                          "expert_exchange_overflow")
         found = step_time.predict(text, TPU, experts=experts)
         assert found["executed_flops"] == trips * per_round
         assert found["loops"] == [{"scope": "expert_exchange_overflow", "trips": trips, "loops": 1,
                                    "basis": experts.overflow_basis()}] and found["warnings"] == []
-    unbounded = step_time.ExpertBlocks(100, 128, "learned", "expert_block_loop", 1000.0)
+    unbounded = op_cost.ExpertBlocks(100, 128, "learned", "expert_block_loop", 1000.0)
     assert step_time.predict(text, TPU, experts=unbounded)["warnings"][0].endswith("counted once")
 
 
@@ -295,7 +295,7 @@ def test_a_ragged_all_to_all_moves_the_rows_the_routing_sends_not_its_static_buf
   ROOT %r = bf16[{4 * rows},{width}]{{1,0}} ragged-all-to-all(%x, %o, %s, %s, %s, %s), replica_groups=[16,4]<=[64]""")
 
     def seconds(exchanged):
-        experts = step_time.ExpertBlocks(100, 128, "learned", "expert_block_loop", exchanged)
+        experts = op_cost.ExpertBlocks(100, 128, "learned", "expert_block_loop", exchanged)
         found = step_time.predict(text, TPU, coords_4x4x4(), experts=experts)["collectives"]
         return found["total_seconds"], found["bytes_by_kind"]["ragged-all-to-all"]
 
@@ -343,19 +343,19 @@ def test_a_ragged_dot_kernel_costs_its_flops_and_an_unknown_kernel_is_named():
 def test_a_small_gemm_on_sm_100_costs_more_per_flop_than_a_large_one_by_xlas_table():
     """XLA's measured GEMM table for sm_100 (B200; B300 takes it): bf16 256 x 1024 x 4096 at 205.86 TFLOP/s, 4096^3
     at 1,416.87 (of 2,250 peak); a shape between the table's sizes is interpolated."""
-    hw = step_time.target_hardware(parse_target("gpu:b300x8"))
+    hw = hardware.target_hardware(parse_target("gpu:b300x8"))
     small, large = predict(dot_program(256, 1024, 4096), hw), predict(dot_program(4096, 4096, 4096), hw)
     per_flop = {name: p["seconds"]["matmul"] / p["executed_flops"] for name, p in (("small", small), ("large", large))}
     assert per_flop["small"] == pytest.approx(1 / 205.86e12, rel=1e-3)
     assert per_flop["large"] == pytest.approx(1 / 1416.87e12, rel=1e-3)
-    assert step_time.gemm_rate("sm_100", "bf16", 256, 1024, 4096) < step_time.gemm_rate(
-        "sm_100", "bf16", 362, 1024, 4096) < step_time.gemm_rate("sm_100", "bf16", 512, 1024, 4096)
+    assert hardware.gemm_rate("sm_100", "bf16", 256, 1024, 4096) < hardware.gemm_rate(
+        "sm_100", "bf16", 362, 1024, 4096) < hardware.gemm_rate("sm_100", "bf16", 512, 1024, 4096)
 
 
 def test_a_v5p_op_costs_libtpus_estimated_cycles_at_the_chips_clock():
     text = dot_program(8192, 8192, 8192).replace(
         "rhs_contracting_dims={0}", 'rhs_contracting_dims={0}, backend_config={"window_config":{"estimated_cycles":"3500000"}}')
-    hw = step_time.target_hardware(parse_target("tpu:v5p:2x2x1"))
+    hw = hardware.target_hardware(parse_target("tpu:v5p:2x2x1"))
     found = predict(text, hw)
     assert found["step_seconds"] == pytest.approx(3.5e6 / hw.clock, rel=1e-9)
     assert found["libtpu_estimate"]["ops"] == 1
@@ -371,7 +371,7 @@ def test_where_libtpus_estimate_and_the_roofline_disagree_by_over_a_tenth_the_pr
     where the plan and compile say where the time goes, with the point figure still libtpu's estimate."""
     from olmax.scale.plan import format_prediction
 
-    hw = step_time.target_hardware(parse_target("tpu:v5p:2x2x1"))
+    hw = hardware.target_hardware(parse_target("tpu:v5p:2x2x1"))
     roofline = 2 * 8192**3 / (hw.matmul_flops["bf16"] * hw.matmul_efficiency) + hw.op_overhead
     cycles = round(ratio * roofline * hw.clock)
     text = dot_program(8192, 8192, 8192).replace(
@@ -400,7 +400,7 @@ def test_the_plan_and_the_page_state_the_counts_assumed_and_name_what_was_not_co
     from olmax.scale.plan import format_prediction
     from olmax.scale.report import _step_time
 
-    experts = step_time.ExpertBlocks(rows_per_expert=1000, block=128, routing="random", scope="expert_block_loop")
+    experts = op_cost.ExpertBlocks(rows_per_expert=1000, block=128, routing="random", scope="expert_block_loop")
     counted = step_time.predict(block_loop_program("expert_block_loop"), TPU, experts=experts)
     unknown = predict(program(RAGGED_DOT.format(m=256, k=256, n=256).replace("ragged-dot-none", "mystery_kernel")))
     for prediction, said in ((counted, "1 expert_block_loop loops at 8 trips each: 1,000 rows an expert (a device's "

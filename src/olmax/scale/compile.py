@@ -41,7 +41,7 @@ from olmax.model.block import moe_target
 from olmax.model.moe import gmm, sublayer
 from olmax.parallel import expert as expert_parallel
 from olmax.parallel.mesh import Layout, make_layout
-from olmax.scale import anatomy, step_time
+from olmax.scale import anatomy, hardware, op_cost, step_time
 from olmax.scale.plan import plan
 from olmax.scale.targets import GiB, Target, compile_only_devices
 from olmax.train.step import abstract_state, batch_shardings, jit_train_step, micro_batch_rows
@@ -116,18 +116,18 @@ def xla_cost(compiled) -> dict:
     return {"flops": cost.get("flops"), "bytes_accessed": cost.get("bytes accessed")}
 
 
-def attention_info(cfg: RunConfig, layout: Layout) -> step_time.AttentionInfo:
+def attention_info(cfg: RunConfig, layout: Layout) -> op_cost.AttentionInfo:
     """What the step-time model needs to know of the attention kernels: each layer kind's window, Splash's tiles
     (cuDNN's kernels are costed at 128-token tiles, their own)."""
     seq = cfg.data.sequence_length
     windows = {kind: (cfg.model.sliding_window if kind == "sliding" else None) for kind in set(cfg.model.layer_pattern)}
     tiles = _attention_tiles(cfg, layout)
     if tiles:
-        return step_time.AttentionInfo(seq, windows, tiles["block_q"], tiles["block_kv"])
-    return step_time.AttentionInfo(seq, windows, 128, 128)
+        return op_cost.AttentionInfo(seq, windows, tiles["block_q"], tiles["block_kv"])
+    return op_cost.AttentionInfo(seq, windows, 128, 128)
 
 
-def expert_blocks(cfg: RunConfig, layout: Layout, micro_rows: int) -> step_time.ExpertBlocks | None:
+def expert_blocks(cfg: RunConfig, layout: Layout, micro_rows: int) -> op_cost.ExpertBlocks | None:
     """What the step-time model needs to know of the experts' block loops (impl.moe.dispatch blocks) and of the
     grouped kernels, which run the rows routed: the rows each of a device's experts gets a micro-step under the
     routing's expectation (a device's tokens x top_k, spread evenly over the experts it holds; dropless, one
@@ -151,7 +151,7 @@ def expert_blocks(cfg: RunConfig, layout: Layout, micro_rows: int) -> step_time.
     block = cfg.impl.moe.block or gmm.auto_block_size(sized_for, local_experts, smallest)
     slots = (expert_parallel.receive_slots(tokens, moe.num_experts, moe.top_k, ep, cfg.impl.moe.ep_buffer)
              if exchanged is not None and cfg.impl.moe.ep_buffer is not None else None)
-    return step_time.ExpertBlocks(routed / local_experts, block, moe.routing, gmm.BLOCK_LOOP, exchanged, routed,
+    return op_cost.ExpertBlocks(routed / local_experts, block, moe.routing, gmm.BLOCK_LOOP, exchanged, routed,
                                   slots, expert_parallel.OVERFLOW_SCOPE)
 
 
@@ -336,7 +336,7 @@ def predicted_step(cfg: RunConfig, target: Target, layout: Layout, text: str) ->
     tokens = cfg.train.global_batch_instances * seq
     coords = [c["at"] for c in anatomy.chip_grid(layout)]
     micro_rows = micro_batch_rows(cfg, layout.data_parallel_size)
-    prediction = step_time.predict(text, step_time.target_hardware(target), coords, attention_info(cfg, layout),
+    prediction = step_time.predict(text, hardware.target_hardware(target), coords, attention_info(cfg, layout),
                                    count.per_token * tokens / target.devices, expert_blocks(cfg, layout, micro_rows))
     prediction["mfu_all_global"] = count.per_token_all_global * tokens / target.devices / (
         prediction["step_seconds"] * prediction["constants"]["peak_flops_per_device"])

@@ -43,7 +43,7 @@ def dot_f32(a: jax.Array, b: jax.Array, dimension_numbers) -> jax.Array:
 
 
 # The name of the loops over one group's blocks, whose trip count is data (the rows routed to the group): the
-# step-time model finds them by it in the compiled program (olmax.scale.step_time.ExpertBlocks).
+# step-time model finds them by it in the compiled program (olmax.scale.op_cost.ExpertBlocks).
 BLOCK_LOOP = "expert_block_loop"
 
 

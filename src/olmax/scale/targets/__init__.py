@@ -84,7 +84,7 @@ MATMUL_EFFICIENCY = {"tpu": 2 * 32768 * 4096 * 11008 / (13_636_280 / V5P_CLOCK) 
 # HBM streams at about 90% of its datasheet bandwidth (an assumption, the same for every chip); collectives reach
 # 78% of the link rate: XLA's measured collective table for sm_90 (collective_interpolator_data.h) gives 400 GB/s
 # for a 2 GiB all-gather over 8 H100s, a bus bandwidth of 7/8 x 400 = 350 GB/s of NVLink's 450 one way; the same
-# fraction is assumed for ICI. Both are named in olmax.scale.step_time.
+# fraction is assumed for ICI. olmax.scale.hardware gives both to the step-time model.
 HBM_EFFICIENCY = 0.9
 COLLECTIVE_EFFICIENCY = 350 / 450
 # Fixed costs, seconds: every op launched, and every collective besides its bytes. GPUs: XLA's own GPU performance
