@@ -110,12 +110,12 @@ def predicted_step(cfg, text: str) -> dict:
     from olmax.scale.targets import parse_target, running_target
 
     name = running_target(jax.devices()[:1])
-    hardware = hardware.target_hardware(parse_target(name)) if name else hardware.measure_cpu()
+    device = hardware.target_hardware(parse_target(name)) if name else hardware.measure_cpu()
     windows = {kind: (cfg.model.sliding_window if kind == "sliding" else None) for kind in set(cfg.model.layer_pattern)}
     block = 128 if name else cfg.impl.attention.block  # cuDNN's tiles on a GPU, olmax's blocks on a CPU
     attention = op_cost.AttentionInfo(cfg.data.sequence_length, windows, block, block)
-    prediction = step_time.predict(text, hardware, None, attention)
-    return {"predicted_hardware": hardware.name, "predicted_step_s": prediction["step_seconds"],
+    prediction = step_time.predict(text, device, None, attention)
+    return {"predicted_hardware": device.name, "predicted_step_s": prediction["step_seconds"],
             "predicted_seconds": prediction["seconds"]}
 
 
@@ -251,9 +251,9 @@ def moe_layer_benchmark(tokens: int, d: int, f: int, experts: int, top_k: int, d
             (("w1", keys[1], (experts, d, f)), ("w3", keys[2], (experts, d, f)), ("w2", keys[0], (experts, f, d)))}}
     x = jax.random.normal(keys[1], (1, tokens, d), jnp.bfloat16)
     name = running_target(jax.devices()[:1])
-    hardware = hardware.target_hardware(parse_target(name)) if name else hardware.measure_cpu()
+    device = hardware.target_hardware(parse_target(name)) if name else hardware.measure_cpu()
     chip = grouped.Chip.of(jax.devices()[0]) if jax.default_backend() == "gpu" else None
-    report = {"tokens": tokens, "d": d, "f": f, "experts": experts, "top_k": top_k, "predicted_hardware": hardware.name}
+    report = {"tokens": tokens, "d": d, "f": f, "experts": experts, "top_k": top_k, "predicted_hardware": device.name}
     for dispatch in dispatches:
         def loss(p, x, dispatch=dispatch):
             out, aux = sublayer.moe_mlp(cfg, p, x, dispatch=dispatch, chip=chip)
@@ -264,7 +264,7 @@ def moe_layer_benchmark(tokens: int, d: int, f: int, experts: int, top_k: int, d
         rows = tokens * top_k / experts
         block = chip.block if dispatch == "grouped" else gmm.auto_block_size(tokens * top_k, experts)
         loops = op_cost.ExpertBlocks(rows, block, cfg.routing, gmm.BLOCK_LOOP)
-        predicted = step_time.predict(compiled.as_text(), hardware, None, None, experts=loops)
+        predicted = step_time.predict(compiled.as_text(), device, None, None, experts=loops)
         measured = statistics.median(timed(lambda: jax.block_until_ready(compiled(p, x)), 1, steps))
         report[dispatch] = {"measured_s": measured, "predicted_s": predicted["step_seconds"],
                             "predicted_ops": predicted["executed_ops"], "warnings": predicted["warnings"]}

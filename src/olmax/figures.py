@@ -25,3 +25,11 @@ def si(value: float, unit: str, largest: float = 1e15) -> str:
     """`value` of `unit` with its SI prefix: 1.44e6 FLOP -> 1.44 MFLOP, 184e9 FLOP -> 184 GFLOP."""
     scale, p = prefix(value, largest)
     return f"{figure(value / scale)} {p}{unit}"
+
+
+def size(value: int) -> str:
+    """Bytes in the unit that shows them best: 1.50 GiB, 12.00 MiB, 512 B."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if value >= scale:
+            return f"{value / scale:,.2f} {unit}"
+    return f"{value:,} B"

@@ -21,7 +21,7 @@ from olmax.cli import main
 from olmax.config import load_config
 from olmax.scale.cli import format_compile
 from olmax.scale.compile import compile_train_step
-from olmax.scale.report import size
+from olmax.figures import size
 from olmax.scale.targets import (ACCELERATORS, GiB, aot_missing, compile_only_devices, flag_profile, parse_target,
                                   running_target)
 
@@ -85,7 +85,8 @@ def test_ironwood_compiles_with_its_sparsecore_flag_profile(capsys, monkeypatch)
     stack = {s["segment"]: s["bytes"] for s in report["memory_stack"]}
     assert sum(stack.values()) - stack["free"] == report["peak"] and 0 <= stack["temporaries"] <= report["peak"]
     assert re.findall(r"temporaries +([\d.]+ [KMG]?i?B)", table) == [size(stack["temporaries"])]
-    from olmax.scale.report import markdown_table, page
+    from olmax.scale.comparison import markdown_table
+    from olmax.scale.layout_page import page
 
     html_page = page(report)
     assert " MiB" in html_page and " KiB" in html_page and "0.00 GiB" not in html_page

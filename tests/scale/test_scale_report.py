@@ -229,7 +229,7 @@ def test_a_link_planted_in_the_page_directory_during_the_work_is_not_written_thr
     wrote them after it following links: a link planted at DIR/index.html during the work (here after the check,
     as the page's writer is called) had its target overwritten. Each file is checked as it is written now, and
     all of them before the first: exit 2 naming the link, nothing written, the target untouched."""
-    from olmax.scale import report
+    from olmax.scale import layout_page as report
 
     directory, target = tmp_path / "page", tmp_path / "target"
     target.write_text("precious")
@@ -348,7 +348,7 @@ def test_hostile_names_in_a_report_stay_text_in_its_markdown_table():
     line break: rendered (Python-Markdown, as mkdocs renders), each row keeps its cells and no name is markup."""
     import markdown
 
-    from olmax.scale.report import markdown_table
+    from olmax.scale.comparison import markdown_table
 
     report = hostile_report(json.loads(STORED.read_text()))
     report["overrides"] = [o + "|`x\ny" for o in report["overrides"]]
@@ -364,7 +364,9 @@ def test_hostile_names_in_a_report_stay_text_in_its_markdown_table():
 def test_a_report_field_of_another_kind_is_text_or_exit_2(capsys, tmp_path):
     """Each value of a report.json, one at a time, made a hostile string where olmax writes a number, a flag, a list
     or nothing: the page shows it as text, or `olmax report` refuses the file in one line, exit 2."""
-    from olmax.scale.report import comparison_page, page, unusable
+    from olmax.scale.comparison import comparison_page
+    from olmax.scale.layout_page import page
+    from olmax.scale.report_json import unusable
 
     report = json.loads(STORED.read_text())
     refused = 0
@@ -423,7 +425,7 @@ BEYOND = {
 
 @pytest.mark.parametrize("damage", BEYOND)
 def test_a_figure_beyond_what_a_page_draws_is_exit_2_naming_it(tmp_path, capsys, damage):
-    from olmax.scale.report import load  # before anything is drawn: the old code drew until memory ran out
+    from olmax.scale.report_json import load  # before anything is drawn: the old code drew until memory ran out
 
     edit, words = BEYOND[damage]
     report = json.loads(STORED.read_text())
@@ -451,7 +453,7 @@ def test_a_json_array_100000_deep_is_not_a_report(tmp_path, capsys):
 
 def test_the_report_of_a_tune_or_of_a_comparison_is_named_as_what_it_is(tmp_path, capsys):
     """`olmax report A.json TUNE/report.json` said the tune's report was "not a report.json olmax wrote"."""
-    from olmax.scale.report import write_tune
+    from olmax.scale.tune_page import write_tune
 
     write_tune({"config": "tiny", "overrides": [], "target": "tpu:v5p:2x2x2", "budget": 2, "headroom": 0.1,
                 "space": 4, "compiled": 0, "seconds": 3.0, "memory_per_device": 2**30, "results": []},
@@ -484,7 +486,8 @@ def test_a_report_directory_that_cannot_be_made_is_refused_before_any_work(tmp_p
 @needs_tpu
 def test_hostile_names_in_a_fresh_report_are_text(compiled):
     """The stored report above against what this olmax writes now: the same check on a fresh compile's."""
-    from olmax.scale.report import comparison_page, page
+    from olmax.scale.comparison import comparison_page
+    from olmax.scale.layout_page import page
 
     report = hostile_report(json.loads((compiled / "report.json").read_text()))
     for text in (page(report), comparison_page([report, report])):

@@ -398,7 +398,7 @@ def test_where_libtpus_estimate_and_the_roofline_disagree_by_over_a_tenth_the_pr
 
 def test_the_plan_and_the_page_state_the_counts_assumed_and_name_what_was_not_counted():
     from olmax.scale.plan import format_prediction
-    from olmax.scale.report import _step_time
+    from olmax.scale.layout_page import _step_time
 
     experts = op_cost.ExpertBlocks(rows_per_expert=1000, block=128, routing="random", scope="expert_block_loop")
     counted = step_time.predict(block_loop_program("expert_block_loop"), TPU, experts=experts)

@@ -155,7 +155,7 @@ def _compile_cache() -> None:
 
 def _write_report(report: dict, directory: str | None, overrides: list[str]) -> None:
     if directory is not None:
-        from olmax.scale.report import write
+        from olmax.scale.layout_page import write
 
         print(f"olmax: report {write({**report, 'overrides': overrides}, directory)}", file=sys.stderr)
 
@@ -285,7 +285,7 @@ def run_tune(args: argparse.Namespace) -> None:
             print(f"olmax tune: the best layout, not written to {args.out}:\n{layout}", file=sys.stderr, end="")
             unwritten = f"--out {args.out}: {why}; the best layout is printed above: save it to a new file"
     if directory is not None:
-        from olmax.scale.report import write_tune
+        from olmax.scale.tune_page import write_tune
 
         print(f"olmax: report {write_tune(report, directory)}", file=sys.stderr)
     if unwritten:
@@ -298,7 +298,9 @@ def run_tune(args: argparse.Namespace) -> None:
 
 def run_report(args: argparse.Namespace) -> None:
     from olmax import storage
-    from olmax.scale.report import load, markdown_table, write, write_comparison
+    from olmax.scale.comparison import markdown_table, write_comparison
+    from olmax.scale.layout_page import write
+    from olmax.scale.report_json import load
 
     if len(args.reports) == 1 and (storage.is_remote(args.reports[0]) and not args.reports[0].endswith(".json")
                                    or os.path.isdir(args.reports[0])):
@@ -351,7 +353,7 @@ FP8_NOTE = {False: "", True: " (fp8 projections)", "mxfp8": " (MXFP8 projections
 
 
 def _exchange(e: dict) -> str:
-    from olmax.scale.report import size
+    from olmax.figures import size
 
     parts = f", in {e['parts']} parts" if e["parts"] > 1 else ""
     return (f"expert exchange: {e['kind']}{parts}; a layer's receive buffer {e['receive_rows']:,} rows "
@@ -359,8 +361,7 @@ def _exchange(e: dict) -> str:
 
 
 def format_compile(r: dict) -> str:
-    from olmax.figures import percent, si
-    from olmax.scale.report import size
+    from olmax.figures import percent, si, size
 
     device = r["memory_per_device"]
 

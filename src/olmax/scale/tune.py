@@ -33,13 +33,13 @@ from jax.sharding import AbstractMesh
 
 from olmax.config import MESH_AXES, PipelineConfig, RunConfig, load_config
 from olmax.errors import ConfigError
+from olmax.figures import size
 from olmax.model import families, flops
 from olmax.parallel import expert as expert_parallel
 from olmax.parallel import pipeline
 from olmax.parallel.mesh import Layout, spec_axes
 from olmax.progress import SILENCE, repeating
 from olmax.scale import anatomy
-from olmax.scale.report import size
 from olmax.scale.targets import Target
 
 NAMED = ("qkv_proj", "out_proj", "mlpwi_0", "mlpwi_1", "mlpwo", "context")  # what a remat policy can keep

@@ -1,18 +1,15 @@
-"""The report of a compile or a plan as a page a person looks at: DIR/index.html (one self-contained file, inline
-SVG and CSS, no script, nothing fetched) and DIR/report.json (the same facts). Every figure on the page is in an
-element with `data-fact` (its path in report.json, dot-separated) and `data-value` (the value there), so a test
-reads the page back against the JSON. Several reports side by side make a comparison page and a Markdown table
-in the form of BENCHMARKS.md's."""
+"""The layout page of a compile or a plan: DIR/index.html, a page a person looks at (one self-contained file,
+inline SVG and CSS, no script, nothing fetched), and DIR/report.json (the same facts). Every figure on the page is
+in an element with `data-fact` (its path in report.json, dot-separated) and `data-value` (the value there), so a
+test reads the page back against the JSON."""
 
 from __future__ import annotations
 
 import html
 import json
-import re
 
 from olmax import storage
-from olmax.errors import ConfigError
-from olmax.figures import figure, percent
+from olmax.figures import figure, percent, size
 from olmax.pages import document, fact, table
 from olmax.run_dir import check_own_files, write_own
 from olmax.scale import step_time
@@ -30,19 +27,11 @@ def gib(path: str, value: int) -> str:
     return fact(path, value, size(value))
 
 
-def size(value: int) -> str:
-    """Bytes in the unit that shows them best."""
-    for unit, scale in (("GiB", GiB), ("MiB", 2**20), ("KiB", 2**10)):
-        if value >= scale:
-            return f"{value / scale:,.2f} {unit}"
-    return f"{value:,} B"
-
-
-def _plan_of(r: dict) -> dict:
+def plan_of(r: dict) -> dict:
     return r["plan"] if "plan" in r else r
 
 
-def _fits(r: dict) -> bool | None:
+def fits(r: dict) -> bool | None:
     if "peak" in r:
         return r["peak"] <= r["memory_per_device"]
     return False if "compiler_error" in r else None
@@ -51,20 +40,20 @@ def _fits(r: dict) -> bool | None:
 # --- sections ------------------------------------------------------------------------------------------------------
 
 def _header(r: dict) -> str:
-    plan = _plan_of(r)
+    plan = plan_of(r)
     what = "compile" if "memory_per_device" in r else "plan"
     lines = [f"<h1>{html.escape(r['config'])} on {html.escape(r['target'])}</h1>",
              f"<p>{fact('devices', r['devices'])} devices"
              + (f" ({html.escape(r['device_kind'])})" if r.get("device_kind") else "")
              + f", olmax {what}" + (f", overrides <code>{html.escape(' '.join(r['overrides']))}</code>"
                                     if r.get("overrides") else "") + "</p>"]
-    fits = _fits(r)
-    if fits is not None:
+    fit = fits(r)
+    if fit is not None:
         figure = (f"peak {gib('peak', r['peak'])} of {gib('memory_per_device', r['memory_per_device'])} "
                   f"a device ({percent(r['peak'] / r['memory_per_device'])})" if "peak" in r
                   else html.escape(r["compiler_error"]))
-        verdict = "fits" if fits else "does not fit"
-        lines.append(f'<p>The step <span class="verdict-{"yes" if fits else "no"}">{verdict}</span>: {figure}. '
+        verdict = "fits" if fit else "does not fit"
+        lines.append(f'<p>The step <span class="verdict-{"yes" if fit else "no"}">{verdict}</span>: {figure}. '
                      f"Compiled in {fact('compile_seconds', r['compile_seconds'], format(r['compile_seconds'], ',.0f'))} s."
                      "</p>")
     if r.get("layout"):
@@ -142,7 +131,7 @@ def _colour(segment: str) -> str:
     return SEGMENT_COLOURS.get(segment, "#bbb")  # a segment this olmax does not draw: grey
 
 
-def _memory_bar(r: dict, width: int = 900, whole: bool = True) -> str:
+def memory_bar(r: dict, width: int = 900, whole: bool = True) -> str:
     """The stacked bar of one device's memory: its whole memory (`whole`), or the peak at full width."""
     stack = r["memory_stack"] if whole else r["memory_stack"][:-1]
     device = r["memory_per_device"] if whole else r["peak"]
@@ -191,7 +180,7 @@ def _memory(r: dict) -> str:
         "gathers whole (a layer group's weights from their shards, or the LM head); temporaries are the rest of "
         f"the peak (the compiler's total of temporaries, {gib('temporaries', r['temporaries'])}, sums every temporary "
         "buffer of the whole program, buffers that are never all live at once: it can exceed the peak).</p>"
-        + "<h3>The device</h3>" + _memory_bar(r) + "<h3>The peak, at full width</h3>" + _memory_bar(r, whole=False)
+        + "<h3>The device</h3>" + memory_bar(r) + "<h3>The peak, at full width</h3>" + memory_bar(r, whole=False)
         + table(["segment", "size", "of the device"], rows, {1, 2})
         + f'<p>Segments below the peak add up to <span id="memory-sum">{size(added)}</span>, the '
         f"compiler's peak is {size(r['peak'])}.</p></section>")
@@ -300,7 +289,7 @@ def _schedule_grid(s: dict, index: int, path: str) -> str:
 
 
 def _pipeline(r: dict) -> str:
-    plan = _plan_of(r)
+    plan = plan_of(r)
     if not plan.get("schedules"):
         return ""
     path = "plan.schedules" if "plan" in r else "schedules"
@@ -329,7 +318,7 @@ PLAN_ROWS = [("train GFLOP / token", "train_flops_per_token", lambda v: figure(v
 
 
 def _plan(r: dict) -> str:
-    plan, prefix = _plan_of(r), "plan." if "plan" in r else ""
+    plan, prefix = plan_of(r), "plan." if "plan" in r else ""
     rows = [[label] + [fact(f"{prefix}{count}.{key}", plan[count][key], fmt(plan[count][key]))
                        for count in ("exact_window", "all_global")]
             for label, key, fmt in PLAN_ROWS if key in plan["exact_window"]]
@@ -481,10 +470,10 @@ def page(r: dict) -> str:
 
 def write(report: dict, directory: str) -> str:
     """DIR/report.json and DIR/index.html (DIR a local directory or a bucket URL); returns the page's path."""
-    return _write(directory, report, page(report))
+    return write_files(directory, report, page(report))
 
 
-def _write(directory: str, report: dict, html_page: str) -> str:
+def write_files(directory: str, report: dict, html_page: str) -> str:
     """DIR/report.json and DIR/index.html, each replaced whole through no symbolic link, even one planted while the
     report was made (run_dir.write_own); neither is written when either would be refused."""
     files = {storage.join(directory, "report.json"): json.dumps(report, indent=1) + "\n",
@@ -493,279 +482,3 @@ def _write(directory: str, report: dict, html_page: str) -> str:
     for path, text in files.items():
         write_own(path, text)
     return storage.join(directory, "index.html")
-
-
-# --- a report.json read back ----------------------------------------------------------------------------------------
-
-MOST_BYTES = 2**26  # 64 MiB: a compile's report.json of a whole v5p pod (8,960 devices) is a few MB
-MOST_CHIPS = 2**16  # more devices than any slice or cluster olmax compiles for (a v5p pod: 8,960 chips)
-LARGEST = 1e30  # beyond every count of bytes, FLOPs, tokens or seconds a report holds
-DEEPEST = 32  # olmax nests a report's values at most 7 deep
-# What a page draws a shape or a panel for each unit of, by the pattern of its path in report.json: lists, with the
-# most entries drawn (a picture of the devices for each mesh axis), and numbers, with the range drawn
-LONGEST = [(re.compile(r"chips"), MOST_CHIPS), (re.compile(r"mesh_axes"), 16)]
-RANGES = [(re.compile(r"chips\.\d+\.at\.[^.]+"), 0, MOST_CHIPS - 1),  # a place in the slice: z, a panel
-          (re.compile(r"(plan\.)?schedules\.\d+\.stages"), 1, MOST_CHIPS)]
-OTHER_REPORTS = [  # the report.json files of olmax's other pages: the fields that tell each, and what it is
-    ({"budget", "headroom", "results"}, "the report of olmax tune --report (its page: the index.html beside it)"),
-    ({"reports"}, "the report of a comparison page (olmax report A.json B.json), not one of the reports it compares"),
-    ({"run", "steps_logged"}, "the report of a run's page (olmax report RUN)"),
-]
-
-
-def load(path: str) -> dict:
-    """The report.json at `path` (of olmax compile or plan --report), checked to be drawn: ConfigError saying what
-    the file is where it is not such a report, or where a figure is beyond what a page draws."""
-    try:
-        with open(path, "rb") as f:
-            text = f.read(MOST_BYTES + 1)
-        if len(text) > MOST_BYTES:
-            raise ValueError(f"larger than {MOST_BYTES // 2**20} MiB")
-        report = json.loads(text)
-    except (OSError, ValueError) as err:
-        why = str(err)
-    except RecursionError:
-        why = "JSON nested deeper than Python reads"
-    else:
-        if isinstance(report, dict) and (other := next((what for fields, what in OTHER_REPORTS
-                                                         if fields <= set(report)), None)):
-            raise ConfigError(f"{path}: {other}; olmax report takes report.json files of olmax compile or olmax plan "
-                              "--report, or a run directory")
-        if not (why := unusable(report)):
-            return report
-    raise ConfigError(f"{path}: not a report.json olmax wrote ({why}); give the report.json of olmax compile or "
-                      "olmax plan --report, or a run directory")
-
-
-def out_of_bounds(report: dict) -> str | None:
-    """The first figure of a report read back that is beyond what a page draws, by its path, and why; None when
-    every one is within. A page loops over the places in the slice, the stages and the devices: one huge count
-    would fill the machine's memory before anything is written."""
-    stack = [("", report, 0)]
-    while stack:
-        path, value, depth = stack.pop()
-        shown = _shown(path)
-        if depth > DEEPEST:
-            return f"{shown} is nested deeper than {DEEPEST} levels"
-        if isinstance(value, (dict, list)):
-            most = next((most for pattern, most in LONGEST if pattern.fullmatch(path)), None)
-            if isinstance(value, list) and most is not None and len(value) > most:
-                return f"{shown} has {len(value):,} entries, more than the {most:,} a page draws"
-            items = value.items() if isinstance(value, dict) else enumerate(value)
-            stack += reversed([(f"{path}.{key}" if path else str(key), item, depth + 1) for key, item in items])
-        elif isinstance(value, (int, float)) and not isinstance(value, bool):
-            if not abs(value) <= LARGEST:  # NaN, infinite, or beyond every figure olmax writes
-                return f"{shown} is {_number(value)}, not a finite number up to {LARGEST:.0e}"
-            low, high = next(((low, high) for pattern, low, high in RANGES if pattern.fullmatch(path)), (None, None))
-            if low is not None and not low <= value <= high:
-                return f"{shown} is {_number(value)}, beyond the {low:,} to {high:,} a page draws"
-    return None
-
-
-def _shown(path: str) -> str:
-    """A path of report.json in an error's one line: its keys' control characters escaped, at most 80 characters."""
-    text = json.dumps(path)[1:-1]
-    return text if len(text) <= 80 else text[:77] + "..."
-
-
-def _number(value: int | float) -> str:
-    if len(str(value)) <= 24:
-        return str(value)
-    return f"{value:.3g}" if abs(value) < 1e300 else f"a number of {len(str(value))} digits"
-
-
-def unusable(report) -> str | None:
-    """Why a report.json read back cannot be shown (a field missing, of another kind than olmax writes, or beyond
-    what a page draws), or None: its figures are checked against their bounds, then its page, alone and beside
-    others, and its Markdown row are drawn to find out."""
-    if not isinstance(report, dict) or not {"config", "target"} <= set(report):
-        return "no config or target"
-    if why := out_of_bounds(report):
-        return why
-    try:
-        page(report), comparison_page([report]), markdown_table([report])
-    except KeyError as err:
-        return f"no field {err.args[0]!r} where the page reads one"
-    except (TypeError, ValueError, AttributeError, IndexError, ArithmeticError) as err:
-        return f"a field of another kind than olmax writes: {type(err).__name__}: {err}"
-    return None
-
-
-# --- several reports -----------------------------------------------------------------------------------------------
-
-def _label(r: dict) -> str:
-    return " ".join([r["config"], *r.get("overrides", []), "on", r["target"]])
-
-
-def _schedule_of(r: dict) -> dict | None:
-    return next((s for s in _plan_of(r).get("schedules", []) if s.get("configured")), None)
-
-
-def _per_device(r: dict) -> str:
-    if "peak" in r:
-        return f"peak {size(r['peak'])} ({percent(r['peak'] / r['memory_per_device'])})"
-    if "required" in r:
-        return f"needs {size(r['required'])} (compiler) + arguments {size(r['parameters'] + r['optimizer_state'] + r['batch'])}"
-    return "-"
-
-
-def comparison_rows(reports: list[dict]) -> list[tuple[str, list[str]]]:
-    """The facts compared, one row each, one column a report."""
-    def each(f):
-        return [f(r) for r in reports]
-
-    def stack(name):
-        return each(lambda r: next((size(s['bytes']) for s in r.get("memory_stack", [])
-                                    if s["segment"] == name), "-"))
-
-    def bubble(r):
-        s = _schedule_of(r)
-        return f"{s['name'].split(',')[0]}: {_bubble(s)}" if s else "-"
-
-    plan = [_plan_of(r)["exact_window"] for r in reports]
-    axes = sorted({c["axes"] for r in reports for c in r.get("collectives", {}).get("by_axis", [])})
-    return [
-        ("mesh", each(lambda r: " x ".join(f"{a} {n}" for a, n in r.get("mesh", {}).items() if n > 1) or "-")),
-        ("fits", each(lambda r: {True: "yes", False: "no", None: "-"}[_fits(r)])),
-        ("per device", each(_per_device)),
-        ("device", each(lambda r: size(r['memory_per_device']) if "memory_per_device" in r else "-")),
-        *[(f"  {name}", stack(name)) for name in SEGMENT_COLOURS],
-        ("pipeline bubble", each(bubble)),
-        *[(f"collectives over {a} (MiB a step)", each(lambda r, a=a: f"{sum(c['bytes_per_step'] for c in r.get('collectives', {}).get('by_axis', []) if c['axes'] == a) / 2**20:,.1f}"))
-          for a in axes],
-        ("MFU", [percent(p['mfu']) if "mfu" in p else "-" for p in plan]),
-        ("chip-seconds / step", [f"{p['chip_seconds_per_step']:,.4g}" if "mfu" in p else "-" for p in plan]),
-        ("step time (s)", [f"{p['step_seconds']:,.4g}" if "mfu" in p else "-" for p in plan]),
-        ("chip-hours", [f"{p['chip_hours']:,.4g}" if "mfu" in p else "-" for p in plan]),
-        ("compile s", each(lambda r: f"{r['compile_seconds']:,.0f}" if "compile_seconds" in r else "-")),
-    ]
-
-
-def comparison_page(reports: list[dict]) -> str:
-    """Reports as columns A, B, ... (named in a list above the table); rows no report has a figure for left out."""
-    letters = [chr(ord("A") + i) if i < 26 else str(i + 1) for i in range(len(reports))]
-    key = "".join(f"<li><b>{k}</b>: <code>{html.escape(_label(r))}</code></li>" for k, r in zip(letters, reports))
-    rows = [[html.escape(name), *(html.escape(v) for v in values)] for name, values in comparison_rows(reports)
-            if any(v != "-" for v in values)]
-    bars = "".join(f"<h3>{k}: {html.escape(_label(r))}</h3>{_memory_bar(r)}"
-                   for k, r in zip(letters, reports) if "memory_stack" in r)
-    legend = " ".join(f'<span class="swatch" style="background:{c}"></span>{n}' for n, c in SEGMENT_COLOURS.items())
-    memory = f'<section id="memory"><h2>Memory per device</h2><p>{legend}</p>{bars}</section>' if bars else ""
-    body = (f"<h1>olmax: {len(reports)} reports side by side</h1><ul>{key}</ul>"
-            f'<section id="comparison"><h2>Facts</h2><div class="scroll">'
-            f'{table(["", *letters], rows, set(range(1, len(reports) + 1)))}</div></section>{memory}')
-    return document("olmax: comparison", body)
-
-
-def _bubble(s: dict) -> str:
-    iterations = s["microbatches"] * s["chunks_per_stage"] + s["stages"] - 1
-    return f"{s['bubble_fraction']:.1%} ({s['stages'] - 1} of {iterations})"
-
-
-def _markdown_text(text: str) -> str:
-    """`text` as the text of a Markdown table's cell: on one line, its markup characters shown as themselves (HTML's
-    as entities, which every renderer reads; a pipe escaped, so that it does not end the cell)."""
-    return re.sub(r"([\\`*\[\]|])", r"\\\1", html.escape(" ".join(str(text).split()), quote=False))
-
-
-def _markdown_code(text: str) -> str:
-    """`text` as code in a Markdown table's cell; as escaped text where a backtick, pipe or line break in it would
-    end the code span or the cell (neither is escaped inside a code span)."""
-    return _markdown_text(text) if re.search(r"[`|\r\n]", text) else f"`{text}`"
-
-
-MARKDOWN_COLUMNS = [  # (header, right-aligned, the cell of a report and its configured schedule; "-": none)
-    ("config", False, lambda r, s: _markdown_text(r["config"])),
-    ("overrides", False, lambda r, s: " ".join(_markdown_code(o) for o in r.get("overrides", [])) or "(the preset)"),
-    ("target", False, lambda r, s: _markdown_text(r["target"])),
-    ("schedule", False, lambda r, s: _markdown_text(s["name"]) if s else "-"),
-    ("bubble", True, lambda r, s: _bubble(s) if s else "-"),
-    ("mb x tokens, micro-steps", False, lambda r, s: f"{r['instances_per_device_micro_step']} x "
-     f"{r['sequence_length']}, {r['micro_steps']}" if "micro_steps" in r else "-"),
-    ("per device", False, lambda r, s: _per_device(r)),
-    ("device", True, lambda r, s: size(r['memory_per_device']) if "memory_per_device" in r else "-"),
-    ("fits", False, lambda r, s: {True: "yes", False: "**no**", None: "-"}[_fits(r)]),
-    ("step s", True, lambda r, s: f"{_plan_of(r)['exact_window']['step_seconds']:,.4g}"
-     if "step_seconds" in _plan_of(r)["exact_window"] else "-"),
-    ("compile s", True, lambda r, s: f"{r['compile_seconds']:,.0f}" if "compile_seconds" in r else "-"),
-]
-
-
-def markdown_table(reports: list[dict]) -> str:
-    """The comparison as BENCHMARKS.md's tables are written; a column no report has a figure for is left out."""
-    rows = [[cell(r, _schedule_of(r)) for _, _, cell in MARKDOWN_COLUMNS] for r in reports]
-    kept = [i for i in range(len(MARKDOWN_COLUMNS)) if any(row[i] != "-" for row in rows)]
-    lines = ["| " + " | ".join(MARKDOWN_COLUMNS[i][0] for i in kept) + " |",
-             "| " + " | ".join("---:" if MARKDOWN_COLUMNS[i][1] else "---" for i in kept) + " |"]
-    lines += ["| " + " | ".join(row[i] for i in kept) + " |" for row in rows]
-    return "\n".join(lines)
-
-
-def write_comparison(reports: list[dict], directory: str) -> str:
-    return _write(directory, {"reports": reports}, comparison_page(reports))
-
-
-# --- a tune's search -------------------------------------------------------------------------------------------------
-
-STATUS_COLOURS = {"fits": "#1a7f37", "over headroom": "#e6a100", "out of memory": "#c62828"}
-
-
-def tune_page(r: dict) -> str:
-    """The candidates `olmax tune` compiled on a chart of predicted speed (tokens/s a chip) against peak memory a
-    device, the device's memory and the headroom's limit drawn across, the best ringed; then the ranked table."""
-    plotted = [(i, x) for i, x in enumerate(r["results"]) if x.get("peak") and x.get("tokens_per_second_per_chip")]
-    width, height, left, bottom = 900, 420, 70, 40
-    memory, limit = r["memory_per_device"], r["memory_per_device"] * (1 - r["headroom"])
-    x_max = max([x["peak"] for _, x in plotted] + [memory]) * 1.05
-    y_max = max([x["tokens_per_second_per_chip"] for _, x in plotted] + [1]) * 1.1
-
-    def px(v):
-        return left + (width - left - 20) * v / x_max
-
-    def py(v):
-        return height - bottom - (height - bottom - 20) * v / y_max
-
-    parts = [f'<line x1="{left}" y1="{height - bottom}" x2="{width - 10}" y2="{height - bottom}" stroke="#888"/>',
-             f'<line x1="{left}" y1="10" x2="{left}" y2="{height - bottom}" stroke="#888"/>',
-             f'<text x="{left}" y="{height - 8}">peak GiB a device (0 .. {x_max / GiB:,.1f})</text>',
-             f'<text x="4" y="16">tokens/s a chip (0 .. {y_max:,.0f})</text>']
-    for value, name, dash in ((memory, "device memory", ""), (limit, f"{1 - r['headroom']:.0%} of it", "4 3")):
-        parts.append(f'<line class="limit" x1="{px(value):.1f}" y1="14" x2="{px(value):.1f}" y2="{height - bottom}" '
-                     f'stroke="#444" stroke-dasharray="{dash}"/><text x="{px(value) + 3:.1f}" y="26">'
-                     f'{html.escape(name)}</text>')
-    best = next((i for i, x in enumerate(r["results"]) if x["status"] == "fits"), None)
-    for i, x in plotted:
-        colour = STATUS_COLOURS.get(x["status"], "#777")
-        ring = ' stroke="#000" stroke-width="2"' if i == best else ""
-        parts.append(f'<circle class="candidate {html.escape(x["status"].replace(" ", "-"))}" cx="{px(x["peak"]):.1f}" '
-                     f'cy="{py(x["tokens_per_second_per_chip"]):.1f}" r="{7 if i == best else 5}" fill="{colour}"{ring}>'
-                     f'<title>#{i + 1} {html.escape(x["layout"])}: {x["step_seconds"]:.4g} s, '
-                     f'{x["peak"] / GiB:.2f} GiB</title></circle>')
-    legend = " ".join(f'<span class="swatch" style="background:{c}"></span>{html.escape(s)}'
-                      for s, c in STATUS_COLOURS.items())
-    chart = f'<p>{legend}</p><svg class="tune-chart" width="{width}" height="{height}">{"".join(parts)}</svg>'
-    rows = []
-    for i, x in enumerate(r["results"]):
-        rows.append([str(i + 1), fact(f"results.{i}.status", x["status"]),
-                     fact(f"results.{i}.step_seconds", x["step_seconds"], f"{x['step_seconds']:.4g}")
-                     if x["step_seconds"] else "-",
-                     fact(f"results.{i}.mfu", x["mfu"], percent(x["mfu"])) if x["mfu"] else "-",
-                     f"{x['tokens_per_second_per_chip']:,.0f}" if x["tokens_per_second_per_chip"] else "-",
-                     fact(f"results.{i}.peak", x["peak"], f"{x['peak'] / GiB:.2f}") if x["peak"] else "-",
-                     html.escape(x["layout"]), html.escape(x["reason"] or (x["pruned_by"] or ""))])
-    best_text = (f"<p>Best: <code>{html.escape(r['results'][best]['layout'])}</code>.</p>" if best is not None
-                 else "<p>No layout fits within the headroom among those searched.</p>")
-    body = (f"<h1>olmax tune {html.escape(r['config'])} on {html.escape(r['target'])}</h1>"
-            f"<p>{fact('space', r['space'])} layouts in the space; {len(r['results'])} searched within a budget of "
-            f"{fact('budget', r['budget'])} compiles ({fact('compiled', r['compiled'])} new), in "
-            f"{r['seconds']:,.0f} s. Each point a compiled layout: its predicted speed against the compiler's peak "
-            f"memory.</p>{best_text}"
-            f'<section id="chart"><h2>Speed against memory</h2>{chart}</section>'
-            f'<section id="candidates"><h2>Candidates, fastest that fit first</h2><div class="scroll">'
-            + table(["#", "status", "step s", "MFU", "tokens/s/chip", "peak GiB", "layout", "why"], rows,
-                     {0, 2, 3, 4, 5}) + "</div></section>")
-    return document(f"olmax tune: {r['config']} on {r['target']}", body)
-
-
-def write_tune(report: dict, directory: str) -> str:
-    return _write(directory, report, tune_page(report))
