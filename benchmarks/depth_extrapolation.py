@@ -1,5 +1,5 @@
 """`olmax tune --depth reduced` against full compiles: how far a step's peak and predicted time, extrapolated
-from compiles at one and two units of its repeated layers (olmax.scale.tune.depths), are from the full compile's,
+from compiles at one and two units of its repeated layers (olmax.scale.tune_depth.depths), are from the full compile's,
 and what each compile took.
 
     python benchmarks/depth_extrapolation.py [--rows NAME ...] [--json OUT]
@@ -27,17 +27,17 @@ ROWS = {
 
 def row(name: str, config: str, target_name: str, overrides: list[str]) -> dict:
     from olmax.config import load_config
-    from olmax.scale import targets, tune
+    from olmax.scale import targets, tune, tune_depth
 
     target = targets.parse_target(target_name)
     cfg = load_config(config, overrides, target.name)
-    at = tune.depths(cfg)
+    at = tune_depth.depths(cfg)
     if at is None:
         return {"row": name, "config": config, "target": target_name, "reduced": None}
     figures = {}
     for layers in (*at, cfg.model.n_layers):
         start = time.perf_counter()
-        report = tune._compiled(tune.at_depth(cfg, layers), target)
+        report = tune._compiled(tune_depth.at_depth(cfg, layers), target)
         figures[layers] = {"peak": report.get("peak"), "step": report.get("step_time", {}).get("step_seconds"),
                            "compile_seconds": report.get("compile_seconds"), "cached": report.get("compile_cached"),
                            "wall_seconds": time.perf_counter() - start}
@@ -45,7 +45,7 @@ def row(name: str, config: str, target_name: str, overrides: list[str]) -> dict:
     out = {"row": name, "config": config, "target": target_name, "overrides": overrides, "depths": list(at),
            "layers": cfg.model.n_layers, "figures": figures}
     for key in ("peak", "step"):
-        guess = tune.extrapolated(cfg.model.n_layers, at, [figures[d][key] for d in at])
+        guess = tune_depth.extrapolated(cfg.model.n_layers, at, [figures[d][key] for d in at])
         out[key] = {"extrapolated": guess, "full": full[key], "error": guess / full[key] - 1}
     return out
 

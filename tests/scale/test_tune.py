@@ -8,7 +8,7 @@ import pytest
 
 from olmax.cli import main
 from olmax.config import load_config
-from olmax.scale import targets, tune
+from olmax.scale import targets, tune, tune_depth, tune_estimate, tune_space
 from olmax.scale.targets import aot_missing, parse_target
 from test_scale_report import check_rendered, chromium  # noqa: F401 (chromium: a fixture)
 
@@ -17,41 +17,41 @@ MESH = (("data", 1), ("fsdp", 8), ("tensor", 1), ("expert", 1), ("stage", 1))
 
 
 def candidate(saved, micro=2, mesh=MESH, tiles=None, flags=False):
-    return tune.Candidate(mesh, frozenset(saved), micro, tiles, flags)
+    return tune_space.Candidate(mesh, frozenset(saved), micro, tiles, flags)
 
 
 def test_a_layout_that_keeps_more_than_one_out_of_memory_is_out_of_memory_too():
     oom = candidate({"qkv_proj", "context"}, micro=2)
-    assert tune.pruned_by(candidate({"qkv_proj", "context", "mlpwo"}, micro=2), [oom]) == oom  # saves a superset
-    assert tune.pruned_by(candidate({"qkv_proj", "context"}, micro=4), [oom]) == oom  # a larger micro-batch
-    assert tune.pruned_by(candidate(tune.EVERYTHING, micro=2), [oom]) == oom  # remat none keeps everything
+    assert tune_space.pruned_by(candidate({"qkv_proj", "context", "mlpwo"}, micro=2), [oom]) == oom  # saves a superset
+    assert tune_space.pruned_by(candidate({"qkv_proj", "context"}, micro=4), [oom]) == oom  # a larger micro-batch
+    assert tune_space.pruned_by(candidate(tune_space.EVERYTHING, micro=2), [oom]) == oom  # remat none keeps everything
     # other Splash tiles change only what the cores' VMEM holds: out of memory as well
-    assert tune.pruned_by(candidate({"qkv_proj", "context", "mlpwo"}, tiles=1024), [oom]) == oom
+    assert tune_space.pruned_by(candidate({"qkv_proj", "context", "mlpwo"}, tiles=1024), [oom]) == oom
     # keeping less, or the same on another mesh or with other flags, is not proven out of memory
-    assert tune.pruned_by(candidate({"qkv_proj"}, micro=2), [oom]) is None
-    assert tune.pruned_by(candidate({"qkv_proj", "context"}, micro=1), [oom]) is None
+    assert tune_space.pruned_by(candidate({"qkv_proj"}, micro=2), [oom]) is None
+    assert tune_space.pruned_by(candidate({"qkv_proj", "context"}, micro=1), [oom]) is None
     other = (("data", 2), ("fsdp", 4), ("tensor", 1), ("expert", 1), ("stage", 1))
-    assert tune.pruned_by(candidate({"qkv_proj", "context", "mlpwo"}, mesh=other), [oom]) is None
-    assert tune.pruned_by(candidate({"qkv_proj", "context", "mlpwo"}, flags=True), [oom]) is None
+    assert tune_space.pruned_by(candidate({"qkv_proj", "context", "mlpwo"}, mesh=other), [oom]) is None
+    assert tune_space.pruned_by(candidate({"qkv_proj", "context", "mlpwo"}, flags=True), [oom]) is None
     # its optimizer state sharded (ZeRO-1) holds less than it whole; another pipeline schedule is another layout
-    sharded = tune.Candidate(MESH, frozenset({"qkv_proj", "context"}), 2, None, False, zero1=True)
-    assert tune.pruned_by(candidate({"qkv_proj", "context", "mlpwo"}), [sharded]) == sharded
-    assert tune.pruned_by(sharded, [oom]) is None
-    gpipe = tune.Candidate(MESH, frozenset({"qkv_proj", "context", "mlpwo"}), 2, None, False, ("gpipe", 2, None))
-    assert tune.pruned_by(gpipe, [oom]) is None
+    sharded = tune_space.Candidate(MESH, frozenset({"qkv_proj", "context"}), 2, None, False, zero1=True)
+    assert tune_space.pruned_by(candidate({"qkv_proj", "context", "mlpwo"}), [sharded]) == sharded
+    assert tune_space.pruned_by(sharded, [oom]) is None
+    gpipe = tune_space.Candidate(MESH, frozenset({"qkv_proj", "context", "mlpwo"}), 2, None, False, ("gpipe", 2, None))
+    assert tune_space.pruned_by(gpipe, [oom]) is None
 
 
 def test_the_space_covers_remat_meshes_and_micro_batches_and_the_order_sees_many_meshes_first():
     cfg, target = load_config("tiny"), parse_target("tpu:v5p:2x2x2")
-    space = tune.space(cfg, target)
+    space = tune_space.space(cfg, target)
     assert {c.remat if isinstance(c.remat, str) else "some" for c in space} == {"none", "full", "some"}
-    assert len({c.saved for c in space}) == 2 ** len(tune.NAMED) + 1
+    assert len({c.saved for c in space}) == 2 ** len(tune_space.NAMED) + 1
     meshes = {c.mesh for c in space}
     # 8 devices over data x fsdp, tensor parallelism up to tiny's 2 KV heads
     assert {dict(m)["tensor"] for m in meshes} == {1, 2}
     assert all(dict(m)["data"] * dict(m)["fsdp"] * dict(m)["tensor"] == 8 for m in meshes)
     assert {c.micro_batch for c in space if dict(c.mesh)["fsdp"] == 8} == {1, 2}  # 16 instances over 8: 2 a device
-    estimate = tune.Estimate(cfg, target)
+    estimate = tune_estimate.Estimate(cfg, target)
     key = lambda c: tune.priority(*estimate(c), target.accelerator.memory_per_device)  # noqa: E731
     order = tune.ordered(space, key)
     assert sorted(order, key=id) == sorted(space, key=id) and len(set(order)) == len(space)
@@ -78,7 +78,7 @@ def test_an_moes_memory_estimate_holds_its_experts_where_the_mesh_puts_them():
 
     target = parse_target("tpu:v5p:2x2x2")
     base = load_config("tiny_moe", ["model.moe.num_experts=64", "model.moe.expert_hidden=512"], target.name)
-    estimate = tune.Estimate(base, target)
+    estimate = tune_estimate.Estimate(base, target)
     held = {}
     for fsdp, tensor, expert in ((8, 1, 1), (1, 1, 8), (2, 1, 4), (2, 2, 2)):
         mesh = {"data": 1, "fsdp": fsdp, "tensor": tensor, "expert": expert, "stage": 1}
@@ -87,7 +87,7 @@ def test_an_moes_memory_estimate_holds_its_experts_where_the_mesh_puts_them():
         held[expert] = sum(estimate.held(mesh))
         assert 4 * held[expert] == params, mesh  # float32 parameters
     assert held[1] > 6 * held[8]  # the experts are most of it
-    one, eight = (tune.Candidate(tuple(mesh.items()), frozenset(), 2, None, False)
+    one, eight = (tune_space.Candidate(tuple(mesh.items()), frozenset(), 2, None, False)
                   for mesh in ({"data": 1, "fsdp": 8, "tensor": 1, "expert": 1, "stage": 1},
                                {"data": 1, "fsdp": 1, "tensor": 1, "expert": 8, "stage": 1}))
     assert estimate(one)[1] - estimate(eight)[1] >= 16 * (held[1] - held[8])  # their gradients and moments too
@@ -100,7 +100,7 @@ def test_candidates_estimated_over_memory_are_tried_least_memory_first():
     which fits (expert 64 x stage 8, remat full, micro-batch 8: 77.56 GiB, BENCHMARKS.md)."""
     target = parse_target("tpu:v5p:8x8x8")
     cfg = load_config("olmo_moe_1t", [], target.name)
-    space, estimate = tune.space(cfg, target), tune.Estimate(cfg, target)
+    space, estimate = tune_space.space(cfg, target), tune_estimate.Estimate(cfg, target)
     estimates = {c: estimate(c) for c in space}
     memory = target.accelerator.memory_per_device
 
@@ -132,7 +132,7 @@ def test_the_search_varies_pipeline_stages_schedules_and_micro_batches_each_can_
     into its pipeline's micro-batches (the 1.2T MoE's 8 stages and 8 micro-batches: the search tried
     micro-batches 1 and 2, each a ConfigError instead of a compile); each candidate's settings load."""
     cfg = load_config("tiny", PIPELINED)
-    space = tune.space(cfg, parse_target("tpu:v5p:2x2x2"))
+    space = tune_space.space(cfg, parse_target("tpu:v5p:2x2x2"))
     settings: dict = {}
     for c in space:
         settings.setdefault(dict(c.mesh)["stage"], set()).add(c.pipeline)
@@ -150,27 +150,27 @@ def test_the_search_varies_pipeline_stages_schedules_and_micro_batches_each_can_
                                                                        loaded.impl.pipeline.microbatches)
     # a random routing runs no 1F1B; a model with dense layers first no pipeline
     moe = load_config("tiny_moe", ["model.n_layers=16", "model.moe.routing=random"])
-    assert {s[0] for s in tune.pipelines(moe, 2)} == {"gpipe", "circular"}
-    assert tune.stages(load_config("tiny_moe", ["model.n_layers=8", "model.dense_layers=4"]), 8) == [1]
+    assert {s[0] for s in tune_space.pipelines(moe, 2)} == {"gpipe", "circular"}
+    assert tune_space.stages(load_config("tiny_moe", ["model.n_layers=8", "model.dense_layers=4"]), 8) == [1]
 
 
 def test_a_depth_reduced_compile_runs_one_and_two_units_of_the_repeated_layers():
     """A unit is a layer_pattern period on each stage's each chunk (the schedule unchanged), after the dense
     layers; a stack under four units is compiled whole; a figure is extrapolated on the line through the two."""
-    assert tune.depths(load_config("tiny", ["model.n_layers=16"])) == (4, 8)
-    assert tune.depths(load_config("tiny", ["model.n_layers=12"])) is None
+    assert tune_depth.depths(load_config("tiny", ["model.n_layers=16"])) == (4, 8)
+    assert tune_depth.depths(load_config("tiny", ["model.n_layers=12"])) is None
     moe = load_config("tiny_moe", ["model.n_layers=20", "model.dense_layers=4"])
-    assert tune.depths(moe) == (8, 12)
+    assert tune_depth.depths(moe) == (8, 12)
     circular = load_config("tiny", ["model.n_layers=64", "mesh.stage=2", "mesh.fsdp=1",
                                     "impl.pipeline.schedule=circular", "impl.pipeline.microbatches=2"])
-    assert tune.depths(circular) is None  # 8 chunks of 4 layers: one unit is 32
+    assert tune_depth.depths(circular) is None  # 8 chunks of 4 layers: one unit is 32
     two = load_config("tiny", ["model.n_layers=64", "mesh.stage=2", "mesh.fsdp=1", "impl.pipeline.schedule=circular",
                                "impl.pipeline.microbatches=2", "impl.pipeline.repeats=2"])
-    assert tune.depths(two) == (16, 32)
-    reduced = tune.at_depth(two, 16)
-    assert reduced.model.n_layers == 16 and tune.pipeline.schedule_for(reduced).repeats == 2
-    assert tune.extrapolated(64, (16, 32), [10.0, 14.0]) == 22.0 and tune.extrapolated(64, None, [3.0]) == 3.0
-    assert tune.trusted({"peak": 0.049, "step": -0.05}) and not tune.trusted({"peak": 0.051, "step": 0.0})
+    assert tune_depth.depths(two) == (16, 32)
+    reduced = tune_depth.at_depth(two, 16)
+    assert reduced.model.n_layers == 16 and tune_depth.pipeline.schedule_for(reduced).repeats == 2
+    assert tune_depth.extrapolated(64, (16, 32), [10.0, 14.0]) == 22.0 and tune_depth.extrapolated(64, None, [3.0]) == 3.0
+    assert tune_depth.trusted({"peak": 0.049, "step": -0.05}) and not tune_depth.trusted({"peak": 0.051, "step": 0.0})
 
 
 @needs_tpu
@@ -188,7 +188,7 @@ def test_a_depth_reduced_search_confirms_its_best_by_a_full_compile(capsys):
     assert set(best["extrapolation_error"]) == {"peak", "step"}
     assert "extrapolated from 4 and 8 layers" in err and "confirmed: fits" in err
     missed = max(abs(e) for e in best["extrapolation_error"].values())
-    assert ("the rest of the search compiles whole layouts" in err) == (missed > tune.TRUSTED)
+    assert ("the rest of the search compiles whole layouts" in err) == (missed > tune_depth.TRUSTED)
 
 
 def test_a_setting_given_on_the_command_line_is_not_searched(capsys, monkeypatch):
@@ -198,11 +198,11 @@ def test_a_setting_given_on_the_command_line_is_not_searched(capsys, monkeypatch
     where the extra is not installed)."""
     monkeypatch.setattr(targets, "aot_missing", lambda platform: "the aot-gpu extra is not installed")
     cfg, target = load_config("tiny_moe"), parse_target("gpu:b300x8")
-    space = tune.space(cfg, target)
-    kept = tune.given(space, ["mesh.expert=8", "impl.remat=none", "optim.lr=0.1"])
+    space = tune_space.space(cfg, target)
+    kept = tune_space.given(space, ["mesh.expert=8", "impl.remat=none", "optim.lr=0.1"])
     assert kept and {dict(c.mesh)["expert"] for c in kept} == {8} and {c.remat for c in kept} == {"none"}
-    assert set(kept) == {c for c in space if dict(c.mesh)["expert"] == 8 and c.saved == tune.EVERYTHING}
-    assert tune.given(space, ["impl.remat=[qkv_proj, context]"]) == [c for c in space if c.saved == {"qkv_proj",
+    assert set(kept) == {c for c in space if dict(c.mesh)["expert"] == 8 and c.saved == tune_space.EVERYTHING}
+    assert tune_space.given(space, ["impl.remat=[qkv_proj, context]"]) == [c for c in space if c.saved == {"qkv_proj",
                                                                                                       "context"}]
     assert main(["tune", "tiny_moe", "--target", "gpu:b300x8", "mesh.expert=8", "mesh.fsdp=2"]) == 2
     err = capsys.readouterr().err

@@ -242,7 +242,7 @@ def run_compile(args: argparse.Namespace) -> None:
 
 
 def run_tune(args: argparse.Namespace) -> None:
-    from olmax.scale import tune
+    from olmax.scale import tune, tune_space
     from olmax.scale.targets import aot_missing, parse_target
 
     target = parse_target(args.target)
@@ -255,7 +255,7 @@ def run_tune(args: argparse.Namespace) -> None:
     if args.out:
         _new_file(args.out, "--out")
     # a bad config, or settings no layout agrees with, are refused before the environment is asked to compile
-    tune.given(tune.space(load_config(args.config, args.overrides, target.name), target), args.overrides)
+    tune_space.given(tune_space.space(load_config(args.config, args.overrides, target.name), target), args.overrides)
     if reason := aot_missing(target.platform):
         raise ConfigError(reason)
     _compile_cache()

@@ -1,21 +1,19 @@
 """`olmax tune`: the fastest layout that fits, found before the hardware exists.
 
-The space is every way to lay the config's step out on the target: the remat policy (which named activations
-the backward pass keeps: none of them, any set of them, or everything), the mesh (the target's devices factored
-over pipeline stages, data, fsdp and tensor, and expert for an MoE), with stages the pipeline's schedule, its
-micro-batches and chunks, ZeRO-1, the micro-batch a device runs, Splash's tiles on a TPU, and the target's XLA
-flag profile against the compiler's defaults. Each candidate is compiled ahead of time
-(`olmax compile`'s step; programs cached by their text, so a rerun or a longer search compiles only what is new),
-judged by the compiler's peak memory (it fits with `headroom` to spare) and by the step-time model's prediction.
+The space is every way to lay the config's step out on the target (olmax.scale.tune_space). Each candidate is
+compiled ahead of time (`olmax compile`'s step; programs cached by their text, so a rerun or a longer search
+compiles only what is new), or at two reduced depths and extrapolated (olmax.scale.tune_depth), judged by the
+compiler's peak memory (it fits with `headroom` to spare) and by the step-time model's prediction.
 
-The search takes candidates in the order a quick estimate puts them (the recipe's FLOPs plus what the remat
-policy recomputes, the weights and tokens the mesh moves, and the memory a device keeps: an MoE's experts where the
-mesh puts them, with their optimizer state and routed rows): what fits fastest first, then what is estimated over
-memory closest to fitting first. It compiles up to `budget` of them, and prunes by memory as it learns: a candidate that keeps everything an out-of-memory one keeps, and more (a superset
-of its saved activations, a larger micro-batch, the same mesh and flags; Splash's tiles live in VMEM, not HBM), is
-out of memory too, and is not compiled; and the estimate is rescaled by what the compiler and the step-time model
-said of the candidates so far (its memory and its time, per mesh), so the search moves to what
-fits and runs fast. What did not compile for another reason is listed with the reason.
+The search takes candidates in the order a quick estimate puts them (olmax.scale.tune_estimate: the recipe's FLOPs
+plus what the remat policy recomputes, the weights and tokens the mesh moves, and the memory a device keeps: an
+MoE's experts where the mesh puts them, with their optimizer state and routed rows): what fits fastest first, then
+what is estimated over memory closest to fitting first. It compiles up to `budget` of them, and prunes by memory as
+it learns: a candidate that keeps everything an out-of-memory one keeps, and more (a superset of its saved
+activations, a larger micro-batch, the same mesh and flags; Splash's tiles live in VMEM, not HBM), is out of memory
+too, and is not compiled; and the estimate is rescaled by what the compiler and the step-time model said of the
+candidates so far (its memory and its time, per mesh), so the search moves to what fits and runs fast. What did not
+compile for another reason is listed with the reason.
 """
 
 from __future__ import annotations
@@ -29,326 +27,15 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from jax.sharding import AbstractMesh
-
-from olmax.config import MESH_AXES, PipelineConfig, RunConfig, load_config
-from olmax.errors import ConfigError
+from olmax.config import RunConfig, load_config
 from olmax.figures import size
-from olmax.model import families, flops
-from olmax.parallel import expert as expert_parallel
-from olmax.parallel import pipeline
-from olmax.parallel.mesh import Layout, spec_axes
+from olmax.model import flops
 from olmax.progress import SILENCE, repeating
-from olmax.scale import anatomy
 from olmax.scale.targets import Target
+from olmax.scale.tune_depth import TRUSTED, at_depth, depths, extrapolated, trusted
+from olmax.scale.tune_estimate import Estimate
+from olmax.scale.tune_space import Candidate, given, pruned_by, space
 
-NAMED = ("qkv_proj", "out_proj", "mlpwi_0", "mlpwi_1", "mlpwo", "context")  # what a remat policy can keep
-EVERYTHING = frozenset({*NAMED, "*"})  # remat none: every activation kept, named or not
-
-
-@dataclass(frozen=True)
-class Candidate:
-    mesh: tuple[tuple[str, int], ...]  # (axis, size) for data, fsdp, tensor, expert
-    saved: frozenset  # the activations kept for the backward pass (EVERYTHING: remat none)
-    micro_batch: int  # instances a device runs a micro-step
-    tiles: int | None  # Splash's query and key tile, None where it has none
-    flags: bool  # the target's XLA flag profile
-    pipeline: tuple[str, int, int | None] | None = None  # with stages: (schedule, micro-batches, repeats or None)
-    zero1: bool = False  # the optimizer state sharded over the axes its parameter is replicated on
-
-    @property
-    def remat(self):
-        if self.saved == EVERYTHING:
-            return "none"
-        return [n for n in NAMED if n in self.saved] if self.saved else "full"
-
-    def overrides(self) -> list[str]:
-        remat = self.remat if isinstance(self.remat, str) else "[" + ",".join(self.remat) + "]"
-        found = [f"mesh.{axis}={size}" for axis, size in self.mesh] + [
-            f"impl.remat={remat}", f"train.micro_batch_per_device={self.micro_batch}",
-            f"impl.shard_optimizer={str(self.zero1).lower()}"]
-        if self.pipeline:
-            schedule, microbatches, repeats = self.pipeline
-            found += [f"impl.pipeline.schedule={schedule}", f"impl.pipeline.microbatches={microbatches}",
-                      f"impl.pipeline.repeats={'null' if repeats is None else repeats}"]
-        if self.tiles:
-            found += [f"impl.attention.splash.block_q={self.tiles}", f"impl.attention.splash.block_kv={self.tiles}",
-                      f"impl.attention.splash.block_kv_compute={self.tiles}"]
-        return found
-
-    def describe(self) -> str:
-        mesh = " x ".join(f"{axis} {size}" for axis, size in self.mesh if size > 1) or "one device"
-        remat = self.remat if isinstance(self.remat, str) else "+".join(self.remat)
-        tiles = f", tiles {self.tiles}" if self.tiles else ""
-        stages = ""
-        if self.pipeline:
-            schedule, microbatches, repeats = self.pipeline
-            stages = f"{schedule}{f' x {repeats} chunks' if repeats else ''}, {microbatches} pipeline micro-batches; "
-        return (f"{mesh}; {stages}remat {remat}; micro-batch {self.micro_batch}{tiles}; "
-                f"{'ZeRO-1; ' if self.zero1 else ''}flags {'on' if self.flags else 'off'}")
-
-    def same_but_memory(self, other: Candidate) -> bool:
-        """The same layout but for what it keeps (Splash's tiles live in the cores' VMEM, not in HBM)."""
-        return (self.mesh, self.flags, self.pipeline) == (other.mesh, other.flags, other.pipeline)
-
-    def keeps_at_least(self, other: Candidate) -> bool:
-        """Everything `other` keeps in memory, this keeps too: its saved activations, its micro-batch and its
-        optimizer state (whole where `other` holds it whole)."""
-        return (self.same_but_memory(other) and self.saved >= other.saved and self.micro_batch >= other.micro_batch
-                and self.zero1 <= other.zero1)
-
-
-def pruned_by(candidate: Candidate, out_of_memory: list[Candidate]) -> Candidate | None:
-    """The out-of-memory candidate that proves this one out of memory too, if any."""
-    return next((o for o in out_of_memory if candidate.keeps_at_least(o)), None)
-
-
-# --- the space ----------------------------------------------------------------------------------------------------
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def stages(cfg: RunConfig, devices: int) -> list[int]:
-    """Pipeline stages to search: the config's, none, and 2 to 16 that divide the devices and the layer_pattern
-    periods of the depth (a model with dense layers first runs unpipelined: one stack of like layers a pipeline)."""
-    groups = cfg.model.n_layers // len(cfg.model.layer_pattern)
-    found = {cfg.mesh.stage, 1}
-    if not cfg.model.dense_layers:
-        found |= {s for s in (2, 4, 8, 16) if devices % s == 0 and groups % s == 0}
-    return sorted(found)
-
-
-def pipelines(cfg: RunConfig, stage: int) -> list[tuple[str, int, int | None] | None]:
-    """The pipeline settings searched with `stage` stages: each schedule the config can run (a random routing
-    runs no 1F1B), with one and two micro-batches a stage, the circular ones with 2 chunks a stage and with the
-    most the depth allows; the config's own among them."""
-    if stage == 1:
-        return [None]
-    own = cfg.impl.pipeline
-    tried = {(own.schedule, own.microbatches or stage, own.repeats)} if stage == cfg.mesh.stage else set()
-    for schedule, microbatches in itertools.product(pipeline.SCHEDULES, (stage, 2 * stage)):
-        tried |= {(schedule, microbatches, repeats) for repeats in ((None, 2) if schedule in ("circular",
-                  "interleaved_1f1b") else (None,))}
-    found = set()
-    for schedule, microbatches, repeats in tried:
-        try:
-            chunks = pipeline.schedule_for(configured(cfg, stage, (schedule, microbatches, repeats))).repeats
-        except ConfigError:
-            continue
-        found.add((schedule, microbatches, chunks if chunks > 1 else None))  # as many chunks, the same schedule
-    return sorted(found, key=str)
-
-
-def configured(cfg: RunConfig, stage: int, setting: tuple | None, remat=None) -> RunConfig:
-    """`cfg` with these pipeline stages and setting (and remat policy), unvalidated: for estimates and checks."""
-    impl = {"pipeline": PipelineConfig(schedule=setting[0], microbatches=setting[1], repeats=setting[2])} if setting else {}
-    if remat is not None:
-        impl["remat"] = remat
-    return cfg.model_copy(update={"mesh": cfg.mesh.model_copy(update={"stage": stage}),
-                                  "impl": cfg.impl.model_copy(update=impl)})
-
-
-def meshes(cfg: RunConfig, devices: int) -> list[tuple[tuple[str, int], ...]]:
-    """The target's devices factored over the mesh axes the model allows: pipeline stages (`stages`), tensor
-    parallelism up to 8 (within a host or a torus dimension) dividing the heads, expert parallelism dividing the
-    experts (an MoE), the rest data x fsdp; the batch must split over the data-parallel devices."""
-    m = cfg.model
-    found = []
-    heads = math.gcd(m.n_heads, m.kv_heads)
-    for stage, tensor in itertools.product(stages(cfg, devices), [t for t in _divisors(min(8, devices))
-                                                                  if heads % t == 0 and m.mlp_hidden % t == 0]):
-        experts = _divisors(m.moe.num_experts) if m.mlp == "moe" else [1]
-        for expert in [e for e in experts if devices % (stage * tensor * e) == 0]:
-            rest = devices // (stage * tensor * expert)
-            for data in _divisors(rest):
-                fsdp = rest // data
-                if cfg.train.global_batch_instances % (data * fsdp * expert):
-                    continue
-                found.append((("data", data), ("fsdp", fsdp), ("tensor", tensor), ("expert", expert),
-                              ("stage", stage)))
-    return found
-
-
-def remat_policies() -> list[frozenset]:
-    """Keeping nothing, every set of the named activations, and everything."""
-    return ([frozenset(c) for r in range(len(NAMED) + 1) for c in itertools.combinations(NAMED, r)] + [EVERYTHING])
-
-
-def space(cfg: RunConfig, target: Target) -> list[Candidate]:
-    seq = cfg.data.sequence_length
-    tiles = [None]
-    if target.platform == "tpu" and cfg.impl.attention.implementation in ("auto", "splash"):
-        tiles = [t for t in (512, 1024, 2048) if t <= seq and seq % t == 0] or [None]
-    flags = [True, False] if target.xla_flags else [False]
-    found = []
-    for mesh in meshes(cfg, target.devices):
-        dp = math.prod(size for axis, size in mesh if axis in ("data", "fsdp", "expert"))
-        per_device = cfg.train.global_batch_instances // dp
-        # ZeRO-1 where some parameter is replicated: over data, and an MoE's experts over fsdp too
-        replicated = dict(mesh)["data"] * (dict(mesh)["fsdp"] if cfg.model.mlp == "moe" else 1)
-        sharded = [False, True] if replicated > 1 else [False]
-        for setting in pipelines(cfg, dict(mesh)["stage"]):
-            split = setting[1] if setting else 1  # a micro-step's rows are cut into the pipeline's micro-batches
-            for micro in [b for b in _divisors(per_device) if (b & (b - 1) == 0 or b == per_device) and b % split == 0]:
-                for saved, tile, flag, zero1 in itertools.product(remat_policies(), tiles, flags, sharded):
-                    found.append(Candidate(mesh, saved, micro, tile, flag, setting, zero1))
-    return found
-
-
-def given(candidates: list[Candidate], overrides: list[str]) -> list[Candidate]:
-    """The candidates that agree with the settings given on the command line: a setting given is not searched
-    (`mesh.expert=8` searches the layouts with 8-way expert parallelism only). ConfigError where none agrees."""
-    def settings(words):
-        return dict(w.replace(" ", "").split("=", 1) for w in words if "=" in w)
-
-    pinned = settings(overrides)
-    found = [c for c in candidates if all(pinned.get(k, v) == v for k, v in settings(c.overrides()).items())]
-    if not found:
-        searched = sorted(k for k in pinned if any(k in settings(c.overrides()) for c in candidates))
-        raise ConfigError(f"no layout of the target agrees with {', '.join(f'{k}={pinned[k]}' for k in searched)}: "
-                          "drop or change those settings")
-    return found
-
-
-# --- a quick estimate, to try the most promising first ---------------------------------------------------------------
-
-class Estimate:
-    """(seconds, bytes a device) of a candidate before compiling: the training FLOPs and what the policy recomputes
-    at the matmul rate; the weights the mesh gathers each micro-step, the gradients it reduces and an MoE's tokens
-    exchanged, at the links' rate; and the parameters, gradients and optimizer state a device holds (as the config's
-    mesh rules shard them: an MoE's experts over the expert and stage axes only, never gathered), the activations
-    the policy saves, and an MoE layer's routed rows and its experts' weights in its backward pass. Only an order
-    for the search: the compiled program and the step-time model judge. Figures per mesh and per (remat,
-    micro-batch) are kept, as the search estimates tens of thousands of candidates."""
-
-    def __init__(self, cfg: RunConfig, target: Target):
-        self.cfg, self.target = cfg, target
-        self.count = flops.count(cfg.model, cfg.data.sequence_length)
-        self.params = families.table(cfg.model)
-        self.expert_params = sum(math.prod(p.shape) for p in self.params if "experts" in p.axes)
-        self._held: dict = {}
-        self._saved: dict = {}
-        self._bubble: dict = {}
-        self._figures: dict = {}
-
-    def held(self, mesh: dict) -> tuple[int, int]:
-        """(dense, expert) parameters one device holds on `mesh`."""
-        key = tuple(mesh.items())
-        if key not in self._held:
-            layout = Layout(AbstractMesh(tuple(mesh[a] for a in MESH_AXES), MESH_AXES),
-                            {name: tuple(axes) for name, axes in self.cfg.mesh.rules.items()})
-            held = [0, 0]
-            for p in self.params:
-                spec = layout.spec(p.axes, p.shape)
-                held["experts" in p.axes] += math.prod(p.shape) // math.prod(
-                    mesh[axis] for entry in spec for axis in spec_axes(entry))
-            self._held[key] = tuple(held)
-        return self._held[key]
-
-    def saved(self, candidate: Candidate) -> int:
-        """The activations one device keeps for the backward pass (before tensor parallelism splits them)."""
-        stage = dict(candidate.mesh)["stage"]
-        key = (candidate.saved, candidate.micro_batch, stage, candidate.pipeline)
-        if key not in self._saved:
-            self._saved[key] = anatomy.saved_activation_bytes(
-                configured(self.cfg, stage, candidate.pipeline, candidate.remat),
-                candidate.micro_batch * self.cfg.data.sequence_length, 2)
-        return self._saved[key]
-
-    def layer_tokens(self, candidate: Candidate) -> int:
-        """The tokens a device runs a layer on at a time (a stage runs one of the pipeline's micro-batches)."""
-        split = candidate.pipeline[1] if candidate.pipeline else 1
-        return candidate.micro_batch * self.cfg.data.sequence_length // split
-
-    def bubble(self, candidate: Candidate) -> float:
-        """The share of a stage's time idle in the pipeline's fill and drain."""
-        if not candidate.pipeline:
-            return 0.0
-        key = (dict(candidate.mesh)["stage"], candidate.pipeline)
-        if key not in self._bubble:
-            self._bubble[key] = pipeline.schedule_for(configured(self.cfg, *key)).bubble
-        return self._bubble[key]
-
-    def routed(self, candidate: Candidate) -> tuple[int, int, int]:
-        """An MoE layer on one device, at a time: (the rows its experts run, the expert outputs it gathers back,
-        the rows it receives over the expert axis); zeros for a dense model. Each device of an expert group runs its
-        experts on what its peers send: with a capacity a peer, that many rows from each; dropless, every token of
-        the group, once for each local expert it chose, or with impl.moe.ep_buffer a round's buffer
-        (olmax.parallel.expert, olmax.model.moe.gmm)."""
-        cfg, m = self.cfg, self.cfg.model
-        if m.mlp != "moe":
-            return 0, 0, 0
-        tokens, k = self.layer_tokens(candidate), m.moe.top_k
-        peers = dict(candidate.mesh)["expert"]
-        local = m.moe.num_experts // peers
-        if peers == 1:
-            return tokens * min(k, local), tokens * k, 0
-        if cfg.impl.moe.ep_capacity is not None:
-            received = peers * expert_parallel.peer_capacity(tokens, k, peers, cfg.impl.moe.ep_capacity)
-            return received, received, received
-        if cfg.impl.moe.ep_buffer is not None:  # a round's buffer, the expected routing's one round
-            slots = expert_parallel.receive_slots(tokens, m.moe.num_experts, k, peers, cfg.impl.moe.ep_buffer)
-            return slots, slots, min(slots, peers * tokens)
-        return peers * tokens * min(k, local), peers * tokens * k, peers * tokens
-
-    def __call__(self, candidate: Candidate) -> tuple[float, float]:
-        # Splash's tiles and the flag profile do not change the estimate: one figure for all of them
-        key = (candidate.mesh, candidate.saved, candidate.micro_batch, candidate.pipeline, candidate.zero1)
-        if key not in self._figures:
-            self._figures[key] = self._estimate(candidate)
-        return self._figures[key]
-
-    def _estimate(self, candidate: Candidate) -> tuple[float, float]:
-        cfg, target, count = self.cfg, self.target, self.count
-        m, seq = cfg.model, cfg.data.sequence_length
-        mesh = dict(candidate.mesh)
-        tokens = cfg.train.global_batch_instances * seq / target.devices
-        hidden = m.moe.top_k * m.moe.expert_hidden if m.mlp == "moe" else m.mlp_hidden
-        per_token = {"qkv_proj": (m.n_heads + 2 * m.kv_heads) * m.head_size * m.d_model,
-                     "out_proj": m.n_heads * m.head_size * m.d_model, "mlpwi_0": m.d_model * hidden,
-                     "mlpwi_1": m.d_model * hidden, "mlpwo": hidden * m.d_model,
-                     "context": 2 * m.n_heads * m.head_size * min(seq, m.sliding_window or seq)}
-        kept = NAMED if candidate.saved == EVERYTHING else candidate.saved
-        recompute = sum(2 * v for name, v in per_token.items() if name not in kept) * m.n_layers
-        a = target.accelerator
-        rate = a.peak_flops_per_chip / a.devices_per_chip * a.matmul_efficiency
-        compute = tokens * (count.per_token + recompute) / rate / (1 - self.bubble(candidate))
-        dense, experts = self.held(mesh)
-        weights = 2 * (count.params - self.expert_params)  # bf16 bytes FSDP gathers (experts stay resident)
-        micro_steps = cfg.train.global_batch_instances // (candidate.micro_batch * math.prod(
-            size for axis, size in candidate.mesh if axis in ("data", "fsdp", "expert")))
-        fsdp, data, tensor = mesh["fsdp"], mesh["data"], mesh["tensor"]
-        link = max(a.link_bandwidth, a.network_bandwidth, 1.0) * 2
-        moved = (2 * micro_steps + 1) * weights / tensor * (fsdp - 1) / max(fsdp, 1) + 2 * weights * (data - 1) / data
-        # tensor parallelism: each device sees its group's tokens, and sums the attention's and the MLP's outputs
-        # over the group in the forward pass, the backward pass and the recomputation (6 all-reduces a layer)
-        moved += 6 * m.n_layers * tokens * tensor * m.d_model * 2 * 2 * (tensor - 1) / tensor
-        # an expert's float32 gradient is summed over the devices that hold the same experts (data x fsdp), and
-        # the routed tokens go out and come back in the forward pass, the backward pass and the recomputation
-        # (none where remat keeps everything: olmax.parallel.expert.EXCHANGED)
-        replicas = data * fsdp
-        moved += 2 * 4 * experts * (replicas - 1) / replicas
-        rows, outputs, received = self.routed(candidate)
-        peers = mesh["expert"]
-        passes = 4 if candidate.saved == EVERYTHING else 6
-        moved += (passes * received / self.layer_tokens(candidate) * tokens * tensor * m.n_layers * m.d_model * 2
-                  * (peers - 1) / peers)
-        comm = moved / link
-        # float32 parameters, gradients and two moments; ZeRO-1 shards the moments over the replicas
-        moments = dense / (data if candidate.zero1 else 1) + experts / (replicas if candidate.zero1 else 1)
-        state = (dense + experts) * (4 + 4) + moments * (4 + 4)
-        memory = state + self.saved(candidate) / tensor
-        if rows:
-            d, f, local = m.d_model, m.moe.expert_hidden, m.moe.num_experts // peers
-            # the routed rows' input, two projections, their product and output, and the gradients of each
-            # (bf16); each token's outputs back from its experts, in bf16 and in the float32 of the gated sum;
-            # the layer's experts cast to bf16, and their float32 gradients as the backward pass sums them
-            memory += rows * (2 * d + 3 * f) * 2 * 2 + outputs * d * (2 + 4) + local * 3 * d * f * (2 + 4)
-        return max(compute, comm) + 0.1 * min(compute, comm), memory
-
-
-# --- the search -----------------------------------------------------------------------------------------------------
 
 @dataclass
 class Result:
@@ -427,49 +114,11 @@ def _compiled(cfg: RunConfig, target: Target) -> dict:
         return err.report
 
 
-# --- depth-reduced compiles -------------------------------------------------------------------------------------------
-
-TRUSTED = 0.05  # the most an extrapolation may miss a full compile's peak or step by for the search to rely on it
-
-
-def depths(cfg: RunConfig) -> tuple[int, int] | None:
-    """The two depths a depth-reduced compile of `cfg` runs at: the dense layers and one, then two, units of the
-    repeated stack (a layer_pattern period in each pipeline stage's each chunk, so the schedule is the same), or
-    None where that saves little (the stack is under four units deep)."""
-    schedule = pipeline.schedule_for(cfg)
-    unit = len(cfg.model.layer_pattern) * (schedule.stages * schedule.repeats if schedule else 1)
-    base = cfg.model.dense_layers
-    return None if cfg.model.n_layers - base < 4 * unit else (base + unit, base + 2 * unit)
-
-
-def at_depth(cfg: RunConfig, layers: int) -> RunConfig:
-    """`cfg` with `layers` layers, its pipeline's chunks a stage kept (the schedule's repeats fixed)."""
-    schedule = pipeline.schedule_for(cfg)
-    update = {"model": cfg.model.model_copy(update={"n_layers": layers})}
-    if schedule and schedule.repeats > 1:
-        update["impl"] = cfg.impl.model_copy(update={"pipeline": cfg.impl.pipeline.model_copy(
-            update={"repeats": schedule.repeats})})
-    return cfg.model_copy(update=update)
-
-
-def extrapolated(layers: int, at: tuple[int, int] | None, figures: list[float]) -> float:
-    """A figure at `layers` from the same figure at the two depths `at`, on the line through them (a step is its
-    layers repeated: what the layers add grows with their number, what is outside them stays); the figure
-    itself where there was one compile at full depth."""
-    if at is None:
-        return figures[0]
-    (a, b), (fa, fb) = at, figures
-    return fa + (fb - fa) * (layers - a) / (b - a)
-
-
 def extrapolation_error(estimate: Result, full: Result) -> dict:
     """The relative error of an extrapolated peak and step against the full compile's."""
     return {"peak": estimate.peak / full.peak - 1 if full.peak else None,
             "step": estimate.step_seconds / full.step_seconds - 1 if full.step_seconds else None}
 
-
-def trusted(error: dict) -> bool:
-    return all(e is not None and abs(e) <= TRUSTED for e in error.values())
 
 
 def _without_flags(target: Target) -> Target:
@@ -746,3 +395,4 @@ def main_line(search: Search) -> str:
 
 def print_err(line: str) -> None:
     print(f"olmax tune: {line}", file=sys.stderr, flush=True)
+
