@@ -35,7 +35,7 @@ NAME_MAX, PATH_MAX = 255, 4096  # bytes in a path component and in a whole path,
 
 def declared_above(module: str, check: str):
     """A config check declared where what it checks is defined, in a package above this one: a model family's
-    rules in its module (olmax.model.families), a pipeline schedule's in olmax.parallel.pipeline. Looked up by
+    rules in its module (olmax.model.families), a pipeline schedule's in olmax.parallel.schedules. Looked up by
     name when a config is validated, so every config is checked whatever was imported first, and those packages
     import this one, not the other way round."""
     return getattr(importlib.import_module(module), check)
@@ -693,7 +693,7 @@ class RunConfig(Section):
     @model_validator(mode="after")
     def _pipeline(self):
         if self.mesh.stage > 1:  # the schedule's own checks of the config
-            declared_above("olmax.parallel.pipeline", "schedule_for")(self)
+            declared_above("olmax.parallel.schedules", "schedule_for")(self)
         return self
 
     @model_validator(mode="after")

@@ -20,7 +20,7 @@ from olmax.eval.models import place, put_batch
 from olmax.model import families, transformer
 from olmax.model.block import training_hooks
 from olmax.model.loss import label_mask, loss_sums, target_log_probs
-from olmax.parallel import pipeline
+from olmax.parallel import pipeline, schedules
 from olmax.parallel.mesh import make_layout
 from olmax.scale.plan import format_plan, plan
 from olmax.scale.targets import aot_missing, parse_target
@@ -41,16 +41,16 @@ def _config(*overrides):
     (4, 8, 1, 3 / 11), (4, 16, 1, 3 / 19), (4, 8, 2, 3 / 19), (4, 16, 2, 3 / 35), (4, 8, 4, 3 / 35), (2, 2, 1, 1 / 3),
 ])
 def test_bubble_is_idle_iterations_over_all_iterations(stages, microbatches, repeats, bubble):
-    sched = (pipeline.Circular if repeats > 1 else pipeline.GPipe)(stages, microbatches, repeats)
+    sched = (schedules.Circular if repeats > 1 else schedules.GPipe)(stages, microbatches, repeats)
     assert sched.iterations == microbatches * repeats + stages - 1
     assert sched.bubble == pytest.approx(bubble)
 
 
 def test_schedule_from_config_and_its_errors():
-    assert pipeline.schedule_for(_config()) is None
-    assert pipeline.schedule_for(_config("mesh.stage=2")) == pipeline.GPipe(2, 2, 1)  # one micro-batch per stage
+    assert schedules.schedule_for(_config()) is None
+    assert schedules.schedule_for(_config("mesh.stage=2")) == schedules.GPipe(2, 2, 1)  # one micro-batch per stage
     circular = _config("mesh.stage=2", "impl.pipeline.schedule=circular", "impl.pipeline.microbatches=4")
-    assert pipeline.schedule_for(circular) == pipeline.Circular(2, 4, 2)  # as many chunks as the depth allows
+    assert schedules.schedule_for(circular) == schedules.Circular(2, 4, 2)  # as many chunks as the depth allows
     # refused when the config is loaded
     with pytest.raises(ConfigError, match="needs 2 or more layer chunks per stage"):
         _config("mesh.stage=4", "impl.pipeline.schedule=circular")
@@ -103,7 +103,7 @@ def test_pipeline_equals_sequential_layers_and_aux_comes_from_real_microbatches_
     L, b, D = stages * repeats * 2, 8, 16
     w = jax.random.normal(jax.random.key(0), (L, D, D)) / np.sqrt(D)
     x = jax.random.normal(jax.random.key(1), (microbatches, b, D))
-    sched = (pipeline.Circular if repeats > 1 else pipeline.GPipe)(stages, microbatches, repeats)
+    sched = (schedules.Circular if repeats > 1 else schedules.GPipe)(stages, microbatches, repeats)
     layout = make_layout(_config(*mesh.split()).mesh) if mesh else None
 
     def pipelined(w, x):
@@ -121,7 +121,7 @@ def test_pipeline_equals_sequential_layers_and_aux_comes_from_real_microbatches_
 def test_circular_schedule_keeps_the_weights_once_not_per_iteration(capsys):
     """The chunk a stage runs changes with the iteration; its copies (gathered, cast to the compute dtype)
     are recomputed in the backward pass, not kept for each of the M R + S - 1 iterations."""
-    sched = pipeline.Circular(4, 8, 4)
+    sched = schedules.Circular(4, 8, 4)
     L, D = sched.chunks * 2, 32
     w, x = jnp.ones((L, D, D)), jnp.ones((8, 4, D), jnp.bfloat16)
 
@@ -160,7 +160,7 @@ def test_the_circular_schedule_compiles_for_gpus(capsys):
 ])
 def test_pipelined_model_loss_and_gradients_equal_the_unpipelined_model(overrides):
     cfg = _config(*overrides.split())
-    sched, layout = pipeline.schedule_for(cfg), make_layout(cfg.mesh)
+    sched, layout = schedules.schedule_for(cfg), make_layout(cfg.mesh)
     params = families.init_params(cfg.model, jax.random.key(0))
     tokens = jax.random.randint(jax.random.key(1), (16, cfg.data.sequence_length), 2, cfg.model.vocab_size)
 
@@ -192,7 +192,7 @@ def test_pipelined_moe_equals_the_unpipelined_model_per_microbatch(overrides):
     gets unpipelined on its own, and the gradients are their sum. (Learned routing is row by row, so that is
     also the whole batch's; random routing draws per micro-batch.)"""
     cfg = load_config("tiny_moe", [*MODEL, *overrides.split()])
-    sched, layout = pipeline.schedule_for(cfg), make_layout(cfg.mesh)
+    sched, layout = schedules.schedule_for(cfg), make_layout(cfg.mesh)
     M = sched.microbatches
     params = families.init_params(cfg.model, jax.random.key(0))
     tokens = jax.random.randint(jax.random.key(1), (16, cfg.data.sequence_length), 2, cfg.model.vocab_size)
@@ -331,7 +331,7 @@ def test_1f1b_ticks_hand_each_step_to_the_next_tick_and_keep_a_bounded_number_of
     tick); a kept input's slot is not reused before its backward reads it; the slots needed do not grow
     with M beyond (R + 1) S - 1."""
     S, M, R = stages, microbatches, repeats
-    table = (pipeline.InterleavedOneFOneB if R > 1 else pipeline.OneFOneB)(S, M, R).ticks()
+    table = (schedules.InterleavedOneFOneB if R > 1 else schedules.OneFOneB)(S, M, R).ticks()
     fwd, bwd = {}, {}
     for t, s in zip(*np.nonzero(table.f_mb >= 0)):
         fwd[table.f_mb[t, s], table.f_rep[t, s] * S + s] = t, table.f_slot[t, s]
@@ -365,7 +365,7 @@ def test_1f1b_loss_and_gradients_equal_autodiff_of_the_sequential_layers(stages,
     x = jax.random.normal(jax.random.key(1), (microbatches, b, D))
     head = {"w": jax.random.normal(jax.random.key(2), (D, 2))}
     target = jax.random.normal(jax.random.key(3), (microbatches, b))
-    sched = (pipeline.InterleavedOneFOneB if repeats > 1 else pipeline.OneFOneB)(stages, microbatches, repeats)
+    sched = (schedules.InterleavedOneFOneB if repeats > 1 else schedules.OneFOneB)(stages, microbatches, repeats)
     layout = make_layout(_config(*mesh.split()).mesh) if mesh else None
     # each layer's aux: a loss term (the sum of its output's squares), and its index
     layers = lambda w, x: jax.lax.scan(lambda x, w: (jnp.tanh(x @ w), {"sq": jnp.sum(jnp.tanh(x @ w) ** 2)}), x, w)  # noqa: E731
@@ -407,7 +407,7 @@ def test_1f1b_model_loss_and_gradients_equal_the_unpipelined_model(preset, overr
     the 1F1B schedules, embedding to LM head; the experts' aux (router losses, tokens per expert) per
     micro-batch as each micro-batch gets it unpipelined."""
     cfg = load_config(preset, [*MODEL, *overrides.split()])
-    sched, layout = pipeline.schedule_for(cfg), make_layout(cfg.mesh)
+    sched, layout = schedules.schedule_for(cfg), make_layout(cfg.mesh)
     hooks = training_hooks(cfg.model, 0)
     M = sched.microbatches
     params = families.init_params(cfg.model, jax.random.key(0))
@@ -469,13 +469,13 @@ def test_moe_training_under_interleaved_1f1b_matches_circular(tmp_path, shards):
 
 
 def test_1f1b_schedules_from_config_and_their_errors():
-    assert pipeline.schedule_for(_config("mesh.stage=4", "impl.pipeline.schedule=1f1b")) == \
-        pipeline.OneFOneB(4, 4, 1)
+    assert schedules.schedule_for(_config("mesh.stage=4", "impl.pipeline.schedule=1f1b")) == \
+        schedules.OneFOneB(4, 4, 1)
     interleaved = _config("mesh.stage=2", "impl.pipeline.schedule=interleaved_1f1b", "impl.pipeline.microbatches=4")
-    assert pipeline.schedule_for(interleaved) == pipeline.InterleavedOneFOneB(2, 4, 2)
+    assert schedules.schedule_for(interleaved) == schedules.InterleavedOneFOneB(2, 4, 2)
     with pytest.raises(ConfigError, match="not a multiple of mesh.stage 2"):
         _config("mesh.stage=2", "impl.pipeline.schedule=interleaved_1f1b", "impl.pipeline.microbatches=3")
-    assert pipeline.schedule_for(load_config("tiny_moe", [*MODEL, "mesh.stage=2", "impl.pipeline.schedule=1f1b"]))
+    assert schedules.schedule_for(load_config("tiny_moe", [*MODEL, "mesh.stage=2", "impl.pipeline.schedule=1f1b"]))
     with pytest.raises(ConfigError, match="runs learned routing"):
         load_config("tiny_moe", [*MODEL, "mesh.stage=2", "impl.pipeline.schedule=1f1b", "model.moe.routing=random"])
     with pytest.raises(ConfigError, match="repeats is a circular-schedule setting"):

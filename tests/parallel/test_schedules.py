@@ -6,21 +6,21 @@ import pytest
 
 from olmax.cli import main
 from olmax.config import ConfigError, load_config
-from olmax.parallel import pipeline
+from olmax.parallel import schedules
 
 MODEL = ["model.n_layers=8", "model.layer_pattern=[sliding,global]"]
 
 
 def test_every_configurable_schedule_is_a_named_object():
-    assert set(pipeline.SCHEDULES) == {"gpipe", "circular", "1f1b", "interleaved_1f1b"}
-    for name, kind in pipeline.SCHEDULES.items():
-        sched = pipeline.schedule_for(load_config("tiny", [*MODEL, "mesh.stage=2", f"impl.pipeline.schedule={name}",
+    assert set(schedules.SCHEDULES) == {"gpipe", "circular", "1f1b", "interleaved_1f1b"}
+    for name, kind in schedules.SCHEDULES.items():
+        sched = schedules.schedule_for(load_config("tiny", [*MODEL, "mesh.stage=2", f"impl.pipeline.schedule={name}",
                                                            "impl.pipeline.microbatches=4"]))
         assert type(sched) is kind and sched.name == name
         assert sched.loss_inside == name.endswith("1f1b")
 
 
-@pytest.mark.parametrize("kind, repeats", [(pipeline.GPipe, 1), (pipeline.Circular, 2)])
+@pytest.mark.parametrize("kind, repeats", [(schedules.GPipe, 1), (schedules.Circular, 2)])
 def test_autodiff_schedules_tick_table_runs_each_pass_once_and_keeps_every_microbatch(kind, repeats):
     S, M = 4, 8
     sched = kind(S, M, repeats)
@@ -34,7 +34,7 @@ def test_autodiff_schedules_tick_table_runs_each_pass_once_and_keeps_every_micro
 
 
 def test_1f1b_keeps_its_tick_tables_slots():
-    sched = pipeline.OneFOneB(4, 16, 1)
+    sched = schedules.OneFOneB(4, 16, 1)
     assert sched.in_flight == sched.ticks().slots == 7 < sched.microbatches
     assert "up to 7 stage inputs kept per stage" in sched.describe()
     assert np.count_nonzero(sched.ticks().b_mb >= 0) == 4 * 16

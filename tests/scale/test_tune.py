@@ -8,6 +8,7 @@ import pytest
 
 from olmax.cli import main
 from olmax.config import load_config
+from olmax.parallel import schedules
 from olmax.scale import targets, tune, tune_depth, tune_estimate, tune_space
 from olmax.scale.targets import aot_missing, parse_target
 from test_scale_report import check_rendered, chromium  # noqa: F401 (chromium: a fixture)
@@ -168,7 +169,7 @@ def test_a_depth_reduced_compile_runs_one_and_two_units_of_the_repeated_layers()
                                "impl.pipeline.microbatches=2", "impl.pipeline.repeats=2"])
     assert tune_depth.depths(two) == (16, 32)
     reduced = tune_depth.at_depth(two, 16)
-    assert reduced.model.n_layers == 16 and tune_depth.pipeline.schedule_for(reduced).repeats == 2
+    assert reduced.model.n_layers == 16 and schedules.schedule_for(reduced).repeats == 2
     assert tune_depth.extrapolated(64, (16, 32), [10.0, 14.0]) == 22.0 and tune_depth.extrapolated(64, None, [3.0]) == 3.0
     assert tune_depth.trusted({"peak": 0.049, "step": -0.05}) and not tune_depth.trusted({"peak": 0.051, "step": 0.0})
 

@@ -26,7 +26,7 @@ from olmax.model.attention import cached
 from olmax.model import block as block_lib
 from olmax.model.block import ACTIVATION, block, compute_dtype, dense_for, mlp_sublayer, rms_norm
 from olmax.parallel import expert as expert_parallel
-from olmax.parallel import pipeline
+from olmax.parallel import pipeline, schedules
 from olmax.parallel.mesh import Layout, constrain
 
 
@@ -88,7 +88,7 @@ def _embed(cfg: ModelConfig, impl: ImplConfig, params: dict, tokens: jax.Array, 
 
 
 def _pipelined(cfg: ModelConfig, impl: ImplConfig, group, x, blocks: dict, keys: jax.Array | None,
-               sched: pipeline.Schedule, layout: Layout | None):
+               sched: schedules.Schedule, layout: Layout | None):
     """The layers as a pipeline over the layout's stages (see olmax.parallel.pipeline): x [B, T, D] in
     sched.microbatches micro-batches; aux per micro-batch [M, n_layers, ...]. Per-layer routing keys travel
     with the layers' weights (as their raw bits: a stage's chunk of them, replicated within the stage)."""
@@ -99,7 +99,7 @@ def _pipelined(cfg: ModelConfig, impl: ImplConfig, group, x, blocks: dict, keys:
 
 
 def _chunks(cfg: ModelConfig, impl: ImplConfig, group, blocks: dict, keys: jax.Array | None,
-            sched: pipeline.Schedule, layout: Layout | None):
+            sched: schedules.Schedule, layout: Layout | None):
     """(the block weights by stage (pipeline.by_stage), chunk(weights, x) -> (x, aux) running one chunk)."""
     chunk_layers = cfg.n_layers // sched.chunks
     axes = families.param_axes(cfg)["blocks"]
@@ -168,7 +168,7 @@ def _group_fn(cfg: ModelConfig, impl: ImplConfig, positions: np.ndarray, layout:
 
 def forward(cfg: ModelConfig, impl: ImplConfig, params: dict, tokens: jax.Array,
             layout: Layout | None = None, key: jax.Array | None = None,
-            sched: pipeline.Schedule | None = None) -> tuple[jax.Array, dict]:
+            sched: schedules.Schedule | None = None) -> tuple[jax.Array, dict]:
     """(final-normed hidden states [B, T, d_model] in the compute dtype, aux of every layer of `blocks`
     [n_layers, ...]) for int tokens [B, T] at positions 0..T-1; `key` drives MoE routing="random". With a
     pipeline schedule the layers run pipelined over the layout's stages and aux is per micro-batch,
@@ -179,13 +179,13 @@ def forward(cfg: ModelConfig, impl: ImplConfig, params: dict, tokens: jax.Array,
     for name, n, mlp, keys in _stacks(cfg, impl, layout, key, dense):
         if sched is None:
             x, aux = _over_groups(cfg, impl, stack_group(mlp), x, (params[name], keys), remat=True, n_layers=n)
-        else:  # one stack (pipeline.schedule_for refuses dense_layers)
+        else:  # one stack (schedules.schedule_for refuses dense_layers)
             x, aux = _pipelined(cfg, impl, stack_group(mlp), x, params[name], keys, sched, layout)
     return rms_norm(x, params["final_norm"], cfg.norm_eps), aux
 
 
 def forward_loss(cfg: ModelConfig, impl: ImplConfig, params: dict, tokens: jax.Array, row_inputs,
-                 head_loss, layout: Layout | None, sched: pipeline.Schedule, layers_loss=None):
+                 head_loss, layout: Layout | None, sched: schedules.Schedule, layers_loss=None):
     """(loss, metrics, aux) under a 1F1B schedule, loss and metrics summed over the pipeline micro-batches, aux
     of every layer per micro-batch [M, n_layers, ...] as `forward` gives it: head_loss(params, final-normed
     hidden [b, T, d_model], (tokens [b, T], row_inputs' leaves [b, ...])) -> (loss, metrics) of one micro-batch

@@ -11,7 +11,7 @@ import jax
 import numpy as np
 
 from olmax.config import ConfigError, RunConfig
-from olmax.parallel import pipeline
+from olmax.parallel.schedules import Schedule, schedule_for
 from olmax.parallel.mesh import Layout
 from olmax.scale import hlo
 
@@ -182,7 +182,7 @@ def saved_activation_bytes(cfg: RunConfig, tokens_per_device: int, dtype_bytes: 
     remat = cfg.impl.remat
     saved = {"full": [], "none": list(widths)}.get(remat, remat) if isinstance(remat, str) else remat
     per_layer_token = m.d_model + sum(widths[name] for name in saved)
-    sched = pipeline.schedule_for(cfg)
+    sched = schedule_for(cfg)
     if sched is None:
         return m.n_layers * tokens_per_device * per_layer_token * dtype_bytes
     layers_per_stage, tokens_per_microbatch = m.n_layers // sched.stages, tokens_per_device // sched.microbatches
@@ -275,7 +275,7 @@ def schedules(cfg: RunConfig) -> list[dict]:
         repeats = cfg.impl.pipeline.repeats if name in ("circular", "interleaved_1f1b") else None
         pipe = cfg.impl.pipeline.model_copy(update={"schedule": name, "repeats": repeats})
         try:
-            sched = pipeline.schedule_for(cfg.model_copy(update={"impl": cfg.impl.model_copy(update={"pipeline": pipe})}))
+            sched = schedule_for(cfg.model_copy(update={"impl": cfg.impl.model_copy(update={"pipeline": pipe})}))
         except ConfigError as err:
             tables.append({"schedule": name, "allowed": False, "why": str(err)})
             continue
@@ -286,7 +286,7 @@ def schedules(cfg: RunConfig) -> list[dict]:
     return tables
 
 
-def _tick_table(sched: pipeline.Schedule) -> list[list[dict | None]]:
+def _tick_table(sched: Schedule) -> list[list[dict | None]]:
     S, M, R = sched.stages, sched.microbatches, sched.repeats
     if not sched.loss_inside:  # forward iterations; autodiff's backward runs them in reverse
         rows = []

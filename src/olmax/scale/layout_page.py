@@ -240,7 +240,7 @@ _AS_NOTE = ('<p class="note">"all-reduce as all-gather": the TPU compiler gather
 
 
 def _phases(s: dict) -> dict:
-    """The ticks each kind of work spans (see pipeline.Ticks): an empty slot inside its span is the bubble."""
+    """The ticks each kind of work spans (see schedules.Ticks): an empty slot inside its span is the bubble."""
     S, M, R = s["stages"], s["microbatches"], s["chunks_per_stage"]
     if s["schedule"] in ("gpipe", "circular"):
         return {"F": range(M * R + S - 1)}

@@ -13,7 +13,7 @@ from __future__ import annotations
 from olmax.config import RunConfig
 from olmax.figures import figure, percent, prefix, si
 from olmax.model import flops
-from olmax.parallel import pipeline
+from olmax.parallel import schedules
 from olmax.scale import anatomy, step_time
 from olmax.scale.targets import Target
 
@@ -69,7 +69,7 @@ def plan(cfg: RunConfig, target: Target, mfu: float | None = None, goodput: floa
 
 
 def _pipeline(cfg: RunConfig) -> dict | None:
-    sched = pipeline.schedule_for(cfg)
+    sched = schedules.schedule_for(cfg)
     if sched is None:
         return None
     return {"schedule": sched.title, "stages": sched.stages, "microbatches": sched.microbatches,

@@ -7,7 +7,7 @@ TRUSTED."""
 from __future__ import annotations
 
 from olmax.config import RunConfig
-from olmax.parallel import pipeline
+from olmax.parallel import schedules
 
 TRUSTED = 0.05  # the most an extrapolation may miss a full compile's peak or step by for the search to rely on it
 
@@ -16,7 +16,7 @@ def depths(cfg: RunConfig) -> tuple[int, int] | None:
     """The two depths a depth-reduced compile of `cfg` runs at: the dense layers and one, then two, units of the
     repeated stack (a layer_pattern period in each pipeline stage's each chunk, so the schedule is the same), or
     None where that saves little (the stack is under four units deep)."""
-    schedule = pipeline.schedule_for(cfg)
+    schedule = schedules.schedule_for(cfg)
     unit = len(cfg.model.layer_pattern) * (schedule.stages * schedule.repeats if schedule else 1)
     base = cfg.model.dense_layers
     return None if cfg.model.n_layers - base < 4 * unit else (base + unit, base + 2 * unit)
@@ -24,7 +24,7 @@ def depths(cfg: RunConfig) -> tuple[int, int] | None:
 
 def at_depth(cfg: RunConfig, layers: int) -> RunConfig:
     """`cfg` with `layers` layers, its pipeline's chunks a stage kept (the schedule's repeats fixed)."""
-    schedule = pipeline.schedule_for(cfg)
+    schedule = schedules.schedule_for(cfg)
     update = {"model": cfg.model.model_copy(update={"n_layers": layers})}
     if schedule and schedule.repeats > 1:
         update["impl"] = cfg.impl.model_copy(update={"pipeline": cfg.impl.pipeline.model_copy(

@@ -10,7 +10,7 @@ from jax.sharding import AbstractMesh
 from olmax.config import MESH_AXES, RunConfig
 from olmax.model import families, flops
 from olmax.parallel import expert as expert_parallel
-from olmax.parallel import pipeline
+from olmax.parallel import schedules
 from olmax.parallel.mesh import Layout, spec_axes
 from olmax.scale import anatomy
 from olmax.scale.targets import Target
@@ -70,7 +70,7 @@ class Estimate:
             return 0.0
         key = (dict(candidate.mesh)["stage"], candidate.pipeline)
         if key not in self._bubble:
-            self._bubble[key] = pipeline.schedule_for(configured(self.cfg, *key)).bubble
+            self._bubble[key] = schedules.schedule_for(configured(self.cfg, *key)).bubble
         return self._bubble[key]
 
     def routed(self, candidate: Candidate) -> tuple[int, int, int]:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from olmax.config import PipelineConfig, RunConfig
 from olmax.errors import ConfigError
-from olmax.parallel import pipeline
+from olmax.parallel import schedules
 from olmax.scale.targets import Target
 
 NAMED = ("qkv_proj", "out_proj", "mlpwi_0", "mlpwi_1", "mlpwo", "context")  # what a remat policy can keep
@@ -99,13 +99,13 @@ def pipelines(cfg: RunConfig, stage: int) -> list[tuple[str, int, int | None] | 
         return [None]
     own = cfg.impl.pipeline
     tried = {(own.schedule, own.microbatches or stage, own.repeats)} if stage == cfg.mesh.stage else set()
-    for schedule, microbatches in itertools.product(pipeline.SCHEDULES, (stage, 2 * stage)):
+    for schedule, microbatches in itertools.product(schedules.SCHEDULES, (stage, 2 * stage)):
         tried |= {(schedule, microbatches, repeats) for repeats in ((None, 2) if schedule in ("circular",
                   "interleaved_1f1b") else (None,))}
     found = set()
     for schedule, microbatches, repeats in tried:
         try:
-            chunks = pipeline.schedule_for(configured(cfg, stage, (schedule, microbatches, repeats))).repeats
+            chunks = schedules.schedule_for(configured(cfg, stage, (schedule, microbatches, repeats))).repeats
         except ConfigError:
             continue
         found.add((schedule, microbatches, chunks if chunks > 1 else None))  # as many chunks, the same schedule

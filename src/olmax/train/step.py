@@ -32,7 +32,7 @@ from olmax.config import ConfigError, RunConfig
 from olmax.model import families, transformer
 from olmax.model.block import training_hooks
 from olmax.model.loss import label_count, label_mask, loss_sums
-from olmax.parallel import pipeline
+from olmax.parallel import schedules
 from olmax.parallel.mesh import Layout
 from olmax.train import zero
 from olmax.train.optimizer import adam_count, build_optimizer, lr_at, with_lr
@@ -99,7 +99,7 @@ def micro_batch_rows(cfg: RunConfig, dp_size: int) -> int:
             f"train.global_batch_instances {global_batch} must be divisible by data-parallel size {dp_size} "
             f"x train.micro_batch_per_device {per_device} = {rows}; change the global batch or the micro-batch"
         )
-    pipeline.check_rows(pipeline.schedule_for(cfg), rows // dp_size)
+    schedules.check_rows(schedules.schedule_for(cfg), rows // dp_size)
     return rows
 
 
@@ -132,7 +132,7 @@ def global_norm(grads: dict, shardings: dict) -> jax.Array:
 def make_train_step(cfg: RunConfig, layout: Layout):
     optimizer = optimizer_for(cfg)
     model_cfg, impl, loss_cfg = cfg.model, cfg.impl, cfg.loss
-    sched = pipeline.schedule_for(cfg)
+    sched = schedules.schedule_for(cfg)
     hooks = training_hooks(model_cfg, cfg.train.seed)  # the MLP sublayer's: its losses, metrics, state, key
     params_sh, update_sh = param_shardings(cfg, layout), update_shardings(cfg, layout)
 

@@ -28,7 +28,7 @@ from olmax.model import flops
 from olmax.model.block import moe_target
 from olmax.model.moe import selfcheck, sublayer
 from olmax.model.transformer import compute_dtype
-from olmax.parallel import pipeline
+from olmax.parallel import schedules
 from olmax.parallel.mesh import Layout, make_layout
 from olmax.run_dir import RunDir
 from olmax.runtime import StopSignals, preemption_signals
@@ -164,7 +164,7 @@ def _train(cfg: RunConfig, layout: Layout, quiet: bool, make_eval, bucket: Bucke
         if change := schedule_change(restored["config"], cfg, start):
             print(change, flush=True)
     step_fn = jit_train_step(cfg, layout, micro_rows, compiler_options)
-    if (sched := pipeline.schedule_for(cfg)) and not quiet and jax.process_index() == 0:
+    if (sched := schedules.schedule_for(cfg)) and not quiet and jax.process_index() == 0:
         print(f"pipeline: {sched.describe()}", flush=True)
     evaluate = make_eval(cfg, layout) if make_eval else None
     sharding = batch_shardings(layout, cfg.data.sequence_length, micro_rows)
