@@ -206,7 +206,7 @@ BLOCK_LOOP = """%cond (p: (s32[], s32[], bf16[128,1024])) -> pred[] {
 
 
 def block_loop_program(scope: str) -> str:
-    """A loop over one expert's blocks of 128 rows, from and to bounds that are data (gmm's inner loop)."""
+    """A loop over one expert's blocks of 128 rows, from and to bounds that are data (the block loop's inner loop)."""
     return program(f"""  %first = s32[] parameter(0)
   %last = s32[] parameter(1)
   %x = bf16[128,1024]{{1,0}} parameter(2)
@@ -216,9 +216,9 @@ def block_loop_program(scope: str) -> str:
 
 
 def test_a_data_dependent_block_loop_costs_the_blocks_the_routing_gives_each_expert():
-    """gmm's loop over an expert's blocks has no trip count in the program: it runs ceil(rows / block) times for the
-    rows the routing sends an expert, and the plan says what it assumed. The same loop outside the scope the model
-    knows is named as a warning, never silently counted once."""
+    """The block loop's loop over an expert's blocks has no trip count in the program: it runs ceil(rows / block)
+    times for the rows the routing sends an expert, and the plan says what it assumed. The same loop outside the
+    scope the model knows is named as a warning, never silently counted once."""
     per_block = 2 * 128 * 1024 * 1024
     costs = {}
     for rows in (256, 1000, 4096):
@@ -447,7 +447,8 @@ def test_a_hopper_grouped_kernel_costs_the_rows_routed_and_blackwells_its_whole_
     from types import SimpleNamespace
 
     from olmax.model import kernel_work
-    from olmax.model.moe import grouped
+    from olmax.model.moe.kernels import blackwell as blackwell_kernels
+    from olmax.model.moe.kernels import hopper
 
     def array(*dims, dtype="bf16"):
         return SimpleNamespace(dims=dims, dtype=dtype, bytes=2 * math.prod(dims))
@@ -459,20 +460,20 @@ def test_a_hopper_grouped_kernel_costs_the_rows_routed_and_blackwells_its_whole_
     def work(entry, operands, outputs, per_group):
         return entry(kernel_work.KernelCall("k", operands, outputs, rows_per_group=per_group))
 
-    whole = work(grouped.grouped_matmul_work, forward, [array(rows, n)], None)
-    routed = work(grouped.grouped_matmul_work, forward, [array(rows, n)], 100.0)
+    whole = work(hopper.matmul_work, forward, [array(rows, n)], None)
+    routed = work(hopper.matmul_work, forward, [array(rows, n)], 100.0)
     assert (whole.flops, routed.flops) == (2.0 * rows * k * n, 2.0 * groups * 128 * k * n)
     assert routed.bytes == pytest.approx(groups * k * n * 2 + 2 * (groups * 128) * (k + n) + 2 * (groups + 1))
-    assert work(grouped.grouped_matmul_work, forward, [array(rows, n)], 1e9).flops == whole.flops
-    dw = work(grouped.grouped_weight_grad_work, weight_grad, [array(groups, k, n, dtype="f32")], 100.0)
+    assert work(hopper.matmul_work, forward, [array(rows, n)], 1e9).flops == whole.flops
+    dw = work(hopper.weight_grad_work, weight_grad, [array(groups, k, n, dtype="f32")], 100.0)
     assert dw.flops == 2.0 * k * groups * 128 * n
-    blackwell_dw = work(grouped.blackwell_weight_grad_work, weight_grad, [array(groups, k, n)], 100.0)
+    blackwell_dw = work(blackwell_kernels.weight_grad_work, weight_grad, [array(groups, k, n)], 100.0)
     assert blackwell_dw.flops == 2.0 * k * groups * 256 * n and blackwell_dw.tile == (128, 256, 256)
     assert blackwell_dw.bytes == pytest.approx(2 * groups * k * n + 2 * (groups * 256) * (k + n) + 2 * (groups + 1))
-    assert work(grouped.blackwell_weight_grad_work, weight_grad, [array(groups, k, n)], None).flops == whole.flops
+    assert work(blackwell_kernels.weight_grad_work, weight_grad, [array(groups, k, n)], None).flops == whole.flops
     blackwell = [array(rows, k), array(groups, k, n), array(groups, dtype="s32")]
-    assert (work(grouped.blackwell_ragged_dot_work, blackwell, [array(rows, n)], 100.0).flops
-            == work(grouped.blackwell_ragged_dot_work, blackwell, [array(rows, n)], None).flops)
+    assert (work(blackwell_kernels.ragged_dot_work, blackwell, [array(rows, n)], 100.0).flops
+            == work(blackwell_kernels.ragged_dot_work, blackwell, [array(rows, n)], None).flops)
 
 
 def test_blackwells_mxfp8_kernels_cost_the_rows_routed_at_the_float8_rate():
@@ -482,7 +483,7 @@ def test_blackwells_mxfp8_kernels_cost_the_rows_routed_at_the_float8_rate():
     from types import SimpleNamespace
 
     from olmax.model import kernel_work
-    from olmax.model.moe import grouped
+    from olmax.model.moe.kernels import mxfp8
 
     def array(*dims, dtype="f8e4m3fn", size=1):
         return SimpleNamespace(dims=dims, dtype=dtype, bytes=size * math.prod(dims))
@@ -500,12 +501,12 @@ def test_blackwells_mxfp8_kernels_cost_the_rows_routed_at_the_float8_rate():
     def work(entry, operands, outputs, per_group):
         return entry(kernel_work.KernelCall("k", operands, outputs, rows_per_group=per_group))
 
-    y = work(grouped.blackwell_mx_grouped_matmul_work, forward, [array(rows, n, dtype="bf16", size=2)], 100.0)
+    y = work(mxfp8.matmul_work, forward, [array(rows, n, dtype="bf16", size=2)], 100.0)
     used = groups * 256
     assert y.flops == 2.0 * used * k * n and y.dtype == "f8e4m3fn"
     assert y.bytes == pytest.approx(groups * n * k * 33 / 32 + used * k * 33 / 32 + 2 * used * n + 4 * rows // 128)
-    dw = work(grouped.blackwell_mx_weight_grad_work, weight_grad, [array(groups, k, n, dtype="bf16", size=2)], 100.0)
+    dw = work(mxfp8.weight_grad_work, weight_grad, [array(groups, k, n, dtype="bf16", size=2)], 100.0)
     assert dw.flops == 2.0 * k * used * n and dw.tile == (128, 256, 256)
     assert dw.bytes == pytest.approx(used * (k + n) * 33 / 32 + 2 * groups * k * n + 4 * (groups + 1))
-    whole = work(grouped.blackwell_mx_weight_grad_work, weight_grad, [array(groups, k, n, dtype="bf16", size=2)], None)
+    whole = work(mxfp8.weight_grad_work, weight_grad, [array(groups, k, n, dtype="bf16", size=2)], None)
     assert whole.flops == 2.0 * k * rows * n

@@ -157,7 +157,7 @@ class AttentionInfo:
 
 @dataclass
 class ExpertBlocks:
-    """What the compiled program cannot say about the experts' block loops (olmax.model.moe.gmm): a loop over
+    """What the compiled program cannot say about the experts' block loops (olmax.model.moe.block_loop): a loop over
     one expert's blocks of rows runs as many times as that expert has blocks, which is data. The model takes the
     routing's expectation from the config: balanced routing gives every expert tokens x top_k / experts rows, in
     whole blocks; random routing the same on average."""
@@ -165,7 +165,7 @@ class ExpertBlocks:
     rows_per_expert: float  # rows one device's expert gets a micro-step, expected
     block: int  # rows a block
     routing: str  # the config's routing, said with the count
-    scope: str  # the named scope the loops run under (olmax.model.moe.gmm.BLOCK_LOOP)
+    scope: str  # the named scope the loops run under (olmax.model.moe.block_loop.BLOCK_LOOP)
     # rows a device sends its expert group in one ragged exchange, expected (its tokens x the peers holding any of
     # a token's experts); a ragged-all-to-all moves these, not its static buffer. None: no ragged exchange.
     exchanged_rows: float | None = None
