@@ -40,7 +40,6 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from olmax.model import kernel_work
 from olmax.model.moe.kernels import blackwell, hopper
 from olmax.model.moe.kernels import mxfp8 as mx
 from olmax.model.moe.kernels.chip import ALIGN, WIDTH_MULTIPLE, Chip, in_groups
@@ -102,5 +101,3 @@ def _bf16_matmul_bwd(block, chip, res, dy):
 
 _bf16_matmul.defvjp(_bf16_matmul_fwd, _bf16_matmul_bwd)
 
-
-kernel_work.WORK |= {**hopper.WORK, **blackwell.WORK, **mx.WORK}
