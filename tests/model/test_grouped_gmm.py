@@ -18,7 +18,7 @@ import pytest
 from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams, force_gpu_interpret_mode
 
 from olmax.config import ConfigError, MoEConfig
-from olmax.model.moe import block_loop, selfcheck, sublayer
+from olmax.model.moe import block_loop, experts, selfcheck, sublayer
 from olmax.model.moe.kernels import blackwell, grouped, mxfp8
 from olmax.model.moe.kernels.chip import ALIGN, BLACKWELL_BLOCK, WIDTH_MULTIPLE, Chip
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
@@ -81,15 +81,35 @@ def test_auto_takes_the_kernels_where_they_run():
     assert sublayer.dispatch_for("auto", "gpu", 1, _device("9.0")) == "grouped"
     assert sublayer.dispatch_for("auto", "gpu", 1, _device("10.3")) == "grouped"
     assert sublayer.dispatch_for("auto", "gpu", 1, _device("8.0")) == "blocks"  # an A100
-    assert sublayer.dispatch_for("auto", "gpu", 2, _device("9.0")) == "blocks"  # pipeline stages
+    assert sublayer.dispatch_for("auto", "gpu", 2, _device("9.0")) == "grouped"  # pipeline stages too
     assert sublayer.dispatch_for("auto", "gpu", 1, _device("9.0"), mxfp8=True) == "blocks"
     assert sublayer.dispatch_for("auto", "gpu", 1, _device("10.3"), mxfp8=True) == "grouped"  # MXFP8 kernels
     assert sublayer.dispatch_for("auto", "cpu", 1, None, mxfp8=True) == "blocks"  # the CPU emulates MXFP8
     assert sublayer.dispatch_for("auto", "cpu", 1, None) == "blocks"  # the CPU keeps its loop
-    with pytest.raises(ConfigError, match="mesh.stage 2.*set impl.moe.dispatch=auto or blocks"):
-        sublayer.dispatch_for("grouped", "gpu", 2, _device("9.0"))
+    assert sublayer.dispatch_for("grouped", "gpu", 2, _device("10.0"), mxfp8=True) == "grouped"
     with pytest.raises(ConfigError, match="CPUs; set impl.moe.dispatch=auto or blocks"):
         sublayer.dispatch_for("grouped", "cpu", 1, None)
+
+
+def test_kernels_under_a_map_over_stages_run_each_stage_unbatched():
+    """The pipeline maps its layers over a stage dimension (a vmap); a kernel's grid covers one GPU's rows and takes
+    no batch dimension, so each stage's launch runs on its own (one_launch_a_device): under a map over 2 stages of
+    different groups, the Hopper kernels' values and both gradients, and those of the TPU path's ragged_dot
+    (experts.ragged_dot, whose forward and gradients run the same way), are lax.ragged_dot's for each stage."""
+    stages = [_grouped_inputs(counts, jnp.float32, seed=seed) for seed, counts in enumerate([[37, 0, 100], [0, 64, 70]])]
+    x, w, starts, sizes, cotangent = (jnp.stack(parts) for parts in zip(*stages))
+
+    def value_and_grads(dot, x, w, groups, cotangent):
+        return _value_and_grads(lambda a, b: dot(a, b, groups), x, w, cotangent)
+
+    reference = jax.vmap(functools.partial(value_and_grads, jax.lax.ragged_dot))(x, w, sizes, cotangent)
+    with force_gpu_interpret_mode(InterpretGPUParams()):
+        kernels = jax.vmap(functools.partial(value_and_grads, lambda a, b, s: grouped.matmul(a, b, s, BLOCK, HOPPER)))(
+            x, w, starts, cotangent)
+    ragged = jax.vmap(functools.partial(value_and_grads, experts.ragged_dot))(x, w, sizes, cotangent)
+    for name, ref, *ours in zip(("y", "dx", "dw"), reference, kernels, ragged):
+        for got in ours:
+            np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-4, err_msg=name)
 
 
 @pytest.mark.parametrize("width", [96, 200])

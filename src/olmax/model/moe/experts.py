@@ -45,6 +45,30 @@ def _summed(y, gates, assignment, M: int) -> jax.Array:
     return out.at[assignment // k].add(weighed, mode="drop").astype(y.dtype)
 
 
+@jax.custom_vjp
+def ragged_dot(x: jax.Array, w: jax.Array, counts: jax.Array) -> jax.Array:
+    """jax.lax.ragged_dot(x, w, counts) whose forward and both gradients each run unbatched under a vmap (in a loop
+    of one trip a device under the pipeline's map over its stages): the TPU's ragged-dot kernel takes no batch
+    dimension ("Failed to create RaggedConvSpec"). Its gradients are ragged_dot's own."""
+    return jax.custom_batching.sequential_vmap(jax.lax.ragged_dot)(x, w, counts)
+
+
+def _ragged_dot_fwd(x, w, counts):
+    return ragged_dot(x, w, counts), (x, w, counts)
+
+
+@jax.custom_batching.sequential_vmap
+def _ragged_dot_grads(x, w, counts, dy):
+    return jax.vjp(lambda x, w: jax.lax.ragged_dot(x, w, counts), x, w)[1](dy)
+
+
+def _ragged_dot_bwd(saved, dy):
+    return (*_ragged_dot_grads(*saved, dy), None)
+
+
+ragged_dot.defvjp(_ragged_dot_fwd, _ragged_dot_bwd)
+
+
 def _swiglu_ragged(x, groups, w1, w3, w2, assignments=None, gates=None):
     M, k = groups.shape
     G = w1.shape[0]
@@ -54,7 +78,7 @@ def _swiglu_ragged(x, groups, w1, w3, w2, assignments=None, gates=None):
     counts = jnp.zeros(G + 1, jnp.int32).at[flat].add(1)[:G]
     xs = jnp.take(x, order // k, axis=0)
     y = swiglu(xs, w1, w3, w2,
-               lambda a, w, name: checkpoint_name(jax.lax.ragged_dot(a, w.astype(x.dtype), counts), name))
+               lambda a, w, name: checkpoint_name(ragged_dot(a, w.astype(x.dtype), counts), name))
     y = jnp.where((flat[order] < G)[:, None], y, 0)
     if gates is None:
         return jnp.zeros((M * k, y.shape[1]), y.dtype).at[order].set(y).reshape(M, k, -1)

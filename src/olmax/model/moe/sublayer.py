@@ -29,28 +29,20 @@ from olmax.parallel import expert as expert_parallel
 
 
 def dispatch_for(chosen: str, platform: str, stages: int = 1, device=None, mxfp8: bool = False) -> str:
-    """The experts' matmul `impl.moe.dispatch` means on `platform` ('cpu', 'gpu', 'tpu') with `stages`
-    pipeline stages, for GPUs on `device` (one of the target's). `auto` takes
-    ragged_dot where the compiler runs it as a grouped-matmul kernel: on TPU (its `ragged-dot` kernels,
-    tests/scale/test_scale_compile.py) without pipeline stages. A pipeline maps the layers over the stages, which
-    gives ragged_dot a batch dimension, and the TPU kernel takes none (the compiler stops: "Failed to create
-    RaggedConvSpec ... number of batch dimensions should be 0"). XLA:CPU expands ragged_dot densely, and so did
-    XLA:GPU in jax 0.10.2 (a compile for gpu:h100x8 made each expert matmul a batched dot over every expert and
-    every row), so on GPUs `auto` takes `grouped`, the Pallas Mosaic GPU kernels of olmax.model.moe.kernels, where
-    they run (Hopper and Blackwell, any width, no pipeline stages; `mxfp8` on Blackwell only), and the block loop
-    elsewhere (the CPU emulates MXFP8 in it)."""
-    kernel = platform == "tpu" and stages == 1
-    if chosen == "ragged_dot" and platform == "tpu" and not kernel:
-        raise ConfigError(f"impl.moe.dispatch=ragged_dot with mesh.stage {stages}: the TPU's ragged-dot kernel "
-                          "takes no batch dimension, which the pipeline's map over its stages adds; set "
-                          "impl.moe.dispatch=auto or blocks")
+    """The experts' matmul `impl.moe.dispatch` means on `platform` ('cpu', 'gpu', 'tpu'), for GPUs on `device`
+    (one of the target's), with or without pipeline stages (`stages`: each kernel launch runs unbatched under the
+    pipeline's map over its stages, olmax.model.moe.kernels.chip.one_launch_a_device and experts.ragged_dot). `auto`
+    takes ragged_dot where the compiler runs it as a grouped-matmul kernel: on TPU (its `ragged-dot` kernels,
+    tests/scale/test_scale_compile.py). XLA:CPU expands ragged_dot densely, and so did XLA:GPU in jax 0.10.2 (a
+    compile for gpu:h100x8 made each expert matmul a batched dot over every expert and every row), so on GPUs
+    `auto` takes `grouped`, the Pallas Mosaic GPU kernels of olmax.model.moe.kernels, where they run (Hopper and
+    Blackwell, any width; `mxfp8` on Blackwell only), and the block loop elsewhere (the CPU emulates MXFP8 in
+    it)."""
+    del stages
     if chosen in ("auto", "grouped"):
         refusal = None
         if platform != "gpu":
             refusal = f"its kernels are for NVIDIA GPUs, and this layout's devices are {platform.upper()}s"
-        elif stages > 1:
-            refusal = (f"with mesh.stage {stages} the pipeline's map over its stages would batch the kernels, "
-                       "which run one grid over one GPU's rows")
         else:
             refusal = unsupported(device)
         if not refusal and mxfp8 and Chip.of(device).major != 10:
@@ -58,7 +50,7 @@ def dispatch_for(chosen: str, platform: str, stages: int = 1, device=None, mxfp8
         if chosen == "grouped" and refusal:
             raise ConfigError(f"impl.moe.dispatch=grouped: {refusal}; set impl.moe.dispatch=auto or blocks")
         if chosen == "auto":
-            return "ragged_dot" if kernel else "blocks" if refusal else "grouped"
+            return "ragged_dot" if platform == "tpu" else "blocks" if refusal else "grouped"
     return chosen
 
 

@@ -27,7 +27,8 @@ from jax.experimental.pallas.ops.gpu import blackwell_ragged_dot_mgpu
 
 from olmax.model import kernel_work
 from olmax.model.fp8 import MX_BLOCK, MX_SCALES
-from olmax.model.moe.kernels.chip import BLACKWELL_BLOCK, WARPGROUP, Chip, padded, tiled_weight_grad_work
+from olmax.model.moe.kernels.chip import (BLACKWELL_BLOCK, WARPGROUP, Chip, one_launch_a_device, padded,
+                                          tiled_weight_grad_work)
 
 # JAX's kernel: 128 x 128 per SM, two SMs of a cluster sharing one 256 x 256 tile (the kernel's `collective`
 # form, the one its benchmark tunes).
@@ -74,6 +75,7 @@ def _on_device(chip: Chip):
         blackwell_ragged_dot_mgpu.jax = saved
 
 
+@one_launch_a_device
 def matmul_kernel(x, w, counts, chip: Chip):
     """JAX's kernel: x [M, K] times w[g] ([G, K, N]) for groups of `counts` rows in order: [M, N], garbage after
     the last group's rows."""
@@ -187,6 +189,7 @@ def tcgen05_tiles(name: str, grid: dict, table, operands, out_type, program, rin
     )(table, *operands)
 
 
+@one_launch_a_device
 def weight_grad_kernel(xt, dy, step_starts):
     """Per group, xt[:, its rows] @ dy[its rows] ([G, K, N] from xt [K, M] and dy [M, N]) on Blackwell, for
     groups that start and end on multiples of 64 rows (step_starts in 64-row steps: a step is 128 bytes of bf16),

@@ -4,9 +4,11 @@ of the chip's block), the tiles of rows a program takes, and how their work is c
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
+import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -53,6 +55,18 @@ def unsupported(device) -> str | None:
     if device.platform not in ("gpu", "cuda") or major not in WIDTH_MULTIPLE:
         return f"its kernels are for NVIDIA Hopper (sm_90) and Blackwell (sm_100) GPUs, not {device.device_kind}"
     return None
+
+
+def one_launch_a_device(kernel):
+    """`kernel(*arrays, **static)` as one launch over one GPU's arrays wherever it is called: under a vmap (the
+    pipeline's over its stages, which puts each stage on devices of its own) it runs once per mapped element, in a
+    loop of one trip a device, instead of being batched: a kernel's grid covers one GPU's rows and takes no batch
+    dimension. Unmapped, it is the plain call."""
+    @functools.wraps(kernel)
+    def launch(*arrays, **static):
+        return jax.custom_batching.sequential_vmap(functools.partial(kernel, **static))(*arrays)
+
+    return launch
 
 
 def padded(a, rows: int):

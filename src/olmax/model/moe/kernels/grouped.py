@@ -71,7 +71,7 @@ def _product(x, w, counts, block_starts, chip: Chip):
     kernels write only the groups' rows)."""
     if chip.major == 9:
         return hopper.matmul_kernel(x, w, block_starts)
-    return blackwell.matmul_kernel(x, w, counts, chip)
+    return blackwell.matmul_kernel(x, w, counts, chip=chip)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))

@@ -18,8 +18,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from olmax.model import kernel_work
-from olmax.model.moe.kernels.chip import (ALIGN, WARPGROUP, moved_routed, padded, routed_rows, tile_groups,
-                                          tiled_weight_grad_work)
+from olmax.model.moe.kernels.chip import (ALIGN, WARPGROUP, moved_routed, one_launch_a_device, padded, routed_rows,
+                                          tile_groups, tiled_weight_grad_work)
 
 
 @dataclass(frozen=True)
@@ -37,6 +37,7 @@ class TuningConfig:
 TUNING = TuningConfig(block_m=128, block_n=128, block_k=64, max_concurrent_steps=4)
 
 
+@one_launch_a_device
 def matmul_kernel(x, w, block_starts):
     """Hopper: x [M, K] times w[g] ([G, K, N]) for groups that start on multiples of ALIGN rows (block_starts in
     ALIGN-row tiles): one program per (column tile, ALIGN-row tile), each tile in one group, so it multiplies by
@@ -81,6 +82,7 @@ def _store(acc, out_gmem):
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
+@one_launch_a_device
 def weight_grad_kernel(xt, dy, block_starts):
     """Per group, xt[:, its rows] @ dy[its rows] ([G, K, N] from xt [K, M] and dy [M, N]) on Hopper, for groups
     that start and end on multiples of ALIGN rows, their padding rows zero in xt and dy: each (group, tile)

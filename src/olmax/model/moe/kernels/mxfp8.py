@@ -20,7 +20,8 @@ from jax.experimental import pallas as pl
 from olmax.model import fp8, kernel_work
 from olmax.model.fp8 import MX_SCALES, MX_VALUES
 from olmax.model.moe.kernels.blackwell import ROW_TILE, tcgen05_tiles
-from olmax.model.moe.kernels.chip import BLACKWELL_BLOCK, in_groups, moved_routed, padded, routed_rows, tile_groups
+from olmax.model.moe.kernels.chip import (BLACKWELL_BLOCK, in_groups, moved_routed, one_launch_a_device, padded,
+                                          routed_rows, tile_groups)
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,7 @@ def _ring(block_m: int, block_n: int, bk: int) -> list:
             ((block_m // SCALE_ROWS, 1, 32, 16), MX_SCALES, False), ((block_n // SCALE_ROWS, 1, 32, 16), MX_SCALES, False)]
 
 
+@one_launch_a_device
 def matmul_kernel(x, wt, tile_starts, out_dtype):
     """Blackwell, MXFP8: x [M, K] times w[g] for groups that start on multiples of 128 rows (tile_starts in
     128-row tiles), x = mx_operand(x) and wt = mx_operand(w^T) ([G, N, K]): one program per (column tile,
@@ -86,6 +88,7 @@ def matmul_kernel(x, wt, tile_starts, out_dtype):
         TUNING.max_concurrent_steps, scaled=True)
 
 
+@one_launch_a_device
 def weight_grad_kernel(xt, dyt, step_starts, out_dtype):
     """Blackwell, MXFP8: per group, x[its rows]^T dy[its rows] ([G, K, N]) from xt = mx_operand(x^T) ([K, M])
     and dyt = mx_operand(dy^T) ([N, M]), both quantized along the rows in blocks of 32 (a group's rows start and
@@ -133,7 +136,7 @@ def matmul(x: jax.Array, w: jax.Array, block_starts: jax.Array, block: int) -> j
     """The block loop's grouped matmul (its arguments: blocks block_starts[g] to block_starts[g + 1] - 1 of x
     times w[g]) in MXFP8, its three products the kernels above, for blocks of a multiple of 128 rows."""
     tiles = block_starts * (block // TUNING.block_m)
-    y = matmul_kernel(*OPERANDS["y"](x, w), tiles, x.dtype)
+    y = matmul_kernel(*OPERANDS["y"](x, w), tiles, out_dtype=x.dtype)
     return in_groups(y[: x.shape[0]], jnp.diff(block_starts) * block)
 
 
@@ -144,9 +147,9 @@ def _matmul_fwd(x, w, block_starts, block):
 def _matmul_bwd(block, res, dy):
     x, w, block_starts = res
     tiles = block_starts * (block // TUNING.block_m)
-    dx = matmul_kernel(*OPERANDS["dx"](dy, w), tiles, dy.dtype)
+    dx = matmul_kernel(*OPERANDS["dx"](dy, w), tiles, out_dtype=dy.dtype)
     dx = in_groups(dx[: x.shape[0]], jnp.diff(block_starts) * block)
-    dw = weight_grad_kernel(*OPERANDS["dw"](x, dy), tiles, dy.dtype)
+    dw = weight_grad_kernel(*OPERANDS["dw"](x, dy), tiles, out_dtype=dy.dtype)
     return dx, dw.astype(w.dtype), None
 
 
