@@ -16,7 +16,7 @@ H200's dense bf16 peak, 989 TFLOP/s (NVIDIA's H200 datasheet); FLOPs from olmax.
 the step time the step-time model predicts from the compiled step for the device it runs on (its datasheet
 constants from olmax.scale.targets; on a CPU, the CPU measured now), beside the measured one: the first
 accelerator this runs on checks the model. `experts` times the experts' grouped-matmul kernels
-(olmax.model.moe.grouped, impl.moe.dispatch=grouped) against the block loop and lax.ragged_dot on one GPU's
+(olmax.model.moe.kernels, impl.moe.dispatch=grouped) against the block loop and lax.ragged_dot on one GPU's
 share of the 47B's experts; `moe-layer` a 47B-shaped MoE layer's step per dispatch, measured and predicted.
 `check` runs the check a run makes before it trusts the grouped kernels (olmax.model.moe.selfcheck: against
 lax.ragged_dot in float32) for every product the experts can run on this GPU, and gives each one's largest
@@ -171,9 +171,11 @@ def experts_benchmark(rows: int, d: int, f: int, groups: int, steps: int, chip=N
     """One expert matmul, x [rows, d] times w[g] [d, f] for `groups` groups of random (multinomial) sizes, forward
     and forward + both gradients, by the grouped kernels (impl.moe.dispatch=grouped, for `chip`, default this
     GPU's), the block loop (blocks) and lax.ragged_dot; times and the largest differences from the block loop."""
-    from olmax.model.moe import gmm, grouped
+    from olmax.model.moe import block_loop
+    from olmax.model.moe.kernels import grouped
+    from olmax.model.moe.kernels.chip import Chip
 
-    chip = chip or grouped.Chip.of(jax.devices()[0])
+    chip = chip or Chip.of(jax.devices()[0])
     keys = jax.random.split(jax.random.key(0), 4)
     sizes = np.random.default_rng(0).multinomial(rows, np.ones(groups) / groups)
     block = chip.block
@@ -189,8 +191,8 @@ def experts_benchmark(rows: int, d: int, f: int, groups: int, steps: int, chip=N
     order = jnp.argsort(~jnp.asarray(used), stable=True)  # ragged_dot's rows: the groups' rows packed
     counts = jnp.asarray(sizes, jnp.int32)
     products = {
-        "grouped": lambda x, w: grouped.gmm(x, w, starts, block, chip),
-        "blocks": lambda x, w: gmm.gmm(x, w, starts, block),
+        "grouped": lambda x, w: grouped.matmul(x, w, starts, block, chip),
+        "blocks": lambda x, w: block_loop.matmul(x, w, starts, block),
         "ragged_dot": lambda x, w: jnp.take(jax.lax.ragged_dot(x[order], w, counts), jnp.argsort(order), axis=0),
     }
     train_flops = 3 * 2 * rows * d * f
@@ -216,7 +218,7 @@ def experts_benchmark(rows: int, d: int, f: int, groups: int, steps: int, chip=N
 
 
 def kernel_checks(products: dict, block: int, dtypes=(jnp.bfloat16, jnp.float32)) -> dict:
-    """Each of `products` (name: product with grouped.gmm's arguments, on the layout of `block` rows) in each
+    """Each of `products` (name: product with grouped.matmul's arguments, on the layout of `block` rows) in each
     dtype: the run's check's verdict ("passed" or its line) and the largest errors of y, dx and dw against
     float64, each a fraction of the reference's largest value."""
     from olmax.model.moe import selfcheck
@@ -240,7 +242,8 @@ def moe_layer_benchmark(tokens: int, d: int, f: int, experts: int, top_k: int, d
     tokens, top-4), forward and gradients for each dispatch: measured, and predicted by the step-time model
     from the compiled program (for this GPU by its datasheet row, a CPU measured now)."""
     from olmax.config import MoEConfig
-    from olmax.model.moe import gmm, grouped, sublayer
+    from olmax.model.moe import block_loop, sublayer
+    from olmax.model.moe.kernels.chip import Chip
     from olmax.scale import hardware, op_cost, step_time
     from olmax.scale.targets import parse_target, running_target
 
@@ -252,7 +255,7 @@ def moe_layer_benchmark(tokens: int, d: int, f: int, experts: int, top_k: int, d
     x = jax.random.normal(keys[1], (1, tokens, d), jnp.bfloat16)
     name = running_target(jax.devices()[:1])
     device = hardware.target_hardware(parse_target(name)) if name else hardware.measure_cpu()
-    chip = grouped.Chip.of(jax.devices()[0]) if jax.default_backend() == "gpu" else None
+    chip = Chip.of(jax.devices()[0]) if jax.default_backend() == "gpu" else None
     report = {"tokens": tokens, "d": d, "f": f, "experts": experts, "top_k": top_k, "predicted_hardware": device.name}
     for dispatch in dispatches:
         def loss(p, x, dispatch=dispatch):
@@ -262,8 +265,8 @@ def moe_layer_benchmark(tokens: int, d: int, f: int, experts: int, top_k: int, d
         step = jax.jit(jax.grad(loss, argnums=(0, 1)))
         compiled = step.lower(p, x).compile()
         rows = tokens * top_k / experts
-        block = chip.block if dispatch == "grouped" else gmm.auto_block_size(tokens * top_k, experts)
-        loops = op_cost.ExpertBlocks(rows, block, cfg.routing, gmm.BLOCK_LOOP)
+        block = chip.block if dispatch == "grouped" else block_loop.auto_block_size(tokens * top_k, experts)
+        loops = op_cost.ExpertBlocks(rows, block, cfg.routing, block_loop.BLOCK_LOOP)
         predicted = step_time.predict(compiled.as_text(), device, None, None, experts=loops)
         measured = statistics.median(timed(lambda: jax.block_until_ready(compiled(p, x)), 1, steps))
         report[dispatch] = {"measured_s": measured, "predicted_s": predicted["step_seconds"],
@@ -276,26 +279,28 @@ def experts_prediction(target: str, dispatch: str, rows: int, routed: int, d: in
     micro-step under expert parallelism, forward and both gradients: `rows` received after the all-to-all (the
     buffer), `routed` of them to its `groups` resident experts (balanced), the rest to none. Compiled for the
     target's device without the hardware (a GPU generation a process: Mosaic GPU's compiler keeps the first)."""
-    from olmax.model.moe import gmm, grouped
+    from olmax.model.moe import block_loop
+    from olmax.model.moe.experts import grouped_swiglu
+    from olmax.model.moe.kernels import grouped
+    from olmax.model.moe.kernels.chip import Chip
     from olmax.scale import hardware, op_cost, step_time
     from olmax.scale.targets import compile_only_devices, parse_target
 
     device = compile_only_devices(parse_target(target))[0]
-    chip = grouped.Chip.of(device)
-    block = chip.block if dispatch == "grouped" else gmm.auto_block_size(rows, groups)
+    chip = Chip.of(device)
+    block = chip.block if dispatch == "grouped" else block_loop.auto_block_size(rows, groups)
     sharding = jax.sharding.SingleDeviceSharding(device)
     spec = {"x": (rows, d), "w1": (groups, d, f), "w3": (groups, d, f), "w2": (groups, f, d)}
     args = {k: jax.ShapeDtypeStruct(v, jnp.bfloat16, sharding=sharding) for k, v in spec.items()}
     ids = jax.ShapeDtypeStruct((rows, 1), jnp.int32, sharding=sharding)
 
     def loss(p, ids):
-        product = (lambda a, w, starts, b: grouped.gmm(a, w, starts, b, chip)) if dispatch == "grouped" else None
-        y = gmm.grouped_swiglu(p["x"], ids, p["w1"], p["w3"], p["w2"], dispatch="blocks", block=block,
-                               product=product)
+        product = (lambda a, w, starts, b: grouped.matmul(a, w, starts, b, chip)) if dispatch == "grouped" else None
+        y = grouped_swiglu(p["x"], ids, p["w1"], p["w3"], p["w2"], dispatch="blocks", block=block, product=product)
         return jnp.sum(y.astype(jnp.float32))
 
     text = jax.jit(jax.grad(loss)).lower(args, ids).compile().as_text()
-    loops = op_cost.ExpertBlocks(routed / groups, block, "balanced", gmm.BLOCK_LOOP)
+    loops = op_cost.ExpertBlocks(routed / groups, block, "balanced", block_loop.BLOCK_LOOP)
     predicted = step_time.predict(text, hardware.target_hardware(parse_target(target)), None, None, experts=loops)
     return {"target": target, "dispatch": dispatch, "rows": rows, "routed": routed, "d": d, "f": f, "groups": groups,
             "block": block, "predicted_s": predicted["step_seconds"], "ops": predicted["executed_ops"],
@@ -332,11 +337,13 @@ def main() -> None:
               f"measured {report['median_step_s']:.4g} s ({report['predicted_step_s'] / report['median_step_s'] - 1:+.1%})",
               file=sys.stderr)
     elif args.what == "check":  # the kernels of this GPU, then the block loop they fall back to
-        from olmax.model.moe import gmm, grouped, selfcheck
+        from olmax.model.moe import block_loop, selfcheck
+        from olmax.model.moe.kernels import grouped
+        from olmax.model.moe.kernels.chip import Chip
 
-        chip = grouped.Chip.of(jax.devices()[0])
-        report = kernel_checks({selfcheck.kernel_name(chip): lambda x, w, s, b: grouped.gmm(x, w, s, b, chip),
-                                "block loop": lambda x, w, s, b: gmm.gmm(x, w, s, b)}, chip.block)
+        chip = Chip.of(jax.devices()[0])
+        report = kernel_checks({selfcheck.kernel_name(chip): lambda x, w, s, b: grouped.matmul(x, w, s, b, chip),
+                                "block loop": lambda x, w, s, b: block_loop.matmul(x, w, s, b)}, chip.block)
     elif args.what == "experts":
         report = experts_benchmark(**EXPERT_SHAPE, steps=args.steps)
     elif args.what == "predict-experts":  # the 47B preset's layout: 8-way EP, 8192 tokens a GPU, capacity 1.25

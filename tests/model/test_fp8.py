@@ -196,7 +196,7 @@ def test_the_experts_weights_are_quantized_once_for_all_their_blocks():
     weights are quantized before the loops (before: again for every block)."""
     from jax.extend.core import jaxprs_in_params
 
-    from olmax.model.moe import gmm
+    from olmax.model.moe import block_loop
 
     def block_loop_amaxes(jaxpr):
         """The amaxes (reduce_max ops) at the deepest level of loops: in the block loop's body."""
@@ -214,5 +214,5 @@ def test_the_experts_weights_are_quantized_once_for_all_their_blocks():
 
     x, w = jnp.ones((64, 64), jnp.bfloat16), jnp.ones((2, 64, 32), jnp.bfloat16)
     starts = jnp.array([0, 1, 2], jnp.int32)
-    jaxpr = jax.make_jaxpr(lambda x, w: gmm.gmm(x, w, starts, 32, fp8.MXDot("cpu")))(x, w).jaxpr
+    jaxpr = jax.make_jaxpr(lambda x, w: block_loop.matmul(x, w, starts, 32, fp8.MXDot("cpu")))(x, w).jaxpr
     assert block_loop_amaxes(jaxpr) == 1  # the block's rows (before: and the weight's)

@@ -18,13 +18,15 @@ import pytest
 from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams, force_gpu_interpret_mode
 
 from olmax.config import ConfigError, MoEConfig
-from olmax.model.moe import gmm, grouped, selfcheck, sublayer
+from olmax.model.moe import block_loop, experts, selfcheck, sublayer
+from olmax.model.moe.kernels import blackwell, grouped, mxfp8
+from olmax.model.moe.kernels.chip import ALIGN, BLACKWELL_BLOCK, WIDTH_MULTIPLE, Chip
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from olmax.scale.targets import aot_missing, compile_only_devices, parse_target
 from testlib import moe_layer_params
 
-HOPPER = grouped.Chip(major=9, sms=4)  # few SMs: the interpreter runs one thread per SM
-BLOCK = grouped.ALIGN
+HOPPER = Chip(major=9, sms=4)  # few SMs: the interpreter runs one thread per SM
+BLOCK = ALIGN
 D, F = 128, 128  # one 128 x 128 tile
 
 
@@ -57,8 +59,8 @@ def test_hopper_kernels_match_ragged_dot_and_the_block_loop(dtype):
     input and weight gradients of the kernels against lax.ragged_dot's and the block loop's."""
     x, w, starts, sizes, cotangent = _grouped_inputs([37, 0, 100, 65, 0], dtype)
     with force_gpu_interpret_mode(InterpretGPUParams()):
-        ours = _value_and_grads(lambda a, b: grouped.gmm(a, b, starts, BLOCK, HOPPER), x, w, cotangent)
-    loop = _value_and_grads(lambda a, b: gmm.gmm(a, b, starts, BLOCK), x, w, cotangent)
+        ours = _value_and_grads(lambda a, b: grouped.matmul(a, b, starts, BLOCK, HOPPER), x, w, cotangent)
+    loop = _value_and_grads(lambda a, b: block_loop.matmul(a, b, starts, BLOCK), x, w, cotangent)
     ragged = _value_and_grads(lambda a, b: jax.lax.ragged_dot(a, b, sizes, preferred_element_type=jnp.float32)
                               .astype(dtype), x, w, cotangent)
     tol = dict(rtol=1e-5, atol=1e-4) if dtype == jnp.float32 else dict(rtol=2e-2, atol=6e-2)
@@ -79,15 +81,35 @@ def test_auto_takes_the_kernels_where_they_run():
     assert sublayer.dispatch_for("auto", "gpu", 1, _device("9.0")) == "grouped"
     assert sublayer.dispatch_for("auto", "gpu", 1, _device("10.3")) == "grouped"
     assert sublayer.dispatch_for("auto", "gpu", 1, _device("8.0")) == "blocks"  # an A100
-    assert sublayer.dispatch_for("auto", "gpu", 2, _device("9.0")) == "blocks"  # pipeline stages
+    assert sublayer.dispatch_for("auto", "gpu", 2, _device("9.0")) == "grouped"  # pipeline stages too
     assert sublayer.dispatch_for("auto", "gpu", 1, _device("9.0"), mxfp8=True) == "blocks"
     assert sublayer.dispatch_for("auto", "gpu", 1, _device("10.3"), mxfp8=True) == "grouped"  # MXFP8 kernels
     assert sublayer.dispatch_for("auto", "cpu", 1, None, mxfp8=True) == "blocks"  # the CPU emulates MXFP8
     assert sublayer.dispatch_for("auto", "cpu", 1, None) == "blocks"  # the CPU keeps its loop
-    with pytest.raises(ConfigError, match="mesh.stage 2.*set impl.moe.dispatch=auto or blocks"):
-        sublayer.dispatch_for("grouped", "gpu", 2, _device("9.0"))
+    assert sublayer.dispatch_for("grouped", "gpu", 2, _device("10.0"), mxfp8=True) == "grouped"
     with pytest.raises(ConfigError, match="CPUs; set impl.moe.dispatch=auto or blocks"):
         sublayer.dispatch_for("grouped", "cpu", 1, None)
+
+
+def test_kernels_under_a_map_over_stages_run_each_stage_unbatched():
+    """The pipeline maps its layers over a stage dimension (a vmap); a kernel's grid covers one GPU's rows and takes
+    no batch dimension, so each stage's launch runs on its own (one_launch_a_device): under a map over 2 stages of
+    different groups, the Hopper kernels' values and both gradients, and those of the TPU path's ragged_dot
+    (experts.ragged_dot, whose forward and gradients run the same way), are lax.ragged_dot's for each stage."""
+    stages = [_grouped_inputs(counts, jnp.float32, seed=seed) for seed, counts in enumerate([[37, 0, 100], [0, 64, 70]])]
+    x, w, starts, sizes, cotangent = (jnp.stack(parts) for parts in zip(*stages))
+
+    def value_and_grads(dot, x, w, groups, cotangent):
+        return _value_and_grads(lambda a, b: dot(a, b, groups), x, w, cotangent)
+
+    reference = jax.vmap(functools.partial(value_and_grads, jax.lax.ragged_dot))(x, w, sizes, cotangent)
+    with force_gpu_interpret_mode(InterpretGPUParams()):
+        kernels = jax.vmap(functools.partial(value_and_grads, lambda a, b, s: grouped.matmul(a, b, s, BLOCK, HOPPER)))(
+            x, w, starts, cotangent)
+    ragged = jax.vmap(functools.partial(value_and_grads, experts.ragged_dot))(x, w, sizes, cotangent)
+    for name, ref, *ours in zip(("y", "dx", "dw"), reference, kernels, ragged):
+        for got in ours:
+            np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-4, err_msg=name)
 
 
 @pytest.mark.parametrize("width", [96, 200])
@@ -95,7 +117,7 @@ def test_hopper_kernels_run_any_width_padded_to_their_tiles(width):
     """Widths off the 128-wide tiles: x's columns and w's rows and columns padded with zeros, the output cut."""
     x, w, starts, sizes, cotangent = _grouped_inputs([37, 0, 100], jnp.float32, width)
     with force_gpu_interpret_mode(InterpretGPUParams()):
-        ours = _value_and_grads(lambda a, b: grouped.gmm(a, b, starts, BLOCK, HOPPER), x, w, cotangent)
+        ours = _value_and_grads(lambda a, b: grouped.matmul(a, b, starts, BLOCK, HOPPER), x, w, cotangent)
     ragged = _value_and_grads(lambda a, b: jax.lax.ragged_dot(a, b, sizes, preferred_element_type=jnp.float32),
                               x, w, cotangent)
     for name, a, b in zip(("y", "dx", "dw"), ours, ragged):
@@ -116,7 +138,7 @@ def test_grouped_runs_mxfp8_on_blackwell_only(capsys):
 
 
 def _untiled(values, tiled):
-    """What a kernel's MXFP8 operand (grouped.mx_operand: values [R, C], scales in tcgen05's layout) stands for,
+    """What a kernel's MXFP8 operand (mxfp8.mx_operand: values [R, C], scales in tcgen05's layout) stands for,
     in float32: each value times the scale tcgen05 reads for it, at [r // 128, j // 4, r % 32, (r % 128) // 32 *
     4 + j % 4] for row r and 32-wide block j = c // 32."""
     r, c = np.meshgrid(np.arange(values.shape[0]), np.arange(values.shape[1]), indexing="ij")
@@ -142,7 +164,7 @@ def test_mxfp8_kernels_operands_are_the_block_loops_mxfp8_values():
                 "dw": (fp8.mx_round(x, 0).T, fp8.mx_round(dy, 0).T)}
     inputs = {"y": (x, w), "dx": (dy, w), "dw": (x, dy)}
     for product, (a, b) in inputs.items():
-        (av, ascales), (bv, bscales) = grouped.MX_OPERANDS[product](a, b)
+        (av, ascales), (bv, bscales) = mxfp8.OPERANDS[product](a, b)
         assert av.dtype == bv.dtype == jnp.float8_e4m3fn and ascales.dtype == jnp.float8_e8m0fnu, product
         ours = [_untiled(av, ascales)] + [_untiled(bv[g], bscales[g]) for g in range(2)] if bv.ndim == 3 else \
             [_untiled(av, ascales), _untiled(bv, bscales)]
@@ -158,31 +180,32 @@ def test_the_mxfp8_check_compares_with_the_mxfp8_block_loop():
     one group's weights 10% off fails it, named."""
     from olmax.model import fp8
 
-    block = grouped.BLACKWELL_BLOCK
+    block = BLACKWELL_BLOCK
     reference = dict(reference=functools.partial(selfcheck.mxfp8_block_loop, block=block),
                      reference_name="the MXFP8 block loop")
-    loop = selfcheck.verdict(lambda x, w, starts, b: gmm.gmm(x, w, starts, b, fp8.MXDot("cpu")), "loop",
+    loop = selfcheck.verdict(lambda x, w, starts, b: block_loop.matmul(x, w, starts, b, fp8.MXDot("cpu")), "loop",
                              jnp.bfloat16, block, **reference)
     assert loop is None
-    line = selfcheck.verdict(lambda x, w, starts, b: gmm.gmm(x, w.at[2].multiply(1.1), starts, b, fp8.MXDot("cpu")),
+    line = selfcheck.verdict(lambda x, w, starts, b: block_loop.matmul(x, w.at[2].multiply(1.1), starts, b,
+                                                                       fp8.MXDot("cpu")),
                              "wrong", jnp.bfloat16, block, **reference)
     assert line.startswith("wrong: y in bfloat16 off the MXFP8 block loop by 0.11")
 
 
 def _one_group_wrong(x, w, starts, block):
     """The block loop's product with group 2's weights 10% too large: a kernel that launches and is wrong."""
-    return gmm.gmm(x, w.at[2].multiply(1.1), starts, block)
+    return block_loop.matmul(x, w.at[2].multiply(1.1), starts, block)
 
 
 @jax.custom_vjp
 def _nan_weight_grad(x, w, starts):
     """The block loop's product whose weight gradient is NaN (its value and input gradient right)."""
-    return gmm.gmm(x, w, starts, BLOCK)
+    return block_loop.matmul(x, w, starts, BLOCK)
 
 
 def _nan_weight_grad_bwd(res, dy):
     x, w, starts = res
-    dx, dw = jax.vjp(lambda a, b: gmm.gmm(a, b, starts, BLOCK), x, w)[1](dy)
+    dx, dw = jax.vjp(lambda a, b: block_loop.matmul(a, b, starts, BLOCK), x, w)[1](dy)
     return dx, dw * jnp.nan, None
 
 
@@ -203,7 +226,8 @@ def test_the_check_names_a_wrong_kernel_and_its_error():
         "launcher: RuntimeError: CUDA_ERROR_LAUNCH_FAILED: unspecified launch failure")
     assert selfcheck.verdict(lambda x, w, starts, block: _nan_weight_grad(x, w, starts), "nan", jnp.bfloat16,
                              BLOCK).startswith("nan: dw in bfloat16 off lax.ragged_dot by nan")
-    loop = selfcheck.verdict(lambda x, w, starts, block: gmm.gmm(x, w, starts, block), "loop", jnp.float32, BLOCK)
+    loop = selfcheck.verdict(lambda x, w, starts, block: block_loop.matmul(x, w, starts, block), "loop", jnp.float32,
+                             BLOCK)
     assert loop is None
 
 
@@ -224,7 +248,7 @@ def test_a_failed_check_runs_the_block_loop_and_says_why(capsys):
     assert dispatches == ["blocks", "blocks"]
     [line] = capsys.readouterr().err.splitlines()
     assert line.startswith("olmax: the grouped kernels failed their check on this GPU, so the experts run in the "
-                           "block loop (impl.moe.dispatch=blocks): grouped.gmm for sm_90 (grouped_matmul, "
+                           "block loop (impl.moe.dispatch=blocks): grouped.matmul for sm_90 (grouped_matmul, "
                            "grouped_weight_grad): dw in bfloat16 off lax.ragged_dot by 0.1")
     assert selfcheck.checked_dispatch("grouped", HOPPER, jnp.bfloat16, lambda chip, dtype: None) == "grouped"
     # Several processes each check their own GPU: one falling back alone would build another program than its
@@ -250,35 +274,36 @@ def _compile_kernels(target):
     expert block loop left (Blackwell's weight gradient ran in one), at a width off both generations' tiles
     (padded to them)."""
     device = compile_only_devices(parse_target(target))[0]
-    chip = grouped.Chip.of(device)
+    chip = Chip.of(device)
     x, w, starts, _, cotangent = _grouped_inputs([300, 0, 90, 122], jnp.bfloat16, 320)
     sharding = jax.sharding.SingleDeviceSharding(device)
     spec = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding) for a in (x, w, starts, cotangent)]
 
     def step(x, w, starts, cotangent):
-        return _value_and_grads(lambda a, b: grouped.gmm(a, b, starts, BLOCK, chip), x, w, cotangent)
+        return _value_and_grads(lambda a, b: grouped.matmul(a, b, starts, BLOCK, chip), x, w, cotangent)
 
     hlo = jax.jit(step).lower(*spec).compile().as_text()
     assert hlo.count('custom_call_target="mosaic_gpu_v2"') == 3
-    assert gmm.BLOCK_LOOP not in hlo
+    assert block_loop.BLOCK_LOOP not in hlo
 
 
 def _compile_mxfp8_kernels(target):
     """impl.fp8=mxfp8's kernels, forward and both gradients, compiled for one GPU of the target: three Mosaic GPU
     custom calls, tcgen05's block-scaled MMAs assembled by ptxas, and no expert block loop left."""
     device = compile_only_devices(parse_target(target))[0]
-    chip = grouped.Chip.of(device)
+    chip = Chip.of(device)
     x, w, starts, _, cotangent = selfcheck.problem(jnp.bfloat16, chip.block, width=320)
     sharding = jax.sharding.SingleDeviceSharding(device)
     spec = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding) for a in (x, w, starts, cotangent)]
 
     def step(x, w, starts, cotangent):
-        return _value_and_grads(lambda a, b: grouped.gmm(a, b, starts, chip.block, chip, mxfp8=True), x, w, cotangent)
+        return _value_and_grads(lambda a, b: grouped.matmul(a, b, starts, chip.block, chip, mxfp8=True), x, w,
+                                cotangent)
 
     hlo = jax.jit(step).lower(*spec).compile().as_text()
     assert hlo.count('custom_call_target="mosaic_gpu_v2"') == 3
     assert "blackwell_mx_grouped_matmul" in hlo and "blackwell_mx_weight_grad" in hlo
-    assert gmm.BLOCK_LOOP not in hlo
+    assert block_loop.BLOCK_LOOP not in hlo
 
 
 def _compile_expert_parallel_layer(target):
@@ -287,8 +312,8 @@ def _compile_expert_parallel_layer(target):
     received rows."""
     devices = compile_only_devices(parse_target(target))
     mesh = Mesh(np.array(devices), ("expert",))
-    chip = grouped.Chip.of(devices[0])
-    width = grouped.WIDTH_MULTIPLE[chip.major]  # Hopper's at 128, under the 256 Blackwell needs
+    chip = Chip.of(devices[0])
+    width = WIDTH_MULTIPLE[chip.major]  # Hopper's at 128, under the 256 Blackwell needs
     cfg = MoEConfig(num_experts=16, top_k=2, expert_hidden=width)
     p = jax.eval_shape(lambda: moe_layer_params(cfg, width, jax.random.key(0)))
     rows, replicated = (NamedSharding(mesh, PartitionSpec(*spec)) for spec in (("expert",), ()))
@@ -302,7 +327,7 @@ def _compile_expert_parallel_layer(target):
     hlo = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(p, x).compile().as_text()
     assert "ragged-all-to-all-start" in hlo and "ragged-all-to-all-done" in hlo
     assert hlo.count('custom_call_target="mosaic_gpu_v2"') == 9  # 3 matmuls, each a kernel and 2 gradients
-    assert gmm.BLOCK_LOOP not in hlo
+    assert block_loop.BLOCK_LOOP not in hlo
 
 
 def _compile_train_step_report(target, overrides=(), mxfp8=False):
@@ -318,7 +343,7 @@ def _compile_train_step_report(target, overrides=(), mxfp8=False):
     hopper = report["device_kind"].startswith("NVIDIA H")
     names = (["grouped_matmul", "grouped_weight_grad"] if hopper
              else ["blackwell_mx_grouped_matmul", "blackwell_mx_weight_grad"] if mxfp8
-             else [f"ragged_dot_kernel_{grouped.BLACKWELL}", "blackwell_weight_grad"])
+             else [f"ragged_dot_kernel_{blackwell.RAGGED_DOT}", "blackwell_weight_grad"])
     assert all(calls.get(f"mosaic_gpu_v2 {name}", 0) > 0 for name in names), calls
     assert report["step_time"]["unknown_kernels"] == {} and report["step_time"]["warnings"] == []
     return report

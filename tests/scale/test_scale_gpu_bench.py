@@ -48,9 +48,9 @@ def test_step_benchmark_runs(gpu_bench):
 def test_experts_benchmark_runs(gpu_bench):
     """The grouped kernels (in Pallas' GPU interpreter here), the block loop and lax.ragged_dot on the same
     uneven groups: the same products, forward and gradients."""
-    from olmax.model.moe import grouped
+    from olmax.model.moe.kernels.chip import Chip
 
-    r = gpu_bench.experts_benchmark(rows=200, d=128, f=128, groups=3, steps=1, chip=grouped.Chip(9, 4),
+    r = gpu_bench.experts_benchmark(rows=200, d=128, f=128, groups=3, steps=1, chip=Chip(9, 4),
                                     interpret=True)
     assert sum(r["group_sizes"]) == 200
     assert r["grouped"]["max_abs_diff_from_blocks"] < 0.1 and r["ragged_dot"]["max_abs_diff_from_blocks"] < 0.1
@@ -60,10 +60,10 @@ def test_experts_benchmark_runs(gpu_bench):
 def test_kernel_checks_run(gpu_bench):
     """`check`'s path with the block loop and one product off in one group's weights (on the GPU: its grouped
     kernels and the block loop): each one's verdict, and its errors against float64."""
-    from olmax.model.moe import gmm
+    from olmax.model.moe import block_loop
 
-    r = gpu_bench.kernel_checks({"loop": lambda x, w, s, b: gmm.gmm(x, w, s, b),
-                                 "wrong": lambda x, w, s, b: gmm.gmm(x, w.at[0].multiply(2), s, b)}, 64,
+    r = gpu_bench.kernel_checks({"loop": lambda x, w, s, b: block_loop.matmul(x, w, s, b),
+                                 "wrong": lambda x, w, s, b: block_loop.matmul(x, w.at[0].multiply(2), s, b)}, 64,
                                 dtypes=[jnp.bfloat16])
     assert r["loop bfloat16"]["verdict"] == "passed"
     assert 0 < max(r["loop bfloat16"]["error_vs_float64"].values()) < 0.01

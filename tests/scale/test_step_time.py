@@ -2,7 +2,10 @@
 tile, a collective's cost on a known topology, loop trip counts, and asynchronous collectives hidden behind
 compute."""
 
+import json
 import math
+import subprocess
+import sys
 
 import pytest
 
@@ -206,7 +209,7 @@ BLOCK_LOOP = """%cond (p: (s32[], s32[], bf16[128,1024])) -> pred[] {
 
 
 def block_loop_program(scope: str) -> str:
-    """A loop over one expert's blocks of 128 rows, from and to bounds that are data (gmm's inner loop)."""
+    """A loop over one expert's blocks of 128 rows, from and to bounds that are data (the block loop's inner loop)."""
     return program(f"""  %first = s32[] parameter(0)
   %last = s32[] parameter(1)
   %x = bf16[128,1024]{{1,0}} parameter(2)
@@ -216,9 +219,9 @@ def block_loop_program(scope: str) -> str:
 
 
 def test_a_data_dependent_block_loop_costs_the_blocks_the_routing_gives_each_expert():
-    """gmm's loop over an expert's blocks has no trip count in the program: it runs ceil(rows / block) times for the
-    rows the routing sends an expert, and the plan says what it assumed. The same loop outside the scope the model
-    knows is named as a warning, never silently counted once."""
+    """The block loop's loop over an expert's blocks has no trip count in the program: it runs ceil(rows / block)
+    times for the rows the routing sends an expert, and the plan says what it assumed. The same loop outside the
+    scope the model knows is named as a warning, never silently counted once."""
     per_block = 2 * 128 * 1024 * 1024
     costs = {}
     for rows in (256, 1000, 4096):
@@ -423,9 +426,9 @@ PALLAS_CALL = """  %x = bf16[512,256]{{1,0}} parameter(0)
 ])
 def test_a_pallas_kernel_is_costed_by_the_work_registered_under_its_name(monkeypatch, target, instruction, config, grid):
     """A Pallas call's name (`pl.pallas_call(..., name=...)`) is the part of its op name before /pallas_call on every
-    backend; the step-time model costs it from olmax.model.kernel_work's entry for that name: here a 4 x 4 grid of
+    backend; the step-time model costs it from olmax.model.kernel_registry's entry for that name: here a 4 x 4 grid of
     128 x 128 output blocks, each contracting 256."""
-    from olmax.model import kernel_work
+    from olmax.model import kernel_registry, kernel_work
 
     seen = []
 
@@ -434,7 +437,7 @@ def test_a_pallas_kernel_is_costed_by_the_work_registered_under_its_name(monkeyp
         blocks = math.prod(call.grid or (4, 4))
         return kernel_work.Work(blocks * 2 * 128 * 128 * 256, kernel_work.moved(call), (128, 128, 256), "bf16")
 
-    monkeypatch.setitem(kernel_work.WORK, "probe_matmul", probe_matmul)
+    monkeypatch.setitem(kernel_registry.WORK, "probe_matmul", probe_matmul)
     found = predict(program(PALLAS_CALL.format(target=target, instruction=instruction, config=config)))
     assert seen == [grid] and found["executed_flops"] == 2 * 512 * 512 * 256 and found["warnings"] == []
 
@@ -447,7 +450,8 @@ def test_a_hopper_grouped_kernel_costs_the_rows_routed_and_blackwells_its_whole_
     from types import SimpleNamespace
 
     from olmax.model import kernel_work
-    from olmax.model.moe import grouped
+    from olmax.model.moe.kernels import blackwell as blackwell_kernels
+    from olmax.model.moe.kernels import hopper
 
     def array(*dims, dtype="bf16"):
         return SimpleNamespace(dims=dims, dtype=dtype, bytes=2 * math.prod(dims))
@@ -459,20 +463,20 @@ def test_a_hopper_grouped_kernel_costs_the_rows_routed_and_blackwells_its_whole_
     def work(entry, operands, outputs, per_group):
         return entry(kernel_work.KernelCall("k", operands, outputs, rows_per_group=per_group))
 
-    whole = work(grouped.grouped_matmul_work, forward, [array(rows, n)], None)
-    routed = work(grouped.grouped_matmul_work, forward, [array(rows, n)], 100.0)
+    whole = work(hopper.matmul_work, forward, [array(rows, n)], None)
+    routed = work(hopper.matmul_work, forward, [array(rows, n)], 100.0)
     assert (whole.flops, routed.flops) == (2.0 * rows * k * n, 2.0 * groups * 128 * k * n)
     assert routed.bytes == pytest.approx(groups * k * n * 2 + 2 * (groups * 128) * (k + n) + 2 * (groups + 1))
-    assert work(grouped.grouped_matmul_work, forward, [array(rows, n)], 1e9).flops == whole.flops
-    dw = work(grouped.grouped_weight_grad_work, weight_grad, [array(groups, k, n, dtype="f32")], 100.0)
+    assert work(hopper.matmul_work, forward, [array(rows, n)], 1e9).flops == whole.flops
+    dw = work(hopper.weight_grad_work, weight_grad, [array(groups, k, n, dtype="f32")], 100.0)
     assert dw.flops == 2.0 * k * groups * 128 * n
-    blackwell_dw = work(grouped.blackwell_weight_grad_work, weight_grad, [array(groups, k, n)], 100.0)
+    blackwell_dw = work(blackwell_kernels.weight_grad_work, weight_grad, [array(groups, k, n)], 100.0)
     assert blackwell_dw.flops == 2.0 * k * groups * 256 * n and blackwell_dw.tile == (128, 256, 256)
     assert blackwell_dw.bytes == pytest.approx(2 * groups * k * n + 2 * (groups * 256) * (k + n) + 2 * (groups + 1))
-    assert work(grouped.blackwell_weight_grad_work, weight_grad, [array(groups, k, n)], None).flops == whole.flops
+    assert work(blackwell_kernels.weight_grad_work, weight_grad, [array(groups, k, n)], None).flops == whole.flops
     blackwell = [array(rows, k), array(groups, k, n), array(groups, dtype="s32")]
-    assert (work(grouped.blackwell_ragged_dot_work, blackwell, [array(rows, n)], 100.0).flops
-            == work(grouped.blackwell_ragged_dot_work, blackwell, [array(rows, n)], None).flops)
+    assert (work(blackwell_kernels.ragged_dot_work, blackwell, [array(rows, n)], 100.0).flops
+            == work(blackwell_kernels.ragged_dot_work, blackwell, [array(rows, n)], None).flops)
 
 
 def test_blackwells_mxfp8_kernels_cost_the_rows_routed_at_the_float8_rate():
@@ -482,7 +486,7 @@ def test_blackwells_mxfp8_kernels_cost_the_rows_routed_at_the_float8_rate():
     from types import SimpleNamespace
 
     from olmax.model import kernel_work
-    from olmax.model.moe import grouped
+    from olmax.model.moe.kernels import mxfp8
 
     def array(*dims, dtype="f8e4m3fn", size=1):
         return SimpleNamespace(dims=dims, dtype=dtype, bytes=size * math.prod(dims))
@@ -500,12 +504,57 @@ def test_blackwells_mxfp8_kernels_cost_the_rows_routed_at_the_float8_rate():
     def work(entry, operands, outputs, per_group):
         return entry(kernel_work.KernelCall("k", operands, outputs, rows_per_group=per_group))
 
-    y = work(grouped.blackwell_mx_grouped_matmul_work, forward, [array(rows, n, dtype="bf16", size=2)], 100.0)
+    y = work(mxfp8.matmul_work, forward, [array(rows, n, dtype="bf16", size=2)], 100.0)
     used = groups * 256
     assert y.flops == 2.0 * used * k * n and y.dtype == "f8e4m3fn"
     assert y.bytes == pytest.approx(groups * n * k * 33 / 32 + used * k * 33 / 32 + 2 * used * n + 4 * rows // 128)
-    dw = work(grouped.blackwell_mx_weight_grad_work, weight_grad, [array(groups, k, n, dtype="bf16", size=2)], 100.0)
+    dw = work(mxfp8.weight_grad_work, weight_grad, [array(groups, k, n, dtype="bf16", size=2)], 100.0)
     assert dw.flops == 2.0 * k * used * n and dw.tile == (128, 256, 256)
     assert dw.bytes == pytest.approx(used * (k + n) * 33 / 32 + 2 * groups * k * n + 4 * (groups + 1))
-    whole = work(grouped.blackwell_mx_weight_grad_work, weight_grad, [array(groups, k, n, dtype="bf16", size=2)], None)
+    whole = work(mxfp8.weight_grad_work, weight_grad, [array(groups, k, n, dtype="bf16", size=2)], None)
     assert whole.flops == 2.0 * k * rows * n
+
+
+def test_a_fresh_process_costs_every_grouped_gpu_kernel_from_its_work():
+    """The grouped kernels' work was registered as a side effect of importing their module (olmax.model.moe.grouped),
+    so a process that had not imported it (a compile whose MoE was dense in the model built so far; `olmax plan`)
+    costed them by their bytes alone, as unknown kernels. The registry names every kernel module: a fresh interpreter
+    that imports only the step-time model costs each of olmax's six GPU kernels, by the name its compiled program
+    shows, from its work."""
+    from olmax.model.moe.kernels.blackwell import RAGGED_DOT
+
+    m, k, n, g = 1024, 256, 512, 4
+    calls = [  # (kernel name, output, operands) as the kernels launch them (olmax.model.moe.kernels)
+        ("grouped_matmul", f"bf16[{m},{n}]", [f"s32[{m // 64}]", f"bf16[{m},{k}]", f"bf16[{g},{k},{n}]"]),
+        ("grouped_weight_grad", f"f32[{g},{k},{n}]", [f"s32[{g + 1}]", f"bf16[{k},{m}]", f"bf16[{m},{n}]"]),
+        (f"ragged_dot_kernel_{RAGGED_DOT}", f"bf16[{m},{n}]", [f"bf16[{m},{k}]", f"bf16[{g},{k},{n}]", f"s32[{g}]"]),
+        ("blackwell_weight_grad", f"bf16[{g},{k},{n}]", [f"s32[{g + 1}]", f"bf16[{k},{m}]", f"bf16[{m},{n}]"]),
+        ("blackwell_mx_grouped_matmul", f"bf16[{m},{n}]",
+         [f"s32[{m // 128}]", f"f8e4m3fn[{m},{k}]", f"f8e4m3fn[{g},{n},{k}]", f"f8e8m0fnu[{m // 128},{k // 128},32,16]",
+          f"f8e8m0fnu[{g},{n // 128},{k // 128},32,16]"]),
+        ("blackwell_mx_weight_grad", f"bf16[{g},{k},{n}]",
+         [f"s32[{g + 1}]", f"f8e4m3fn[{k},{m}]", f"f8e4m3fn[{n},{m}]", f"f8e8m0fnu[{k // 128},{m // 128},32,16]",
+          f"f8e8m0fnu[{n // 128},{m // 128},32,16]"]),
+    ]
+    lines, outputs = [], []
+    for i, (name, out, operands) in enumerate(calls):
+        names = [f"%p{i}_{j}" for j in range(len(operands))]
+        lines += [f"  {a} = {t} parameter({6 * i + j})" for j, (a, t) in enumerate(zip(names, operands))]
+        lines.append(f'  %kernel{i} = {out} custom-call({", ".join(names)}), custom_call_target="mosaic_gpu_v2", '
+                     f'metadata={{op_name="jit(step)/{name}/mpmd_map"}}, backend_config={{kernel_hash = "x"}}')
+        outputs.append(f"%kernel{i}")
+    lines.append(f"  ROOT %all = ({', '.join(out for _, out, _ in calls)}) tuple({', '.join(outputs)})")
+    code = ("import json, sys\n"
+            "from olmax.scale import hardware, step_time\n"
+            "from olmax.scale.targets import parse_target\n"
+            "imported = sorted(m for m in sys.modules if m.startswith('olmax.model'))\n"
+            "found = step_time.predict(sys.stdin.read(), hardware.target_hardware(parse_target('gpu:b300x8')))\n"
+            "print(json.dumps({'imported': imported, 'unknown': found['unknown_kernels'], "
+            "'flops': found['executed_flops'], 'warnings': found['warnings']}))\n")
+    run = subprocess.run([sys.executable, "-c", code], input=program("\n".join(lines)), capture_output=True, text=True,
+                         timeout=600)
+    assert run.returncode == 0, run.stderr
+    found = json.loads(run.stdout.splitlines()[-1])
+    assert not any(module.startswith("olmax.model.moe") for module in found["imported"])  # the kernels not imported
+    assert found["unknown"] == {} and found["warnings"] == []
+    assert found["flops"] >= 6 * 2 * m * k * n  # each kernel's matmul, costed from its work

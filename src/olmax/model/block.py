@@ -33,6 +33,7 @@ from olmax.config import ImplConfig, ModelConfig
 from olmax.model import families, fp8
 from olmax.model.mlp import DenseTraining, dense_mlp
 from olmax.model.moe import selfcheck, sublayer
+from olmax.model.moe.kernels.chip import Chip
 from olmax.model import rope as rope_lib
 from olmax.parallel.mesh import Layout, constrain, platform
 
@@ -85,7 +86,7 @@ def mlp_sublayer(cfg: ModelConfig, impl: ImplConfig, layout: Layout | None = Non
     target = moe_target(cfg, impl, layout)
     dispatch, chip = sublayer.dispatch_for(impl.moe.dispatch, *target), None
     if dispatch == "grouped":
-        chip = sublayer.grouped.Chip.of(target[2])
+        chip = Chip.of(target[2])
         if target[2] in jax.devices():  # this process's GPUs, not a compile-only target's: the kernels run here
             check = functools.partial(selfcheck.check, mxfp8=impl.fp8 == "mxfp8")
             dispatch = selfcheck.checked_dispatch(dispatch, chip, compute_dtype(impl, layout), check)

@@ -61,7 +61,7 @@ matmul.defvjp(_forward, _backward)
 # forward and both gradient products quantize their two operands along the dimension they contract, as
 # jax.nn.scaled_dot_general does (the gradient in e4m3 too); on a GPU each product is jax.nn.scaled_matmul on
 # the quantized operands (cuDNN's block-scaled GEMM on Blackwell; the experts under impl.moe.dispatch=grouped
-# run olmax's MXFP8 grouped kernels on the same values, olmax.model.moe.grouped), elsewhere the same rounded
+# run olmax's MXFP8 grouped kernels on the same values, olmax.model.moe.kernels.mxfp8), elsewhere the same rounded
 # values are multiplied in float32. What the backward keeps of a projection is its input as the forward quantized it
 # (1 byte an element and a scale per 32), from which the weight gradient is made (dequantized: exact, then
 # quantized along the tokens), and the weight as it came in (an FSDP shard): the whole weight is gathered in
@@ -137,8 +137,9 @@ def mx_dot_general(a: jax.Array, b, dimension_numbers, platform: str, out_dtype=
 
 @dataclasses.dataclass(frozen=True)
 class MXDot:
-    """The experts' grouped matmul in MXFP8 on `platform` (see olmax.model.moe.gmm): `dot(a, b, dimension_numbers)`
-    in float32, and `weight(w, axis)`, the expert weights quantized along `axis` once for all their blocks."""
+    """The experts' grouped matmul in MXFP8 on `platform` (see olmax.model.moe.block_loop): `dot(a, b,
+    dimension_numbers)` in float32, and `weight(w, axis)`, the expert weights quantized along `axis` once for all
+    their blocks."""
 
     platform: str
 

@@ -38,7 +38,7 @@ from olmax.config import RunConfig, writable_dir
 from olmax.errors import DoesNotFit
 from olmax.model import attention, fp8, transformer
 from olmax.model.block import moe_target
-from olmax.model.moe import gmm, sublayer
+from olmax.model.moe import block_loop, sublayer
 from olmax.parallel import expert as expert_parallel
 from olmax.parallel.mesh import Layout, make_layout
 from olmax.scale import anatomy, hardware, op_cost, step_time
@@ -148,10 +148,10 @@ def expert_blocks(cfg: RunConfig, layout: Layout, micro_rows: int) -> op_cost.Ex
         if ep > 1:  # the dropless ragged exchange (olmax.parallel.expert)
             exchanged = tokens * expert_parallel.expected_peers(moe.num_experts, moe.top_k, ep)
     smallest = fp8.MX_BLOCK if cfg.impl.fp8 == "mxfp8" else 16
-    block = cfg.impl.moe.block or gmm.auto_block_size(sized_for, local_experts, smallest)
+    block = cfg.impl.moe.block or block_loop.auto_block_size(sized_for, local_experts, smallest)
     slots = (expert_parallel.receive_slots(tokens, moe.num_experts, moe.top_k, ep, cfg.impl.moe.ep_buffer)
              if exchanged is not None and cfg.impl.moe.ep_buffer is not None else None)
-    return op_cost.ExpertBlocks(routed / local_experts, block, moe.routing, gmm.BLOCK_LOOP, exchanged, routed,
+    return op_cost.ExpertBlocks(routed / local_experts, block, moe.routing, block_loop.BLOCK_LOOP, exchanged, routed,
                                   slots, expert_parallel.OVERFLOW_SCOPE)
 
 

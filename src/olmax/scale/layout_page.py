@@ -373,7 +373,7 @@ def _step_time(r: dict) -> str:
     note = ('<p class="note">From the compiled program: each op costed by a roofline (its FLOPs at the matrix '
             f"unit's rate, {html.escape(step_time.matmul_rate(k))}; its bytes at {k['memory_efficiency']:.0%} "
             f"of {k['memory_bandwidth_per_device'] / 1e9:,.0f} GB/s of HBM), kernels by the work olmax.model."
-            f"kernel_work registers, collectives on the target's links at {k['collective_efficiency']:.0%} of their "
+            f"kernel_registry holds, collectives on the target's links at {k['collective_efficiency']:.0%} of their "
             "rate, loops times their trip counts, asynchronous collectives hidden behind the compute scheduled "
             "between their start and done. The constants and their sources: olmax.scale.targets.</p>")
     counted = "".join(f"<li>{html.escape(line)}</li>" for line in step_time.notes(p))

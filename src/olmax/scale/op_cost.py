@@ -8,8 +8,9 @@
   known (v5p) an op the compiler estimated takes libtpu's estimated cycles instead (`Cost.roofline` keeps what
   the roofline gives it). Attention kernels (Splash on TPU, cuDNN's on GPU) are costed from their shapes, the
   blocks their mask leaves (`AttentionInfo`), and the matmuls each of them runs (forward 2, Splash's dq 3 and
-  dkv 4, cuDNN's backward 5); any other kernel from the work olmax.model.kernel_work registers for it (the TPU's
-  ragged-dot grouped matmuls), and one it does not know by its bytes, named (`Cost.unknown_kernel`).
+  dkv 4, cuDNN's backward 5); any other kernel from the work olmax.model.kernel_registry holds for it (the TPU's
+  ragged-dot grouped matmuls, olmax's grouped GPU kernels), and one it does not know by its bytes, named
+  (`Cost.unknown_kernel`).
 - collectives: their bytes per device over the links the group spans, with the algorithm the platform uses
   (a bidirectional ring per torus dimension, all dimensions at once on a TPU slice with wraparound; NVLink
   within a GPU host and the hosts' network between them; all-to-all by the bisection); a ragged all-to-all by
@@ -157,7 +158,7 @@ class AttentionInfo:
 
 @dataclass
 class ExpertBlocks:
-    """What the compiled program cannot say about the experts' block loops (olmax.model.moe.gmm): a loop over
+    """What the compiled program cannot say about the experts' block loops (olmax.model.moe.block_loop): a loop over
     one expert's blocks of rows runs as many times as that expert has blocks, which is data. The model takes the
     routing's expectation from the config: balanced routing gives every expert tokens x top_k / experts rows, in
     whole blocks; random routing the same on average."""
@@ -165,7 +166,7 @@ class ExpertBlocks:
     rows_per_expert: float  # rows one device's expert gets a micro-step, expected
     block: int  # rows a block
     routing: str  # the config's routing, said with the count
-    scope: str  # the named scope the loops run under (olmax.model.moe.gmm.BLOCK_LOOP)
+    scope: str  # the named scope the loops run under (olmax.model.moe.block_loop.BLOCK_LOOP)
     # rows a device sends its expert group in one ragged exchange, expected (its tokens x the peers holding any of
     # a token's experts); a ragged-all-to-all moves these, not its static buffer. None: no ragged exchange.
     exchanged_rows: float | None = None
@@ -226,7 +227,7 @@ UNKNOWN_CYCLES = 2**63 - 1  # libtpu's estimated_cycles for an op it does not es
 
 
 def kernel_name(instruction: hlo.Instruction, target: str) -> str:
-    """A kernel's name as olmax.model.kernel_work looks it up: a Pallas call's (its op name ends NAME/pallas_call
+    """A kernel's name as olmax.model.kernel_registry looks it up: a Pallas call's (its op name ends NAME/pallas_call
     on every backend, or NAME/mpmd_map for a Mosaic GPU `plgpu.kernel`), else a TPU kernel's instruction name less
     its numeric suffix, else the call's target."""
     if found := re.search(r"([^/]+)/(?:pallas_call|mpmd_map)$", instruction.op_name):
@@ -393,12 +394,16 @@ class ProgramCost:
         return int(found.group(1)) if found and int(found.group(1)) != UNKNOWN_CYCLES else None
 
     def _kernel(self, instruction: hlo.Instruction, target: str, operands: list[hlo.Array]) -> Cost:
-        """A kernel's cost from the work olmax.model.kernel_work registers for it; a kernel it does not know is
+        """A kernel's cost from the work olmax.model.kernel_registry holds for it; a kernel it does not know is
         costed by its bytes and counted by name (`unknown_kernel`)."""
+        # Imported at the first kernel costed: the registry imports the kernels' modules, and with them JAX, which
+        # the pages that only read a prediction (olmax report) do not load.
+        from olmax.model import kernel_registry
+
         hw = self.hw
         name = kernel_name(instruction, target)
         moved = sum(a.bytes for a in operands if not a.on_chip) + sum(a.bytes for a in instruction.outputs)
-        entry = kernel_work.lookup(name)
+        entry = kernel_registry.lookup(name)
         if entry is None:
             return Cost(moved / (hw.memory_bandwidth * hw.memory_efficiency) + hw.op_overhead, "memory", 0.0, moved,
                         unknown_kernel=name)

@@ -61,7 +61,7 @@ def predict(text: str, hw: Hardware, coords: list[dict] | None = None, attention
     warnings = [f"loop {name} ({op_name}): its trip count is data the model cannot derive; counted once"
                 for name, op_name in sorted(tally.uncounted_loops.items())]
     warnings += [f"custom call {name} ({calls:,.0f} a step): an unknown kernel, costed by its bytes only (register "
-                 "its work in olmax.model.kernel_work)" for name, calls in sorted(tally.unknown_kernels.items())]
+                 "its work in olmax.model.kernel_registry)" for name, calls in sorted(tally.unknown_kernels.items())]
     step = tally.total
     by_category = collections.defaultdict(float)
     by_region = collections.defaultdict(lambda: collections.defaultdict(float))

@@ -78,7 +78,7 @@ class Estimate:
         the rows it receives over the expert axis); zeros for a dense model. Each device of an expert group runs its
         experts on what its peers send: with a capacity a peer, that many rows from each; dropless, every token of
         the group, once for each local expert it chose, or with impl.moe.ep_buffer a round's buffer
-        (olmax.parallel.expert, olmax.model.moe.gmm)."""
+        (olmax.parallel.expert, olmax.model.moe.experts)."""
         cfg, m = self.cfg, self.cfg.model
         if m.mlp != "moe":
             return 0, 0, 0

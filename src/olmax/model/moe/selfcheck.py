@@ -1,6 +1,6 @@
-"""The grouped kernels (grouped.py) checked on the GPU before a run uses them: once a process, for the chip and
-dtype the run uses, forward, input and weight gradient on a small problem against `lax.ragged_dot` in float32
-(the MXFP8 kernels against the block loop's MXFP8 products, fp8.MXDot's: the same quantized operands).
+"""The grouped kernels (olmax.model.moe.kernels) checked on the GPU before a run uses them: once a process, for
+the chip and dtype the run uses, forward, input and weight gradient on a small problem against `lax.ragged_dot` in
+float32 (the MXFP8 kernels against the block loop's MXFP8 products, fp8.MXDot's: the same quantized operands).
 A kernel that launches but computes wrong values (a compiler or driver the kernels were never run with) would
 otherwise train on garbage; one that fails, or fails to launch, leaves the run the block loop instead."""
 
@@ -16,10 +16,12 @@ import numpy as np
 
 from olmax.config import ConfigError
 from olmax.model import fp8
-from olmax.model.moe import gmm, grouped
+from olmax.model.moe import block_loop
+from olmax.model.moe.kernels import grouped
+from olmax.model.moe.kernels.chip import WIDTH_MULTIPLE, Chip
 
 COUNTS = (37, 0, 130, 64)  # rows a group: uneven, one empty, one of whole blocks (Hopper's), off the tiles
-WIDTH = grouped.WIDTH_MULTIPLE[10]  # d and f: one of Blackwell's 256-wide tiles, two of Hopper's
+WIDTH = WIDTH_MULTIPLE[10]  # d and f: one of Blackwell's 256-wide tiles, two of Hopper's
 # The largest difference allowed, a fraction of the reference's largest value: bf16 outputs round at 2^-9
 # relative; float32 inputs run as TF32 on the tensor cores (10-bit mantissa). A wrong group is off by order 1.
 TOLERANCE = {"bfloat16": 3e-2, "float32": 5e-3}
@@ -67,12 +69,12 @@ def mxfp8_block_loop(x, w, sizes, cotangent, block: int):
     """y, dx, dw by the block loop in MXFP8 (fp8.MXDot's products of the dequantized operands, in float32 on any
     platform) over `block`-row blocks."""
     starts = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(sizes // block)])
-    y, vjp = jax.vjp(lambda a, b: gmm.gmm(a, b, starts, block, fp8.MXDot("cpu")), x, w)
+    y, vjp = jax.vjp(lambda a, b: block_loop.matmul(a, b, starts, block, fp8.MXDot("cpu")), x, w)
     return (y, *vjp(cotangent))
 
 
 def errors(product, dtype, block: int, reference=ragged_dot_f32) -> dict[str, float]:
-    """`product(x, w, block_starts, block)` (grouped.gmm's arguments) on the small problem: the largest
+    """`product(x, w, block_starts, block)` (grouped.matmul's arguments) on the small problem: the largest
     difference of y, dx and dw from `reference`'s, each a fraction of the reference's largest value."""
     x, w, starts, sizes, cotangent = problem(dtype, block)
     y, vjp = jax.vjp(jax.jit(lambda a, b: product(a, b, starts, block)), x, w)
@@ -102,25 +104,25 @@ def verdict(product, name: str, dtype, block: int, reference=ragged_dot_f32,
     return None
 
 
-def kernel_name(chip: grouped.Chip, mxfp8: bool = False) -> str:
+def kernel_name(chip: Chip, mxfp8: bool = False) -> str:
     kernels = ("grouped_matmul, grouped_weight_grad" if chip.major == 9
                else "blackwell_mx_grouped_matmul, blackwell_mx_weight_grad" if mxfp8
                else "blackwell_ragged_dot_mgpu, blackwell_weight_grad")
-    return f"grouped.gmm{' in MXFP8' if mxfp8 else ''} for sm_{chip.major}0 ({kernels})"
+    return f"grouped.matmul{' in MXFP8' if mxfp8 else ''} for sm_{chip.major}0 ({kernels})"
 
 
 _verdicts: dict[tuple, str | None] = {}
 _said: set[str] = set()
 
 
-def check(chip: grouped.Chip, dtype, mxfp8: bool = False) -> str | None:
+def check(chip: Chip, dtype, mxfp8: bool = False) -> str | None:
     """The grouped kernels' verdict for `chip` in `dtype` (`mxfp8`: the MXFP8 kernels, against the block loop's
     MXFP8 products) on this process's GPU (see `verdict`), found once."""
     key = (chip, jnp.dtype(dtype).name, mxfp8)
     if key not in _verdicts:
         reference = (dict(reference=functools.partial(mxfp8_block_loop, block=chip.block),
                           reference_name="the MXFP8 block loop") if mxfp8 else {})
-        _verdicts[key] = verdict(lambda x, w, starts, block: grouped.gmm(x, w, starts, block, chip, mxfp8),
+        _verdicts[key] = verdict(lambda x, w, starts, block: grouped.matmul(x, w, starts, block, chip, mxfp8),
                                  kernel_name(chip, mxfp8), dtype, chip.block, **reference)
     return _verdicts[key]
 
@@ -130,7 +132,7 @@ def failed() -> list[str]:
     return [line for line in _verdicts.values() if line]
 
 
-def checked_dispatch(dispatch: str, chip: grouped.Chip, dtype, check=check, processes: int | None = None) -> str:
+def checked_dispatch(dispatch: str, chip: Chip, dtype, check=check, processes: int | None = None) -> str:
     """`dispatch` for a run on this process's GPUs: `blocks` instead of `grouped` where the kernels fail
     `check`, said in one line. A run of several processes stops instead (ConfigError): each process checks its own
     GPU, and one falling back alone would build another program than its peers, which would wait for it."""

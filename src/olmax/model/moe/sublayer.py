@@ -1,5 +1,6 @@
 """The mixture-of-experts MLP sublayer and its training hooks: a router sends each token to top_k of E
-SwiGLU experts (router.py), which run as grouped matmuls (gmm.py).
+SwiGLU experts (router.py), which run as grouped matmuls over the rows routed to them (experts.py: XLA's
+block loop, block_loop.py, `jax.lax.ragged_dot`, or the GPU kernels of kernels/).
 
     out    = sum_k gates_k * expert_{chosen_k}(x)
            = (shared(x) + k * out) / (k + 1)  with a shared expert (OLMo-core's weighting)
@@ -20,41 +21,36 @@ from jax.sharding import Mesh
 from olmax.config import ConfigError, ModelConfig, MoEConfig
 from olmax.model import fp8
 from olmax.model.mlp import swiglu
-from olmax.model.moe import gmm, grouped, router
+from olmax.model.moe import block_loop, router
+from olmax.model.moe.experts import grouped_swiglu
+from olmax.model.moe.kernels import grouped
+from olmax.model.moe.kernels.chip import Chip, unsupported
 from olmax.parallel import expert as expert_parallel
 
 
 def dispatch_for(chosen: str, platform: str, stages: int = 1, device=None, mxfp8: bool = False) -> str:
-    """The experts' matmul `impl.moe.dispatch` means on `platform` ('cpu', 'gpu', 'tpu') with `stages`
-    pipeline stages, for GPUs on `device` (one of the target's). `auto` takes
-    ragged_dot where the compiler runs it as a grouped-matmul kernel: on TPU (its `ragged-dot` kernels,
-    tests/scale/test_scale_compile.py) without pipeline stages. A pipeline maps the layers over the stages, which
-    gives ragged_dot a batch dimension, and the TPU kernel takes none (the compiler stops: "Failed to create
-    RaggedConvSpec ... number of batch dimensions should be 0"). XLA:CPU expands ragged_dot densely, and so did
-    XLA:GPU in jax 0.10.2 (a compile for gpu:h100x8 made each expert matmul a batched dot over every expert and
-    every row), so on GPUs `auto` takes `grouped`, the Pallas Mosaic GPU kernels of grouped.py, where they run
-    (Hopper and Blackwell, any width, no pipeline stages; `mxfp8` on Blackwell only), and the block loop
-    elsewhere (the CPU emulates MXFP8 in it)."""
-    kernel = platform == "tpu" and stages == 1
-    if chosen == "ragged_dot" and platform == "tpu" and not kernel:
-        raise ConfigError(f"impl.moe.dispatch=ragged_dot with mesh.stage {stages}: the TPU's ragged-dot kernel "
-                          "takes no batch dimension, which the pipeline's map over its stages adds; set "
-                          "impl.moe.dispatch=auto or blocks")
+    """The experts' matmul `impl.moe.dispatch` means on `platform` ('cpu', 'gpu', 'tpu'), for GPUs on `device`
+    (one of the target's), with or without pipeline stages (`stages`: each kernel launch runs unbatched under the
+    pipeline's map over its stages, olmax.model.moe.kernels.chip.one_launch_a_device and experts.ragged_dot). `auto`
+    takes ragged_dot where the compiler runs it as a grouped-matmul kernel: on TPU (its `ragged-dot` kernels,
+    tests/scale/test_scale_compile.py). XLA:CPU expands ragged_dot densely, and so did XLA:GPU in jax 0.10.2 (a
+    compile for gpu:h100x8 made each expert matmul a batched dot over every expert and every row), so on GPUs
+    `auto` takes `grouped`, the Pallas Mosaic GPU kernels of olmax.model.moe.kernels, where they run (Hopper and
+    Blackwell, any width; `mxfp8` on Blackwell only), and the block loop elsewhere (the CPU emulates MXFP8 in
+    it)."""
+    del stages
     if chosen in ("auto", "grouped"):
         refusal = None
         if platform != "gpu":
             refusal = f"its kernels are for NVIDIA GPUs, and this layout's devices are {platform.upper()}s"
-        elif stages > 1:
-            refusal = (f"with mesh.stage {stages} the pipeline's map over its stages would batch the kernels, "
-                       "which run one grid over one GPU's rows")
         else:
-            refusal = grouped.unsupported(device)
-        if not refusal and mxfp8 and grouped.Chip.of(device).major != 10:
+            refusal = unsupported(device)
+        if not refusal and mxfp8 and Chip.of(device).major != 10:
             refusal = "its MXFP8 kernels are Blackwell's (sm_100, tcgen05's block-scaled MMA)"
         if chosen == "grouped" and refusal:
             raise ConfigError(f"impl.moe.dispatch=grouped: {refusal}; set impl.moe.dispatch=auto or blocks")
         if chosen == "auto":
-            return "ragged_dot" if kernel else "blocks" if refusal else "grouped"
+            return "ragged_dot" if platform == "tpu" else "blocks" if refusal else "grouped"
     return chosen
 
 
@@ -71,13 +67,13 @@ def moe_mlp(
     ep_capacity: float | None = None,
     exchange_chunks: int = 1,
     ep_buffer: float | None = None,
-    dot=gmm.dot_f32,
+    dot=block_loop.dot_f32,
     smallest_block: int = 16,
-    chip: grouped.Chip | None = None,
+    chip: Chip | None = None,
 ) -> tuple[jax.Array, dict]:
     """One MoE layer on hidden states x [B, T, D] -> (out [B, T, D], aux); `key` drives routing="random".
     `dispatch` ("blocks", "ragged_dot" or "grouped": the kernels for GPU `chip`) and `block_size` (None = auto,
-    at least `smallest_block`) choose how the experts run, `dot` the block loop's products (gmm.gmm);
+    at least `smallest_block`) choose how the experts run, `dot` the block loop's products (block_loop.matmul);
     `ep_capacity` (None: dropless) bounds what a device sends each peer of its expert group (see
     olmax.parallel.expert), dropping, and counting, assignments beyond it; dropless, `exchange_chunks` parts of
     each device's tokens are exchanged and run one after another, so one's exchange can overlap another's experts,
@@ -120,14 +116,14 @@ def moe_mlp(
     aux["dropped_tokens"] = jnp.sum(experts == cfg.num_experts, dtype=jnp.int32)
 
     def run_experts(x_local, groups, gates, w1, w3, w2, expected_rows, assignments=None):
-        block = block_size or gmm.auto_block_size(expected_rows, w1.shape[0], smallest_block)
+        block = block_size or block_loop.auto_block_size(expected_rows, w1.shape[0], smallest_block)
         product = None
-        if dispatch == "grouped":  # the kernels' layout (grouped.Chip.block), whatever impl.moe.block
+        if dispatch == "grouped":  # the kernels' layout (Chip.block), whatever impl.moe.block
             # the block loop's MXFP8 product means the kernels' MXFP8 products
             mxfp8 = isinstance(dot, fp8.MXDot)
-            block, product = chip.block, lambda a, w, starts, b: grouped.gmm(a, w, starts, b, chip, mxfp8)
-        return gmm.grouped_swiglu(x_local, groups, w1, w3, w2, dispatch=dispatch, block=block, dot=dot,
-                                  product=product, assignments=assignments, gates=gates)
+            block, product = chip.block, lambda a, w, starts, b: grouped.matmul(a, w, starts, b, chip, mxfp8)
+        return grouped_swiglu(x_local, groups, w1, w3, w2, dispatch=dispatch, block=block, dot=dot, product=product,
+                              assignments=assignments, gates=gates)
 
     weights = (p["w1"], p["w3"], p["w2"])
     aux["exchange_rounds"] = jnp.zeros((), jnp.int32)
