@@ -130,7 +130,7 @@ def emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, outpu
     return output.at[landing.reshape(-1)].set(received.reshape(-1, *operand.shape[1:]), mode="drop")
 
 
-OVERFLOW_SCOPE = "expert_exchange_overflow"  # the rounds past the first of a bounded exchange (olmax.scale.step_time)
+OVERFLOW_SCOPE = "expert_exchange_overflow"  # the rounds past the first of a bounded exchange (olmax.scale.simulator)
 
 
 def ragged_exchange(run_experts: Callable, x, experts, gates, local_weights, per_device: int, ep: int,

@@ -9,8 +9,9 @@ figures); the GPU compiler does not check, so the peak is compared with the GPU'
 FLOPs come from olmax's own count, not from XLA's cost analysis, which counts a scanned layer body
 once and does not see into Pallas kernels. The report also counts what the compiled program runs: its
 attention kernels (Splash, cuDNN; Splash's tiles), the experts' grouped matmul kernels (`ragged-dot-*` on TPU,
-where `impl.moe.dispatch` auto takes ragged_dot), its matmuls with float8 operands (impl.fp8) and the collectives
-run on the SparseCores. The compiler gets the target's XLA flag profile (`targets.XLA_FLAGS`) as compile options.
+where `impl.moe.dispatch` auto takes ragged_dot; olmax's Mosaic GPU kernels by name), its matmuls with float8
+operands (impl.fp8) and the collectives run on the SparseCores. The compiler gets the target's XLA flag profile
+(`targets.XLA_FLAGS`) as compile options.
 """
 
 from __future__ import annotations
