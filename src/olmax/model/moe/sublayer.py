@@ -35,22 +35,20 @@ class MoETarget(NamedTuple):
     """The devices the experts run on, as dispatch_for takes them."""
 
     platform: str  # cpu, gpu or tpu
-    stages: int  # pipeline stages
     device: object  # one of the devices (a GPU's compute capability picks its kernels)
     mxfp8: bool  # impl.fp8=mxfp8
 
 
-def dispatch_for(chosen: str, platform: str, stages: int = 1, device=None, mxfp8: bool = False) -> str:
+def dispatch_for(chosen: str, platform: str, device=None, mxfp8: bool = False) -> str:
     """The experts' matmul `impl.moe.dispatch` means on `platform` ('cpu', 'gpu', 'tpu'), for GPUs on `device`
-    (one of the target's), with or without pipeline stages (`stages`: each kernel launch runs unbatched under the
-    pipeline's map over its stages, olmax.model.moe.kernels.chip.one_launch_a_device and experts.ragged_dot). `auto`
+    (one of the target's), with or without pipeline stages (each kernel launch runs unbatched under the pipeline's
+    map over its stages: olmax.model.moe.kernels.chip.one_launch_a_device, experts.ragged_dot). `auto`
     takes ragged_dot where the compiler runs it as a grouped-matmul kernel: on TPU (its `ragged-dot` kernels,
     tests/scale/test_scale_compile.py). XLA:CPU expands ragged_dot densely, and so did XLA:GPU in jax 0.10.2 (a
     compile for gpu:h100x8 made each expert matmul a batched dot over every expert and every row), so on GPUs
     `auto` takes `grouped`, the Pallas Mosaic GPU kernels of olmax.model.moe.kernels, where they run (Hopper and
     Blackwell, any width; `mxfp8` on Blackwell only), and the block loop elsewhere (the CPU emulates MXFP8 in
     it)."""
-    del stages
     if chosen in ("auto", "grouped"):
         refusal = None
         if platform != "gpu":
@@ -68,9 +66,8 @@ def dispatch_for(chosen: str, platform: str, stages: int = 1, device=None, mxfp8
 
 def moe_target(cfg: ModelConfig, impl: ImplConfig, layout: Layout | None) -> MoETarget:
     """What dispatch_for needs beyond impl.moe.dispatch, of the layout's devices (this process's without one)."""
-    stages = layout.mesh.shape.get("stage", 1) if layout else 1
     device = layout.mesh.devices.flat[0] if layout else jax.devices()[0]
-    return MoETarget(platform(layout), stages, device, impl.fp8 == "mxfp8")
+    return MoETarget(platform(layout), device, impl.fp8 == "mxfp8")
 
 
 def dispatch_for_layout(cfg: ModelConfig, impl: ImplConfig, layout: Layout | None) -> str:
