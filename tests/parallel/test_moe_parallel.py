@@ -268,7 +268,8 @@ def test_an_exchange_in_parts_or_rounds_equals_it_whole(chunks, buffer, dispatch
     assert int(want[0][1][1].pop("exchange_rounds")) == 0
     assert (int(rounds) > 0) == (buffer is not None)
     for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want), strict=True):
-        np.testing.assert_allclose(a, b, atol=1e-6, rtol=1e-6, err_msg=jax.tree_util.keystr(path))
+        # float32 sums in another order (a round's rows apart from the rest): ~4e-6 apart on XLA's CPU dots
+        np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5, err_msg=jax.tree_util.keystr(path))
 
 
 def test_a_layers_filled_buffer_is_its_own_not_a_copy_of_a_shared_one():
