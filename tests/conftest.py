@@ -1,7 +1,9 @@
 import os
 
+from testlib import CPU_COMPILE
+
 # Multi-device code is tested on 8 fake CPU devices; this must happen before jax is imported.
-os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8 {CPU_COMPILE}"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # One persistent compilation cache for the session and the `olmax` processes it starts, kept between runs and
 # clones (the user's cache directory): most tests train the same tiny model, and a cached executable is the
