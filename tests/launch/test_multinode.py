@@ -28,7 +28,7 @@ from olmax.data.synthetic import write_synthetic_shards
 from olmax.launch.supervisor import latest_checkpoint_step
 from olmax.train.trainer import train
 
-STEPS, HANG_TIMEOUT = 30, 60  # a loaded 2-core machine has taken over 20 s for a step and a checkpoint
+STEPS, HANG_TIMEOUT = 16, 60  # a loaded 2-core machine has taken over 20 s for a step and a checkpoint
 FIRST, SECOND = NODES  # olmaxnode1 (process 0, the coordinator), olmaxnode2 (process 1)
 
 
