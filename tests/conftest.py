@@ -1,7 +1,9 @@
 import os
 
+from testlib import CPU_COMPILE
+
 # Multi-device code is tested on 8 fake CPU devices; this must happen before jax is imported.
-os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8 {CPU_COMPILE}"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # One persistent compilation cache for the session and the `olmax` processes it starts, kept between runs and
 # clones (the user's cache directory): most tests train the same tiny model, and a cached executable is the
@@ -17,15 +19,17 @@ os.environ["OLMAX_HUGE_PAGES"] = "0"
 
 
 import json  # noqa: E402
-from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
+from suite_budget import PROFILE, Budget, record_events  # noqa: E402
 
-# The suite's profile (benchmarks/suite_profile.py --json): each test file's measured seconds.
-PROFILE = Path(__file__).with_name("suite_profile.json")
+# What the tests cost, counted in every process of the session, for the budget's check at its end.
+record_events()
 
 
 def pytest_configure(config):
+    if not hasattr(config, "workerinput"):
+        config.pluginmanager.register(Budget(), "suite_budget")
     # pytest-xdist hands out whole files (--dist loadfile) and by default orders them by their number of tests,
     # which starts the end-to-end files (one or two tests of minutes each) last: at the end of the run one of
     # them ran alone on one core. The order is this file's (below) instead.
@@ -36,7 +40,7 @@ def pytest_configure(config):
 def pytest_collection_modifyitems(items):
     """The longest test files first, by their seconds in the suite's profile, so the short ones fill in at the end;
     a file the profile does not know yet goes first (it may be long)."""
-    seconds = {path: row.get("wall", 0.0) for path, row in json.loads(PROFILE.read_text()).items()}
+    seconds = {path: row.get("wall", 0.0) for path, row in json.loads(PROFILE.read_text())["files"].items()}
     items.sort(key=lambda item: -seconds.get(item.nodeid.split("::")[0], float("inf")))
 
 

@@ -89,25 +89,35 @@ def test_compiles_sleeps_and_starts_a_process():
     time.sleep(0.2)
     subprocess.run([sys.executable, "-c", "import jax, jax.numpy as jnp; jax.jit(lambda x: x - 3)(jnp.ones(5))"],
                    check=True)
+
+def test_sleeps():
+    time.sleep(0.1)
 """
 
 
 @pytest.mark.slow
 def test_suite_profile_attributes_a_tests_time(tmp_path):
+    """Per file and per test: each test's compiles, sleep and child process are its own, cold then warm."""
     (tmp_path / "test_profiled.py").write_text(PROFILED_TEST)
     env = {**os.environ, "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "cache")}
-    rows = []
+    profiles = []
     for run in ("cold", "warm"):
         done = subprocess.run([sys.executable, str(BENCHMARKS / "suite_profile.py"), "--json", f"{run}.json", "-q",
                                "-n", "0", "-p", "no:cacheprovider", "test_profiled.py"], cwd=tmp_path, env=env,
                               capture_output=True, text=True, timeout=300)
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-        assert "compiles-missed" in done.stdout
-        rows.append(json.loads((tmp_path / f"{run}.json").read_text())["test_profiled.py"])
-    cold, warm = rows
-    assert cold["tests"] == 1 and cold["processes"] == 1 and cold["start-up"] > 0 and cold["sleep"] >= 0.2
+        assert "compiles-missed" in done.stdout and "| `test_profiled.py::test_sleeps` |" in done.stdout
+        profiles.append(json.loads((tmp_path / f"{run}.json").read_text()))
+    cold, warm = (profile["files"]["test_profiled.py"] for profile in profiles)
+    assert cold["tests"] == 2 and cold["processes"] == 1 and cold["start-up"] > 0 and cold["sleep"] >= 0.3
     assert cold["compiles-missed"] >= 2 and not cold.get("compiles-hit")  # the test's jit and its child's
     assert warm["compiles-hit"] >= 2 and not warm.get("compiles-missed")
+    first, second = (profiles[0]["tests"][f"test_profiled.py::{name}"]
+                     for name in ("test_compiles_sleeps_and_starts_a_process", "test_sleeps"))
+    assert first["processes"] == 1 and first["compiles-missed"] >= 2 and first["sleep"] >= 0.2
+    assert second["sleep"] >= 0.1 and not second.get("compiles-missed") and not second.get("processes")
+    assert first["sleep"] + second["sleep"] == pytest.approx(cold["sleep"])
+    assert profiles[0]["recorded"]["arguments"].endswith("test_profiled.py")
 
 
 @pytest.mark.skipif(bool(__import__("olmax.scale.targets", fromlist=["aot_missing"]).aot_missing("tpu")),

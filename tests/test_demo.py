@@ -1,5 +1,7 @@
 """The embedded demo, shortened: real stdlib text -> tokenizer -> shards -> training with evals -> report."""
 
+import contextlib
+import io
 import json
 from pathlib import Path
 
@@ -31,13 +33,30 @@ def _check_the_baseline_scores_the_documents_the_model_is_scored_on(report, doma
     assert report["unigram_baseline"][domain] == pytest.approx(-np.log(counts / counts.sum())[chosen].mean(), rel=1e-9)
 
 
+SHORT = ["train.steps=40", "eval.every=20", "eval.tokens=4096", "checkpoint.every=20", "model.vocab_size=1024",
+         "schedule.warmup_steps=5"]
+
+
+@pytest.fixture(scope="module")
+def first_demo(tmp_path_factory):
+    """The dense demo, shortened, run once in a directory of the module's: it builds the corpus, tokenizer and
+    shards that the runs after it reuse, as `olmax demo` then `olmax demo --moe` do. (The directory, what the run
+    printed, its report.)"""
+    where = tmp_path_factory.mktemp("demo")
+    printed = io.StringIO()
+    with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(printed):
+        patch.chdir(where)  # the demo preset's paths are relative to the working directory
+        report = run_demo(SHORT, fresh=False)
+    return where, printed.getvalue(), report
+
+
 @pytest.mark.slow
-def test_demo_end_to_end_twice_bitwise(tmp_path, monkeypatch, capsys):
-    monkeypatch.chdir(tmp_path)  # the demo preset's paths are relative to the working directory
-    short = ["train.steps=40", "eval.every=20", "eval.tokens=4096", "checkpoint.every=20", "model.vocab_size=1024",
-             "schedule.warmup_steps=5"]
-    report = run_demo(short, fresh=False)
-    stages = [line.split("] ")[1] for line in capsys.readouterr().out.splitlines()
+def test_demo_end_to_end_twice_bitwise(first_demo, monkeypatch, capsys):
+    """Cost: two runs of the demo (40 steps with two evaluations each, greedy samples, the report) and the data they
+    share built once: what `olmax demo` does, shortened."""
+    where, printed, report = first_demo
+    monkeypatch.chdir(where)
+    stages = [line.split("] ")[1] for line in printed.splitlines()
               if line.startswith("demo: [") and "] still " not in line]  # not the ticks of a busy machine
     assert [stage.split()[0] for stage in stages] == ["building", "corpus:", "training", *["writing"] * 4, "data"]
     first = json.loads(Path("runs/demo/report.json").read_text())
@@ -54,17 +73,22 @@ def test_demo_end_to_end_twice_bitwise(tmp_path, monkeypatch, capsys):
     for domain in ("code", "prose"):
         _check_the_baseline_scores_the_documents_the_model_is_scored_on(first, domain, text, capsys)
 
-    run_demo(short, fresh=False)  # reuses the cached data, trains again from scratch
+    run_demo(SHORT, fresh=False)  # reuses the cached data, trains again from scratch
     second = json.loads(Path("runs/demo/report.json").read_text())
     assert second["losses_repeat_previous_run"] is True
 
 
 @pytest.mark.slow
-def test_demo_moe_reports_the_load_of_every_expert(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
-    short = ["train.steps=30", "eval.every=30", "eval.tokens=4096", "checkpoint.every=30", "model.vocab_size=1024",
+def test_demo_moe_reports_the_load_of_every_expert(first_demo, monkeypatch, capsys):
+    """Beside the dense demo (its data reused, its report left as it was), 10 steps: the load of every expert of the
+    whole global batch in the report and its picture."""
+    where, _, _ = first_demo
+    monkeypatch.chdir(where)
+    dense = Path("runs/demo/report.md").read_bytes()
+    short = ["train.steps=10", "eval.every=10", "eval.tokens=4096", "checkpoint.every=10", "model.vocab_size=1024",
              "schedule.warmup_steps=5"]
     report = run_demo(short, fresh=False, moe=True)
+    assert "demo: reusing corpus, tokenizer and shards from runs/demo/cache" in capsys.readouterr().out
     assert report == Path("runs/demo/report_moe.md")
     result = json.loads(Path("runs/demo/report_moe.json").read_text())
     counts = result["final"]["train/block 03/tokens per expert"]
@@ -73,7 +97,7 @@ def test_demo_moe_reports_the_load_of_every_expert(tmp_path, monkeypatch):
     assert "## Experts" in text and "train/load balancing loss" in text and "olmax train demo_moe" in text
     assert "run `olmax demo --moe` again" in text and "runs/demo/hf_moe --tokenizer" in text
     assert Path("runs/demo/expert_load_moe.png").stat().st_size > 10_000
-    assert not Path("runs/demo/report.md").exists()  # the dense demo's report is its own
+    assert Path("runs/demo/report.md").read_bytes() == dense  # the dense demo's report is its own
 
 
 def _files(root: Path) -> dict[str, str]:

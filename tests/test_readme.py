@@ -37,10 +37,12 @@ def test_the_command_table_lists_every_command_and_launch_mode():
 
 def test_the_test_command_fails_fast_and_is_cis():
     """A crashed worker fails the run at once (pytest-xdist can hang after replacing one), and a hung test fails
-    with its name and stacks after 20 minutes (the slowest end-to-end test takes about 10 on a loaded machine)."""
+    with its name and stacks after 20 minutes (the slowest end-to-end test takes about 10 on a loaded machine).
+    It installs the aot and aot-gpu extras, so that the compiles for TPUs and GPUs run in CI (skipped without)."""
     readme = re.search(r"^# 2\..*\n(.*)$", README, re.M).group(1)
     ci = (ROOT / ".ci" / "run").read_text().splitlines()[-1]
     assert readme == ci
     assert "--max-worker-restart=0" in ci and "--timeout=1200" in ci
+    assert "pip install -q -e '.[test,aot,aot-gpu]'" in ci
     test_extra = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["test"]
     assert "pytest-timeout==2.4.0" in test_extra

@@ -4,7 +4,8 @@ attributed to the test running when it happened ($PYTEST_CURRENT_TEST, inherited
 
 Kinds: start-up (process start until `jax` and until `olmax.cli` are imported, the later one counts; only for
 processes a test started), compile-miss / compile-hit (XLA backend compiles, split by the persistent cache's answer), trace
-(tracing and lowering to MLIR), train (time inside olmax.train.trainer.train, compiles included), sleep
+(tracing and lowering to MLIR), train (time inside olmax.train.trainer.train, compiles included, and the steps it
+ran), sleep
 (time.sleep on the main thread). Lines are written as they happen, so a process killed with SIGKILL keeps what it recorded."""
 
 import importlib.abc
@@ -17,10 +18,10 @@ import time
 OUT = os.environ.get("SUITE_PROFILE_DIR")
 
 
-def _record(kind: str, secs: float) -> None:
+def _record(kind: str, secs: float, **counts) -> None:
     test = os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" (", 1)[0]
     with open(os.path.join(OUT, f"{os.getpid()}.jsonl"), "a") as out:
-        out.write(json.dumps({"kind": kind, "secs": secs, "test": test, "child": _CHILD}) + "\n")
+        out.write(json.dumps({"kind": kind, "secs": secs, "test": test, "child": _CHILD, **counts}) + "\n")
 
 
 def _process_age() -> float:
@@ -86,11 +87,12 @@ def _time_training(module) -> None:
     train = module.train
 
     def timed_train(*args, **kwargs):
-        start = time.perf_counter()
+        start, history = time.perf_counter(), []
         try:
-            return train(*args, **kwargs)
+            history = train(*args, **kwargs)
+            return history
         finally:
-            _record("train", time.perf_counter() - start)
+            _record("train", time.perf_counter() - start, steps=len(history))
     module.train = timed_train
 
 

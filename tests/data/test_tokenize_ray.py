@@ -1,7 +1,8 @@
-"""`olmax tokenize --engine ray` on real Ray clusters: a head and a second node started with `ray start` (the
-tests' own ports, directories and token: tests/ray_cluster.py), and the local Ray the command starts itself.
-The output is the bytes of the single-host path (tokenize.json aside, which records the engine), with Ray's
-workers killed in the middle of the job, and with the command itself killed and run again."""
+"""`olmax tokenize --engine ray` on real Ray clusters: a head started with `ray start` (the tests' own ports,
+directories and token: tests/ray_cluster.py), and the local Ray the command starts itself. The output is the bytes
+of the single-host path (tokenize.json aside, which records the engine), with Ray's workers killed in the middle
+of the job, and with the command itself killed and run again. A job spread over two nodes, one of them dying, is
+tests/launch/test_ray_two_nodes.py's."""
 
 import hashlib
 import json
@@ -38,8 +39,8 @@ def corpus(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def cluster():
-    """A head and a second node, 1 CPU each: (the nodes, the environment to drive them)."""
-    with local_cluster(nodes=2, cpus=1) as started:
+    """A head of 2 CPUs (two tasks at once): (its node, the environment to drive it)."""
+    with local_cluster(nodes=1, cpus=2) as started:
         yield started
 
 

@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 from netns_cluster import CONTROLLER, NODES, kill_namespace, on_node, start_moto, two_node_cluster
 from test_launch_train import read_jsonl
+from testlib import cpu_devices
 
 from olmax import storage
 from olmax.config import load_config
@@ -27,7 +28,7 @@ from olmax.data.synthetic import write_synthetic_shards
 from olmax.launch.supervisor import latest_checkpoint_step
 from olmax.train.trainer import train
 
-STEPS, HANG_TIMEOUT = 30, 60  # a loaded 2-core machine has taken over 20 s for a step and a checkpoint
+STEPS, HANG_TIMEOUT = 16, 60  # a loaded 2-core machine has taken over 20 s for a step and a checkpoint
 FIRST, SECOND = NODES  # olmaxnode1 (process 0, the coordinator), olmaxnode2 (process 1)
 
 
@@ -121,7 +122,7 @@ def test_a_two_node_job_survives_a_dead_node_and_a_frozen_one_and_matches_one_pr
         storage.upload(Path(shard), remote_shards[-1])
     run, records = "s3://multinode/run", tmp_path / "records"
     common = [f"data.paths={json.dumps(remote_shards)}", f"train.steps={STEPS}", "train.micro_batch_per_device=1"]
-    env = {**cluster.env, **s3, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=1",
+    env = {**cluster.env, **s3, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": cpu_devices(1),
            "OLMAX_COORDINATOR_TIMEOUT": "120"}
     launcher = subprocess.Popen(
         [sys.executable, "-m", "olmax.cli", "launch", "--slurm", "--poll-seconds=0.5", "--retry-backoff=1",

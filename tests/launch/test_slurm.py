@@ -15,7 +15,7 @@ import sys
 import time
 
 import pytest
-from testlib import apt_install, read_jsonl
+from testlib import apt_install, cpu_devices, read_jsonl
 
 from olmax.cli import main
 from olmax.config import load_config
@@ -183,7 +183,7 @@ def _squeue(env) -> list[str]:
 def test_slurm_job_signalled_midway_is_requeued_resumes_then_continues_on_one_task(slurm, tmp_path, shards, capsys):
     run = tmp_path / "run"
     # Every task one CPU device; the compilation cache of the session (conftest) is shared with the tasks.
-    env = {**slurm, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+    env = {**slurm, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": cpu_devices(1)}
 
     # 2 tasks to step 20; SIGTERM to the tasks (as before the time limit) once checkpoint 4 is written.
     launcher = _launch(env, run, shards, 2, "mesh.fsdp=-1", f"train.stop_after={STOP_AFTER}")

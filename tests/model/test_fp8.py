@@ -52,23 +52,23 @@ def test_matmul_and_its_gradients_use_the_rounded_operands():
 
 
 @pytest.mark.slow
-def test_fifty_steps_in_fp8_track_bfloat16(tmp_path, shards):
-    """The tiny preset trained 50 steps with bfloat16 compute, with and without float8 projections, on the same
-    data. Tolerance: every step within 0.15 nats of bfloat16, the last 10 within 0.1 on average, and the same
-    progress. Measured (2026-11-30): at most 0.115 and 0.07; float32 against bfloat16 on the same run differs
-    by up to 0.175, so float8 stays as close to bfloat16 as bfloat16 is to float32."""
+def test_twenty_steps_in_fp8_track_bfloat16(tmp_path, shards):
+    """The tiny preset trained 20 steps with bfloat16 compute, with and without float8 projections, on the same
+    data. Tolerance: every step within 0.05 nats of bfloat16, and the same progress (0.3 nats or more from the
+    first 5 steps to the last 5). Measured (2026-12-07): at most 0.019 apart; 0.44 nats of progress both. (Over 50
+    steps they were at most 0.09-0.115 apart, as far as float32 and bfloat16 are from each other; a float8 path
+    that loses the gradients' small values stops learning within the first steps.)"""
     losses = {}
     for fp8_on in (False, True):
         cfg = load_config("tiny", [f"data.paths={json.dumps(shards)}", f"output_dir={tmp_path}/run{fp8_on}",
-                                   "mesh.fsdp=1", "train.steps=50", "checkpoint.every=50",
+                                   "mesh.fsdp=1", "train.steps=20", "checkpoint.every=20",
                                    "impl.compute_dtype=bfloat16", f"impl.fp8={str(fp8_on).lower()}"])
         losses[fp8_on] = np.array([h["train/CE loss"] for h in train(cfg, quiet=True)])
     bf16, f8 = losses[False], losses[True]
-    assert len(f8) == 50 and np.all(np.isfinite(f8))
+    assert len(f8) == 20 and np.all(np.isfinite(f8))
     assert not np.array_equal(f8, bf16)  # the float8 path did run
-    assert np.max(np.abs(f8 - bf16)) < 0.15
-    assert abs(np.mean(f8[-10:] - bf16[-10:])) < 0.1
-    assert f8[-5:].mean() < f8[:5].mean() - 2.0
+    assert np.max(np.abs(f8 - bf16)) < 0.05
+    assert f8[-5:].mean() < f8[:5].mean() - 0.3
 
 
 @pytest.mark.parametrize("fp8_on", [False, True])

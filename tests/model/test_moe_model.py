@@ -173,7 +173,7 @@ def test_losses_and_true_load_agree_across_expert_parallel_meshes(tmp_path, shar
                        ("ep8", ["mesh.expert=8", "train.micro_batch_per_device=1"]),
                        ("ep4_fsdp2", ["mesh.expert=4", "mesh.fsdp=2", "train.micro_batch_per_device=1",
                                       "impl.moe.ep_buffer=0.5"])):
-        runs[name] = _train(tmp_path, shards, name, "train.steps=4", "checkpoint.every=4", *mesh)
+        runs[name] = _train(tmp_path, shards, name, "train.steps=2", "checkpoint.every=2", *mesh)
     for name in ("train/CE loss", "train/load balancing loss", "train/router Z loss", "optim/total grad norm"):
         for mesh in ("ep8", "ep4_fsdp2"):
             np.testing.assert_allclose(_column(runs[mesh], name), _column(runs["one"], name), rtol=2e-5,
@@ -185,8 +185,8 @@ def test_losses_and_true_load_agree_across_expert_parallel_meshes(tmp_path, shar
         assert first[f"train/block {layer:02d}/load imbalance"] == pytest.approx(max(counts) / np.mean(counts))
     assert first["train/load imbalance"] == max(first[f"train/block {i:02d}/load imbalance"] for i in range(4))
     assert all(step["train/dropped rate"] == 0.0 for mesh in ("ep8", "ep4_fsdp2") for step in runs[mesh])
-    assert [step["train/exchange extra rounds"] > 0 for step in runs["ep4_fsdp2"]] == [True] * 4
-    assert [step["train/exchange extra rounds"] for step in runs["ep8"]] == [0] * 4
+    assert [step["train/exchange extra rounds"] > 0 for step in runs["ep4_fsdp2"]] == [True] * 2
+    assert [step["train/exchange extra rounds"] for step in runs["ep8"]] == [0] * 2
     events = Path(tmp_path, "ep8", "tensorboard")
     histogram = _histograms(events)[("train/block 03/tokens per expert", 1)]
     assert (histogram.num, histogram.sum) == (8, 16 * 64 * 2)
@@ -195,20 +195,17 @@ def test_losses_and_true_load_agree_across_expert_parallel_meshes(tmp_path, shar
 
 @pytest.mark.slow
 def test_dropless_expert_parallelism_trains_as_data_parallelism_and_a_capacity_drops(tmp_path, shards):
-    """20 steps on 8 devices: EP = 8 (the dropless ragged exchange, its primitive emulated on CPU) against the
-    same run data-parallel without expert parallelism. The first 12 steps agree to float reassociation; then a
-    router decision flips on a last-bit difference of the gradient sums (the experts' weight gradients are summed
-    in another order) and the curves drift slowly apart, 4.4e-4 by step 20 (sending every token to every peer
-    gave the same losses). A capacity per peer drops assignments every step: its first loss, before any update,
-    is already 1e-3 or more away (the dropped assignments' outputs are missing), where EP agrees to 2e-6; how far
-    its curve drifts after that is the dynamics' (a loss spike of the reference's, 0.16, came and went with the
-    summation order of the experts' outputs)."""
-    common = ("train.steps=20", "checkpoint.every=20", "train.micro_batch_per_device=1")
+    """3 steps on 8 devices: EP = 8 (the dropless ragged exchange, its primitive emulated on CPU) against the same
+    run data-parallel without expert parallelism agree to float reassociation (2e-6) at every step, the updates
+    included. A capacity per peer drops assignments every step: its first loss, before any update, is already 1e-3
+    or more away (the dropped assignments' outputs are missing). (Over 20 steps the EP curve stays within 1e-3 of
+    data parallelism; it leaves 2e-6 after step 12, where a router decision flips on a last-bit difference of the
+    gradient sums: dynamics, not the exchange, so the first steps are the test.)"""
+    common = ("train.steps=3", "checkpoint.every=3", "train.micro_batch_per_device=1")
     runs = {name: np.array(_column(_train(tmp_path, shards, name, *common, *mesh), "train/CE loss"))
             for name, mesh in (("dp8", ["mesh.data=8"]), ("ep8", ["mesh.expert=8"]))}
     capacity = _train(tmp_path, shards, "capacity", *common, "mesh.expert=8", "impl.moe.ep_capacity=1.25")
-    np.testing.assert_allclose(runs["ep8"][:12], runs["dp8"][:12], rtol=2e-6)
-    assert np.max(np.abs(runs["ep8"] - runs["dp8"])) < 1e-3
+    np.testing.assert_allclose(runs["ep8"], runs["dp8"], rtol=2e-6)
     assert min(_column(capacity, "train/dropped rate")) > 0.01
     assert abs(_column(capacity, "train/CE loss")[0] - runs["dp8"][0]) > 1e-3
 
@@ -264,11 +261,11 @@ def test_score_bias_moves_on_every_step_and_only_by_the_load(shards, tmp_path):
 
 @pytest.mark.slow
 def test_resume_is_exact_with_random_routing_and_the_selection_bias(tmp_path, shards):
-    """Routing drawn from a key that is a function of the step, and a bias updated every step: 6 steps in
-    one run and 3 + 3 with a resume give bitwise the same losses and the same load, step for step."""
-    common = ["train.steps=6", "checkpoint.every=3", "model.moe.routing=random", "model.moe.bias_update_rate=0.01"]
+    """Routing drawn from a key that is a function of the step, and a bias updated every step: 4 steps in
+    one run and 2 + 2 with a resume give bitwise the same losses and the same load, step for step."""
+    common = ["train.steps=4", "checkpoint.every=2", "model.moe.routing=random", "model.moe.bias_update_rate=0.01"]
     continuous = _train(tmp_path, shards, "a", *common)
-    resumed = _train(tmp_path, shards, "b", *common, "train.stop_after=3") + _train(tmp_path, shards, "b", *common)
+    resumed = _train(tmp_path, shards, "b", *common, "train.stop_after=2") + _train(tmp_path, shards, "b", *common)
     for name in ("train/CE loss", "train/load balancing loss", "train/block 02/tokens per expert"):
         assert _column(resumed, name) == _column(continuous, name), name
     loads = _column(continuous, "train/block 02/tokens per expert")
@@ -277,12 +274,12 @@ def test_resume_is_exact_with_random_routing_and_the_selection_bias(tmp_path, sh
 
 @pytest.mark.slow
 def test_elastic_resume_from_4_to_2_expert_parallel_devices(tmp_path, shards):
-    """EP = 4 (x FSDP 2) for 3 steps, then EP = 2 (x FSDP 4) from that checkpoint: the losses of the
+    """EP = 4 (x FSDP 2) for 2 steps, then EP = 2 (x FSDP 4) from that checkpoint: the losses of the
     continuous EP = 4 run within float tolerance (global_batch balancing does not depend on the devices)."""
-    common = ["train.steps=6", "checkpoint.every=3"]
+    common = ["train.steps=4", "checkpoint.every=2"]
     reference = _train(tmp_path, shards, "ep4", *common, "mesh.expert=4", "mesh.fsdp=2")
-    elastic = _train(tmp_path, shards, "elastic", *common, "mesh.expert=4", "mesh.fsdp=2", "train.stop_after=3")
+    elastic = _train(tmp_path, shards, "elastic", *common, "mesh.expert=4", "mesh.fsdp=2", "train.stop_after=2")
     elastic += _train(tmp_path, shards, "elastic", *common, "mesh.expert=2", "mesh.fsdp=4")
-    assert [h["step"] for h in elastic] == list(range(1, 7))
+    assert [h["step"] for h in elastic] == list(range(1, 5))
     for name in ("train/CE loss", "train/load balancing loss", "optim/total grad norm"):
         np.testing.assert_allclose(_column(elastic, name), _column(reference, name), rtol=1e-5, err_msg=name)

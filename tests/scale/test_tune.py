@@ -237,7 +237,7 @@ def test_tune_refuses_an_out_or_report_it_would_overwrite_or_cannot_write_before
 @pytest.fixture(scope="module")
 def tuned(tmp_path_factory):
     directory = tmp_path_factory.mktemp("tune")
-    args = ["tune", "tiny", "--target", "tpu:v5p:2x2x2", "--budget", "4", "--jobs", "1", "--json"]
+    args = ["tune", "tiny", "--target", "tpu:v5p:2x2x2", "--budget", "2", "--jobs", "1", "--json"]
     return directory, args
 
 
@@ -248,8 +248,8 @@ def test_tune_ranks_what_it_compiled_and_a_rerun_compiles_nothing_new(tuned, cap
     first = json.loads(capsys.readouterr().out)
     compiled = [r for r in first["results"] if r["status"] != "pruned"]
     # (compiled now, or by an earlier run into the suite's compile cache)
-    assert len(compiled) == 4 and first["space"] > 100
-    assert len({r["layout"].split(";")[0] for r in compiled}) >= 2, "a mesh not tried yet takes every other turn"
+    assert len(compiled) == 2 and first["space"] > 100
+    assert len({r["layout"].split(";")[0] for r in compiled}) == 2, "a mesh not tried yet takes every other turn"
     fitting = [r for r in compiled if r["status"] == "fits"]
     assert fitting and fitting == sorted(fitting, key=lambda r: r["step_seconds"])
     assert first["results"][0]["status"] == "fits"

@@ -1,14 +1,15 @@
-"""Asynchronous checkpoints survive kill -9 at any moment: one run killed 20 times while its saves are being
-written (on disk) or uploaded (to S3 on moto) logs every step once, with every loss bitwise the
-uninterrupted run's, and never resumes from a step that was not committed when it was killed."""
+"""Asynchronous checkpoints survive kill -9 at any moment of a save: one run killed once at each moment of its
+saves (on disk: while Orbax writes a step in the background, the first save and a later one whose finish
+deletes an old step; in a bucket on moto: while the step is written locally, in the middle of its upload, with
+every file up but the commit marker, and once it is committed but not yet recorded) logs every step once, with
+every loss bitwise the uninterrupted run's, and never resumes from a step that was not committed when it was
+killed. Each kill is at a named point (tests/signal_at.py), so each moment is reached every run."""
 
 from __future__ import annotations
 
 import json
-import random
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -17,11 +18,23 @@ from testlib import child_env
 from olmax import storage
 from olmax.config import load_config
 from olmax.data.synthetic import write_synthetic_shards
-from olmax.run_dir import RunDir
 from olmax.train.trainer import train
 
-KILLS = 20
-RUN = ["train.steps=60", "checkpoint.every=2", "checkpoint.keep_last=2", "train.log_every=1", "mesh.fsdp=1"]
+STEPS = 12
+RUN = [f"train.steps={STEPS}", "checkpoint.every=2", "checkpoint.keep_last=2", "train.log_every=1", "mesh.fsdp=1"]
+KILL_AT = str(Path(__file__).parents[1] / "signal_at.py")
+# (where the run is killed, what of the save it stops), in the order the run meets them.
+ON_DISK = [
+    ("olmax.checkpoint:Checkpointer.finish", "the first save written in the background"),
+    ("olmax.checkpoint:Checkpointer.finish#3", "a third save written in the background (two committed before it)"),
+]
+IN_A_BUCKET = [
+    ("olmax.checkpoint:Checkpointer.finish", "the step written to the local staging directory, nothing uploaded"),
+    # olmax uploads 8 files at once (storage.UPLOAD_THREADS) of the step's 26: the 12th starts once 4 are up
+    ("olmax.storage:_write@/checkpoints/#12", "the upload, 4 or more of the step's files up"),
+    ("olmax.storage:commit", "every file of the step up, its commit marker not"),
+    ("olmax.storage:write_bytes@committed.json", "the step committed, the run's record of it not yet written"),
+]
 
 
 @pytest.fixture(scope="module")
@@ -46,87 +59,62 @@ def _committed(run: str) -> set[int]:
                                                       storage.committed(storage.join(checkpoints, n)))}
 
 
-def _save_in_flight(run: str) -> bool:
-    """A step being written (Orbax's temporary directory) or uploaded (a bucket step without its marker)."""
+def _upload_cut_short(run: str) -> bool:
+    """A bucket step without its marker: what a resume must not take."""
     checkpoints = storage.join(run, "checkpoints")
-    if storage.is_remote(run):
-        return any(n.isdigit() and not storage.committed(storage.join(checkpoints, n))
-                   for n in storage.listdir(checkpoints))
-    return Path(checkpoints).is_dir() and any("tmp" in p.name for p in Path(checkpoints).iterdir())
+    return any(n.isdigit() and not storage.committed(storage.join(checkpoints, n)) for n in storage.listdir(checkpoints))
 
 
-def _logged_steps(run: str) -> list[int]:
-    metrics = storage.join(run, "metrics.jsonl")
-    try:
-        text = storage.read_text(metrics) if storage.is_remote(run) else Path(metrics).read_text()
-    except (OSError, storage.StorageError):
-        return []
-    return [json.loads(line)["step"] for line in text.splitlines() if line.strip()]
+def _metrics(run: str) -> list[dict]:
+    path = storage.join(run, "metrics.jsonl")
+    text = storage.read_text(path) if storage.is_remote(run) else Path(path).read_text()
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
 
 
-def _attempts(run: str) -> int:
-    """The attempts the run's goodput record holds: a new one is there once it has restored its checkpoint."""
-    try:
-        return len(json.loads(storage.read_text(str(RunDir(run).goodput)))["attempts"])
-    except (OSError, ValueError, storage.StorageError):
-        return 0
-
-
-def _kill_during_saves(run: str, overrides: list[str], env: dict, seed: int) -> list[dict]:
-    """Start the run KILLS times and SIGKILL it each time at a random moment after it has trained a step or
-    more, most often while a save is in flight; then let it finish. One record per kill."""
-    rng, kills = random.Random(seed), []
-    command = [sys.executable, "-m", "olmax.cli", "train", "tiny", *overrides]
-    for _ in range(KILLS):
-        before, attempts = max(_committed(run), default=0), _attempts(run)
-        proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        wanted = before + rng.randint(1, 4)
-        # Until this attempt has restored and logged its own steps: the files still hold the last one's at first.
-        while proc.poll() is None and (_attempts(run) == attempts or max(_logged_steps(run), default=0) < wanted):
-            time.sleep(0.02)
-        in_flight = False
-        while proc.poll() is None and not (in_flight := _save_in_flight(run)) and rng.random() < 0.98:
-            time.sleep(0.005)
-        time.sleep(rng.uniform(0, 0.05))
-        proc.kill()
-        out, err = proc.communicate()
-        assert proc.returncode == -9, f"the run ended before it was killed:\n{err}"
-        kills.append({"committed": _committed(run), "in_flight": in_flight, "out": out})
-    proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
+def _kill_at_each(points: list[tuple[str, str]], run: str, overrides: list[str], env: dict) -> list[dict]:
+    """Run the training once per point, SIGKILLed there; then let it finish. One record per run."""
+    runs = []
+    for point, _ in points:
+        proc = subprocess.run([sys.executable, KILL_AT, point, "train", "tiny", *overrides], env=env,
+                              capture_output=True, text=True, timeout=600)
+        assert proc.returncode == -9, f"the run ended before it reached {point}:\n{proc.stderr[-3000:]}"
+        runs.append({"point": point, "committed": _committed(run), "out": proc.stdout,
+                     "cut short": storage.is_remote(run) and _upload_cut_short(run)})
+    proc = subprocess.run([sys.executable, "-m", "olmax.cli", "train", "tiny", *overrides], env=env,
+                          capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr
-    kills.append({"out": proc.stdout})
-    return kills
+    return [*runs, {"out": proc.stdout}]
 
 
-def _check(run: str, kills: list[dict], uninterrupted: dict) -> None:
-    steps = _logged_steps(run)
-    assert sorted(steps) == steps == list(range(1, 61)), "every step logged exactly once"
-    text = storage.read_text(storage.join(run, "metrics.jsonl")) if storage.is_remote(run) \
-        else Path(run, "metrics.jsonl").read_text()
-    assert {m["step"]: m["train/CE loss"] for m in map(json.loads, text.splitlines())} == uninterrupted
-    resumes = []
-    for killed, after in zip(kills, kills[1:]):
+def _check(run: str, runs: list[dict], uninterrupted: dict) -> None:
+    steps = [m["step"] for m in _metrics(run)]
+    assert steps == list(range(1, STEPS + 1)), "every step logged exactly once"
+    assert {m["step"]: m["train/CE loss"] for m in _metrics(run)} == uninterrupted
+    for killed, after in zip(runs, runs[1:]):
         resumed = [int(line.split()[3]) for line in after["out"].splitlines() if line.startswith("resuming from step")]
         assert resumed == ([max(killed["committed"])] if killed["committed"] else []), \
-            "a resume takes the latest step committed when the run was killed, never another"
-        resumes += resumed
-    in_flight = sum(k.get("in_flight", False) for k in kills)
-    assert in_flight >= KILLS // 4, "most kills land while a save is in flight"
-    print(f"\n{run}: {KILLS} kills, {in_flight} while a save was in flight; resumed from steps {resumes}; steps 1-60 "
-          "logged once each, every loss bitwise the uninterrupted run's")
+            f"killed at {killed['point']}: a resume takes the latest step committed then, never another"
+    print(f"\n{run}: " + "; ".join(f"killed at {r['point']} with steps {sorted(r['committed'])} committed"
+                                    for r in runs[:-1]) + f"; steps 1-{STEPS} logged once each, every loss bitwise "
+          "the uninterrupted run's")
 
 
 @pytest.mark.slow
-def test_kill_9_during_async_saves_20_times_on_disk(tmp_path, shards, uninterrupted):
+def test_kill_9_at_each_moment_of_async_saves_on_disk(tmp_path, shards, uninterrupted):
+    """Cost: 3 processes of the tiny model's training (start-up, restore, a few steps each), ~15 s apiece."""
     run = str(tmp_path / "run")
-    env = child_env(8)
-    kills = _kill_during_saves(run, [f"data.paths={json.dumps(shards)}", f"output_dir={run}", *RUN], env, seed=1)
-    _check(run, kills, uninterrupted)
+    runs = _kill_at_each(ON_DISK, run, [f"data.paths={json.dumps(shards)}", f"output_dir={run}", *RUN], child_env(8))
+    _check(run, runs, uninterrupted)
+    assert max(runs[1]["committed"]) > max(runs[0]["committed"], default=0), "the second run committed steps of its own"
 
 
 @pytest.mark.slow
-def test_kill_9_during_async_uploads_20_times_in_a_bucket(stores, tmp_path, shards, uninterrupted):
+def test_kill_9_at_each_moment_of_async_uploads_in_a_bucket(stores, tmp_path, shards, uninterrupted):
+    """Cost: 5 processes of the tiny model's training in a bucket, ~15 s apiece."""
     run = f"s3://{stores.bucket}/run"
-    env = child_env(8, **stores.env)
-    kills = _kill_during_saves(run, [f"data.paths={json.dumps(shards)}", f"output_dir={run}", *RUN], env, seed=2)
-    _check(run, kills, uninterrupted)
+    runs = _kill_at_each(IN_A_BUCKET, run, [f"data.paths={json.dumps(shards)}", f"output_dir={run}", *RUN],
+                         child_env(8, **stores.env))
+    _check(run, runs, uninterrupted)
+    assert [r["cut short"] for r in runs[:-1]] == [False, True, True, False], "the kills cut the uploads short"
+    assert runs[-2]["committed"] and max(runs[-2]["committed"]) not in runs[-3]["committed"], \
+        "the last kill came after a commit"
