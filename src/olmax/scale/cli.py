@@ -105,6 +105,7 @@ def _report_dir(value: str | None, option: str = "--report") -> str | None:
     cannot be written there."""
     from olmax import storage
     from olmax.config import writable_dir
+    from olmax.run_dir import own_dir, refuse_link
 
     if value is None:
         return None
@@ -116,6 +117,7 @@ def _report_dir(value: str | None, option: str = "--report") -> str | None:
     if os.path.exists(value) and not os.path.isdir(value):
         raise ConfigError(f"{option} {value}: a file is there; give a directory (created if missing)")
     writable_dir(Path(value), option)
+    refuse_link(value)  # the page's directory itself (opened through no link when written)
     # the page's files replace an earlier page's, never a file of something else, nor one through a link
     if link := next((name for name in PAGE_FILES if os.path.islink(os.path.join(value, name))), None):
         raise ConfigError(f"{option} {value}: its {link} is a symbolic link, which olmax does not write through; "
@@ -127,7 +129,7 @@ def _report_dir(value: str | None, option: str = "--report") -> str | None:
         raise ConfigError(f"{option} {value}: it holds an index.html with no report.json beside it (not a page "
                           "olmax wrote); give a new or empty directory")
     try:
-        os.makedirs(value, exist_ok=True)
+        own_dir(value)
     except OSError as err:
         raise ConfigError(f"{option} {value} cannot be made ({err.strerror}); give a directory that can be "
                           "written") from None
