@@ -16,10 +16,13 @@ from olmax.runtime import (LIBTPU_LOCKFILE, STOP_SIGNALS, drop_held_signals, end
 def cmd_config_show(args) -> None:
     from olmax.config import dump, load_config
 
-    from olmax.scale.targets import parse_target
+    from olmax.scale.targets import check_mesh, parse_target
 
-    target = parse_target(args.target).name if args.target else None
-    print(dump(load_config(args.config, args.overrides, target)), end="")
+    target = parse_target(args.target) if args.target else None
+    cfg = load_config(args.config, args.overrides, target and target.name)
+    if target:
+        check_mesh(cfg.mesh, target)
+    print(dump(cfg), end="")
 
 
 def cmd_flops(args) -> None:

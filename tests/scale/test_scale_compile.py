@@ -161,6 +161,25 @@ def test_cpus_have_no_flag_profile():
     assert running_target(jax.devices()) is None and flag_profile(None) == {}
 
 
+@pytest.mark.parametrize("command", [
+    ["compile", "tiny", "--target", "tpu:v5p:2x2x2", "mesh.fsdp=3", "train.global_batch_instances=15"],
+    ["compile", "tiny", "--target", "tpu:v5p:2x2x2", "mesh.fsdp=3"],  # the batch was blamed
+    ["plan", "tiny", "--target", "tpu:v5p:2x2x2", "mesh.fsdp=3", "--mfu", "0.4"],
+    ["config", "show", "olmo3_7b", "mesh.fsdp=3", "--target", "tpu:v5p:4x4x8"],
+    ["compile", "tiny", "--target", "tpu:v5p:2x2x2", "mesh.data=3"],  # fsdp -1: what 3 leaves of 8
+])
+def test_a_mesh_that_is_not_the_targets_devices_is_exit_2_naming_both(command, capsys):
+    """`compile tiny --target tpu:v5p:2x2x2 mesh.fsdp=3 train.global_batch_instances=15` compiled a mesh of 3
+    devices, reported as "8 x TPU v5", and `config show` printed it: exit 2 now, one line naming the mesh and the
+    target's device count, before anything is compiled."""
+    assert main(command) == 2
+    out, err = capsys.readouterr()
+    [line] = err.splitlines()
+    devices = "8" if "tpu:v5p:2x2x2" in command else "128"
+    assert line.startswith("olmax: ConfigError: mesh data ") and f"multiply to {devices}" in line, line
+    assert "fsdp 3" in line or "data 3" in line and out == ""
+
+
 @pytest.mark.slow  # the fast tier keeps a lighter test of the same module
 @needs_tpu
 def test_moe_experts_run_on_the_tpu_grouped_matmul_kernel(capsys):

@@ -162,6 +162,15 @@ def _write_report(report: dict, directory: str | None, overrides: list[str]) -> 
         print(f"olmax: report {write({**report, 'overrides': overrides}, directory)}", file=sys.stderr)
 
 
+def _load(args: argparse.Namespace, target):
+    """The config as it runs on the target (its layout there, the overrides), its mesh taking the target's devices."""
+    from olmax.scale.targets import check_mesh
+
+    cfg = load_config(args.config, args.overrides, target.name)
+    check_mesh(cfg.mesh, target)
+    return cfg
+
+
 def _mfu_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mfu", type=float,
                         help="cost the run at this model FLOPs utilization instead of the step time the step-time "
@@ -181,7 +190,7 @@ def run_plan(args: argparse.Namespace) -> None:
     target = parse_target(args.target)
     if args.goodput is not None and not 0 < args.goodput <= 1:
         raise ConfigError(f"--goodput {args.goodput}: give a fraction in (0, 1], e.g. 0.9")
-    cfg, mfu = load_config(args.config, args.overrides, target.name), _mfu(args.mfu)
+    cfg, mfu = _load(args, target), _mfu(args.mfu)
     if mfu is None:
         _compile_cache()
     directory = _report_dir(args.report)
@@ -211,7 +220,7 @@ def _compile(args: argparse.Namespace, target):
     from olmax.scale.compile import compile_train_step
 
     command = f"olmax {args.func.__name__.removeprefix('run_')}"
-    cfg = load_config(args.config, args.overrides, target.name)
+    cfg = _load(args, target)
     phase = ["starting"]
 
     def say(line: str) -> None:
@@ -229,7 +238,7 @@ def run_compile(args: argparse.Namespace) -> None:
     from olmax.scale.targets import parse_target
 
     target = parse_target(args.target)
-    load_config(args.config, args.overrides, target.name)  # refused before anything else
+    _load(args, target)  # refused before anything else
     layout = target_layout(args.config, target.name)
     layout = layout and {"target": layout[0], "settings": layout[1]}
     _compile_cache()
