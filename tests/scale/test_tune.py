@@ -234,10 +234,35 @@ def test_tune_refuses_an_out_or_report_it_would_overwrite_or_cannot_write_before
     assert (tmp_path / "site" / "index.html").read_text() == "<p>someone's page</p>"
 
 
+@pytest.mark.parametrize("config, given, target", [
+    # settings given on the command line, a pipelined best (the file was refused: 4 layers over 2 stages)
+    ("tiny", ["model.n_layers=16", "impl.loss_chunk=null", "mesh.stage=2"], "tpu:v5p:2x2x2"),
+    # a config whose layout for the target sets what the search changed: it would apply over the file
+    ("olmo3_moe_47b", ["mesh.expert=8"], "gpu:b300x8"),
+])
+def test_the_written_layout_is_the_whole_program_ranked(tmp_path, config, given, target):
+    """`olmax tune tiny model.n_layers=16 mesh.stage=1 impl.loss_chunk=null --out best.yaml` wrote `base: tiny` and
+    the searched layout only: `olmax train best.yaml` trained 4 layers with the loss in chunks, another program
+    than the one ranked. The file is now that program's whole config: as the config, and merged over the config
+    tuned, it loads to exactly what was compiled."""
+    target = parse_target(target)
+    space = tune_space.given(tune_space.space(load_config(config, given, target.name), target), given)
+    layout = load_config(config, [], target.name)
+    best = next(c for c in space if c.remat != layout.impl.remat and c.micro_batch != layout.train.micro_batch_per_device)
+    search = tune.Search([tune.Result(best, "fits", peak=2**30, step_seconds=1.0, mfu=0.5)])
+    (tmp_path / "best.yaml").write_text(tune.overlay(config, given, search, target))
+    ranked = load_config(config, [*given, *best.overrides()], target.name)
+    assert load_config(str(tmp_path / "best.yaml"), [], target.name) == ranked
+    assert load_config(config, [str(tmp_path / "best.yaml")], target.name) == ranked
+    assert ranked.impl.remat == best.remat and (config != "tiny" or ranked.model.n_layers == 16)
+
+
 @pytest.fixture(scope="module")
 def tuned(tmp_path_factory):
     directory = tmp_path_factory.mktemp("tune")
-    args = ["tune", "tiny", "--target", "tpu:v5p:2x2x2", "--budget", "4", "--jobs", "1", "--json"]
+    # settings given on the command line, which the written layout keeps
+    args = ["tune", "tiny", "model.n_layers=8", "impl.loss_chunk=null", "--target", "tpu:v5p:2x2x2", "--budget", "4",
+            "--jobs", "1", "--json"]
     return directory, args
 
 
@@ -272,11 +297,15 @@ def test_the_written_layout_trains_and_compiles_to_the_layout_reported(tuned, ca
         capsys.readouterr()
     assert main(args) == 0
     best = json.loads(capsys.readouterr().out)["results"][0]
-    # merged over the config it was tuned for, it is that layout: the same compile, the same prediction
+    # merged over the config it was tuned for, and as the config itself, it is the program ranked (the settings
+    # given included): the same compile (cached: the same program text, target and flags), the same prediction
     assert main(["compile", "tiny", str(best_file), "--target", "tpu:v5p:2x2x2", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["step_time"]["step_seconds"] == pytest.approx(best["step_seconds"])
-    assert report["peak"] == best["peak"] and report["compile_cached"]
+    assert report["peak"] == best["peak"] and report["compile_cached"] and report["loss_chunk"] is None
+    assert main(["compile", str(best_file), "--target", "tpu:v5p:2x2x2", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["compile_cached"]
+    assert load_config(str(best_file)).model.n_layers == 8
     overrides = dict(o.split("=", 1) for o in best["overrides"])
     assert report["mesh"] == {k.split(".")[1]: int(v) for k, v in overrides.items() if k.startswith("mesh.")}
     # and it trains: two steps on the suite's 8 devices, the file as the config itself (base: tiny)
@@ -330,7 +359,7 @@ def test_tune_says_at_once_what_it_searches_and_keeps_its_result_when_out_appear
     assert err[1] == f"olmax tune: [0/1] compiling ({result.candidate.describe()})"
     assert err[2].startswith("olmax tune: [0/1] still compiling 1 candidate(s) (")
     assert out.read_text() == "someone's\n" and (tmp_path / "page" / "report.json").is_file()
-    layout = tune.overlay("tiny", searches[0], parse_target("tpu:v5p:2x2x2"))
+    layout = tune.overlay("tiny", [], searches[0], parse_target("tpu:v5p:2x2x2"))
     assert f"olmax tune: the best layout, not written to {out}:\n{layout}" in captured.err
     assert err[-1] == (f"olmax: ConfigError: --out {out}: something appeared there during the search; the best layout "
                        "is printed above: save it to a new file")

@@ -60,8 +60,9 @@ def add_commands(subparsers) -> None:
                    "and step to the whole depth, confirm the best by a full compile, and compile whole from the first "
                    "confirmation that misses by more than 5%%")
     p.add_argument("--out", metavar="FILE", help="write the best layout to this new file (its directory made if "
-                   "missing) as a config file (base: CONFIG, its settings over it): `olmax train FILE`, or "
-                   "`olmax train CONFIG FILE`")
+                   "missing) as a config file, the whole config of the program ranked (CONFIG, its layout for the "
+                   "target, the settings given, the layout searched): `olmax train FILE`, or `olmax train CONFIG "
+                   "FILE`")
     p.add_argument("--json", action="store_true", help="print the results as one JSON object")
     _report_option(p)
     p.set_defaults(func=run_tune)
@@ -253,6 +254,8 @@ def run_compile(args: argparse.Namespace) -> None:
 
 
 def run_tune(args: argparse.Namespace) -> None:
+    from olmax.errors import RunDirError
+    from olmax.run_dir import OwnDir
     from olmax.scale import tune, tune_space
     from olmax.scale.targets import aot_missing, parse_target
 
@@ -285,14 +288,14 @@ def run_tune(args: argparse.Namespace) -> None:
         print(tune.main_line(search))
     unwritten = None
     if args.out and search.best is not None:
-        layout = tune.overlay(args.config, search, target)
-        try:
-            Path(args.out).absolute().parent.mkdir(parents=True, exist_ok=True)
-            with open(args.out, "x") as f:  # a new file (O_EXCL: not one made since the check, nor through a link)
-                f.write(layout)
+        layout = tune.overlay(args.config, args.overrides, search, target)
+        try:  # a new file (O_EXCL: not one made since the check, nor through a link) in its directory opened once
+            with OwnDir(Path(args.out).absolute().parent) as directory:
+                directory.create(Path(args.out).name, layout)
             print(f"olmax: best layout {args.out}", file=sys.stderr)
-        except OSError as err:  # something took its place during the search: the layout is printed instead
-            why = "something appeared there during the search" if isinstance(err, FileExistsError) else err.strerror
+        except (OSError, RunDirError) as err:  # something took its place during the search: printed instead
+            why = ("something appeared there during the search" if isinstance(err, FileExistsError)
+                   else getattr(err, "strerror", None) or str(err))
             print(f"olmax tune: the best layout, not written to {args.out}:\n{layout}", file=sys.stderr, end="")
             unwritten = f"--out {args.out}: {why}; the best layout is printed above: save it to a new file"
     if directory is not None:

@@ -365,25 +365,23 @@ def coverage(search: Search) -> str:
             f"{sum(bool(r.depths) for r in search.results)} by depth-reduced compiles; {search.seconds:.0f} s")
 
 
-def overlay(config: str, search: Search, target: Target) -> str:
-    """The best layout as a config file: `base:` the config tuned (so it runs as it is), its settings over it (so
-    it merges: `olmax train CONFIG best.yaml`)."""
+def overlay(config: str, overrides: list[str], search: Search, target: Target) -> str:
+    """The best layout as a config file: the whole config of the program compiled and ranked (CONFIG with its layout
+    for the target, the settings given on the command line, the layout searched), so that it compiles and trains to
+    that program, as `olmax train FILE` or merged over CONFIG (`olmax train CONFIG FILE`; its `base:` says which
+    config it is for). `layouts: null`: CONFIG's layouts for targets, applied already, do not apply over it again."""
     import yaml
 
     best = search.best
-    tree: dict = {}
-    for item in best.candidate.overrides():
-        key, value = item.split("=", 1)
-        node = tree
-        *path, last = key.split(".")
-        for part in path:
-            node = node.setdefault(part, {})
-        node[last] = yaml.safe_load(value)
-    head = (f"# olmax tune {config} --target {target.name}: the fastest layout that fits ({best.candidate.describe()})\n"
-            f"# predicted step {best.step_seconds:.4g} s, MFU {100 * best.mfu:.3g}%, peak {size(best.peak)} a device\n")
+    cfg = load_config(config, [*overrides, *best.candidate.overrides()], target.name)
+    head = (f"# olmax tune {' '.join([config, *overrides])} --target {target.name}: the fastest layout that fits "
+            f"({best.candidate.describe()})\n"
+            f"# predicted step {best.step_seconds:.4g} s, MFU {100 * best.mfu:.3g}%, peak {size(best.peak)} a device\n"
+            "# the whole config of the program ranked: what was given and what was searched, resolved\n")
     flag_note = ("" if best.candidate.flags or not target.xla_flags else
                  f"# compiled with the compiler's default flags: unset the {target.kind} profile on the chips\n")
-    return head + flag_note + yaml.safe_dump({"base": config, **tree}, sort_keys=False)
+    return head + flag_note + yaml.safe_dump({"base": config, **cfg.model_dump(mode="json"), "layouts": None},
+                                             sort_keys=False)
 
 
 def main_line(search: Search) -> str:
