@@ -5,8 +5,10 @@ TPU targets need the aot extra (libtpu; CI installs it), GPU targets the aot-gpu
 
 import gzip
 import json
+import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 
@@ -159,6 +161,27 @@ def test_a_gpu_hosts_devices_name_their_target_and_its_flag_profile():
 
 def test_cpus_have_no_flag_profile():
     assert running_target(jax.devices()) is None and flag_profile(None) == {}
+
+
+@needs_tpu
+def test_a_signal_stops_a_compile_at_once(tmp_path):
+    """`olmax compile olmo3_7b --target tpu:v5p:4x4x8` given SIGINT 20 s in compiled 12 more minutes ("still waiting
+    for XLA"), then exit 130; SIGTERM likewise: XLA holds the main thread, and the interrupt came when it returned.
+    The signal is said at once and ends the command (exit 143 for SIGTERM), here while XLA compiles tiny with 64
+    layers unrolled (5 minutes on 2 loaded cores, 2026-12-07), which it reaches in seconds."""
+    compile_ = subprocess.Popen([sys.executable, "-m", "olmax.cli", "compile", "tiny", "model.n_layers=64",
+                                 "impl.scan_layers=false", "--target", "tpu:v5p:2x2x2"], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True,
+                                env={**os.environ, "OLMAX_COMPILE_CACHE": str(tmp_path / "cache")})
+    try:
+        while not (line := compile_.stderr.readline()).startswith("olmax compile: compiling ("):
+            assert line, "the compile ended before it started compiling"
+        compile_.send_signal(signal.SIGTERM)
+        _, err = compile_.communicate(timeout=120)  # a guard: the compile alone takes minutes
+    finally:
+        compile_.kill()
+    assert compile_.returncode == 143 and err.splitlines() == ["olmax compile: stopping (SIGTERM)"], err
+    assert not list((tmp_path / "cache").glob("*/result.json"))  # nothing compiled
 
 
 @pytest.mark.parametrize("command", [

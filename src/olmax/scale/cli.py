@@ -215,9 +215,10 @@ def run_plan(args: argparse.Namespace) -> None:
 
 def _compile(args: argparse.Namespace, target):
     """(the compile report of the config for the target, the DoesNotFit when the step does not fit), saying each phase
-    and, in every 30 s of silence, what it still waits for."""
+    and, in every 30 s of silence, what it still waits for; a SIGINT or SIGTERM ends it at once (exit 130, 143)."""
     from olmax.errors import DoesNotFit
     from olmax.progress import ticking
+    from olmax.runtime import stopping_at_once
     from olmax.scale.compile import compile_train_step
 
     command = f"olmax {args.func.__name__.removeprefix('run_')}"
@@ -229,7 +230,8 @@ def _compile(args: argparse.Namespace, target):
         print(f"{command}: {line}", file=sys.stderr, flush=True)
 
     try:
-        with ticking(lambda seconds: f"{command}: [{seconds:.0f} s] still waiting for XLA (last: {phase[0]})"):
+        with stopping_at_once(say), ticking(lambda seconds: f"{command}: [{seconds:.0f} s] still waiting for XLA "
+                                                           f"(last: {phase[0]})"):
             return compile_train_step(cfg, target, _mfu(args.mfu), progress=say), None
     except DoesNotFit as err:
         return err.report, err
@@ -256,6 +258,7 @@ def run_compile(args: argparse.Namespace) -> None:
 def run_tune(args: argparse.Namespace) -> None:
     from olmax.errors import RunDirError
     from olmax.run_dir import OwnDir
+    from olmax.runtime import stopping_at_once
     from olmax.scale import tune, tune_space
     from olmax.scale.targets import aot_missing, parse_target
 
@@ -274,8 +277,9 @@ def run_tune(args: argparse.Namespace) -> None:
         raise ConfigError(reason)
     _compile_cache()
     directory = _report_dir(args.report)
-    search = tune.tune(args.config, args.overrides, target, args.budget, args.headroom,
-                       args.jobs or tune.default_jobs(), tune.print_err, args.depth == "reduced")
+    with stopping_at_once(tune.print_err):  # its compiles, here and in its workers, end at once
+        search = tune.tune(args.config, args.overrides, target, args.budget, args.headroom,
+                           args.jobs or tune.default_jobs(), tune.print_err, args.depth == "reduced")
     report = {"config": args.config, "overrides": args.overrides, "target": target.name, "budget": args.budget,
               "headroom": args.headroom, "depth": args.depth, "space": search.size, "compiled": search.compiled, "seconds": search.seconds,
               "memory_per_device": target.accelerator.memory_per_device,
