@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 from jax.experimental import topologies
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from testlib import ROOT
 
 from olmax.cli import main
 from olmax.config import load_config
@@ -213,7 +214,12 @@ def test_moe_experts_run_on_the_tpu_grouped_matmul_kernel(capsys):
     assert main(["compile", "tiny_moe", "mesh.expert=8", "mesh.fsdp=1", "--target", "tpu:v5p:2x2x2", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["moe_dispatch"] == "ragged_dot"
-    assert report["program"]["custom_calls"]["ragged-dot-none"] >= 3  # at least the forward's three matmuls
+    counts = report["program"]["custom_calls"]
+    assert counts["ragged-dot-none"] >= 3  # at least the forward's three matmuls
+    # the counts docs/model.md quotes of this command (a compiler that moves them fails this until it says them)
+    assert (f"`olmax compile tiny_moe mesh.expert=8 mesh.fsdp=1 --target tpu:v5p:2x2x2` counts `ragged-dot-none` "
+            f"x{counts['ragged-dot-none']} and `ragged-dot-metadata` x{counts['ragged-dot-metadata']}") in " ".join(
+        (ROOT / "docs" / "model.md").read_text().split())
     assert "experts by ragged_dot" in format_compile(report)
     moved = report["step_time"]["collectives"]["bytes_by_kind"]
     assert moved.get("ragged-all-to-all", 0) > 0 and "all-to-all" in moved, moved  # the counts first, then rows
