@@ -186,7 +186,7 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Builds a corpus from the standard library, trains a tokenizer and writes shards "
                        "(cached in runs/demo/cache), trains the demo preset from scratch and writes "
                        "runs/demo/report.md, all under ./runs/demo.")
-    p.add_argument("overrides", nargs="*", help="section.key=value on the demo preset")
+    p.add_argument("overrides", nargs="*", default=[], help="section.key=value on the demo preset")
     p.add_argument("--fresh", action="store_true", help="rebuild the cached corpus, tokenizer and shards")
     p.add_argument("--moe", action="store_true",
                    help="train the demo_moe preset (experts in every layer); its report plots each expert's load")

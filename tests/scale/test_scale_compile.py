@@ -57,7 +57,8 @@ def test_tiny_step_compiles_with_splash_for_a_tpu_slice(capsys):
     table = format_compile(report)
     assert "tiny for tpu:v5p:2x2x2: 8 x TPU v5, mesh data 1 x stage 1 x fsdp 8 x expert 1 x tensor 1" in table
     assert report["attention_tiles"] == {"block_q": 256, "block_kv": 256, "block_kv_compute": 256, "head_dim": 16}
-    assert "splash attention (tiles: 256 queries x 256 keys, 256 keys a step, head_dim 16), loss chunk 1024" in table
+    assert "splash attention (tiles: 256 queries x 256 keys, 256 keys a step, head_dim 16), loss in chunks of 1024 " \
+        "positions" in table
     assert report["xla_flags"] == {} and "XLA flags" not in table  # v5p has no flag profile
     assert "splash_mha_dkv_no_residuals x4" in table
     assert re.search(r"peak \(compiler\)\s+[\d.,]+ [KMG]iB\s+[\d.]+% of the device", table)

@@ -214,6 +214,16 @@ def test_plan_report_draws_every_schedule(chromium, tmp_path):
     assert facts.facts["exact_window.chip_hours"] == report["exact_window"]["chip_hours"] > 0
 
 
+def test_a_report_or_run_that_does_not_exist_is_named_as_missing(tmp_path, capsys):
+    """`olmax report /no/such/run` said "not a report.json olmax wrote"."""
+    for reports in ([tmp_path / "no-run"], [STORED, tmp_path / "no.json"]):
+        assert main(["report", *map(str, reports), "--out", str(tmp_path / "out")]) == 2
+        [line] = capsys.readouterr().err.splitlines()
+        assert line == (f"olmax: ConfigError: {reports[-1]}: no such file or directory; give a run directory "
+                        "(output_dir), or report.json files of --report"), line
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_report_directory_that_is_a_file_is_refused_before_any_work(tmp_path, capsys):
     taken = tmp_path / "taken"
     taken.write_text("mine")

@@ -9,6 +9,7 @@ import pytest
 from olmax.cli import main
 from olmax.config import load_config
 from olmax.parallel import schedules
+from olmax.scale.cli import format_compile
 from olmax.scale import targets, tune, tune_depth, tune_estimate, tune_space
 from olmax.scale.targets import aot_missing, parse_target
 from test_scale_report import check_rendered, chromium  # noqa: F401 (chromium: a fixture)
@@ -257,6 +258,23 @@ def test_the_written_layout_is_the_whole_program_ranked(tmp_path, config, given,
     assert ranked.impl.remat == best.remat and (config != "tiny" or ranked.model.n_layers == 16)
 
 
+def test_a_depth_reduced_search_says_why_it_compiled_a_layout_whole():
+    """`tune --depth reduced` on pipelined candidates said "0 by depth-reduced compiles", and its rows nothing of
+    how each was found: each row compiled whole says why, and so does the count."""
+    space = tune_space.space(load_config("tiny", PIPELINED), parse_target("tpu:v5p:2x2x2"))
+    results = [tune.Result(space[0], "fits", peak=2**30, step_seconds=1.0, mfu=0.5, whole=tune.SHALLOW),
+               tune.Result(space[1], "fits", peak=2**30, step_seconds=2.0, mfu=0.4, depths=(4, 8))]
+    search = tune.Search(results, size=len(space), reduced=True)
+    rows = tune.table(search, parse_target("tpu:v5p:2x2x2")).splitlines()[1:]
+    assert rows[0].endswith("(compiled whole: its repeated layers are under 4 units deep (a unit: a layer_pattern "
+                            "period on each stage and chunk))")
+    assert rows[1].endswith("(extrapolated from 4 and 8 layers)")
+    assert ("1 by depth-reduced compiles; 1 compiled whole as its repeated layers are under 4 units deep"
+            in tune.coverage(search))
+    assert [r.row()["compiled_whole_because"] for r in search.ranked()] == [tune.SHALLOW, None]
+    assert "depth-reduced" not in tune.coverage(tune.Search(results[:1], size=len(space)))
+
+
 @pytest.fixture(scope="module")
 def tuned(tmp_path_factory):
     directory = tmp_path_factory.mktemp("tune")
@@ -303,6 +321,7 @@ def test_the_written_layout_trains_and_compiles_to_the_layout_reported(tuned, ca
     report = json.loads(capsys.readouterr().out)
     assert report["step_time"]["step_seconds"] == pytest.approx(best["step_seconds"])
     assert report["peak"] == best["peak"] and report["compile_cached"] and report["loss_chunk"] is None
+    assert "loss on whole sequences, remat" in format_compile(report)  # it said "loss chunk None"
     assert main(["compile", str(best_file), "--target", "tpu:v5p:2x2x2", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["compile_cached"]
     assert load_config(str(best_file)).model.n_layers == 8

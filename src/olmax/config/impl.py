@@ -148,4 +148,8 @@ class ImplConfig(Section):
     def _names(self):
         if isinstance(self.remat, list) and (bad := set(self.remat) - set(REMAT_NAMES)):
             raise ValueError(f"remat has unknown names {sorted(bad)}; known: {list(REMAT_NAMES)}")
+        if self.logits_grad == "compute" and self.compute_dtype == "float32":
+            raise ValueError("logits_grad=compute takes the LM head's gradient in the compute dtype, and compute_dtype "
+                             "is float32: it would change nothing; set compute_dtype to bfloat16 (or auto, bfloat16 "
+                             "on accelerators), or logits_grad to float32")
         return self

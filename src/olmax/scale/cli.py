@@ -88,7 +88,7 @@ def add_commands(subparsers) -> None:
 
 def _config_and_target(parser: argparse.ArgumentParser, overrides: str = "section.key=value") -> None:
     parser.add_argument("config", help="preset name (olmo3_7b, tiny, ...) or a YAML path")
-    parser.add_argument("overrides", nargs="*", help=overrides)
+    parser.add_argument("overrides", nargs="*", default=[], help=overrides)  # optional: not "required" in usage errors
     parser.add_argument("--target", required=True, help="tpu:KIND:TOPOLOGY (tpu:v5p:4x4x8) or gpu:KINDxN (gpu:h100x8)")
 
 
@@ -325,6 +325,9 @@ def run_report(args: argparse.Namespace) -> None:
         return _run_page(args.reports[0], args.out, args.watch)
     if args.watch is not None:
         raise ConfigError("--watch: only a run's page is written again; give one run directory")
+    if missing := next((p for p in args.reports if not storage.is_remote(p) and not os.path.lexists(p)), None):
+        raise ConfigError(f"{missing}: no such file or directory; give a run directory (output_dir), or report.json "
+                          "files of --report")
     reports = [load(path) for path in args.reports]
     if args.out is None:
         raise ConfigError("--out: give the directory for the page of the report.json files")
@@ -387,12 +390,13 @@ def format_compile(r: dict) -> str:
         return f"{label:36}{size(value):>12}" + (f"   {percent(value / device)} of the device" if share else "")
 
     mesh = " x ".join(f"{axis} {size}" for axis, size in r["mesh"].items())
+    loss = "loss on whole sequences" if r["loss_chunk"] is None else f"loss in chunks of {r['loss_chunk']} positions"
     lines = [
         f"{r['config']} for {r['target']}: {r['devices']} x {r['device_kind']}, mesh {mesh}",
         f"{r['instances_per_device_micro_step']} x {r['sequence_length']} tokens per device per micro-step, "
         f"{r['micro_steps']} micro-step(s) per step, {r['compute_dtype']} compute"
         f"{FP8_NOTE[r['fp8']]}, {r['attention']} attention{_tiles(r.get('attention_tiles'))}, "
-        f"{'experts by ' + r['moe_dispatch'] + ', ' if r.get('moe_dispatch') else ''}loss chunk {r['loss_chunk']}, "
+        f"{'experts by ' + r['moe_dispatch'] + ', ' if r.get('moe_dispatch') else ''}{loss}, "
         f"remat {r['remat']}",
         *([f"layout for {r['layout']['target']} from the config: {' '.join(r['layout']['settings'])}"]
           if r.get("layout") else []),
