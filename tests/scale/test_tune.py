@@ -222,10 +222,14 @@ def test_tune_refuses_an_out_or_report_it_would_overwrite_or_cannot_write_before
     (tmp_path / "page" / "index.html").symlink_to(metrics)
     (tmp_path / "site").mkdir()
     (tmp_path / "site" / "index.html").write_text("<p>someone's page</p>")
+    (tmp_path / "linked").symlink_to(tmp_path / "site")
     tune_args = ["tune", "tiny", "--target", "tpu:v5p:2x2x2", "--budget", "1", "--jobs", "1"]
     for option, value, why in [("--out", metrics, "a file is there already"),
                                ("--out", tmp_path / "link.yaml", "a symbolic link is there already"),
                                ("--out", metrics / "best.yaml", "is a file, not a directory"),
+                               # written in its directory opened through no link: refused after the search before
+                               ("--out", tmp_path / "linked" / "best.yaml", f"{tmp_path / 'linked'} is a symbolic link"),
+                               ("--report", tmp_path / "linked", f"{tmp_path / 'linked'} is a symbolic link"),
                                ("--report", tmp_path / "page", "its index.html is a symbolic link"),
                                ("--report", tmp_path / "site", "an index.html with no report.json beside it")]:
         assert main([*tune_args, option, str(value)]) == 2

@@ -138,8 +138,10 @@ def _report_dir(value: str | None, option: str = "--report") -> str | None:
 
 
 def _new_file(value: str, option: str) -> None:
-    """Refuse `value` before any work unless it is a new file that can be written (made with its directory)."""
+    """Refuse `value` before any work unless it is a new file that can be written (made with its directory, which
+    is not a symbolic link: it is opened through none)."""
     from olmax.config import writable_dir
+    from olmax.run_dir import refuse_link
 
     if os.path.isdir(value):
         raise ConfigError(f"{option} {value}: a directory is there; give a new file to write to")
@@ -147,6 +149,7 @@ def _new_file(value: str, option: str) -> None:
         kind = "a symbolic link" if os.path.islink(value) else "a file"
         raise ConfigError(f"{option} {value}: {kind} is there already; give a new file, or delete it first")
     writable_dir(Path(value).absolute().parent, option)
+    refuse_link(Path(value).absolute().parent)
 
 
 def _compile_cache() -> None:
