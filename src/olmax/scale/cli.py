@@ -297,8 +297,8 @@ def run_tune(args: argparse.Namespace) -> None:
     if args.out and search.best is not None:
         layout = tune.overlay(args.config, args.overrides, search, target)
         try:  # a new file (O_EXCL: not one made since the check, nor through a link) in its directory opened once
-            with OwnDir(Path(args.out).absolute().parent) as directory:
-                directory.create(Path(args.out).name, layout)
+            with OwnDir(Path(args.out).absolute().parent) as out_dir:
+                out_dir.create(Path(args.out).name, layout)
             print(f"olmax: best layout {args.out}", file=sys.stderr)
         except (OSError, RunDirError) as err:  # something took its place during the search: printed instead
             why = ("something appeared there during the search" if isinstance(err, FileExistsError)
