@@ -325,6 +325,18 @@ def test_one_convention_and_the_old_spellings_for_one_release(tmp_path, capsys):
     assert "given twice" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("command", ["flops", "train", "compile"])
+def test_a_missing_config_is_the_one_argument_named_as_required(command, capsys):
+    """`olmax flops` alone said "the following arguments are required: config, overrides": overrides are optional."""
+    from olmax.cli import main
+
+    with pytest.raises(SystemExit) as exited:
+        main([command])
+    last = capsys.readouterr().err.splitlines()[-1]
+    assert exited.value.code == 2 and last.endswith("the following arguments are required: config"
+                                                    + (", --target" if command == "compile" else "")), last
+
+
 def test_an_unknown_option_of_a_command_shows_that_commands_usage(capsys):
     """`olmax train --steps 10` printed the usage of the whole CLI, every command in braces."""
     from olmax.cli import main

@@ -31,7 +31,7 @@ def _error_classes() -> list[type]:
 def test_the_exit_codes():
     assert {code.name: int(code) for code in ExitCode} == {
         "FINISHED": 0, "FAILED": 1, "BAD_INPUT": 2, "DIVERGED": 3, "STORAGE_UNAVAILABLE": 69, "DISK_FULL": 74,
-        "PREEMPTED": 75, "INTERRUPTED": 130}
+        "PREEMPTED": 75, "INTERRUPTED": 130, "TERMINATED": 143}
     assert errors.NOT_RETRIED == (2, 3, 74)
     assert {cls.__name__: cls.exit_code for cls in _error_classes() if not issubclass(cls, BadInput)} == {
         "OlmaxError": 1, "Preempted": 75, "Diverged": 3, "DiskFull": 74, "DoesNotFit": 1,

@@ -4,6 +4,8 @@ committed steps; olmax follows no symbolic link where it writes its own files.""
 import ast
 import json
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import jax.numpy as jnp
@@ -213,3 +215,55 @@ def test_a_directory_at_a_file_olmax_writes_is_refused_by_the_writer(tmp_path):
     with pytest.raises(RunDirError, match="is a directory where olmax writes a file"):
         open_own(tmp_path / "made", append=True)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["file.partial", "made", "partial"]
+
+
+# A process that renames DIR away, puts a link to VICTIM in its place, then a directory again, ROUNDS times, as fast
+# as it can.
+SWAPPER = """
+import contextlib, os, sys
+directory, victim, rounds = sys.argv[1], sys.argv[2], int(sys.argv[3])
+print("swapping", flush=True)
+for i in range(rounds):
+    with contextlib.suppress(FileNotFoundError):  # renamed away already, the writer has not made it again yet
+        os.rename(directory, f"{directory}.away-{i}")
+    with contextlib.suppress(FileExistsError):  # made again by the writer first
+        os.symlink(victim, directory)
+        os.unlink(directory)
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(directory)
+"""
+
+
+@pytest.mark.parametrize("writer", ["a page", "a run's file", "a file at a path"])
+def test_a_directory_swapped_for_a_link_while_olmax_writes_in_it_gets_no_byte_outside(tmp_path, writer):
+    """A second process renames the directory a writer writes in away and puts a link to another directory in its
+    place, 400 times while the writer writes: the checks by name saw only the last component, and the victim's
+    index.html was replaced (3 of 60 `olmax report --out DIR`), or refuse_link's islink-then-readlink raised
+    FileNotFoundError. Now each write opens the directory once, through no link, and works relative to it: no byte
+    lands in the victim, and a write either lands in a directory olmax opened or is refused naming the link."""
+    from olmax.scale.layout_page import write_files
+
+    victim, directory = tmp_path / "victim", tmp_path / "page"
+    victim.mkdir()
+    for name in ("index.html", "report.json", "goodput.json", "goodput.png"):
+        (victim / name).write_text("precious")
+    directory.mkdir()
+    write = {"a page": lambda: write_files(str(directory), {"config": "tiny"}, "<p>page</p>"),
+             "a run's file": lambda: replace_own(directory / "goodput.json", "{}"),
+             "a file at a path": lambda: write_own(directory / "goodput.png", b"png")}[writer]
+    swapper = subprocess.Popen([sys.executable, "-c", SWAPPER, str(directory), str(victim), "400"],
+                               stdout=subprocess.PIPE, text=True)
+    assert swapper.stdout.readline() == "swapping\n"
+    written, refused = 0, 0
+    while swapper.poll() is None:
+        try:
+            write()
+            written += 1
+        except RunDirError as err:
+            assert "is a symbolic link" in str(err) or "was renamed or replaced" in str(err), err
+            refused += 1
+        except FileNotFoundError:  # replace_own writes in a directory that exists: renamed away just then
+            assert writer == "a run's file"
+    assert swapper.wait() == 0 and written + refused > 0
+    assert sorted(p.name for p in victim.iterdir()) == ["goodput.json", "goodput.png", "index.html", "report.json"]
+    assert all(p.read_text() == "precious" for p in victim.iterdir())

@@ -22,7 +22,7 @@ from olmax.errors import BadInput
 def config_arguments(parser: argparse.ArgumentParser) -> None:
     """CONFIG and its overrides."""
     parser.add_argument("config", help="preset name (olmo3_7b, tiny, ...) or a YAML path")
-    parser.add_argument("overrides", nargs="*", help="section.key=value")
+    parser.add_argument("overrides", nargs="*", default=[], help="section.key=value")  # optional: not "required"
 
 
 class _OldSpelling(argparse.Action):

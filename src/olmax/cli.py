@@ -9,17 +9,21 @@ import sys
 
 from olmax.arguments import config_arguments, given, old_spelling
 from olmax.errors import ExitCode, OlmaxError
-from olmax.runtime import (LIBTPU_LOCKFILE, STOP_SIGNALS, drop_held_signals, end_process, hold_stop_signals,
-                           libtpu_lock_holder, quiet_cuda_plugin, release_stop_signals, skip_absent_tpus)
+from olmax.runtime import (LIBTPU_LOCKFILE, STOP_SIGNALS, Terminated, drop_held_signals, end_process,
+                           hold_stop_signals, libtpu_lock_holder, quiet_cuda_plugin, raise_stop, release_stop_signals,
+                           skip_absent_tpus)
 
 
 def cmd_config_show(args) -> None:
     from olmax.config import dump, load_config
 
-    from olmax.scale.targets import parse_target
+    from olmax.scale.targets import check_mesh, parse_target
 
-    target = parse_target(args.target).name if args.target else None
-    print(dump(load_config(args.config, args.overrides, target)), end="")
+    target = parse_target(args.target) if args.target else None
+    cfg = load_config(args.config, args.overrides, target and target.name)
+    if target:
+        check_mesh(cfg.mesh, target)
+    print(dump(cfg), end="")
 
 
 def cmd_flops(args) -> None:
@@ -182,7 +186,7 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Builds a corpus from the standard library, trains a tokenizer and writes shards "
                        "(cached in runs/demo/cache), trains the demo preset from scratch and writes "
                        "runs/demo/report.md, all under ./runs/demo.")
-    p.add_argument("overrides", nargs="*", help="section.key=value on the demo preset")
+    p.add_argument("overrides", nargs="*", default=[], help="section.key=value on the demo preset")
     p.add_argument("--fresh", action="store_true", help="rebuild the cached corpus, tokenizer and shards")
     p.add_argument("--moe", action="store_true",
                    help="train the demo_moe preset (experts in every layer); its report plots each expert's load")
@@ -257,7 +261,7 @@ def command_parser(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
 def main(argv: list[str] | None = None) -> int:
     """Run one command. An error olmax raises on purpose (olmax.errors) ends it with one line and its exit code:
     bad input exits 2 naming it; an interrupt never prints a traceback: train and launch stop cleanly (exit 75)
-    whenever it comes, other commands exit 130."""
+    whenever it comes, other commands exit 130 (SIGINT) or 143 (SIGTERM)."""
     previous = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
     previous_mask = signal.pthread_sigmask(signal.SIG_BLOCK, [])
     hold_stop_signals()
@@ -269,13 +273,14 @@ def main(argv: list[str] | None = None) -> int:
         if not getattr(args, "handles_stop_signals", False):
             for sig in STOP_SIGNALS:
                 if signal.getsignal(sig) is not signal.SIG_IGN:
-                    signal.signal(sig, signal.default_int_handler)
+                    signal.signal(sig, raise_stop)
             release_stop_signals()  # one that came during start-up raises KeyboardInterrupt here
         args.func(args)
         code = ExitCode.FINISHED
-    except KeyboardInterrupt:
-        print("olmax: interrupted", file=sys.stderr)
-        code = ExitCode.INTERRUPTED
+    except KeyboardInterrupt as stop:
+        terminated = isinstance(stop, Terminated)
+        print(f"olmax: {'terminated' if terminated else 'interrupted'}", file=sys.stderr)
+        code = ExitCode.TERMINATED if terminated else ExitCode.INTERRUPTED
     except OlmaxError as err:
         print(f"olmax: {err.line()}", file=sys.stderr)
         code = err.exit_code

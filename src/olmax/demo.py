@@ -18,12 +18,16 @@ bitwise equal to the previous run's when that run had the same config.
 
 `output_dir=DIR` puts the run in DIR and the cache and the report beside it, in DIR's
 parent. The demo deletes or overwrites only files it made there, which MADE lists: any
-other file where it writes is refused (BadInput, exit 2) before anything is touched.
+other file where it writes is refused (BadInput, exit 2) before anything is touched, as is
+a symbolic link where it writes, or a MADE that is one. MADE names what the demo is about
+to write before it writes it, and the files it made when it ends: a demo killed on its way
+leaves nothing its rerun refuses.
 """
 
 from __future__ import annotations
 
 import ast
+import errno
 import hashlib
 import json
 import os
@@ -39,6 +43,7 @@ from olmax import progress
 from olmax.config import load_config
 from olmax.errors import BadInput
 from olmax.run_dir import RunDir, drawn, write_own
+from olmax.runtime import stopping_at_once
 
 DOMAINS = ("code", "prose")
 SKIP_DIRS = {"site-packages", "test", "tests", "idlelib", "lib2to3", "__pycache__"}
@@ -266,26 +271,47 @@ def files_at(path: Path) -> list[Path]:
             for name in files + [d for d in dirs if os.path.islink(os.path.join(root, d))]]
 
 
-def made_files(out: Path) -> set[str]:
-    """The files under `out` (paths relative to it) that earlier demos made, as MADE lists them."""
+def read_made(out: Path) -> dict[str, list[str]]:
+    """MADE's record under `out` (paths relative to it): "files" the earlier demos made, and "writing" what a demo
+    was writing when it was stopped before it could list its files (each path with everything under it). Read
+    through no symbolic link: a link there would have the demo delete what its target lists."""
     marker = out / MADE
-    if not marker.exists():
-        return set()
     try:
-        return set(json.loads(marker.read_text())["files"])
-    except (OSError, ValueError, KeyError, TypeError):
+        fd = os.open(marker, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return {"files": [], "writing": []}
+    except OSError as err:
+        why = "a symbolic link" if err.errno == errno.ELOOP else err.strerror
+        raise BadInput(f"{marker} is {why}, not the list of its files olmax demo writes; move it away, or give the "
+                       "demo another output_dir") from None
+    try:
+        with os.fdopen(fd) as f:
+            record = json.loads(f.read())
+        lists = {key: record.get(key, []) if key == "writing" else record[key] for key in ("files", "writing")}
+        if not all(isinstance(names, list) and all(isinstance(n, str) for n in names) for names in lists.values()):
+            raise TypeError
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
         raise BadInput(f"{marker} is not the list of its files olmax demo writes; move it away, or give the demo "
                        "another output_dir") from None
+    return lists
+
+
+def made_by_demo(name: str, made: dict[str, list[str]]) -> bool:
+    """Whether the file `name` (relative to the demo's directory) is one the demo made, as `read_made` says."""
+    return name in made["files"] or any(name == root or name.startswith(root + "/") for root in made["writing"])
 
 
 def clear_outputs(cfg, moe: bool, fresh: bool) -> dict | None:
     """Delete the earlier run, and the data cache unless it can be reused (its manifest, returned; else None),
     each said in a line. Refused (BadInput, nothing deleted) when a file where the demo writes is not one it
-    made."""
+    made, or a symbolic link is where the demo writes its run, cache or report."""
     out = cfg.run_dir.parent
-    made = made_files(out)
+    made = read_made(out)
+    if link := next((path for path in outputs(cfg, moe) if path.is_symlink()), None):
+        raise BadInput(f"{link} is a symbolic link (to {os.readlink(link)}) where the demo writes; it follows no "
+                       "link where it writes or deletes: move it away, or give the demo another output_dir")
     others = sorted(str(f) for path in outputs(cfg, moe) for f in files_at(path)
-                    if f.relative_to(out).as_posix() not in made)
+                    if not made_by_demo(f.relative_to(out).as_posix(), made))
     if others:
         more = f" and {len(others) - 3:,} more" if len(others) > 3 else ""
         raise BadInput(f"{', '.join(others[:3])}{more}: not made by olmax demo (not in {out / MADE}), where the demo "
@@ -301,13 +327,16 @@ def clear_outputs(cfg, moe: bool, fresh: bool) -> dict | None:
     return data
 
 
-def record_outputs(cfg, moe: bool) -> None:
-    """List the files where the demo writes in MADE, beside those of the other demo (dense or MoE)."""
+def record_outputs(cfg, moe: bool, writing: bool = False) -> None:
+    """List the files where the demo writes in MADE, beside those of the other demo (dense or MoE); `writing`:
+    name its outputs as being written, before it writes them (a demo stopped on its way has said what it made)."""
     out = cfg.run_dir.parent
-    made = {name for name in made_files(out) if (out / name).exists()}
-    made |= {f.relative_to(out).as_posix() for path in outputs(cfg, moe) for f in files_at(path)}
-    if made:
-        write_own(out / MADE, json.dumps({"files": sorted(made)}, indent=0) + "\n")
+    made = read_made(out)
+    files = {name for name in made["files"] if (out / name).exists()}
+    files |= {f.relative_to(out).as_posix() for path in outputs(cfg, moe) for f in files_at(path)}
+    roots = {path.relative_to(out).as_posix() for path in outputs(cfg, moe)} if writing else set()
+    if files or roots:
+        write_own(out / MADE, json.dumps({"files": sorted(files), "writing": sorted(roots)}, indent=0) + "\n")
 
 
 def run_demo(overrides: list[str], fresh: bool, moe: bool = False) -> Path:
@@ -315,9 +344,10 @@ def run_demo(overrides: list[str], fresh: bool, moe: bool = False) -> Path:
     the report."""
     cfg = demo_config(overrides, moe)
     data = clear_outputs(cfg, moe, fresh)
+    record_outputs(cfg, moe, writing=True)
     try:
         return _run_demo(cfg, data, moe)
-    finally:  # however it ends: a rerun may delete what it made
+    finally:  # however it ends (a kill aside: MADE says what it was writing): a rerun may delete what it made
         record_outputs(cfg, moe)
 
 
@@ -335,8 +365,8 @@ def _run_demo(cfg, data: dict | None, moe: bool) -> Path:
     def silences():
         return progress.ticking(lambda _: f"demo: [{time.perf_counter() - began:4.0f} s] still {doing[0]}", "stdout")
 
-    if data is None:
-        with silences():
+    if data is None:  # a stop signal ends it at once: a cache without its manifest is built again
+        with silences(), stopping_at_once(lambda line: print(f"demo: {line}", file=sys.stderr, flush=True)):
             data = prepare_data(out / "cache", cfg.model.vocab_size, doing)
     else:
         print(f"demo: reusing corpus, tokenizer and shards from {out / 'cache'} (--fresh rebuilds)")

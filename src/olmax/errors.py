@@ -33,6 +33,7 @@ class ExitCode(IntEnum):
     DISK_FULL = 74, "disk full", False  # EX_IOERR: only freeing space helps
     PREEMPTED = 75, "preempted", True  # EX_TEMPFAIL: stopped by a signal after a checkpoint; run again to resume
     INTERRUPTED = 130, None, True  # 128 + SIGINT, as a shell reports it: commands other than train and launch
+    TERMINATED = 143, None, True  # 128 + SIGTERM: the same, for SIGTERM
 
 
 NOT_RETRIED = tuple(int(code) for code in ExitCode if not code.retried and code != ExitCode.FINISHED)

@@ -35,6 +35,7 @@ import contextlib
 import ctypes
 import importlib.abc
 import importlib.util
+import multiprocessing
 import os
 import platform
 import signal
@@ -206,6 +207,53 @@ class _Acknowledger:
         os.close(self.write)
         self.thread.join()
         os.close(self.read)
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM where SIGINT is KeyboardInterrupt: the same stop (every `except KeyboardInterrupt` cleans up after
+    it), ending the command with 143, 128 + SIGTERM, where SIGINT's ends it with 130."""
+
+
+def raise_stop(signum: int, frame) -> None:
+    """The handler of a command that stops where it is on SIGINT (KeyboardInterrupt) or SIGTERM (Terminated)."""
+    raise Terminated() if signum == signal.SIGTERM else KeyboardInterrupt()
+
+
+@contextlib.contextmanager
+def stopping_at_once(say: Callable[[str], None]):
+    """Inside, SIGINT or SIGTERM ends the process at once, from a thread of its own as the signal arrives: `say`
+    is told ("stopping (SIGINT)"), the processes multiprocessing started (compile workers) are killed, and the
+    process exits 128 + the signal (130, 143) without unwinding. For work with nothing to save in which no
+    exception can stop it: an XLA compile holds the main thread in C++ for minutes (the interrupt came when it
+    ended: 12 minutes for the 7B on 128 v5p chips), and an exception raised in a callback is lost (jax's gc
+    callback swallowed a KeyboardInterrupt, and one raised inside a C++ call aborted the process). Enter it once the
+    work's modules are imported: importing jax's Pallas GPU ops installs absl's failure handler over SIGTERM."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(number: int) -> None:
+        name = signal.Signals(number).name
+        say(f"stopping ({name})")
+        for child in multiprocessing.active_children():
+            child.kill()
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        os._exit(128 + number)
+
+    wakeup = _Acknowledger(stop)
+    previous = {sig: signal.signal(sig, _noted) for sig in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        wakeup.close()
+
+
+def _noted(signum: int, frame) -> None:
+    """Python's part of a stop signal inside `stopping_at_once`: nothing (its thread acts on it)."""
 
 
 def drop_held_signals() -> None:

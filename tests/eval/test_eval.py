@@ -230,6 +230,11 @@ def test_cli_errors_name_the_input(checkpoint, tmp_path, capsys):
     assert "missing.npy does not exist" in capsys.readouterr().err
     assert run_cli("eval", "heldout", tmp_path / "nothing", "--data", tmp_path / "missing.npy") == 2
     assert "nothing does not exist" in capsys.readouterr().err
+    # a mix file given as --data said "set data.mix_file", a setting the user had not given
+    assert run_cli("eval", "heldout", checkpoint, "--data", f"code={tmp_path / 'missing.txt'}") == 2
+    [line] = capsys.readouterr().err.splitlines()
+    assert line.endswith(f"mix file {tmp_path / 'missing.txt'} does not exist; --data must name an existing file of "
+                         "`label,path` lines"), line
 
 
 def test_heldout_reads_shards_with_the_dtype_training_checks(base_run, synth_mix, synth_mix32, capsys):

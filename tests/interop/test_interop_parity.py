@@ -2,6 +2,7 @@
 
 import argparse
 import json
+import subprocess
 import sys
 from typing import NamedTuple
 
@@ -162,6 +163,24 @@ def test_parity_cli_json_and_exit_code(tmp_path, capsys):
     assert exit_.value.code == 1
     table = capsys.readouterr().out
     assert "FAIL" in table and "hf: failed kl_mean" in table and "top-1 agreement" in table
+    assert "inputs: 1 batch of 1 sequence of 16 tokens (uniform random token ids, seed 0)" in table  # "1 x 1 x 16"
+
+
+def test_parity_names_a_missing_checkpoint_or_hf_directory_before_its_imports(tmp_path):
+    """`olmax parity RUN --hf MISSING` was silent for 55 s (jax, torch, transformers imported, the checkpoint read),
+    then exit 2: the paths are checked first, before anything of the model is imported."""
+    (tmp_path / "not-hf").mkdir()
+    for argv, words in [([str(tmp_path), "--hf", str(tmp_path / "missing")], f"--hf {tmp_path / 'missing'}: no such "
+                         "directory"),
+                        ([str(tmp_path), "--hf", str(tmp_path / "not-hf")], "is not an HF model directory: config.json "
+                         "is missing"),
+                        ([str(tmp_path / "no-run"), "--hf", str(tmp_path)], f"{tmp_path / 'no-run'}: no such checkpoint")]:
+        done = subprocess.run([sys.executable, "-c", "import sys; from olmax.cli import main; code = main(sys.argv[1:]); "
+                               "print(sorted({'jax', 'torch', 'transformers'} & set(sys.modules))); sys.exit(code)",
+                               "parity", *argv], capture_output=True, text=True)
+        assert done.returncode == 2 and done.stdout == "[]\n", (done.stdout, done.stderr)
+        [line] = done.stderr.splitlines()
+        assert line.startswith("olmax: InteropError: ") and words in line, line
 
 
 def test_parity_without_the_test_extra_is_one_line_naming_it(tmp_path, capsys, monkeypatch):

@@ -82,6 +82,10 @@ def test_parameter_counts_equal_olmo_cores_and_flops_count_active_parameters(cap
     (["impl.moe.ep_buffer=1.5", "impl.moe.ep_capacity=1.25"], "set one of them to null"),
     (["impl.moe.ep_buffer=0"], "impl.moe.ep_buffer"),
     (["impl.moe.exchange_chunks=0"], "impl.moe.exchange_chunks"),
+    # a round of one row (~2,000 rounds a step: 0.3 s -> 25-33 s), and 64 parts each compiled (40 s -> 6 minutes)
+    (["impl.moe.ep_buffer=1e-30"], "ep_buffer=1e-30 makes a round of the exchange 1e-30 x the rows a device is "
+                                   "expected to receive, about 1e[+]30 rounds a layer .*; give at least 0.0625"),
+    (["impl.moe.exchange_chunks=64"], "exchange_chunks=64: each part is compiled on its own .*; give at most 8"),
 ])
 def test_bad_moe_configs_are_named(overrides, message):
     with pytest.raises(ConfigError, match=message):

@@ -5,8 +5,10 @@ TPU targets need the aot extra (libtpu; CI installs it), GPU targets the aot-gpu
 
 import gzip
 import json
+import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 
@@ -16,6 +18,7 @@ import numpy as np
 import pytest
 from jax.experimental import topologies
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from testlib import ROOT
 
 from olmax.cli import main
 from olmax.config import load_config
@@ -55,7 +58,8 @@ def test_tiny_step_compiles_with_splash_for_a_tpu_slice(capsys):
     table = format_compile(report)
     assert "tiny for tpu:v5p:2x2x2: 8 x TPU v5, mesh data 1 x stage 1 x fsdp 8 x expert 1 x tensor 1" in table
     assert report["attention_tiles"] == {"block_q": 256, "block_kv": 256, "block_kv_compute": 256, "head_dim": 16}
-    assert "splash attention (tiles: 256 queries x 256 keys, 256 keys a step, head_dim 16), loss chunk 1024" in table
+    assert "splash attention (tiles: 256 queries x 256 keys, 256 keys a step, head_dim 16), loss in chunks of 1024 " \
+        "positions" in table
     assert report["xla_flags"] == {} and "XLA flags" not in table  # v5p has no flag profile
     assert "splash_mha_dkv_no_residuals x4" in table
     assert re.search(r"peak \(compiler\)\s+[\d.,]+ [KMG]iB\s+[\d.]+% of the device", table)
@@ -162,6 +166,46 @@ def test_cpus_have_no_flag_profile():
     assert running_target(jax.devices()) is None and flag_profile(None) == {}
 
 
+@needs_tpu
+def test_a_signal_stops_a_compile_at_once(tmp_path):
+    """`olmax compile olmo3_7b --target tpu:v5p:4x4x8` given SIGINT 20 s in compiled 12 more minutes ("still waiting
+    for XLA"), then exit 130; SIGTERM likewise: XLA holds the main thread, and the interrupt came when it returned.
+    The signal is said at once and ends the command (exit 143 for SIGTERM), here while XLA compiles tiny with 64
+    layers unrolled (5 minutes on 2 loaded cores, 2026-12-07), which it reaches in seconds."""
+    compile_ = subprocess.Popen([sys.executable, "-m", "olmax.cli", "compile", "tiny", "model.n_layers=64",
+                                 "impl.scan_layers=false", "--target", "tpu:v5p:2x2x2"], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True,
+                                env={**os.environ, "OLMAX_COMPILE_CACHE": str(tmp_path / "cache")})
+    try:
+        while not (line := compile_.stderr.readline()).startswith("olmax compile: compiling ("):
+            assert line, "the compile ended before it started compiling"
+        compile_.send_signal(signal.SIGTERM)
+        _, err = compile_.communicate(timeout=120)  # a guard: the compile alone takes minutes
+    finally:
+        compile_.kill()
+    assert compile_.returncode == 143 and err.splitlines() == ["olmax compile: stopping (SIGTERM)"], err
+    assert not list((tmp_path / "cache").glob("*/result.json"))  # nothing compiled
+
+
+@pytest.mark.parametrize("command", [
+    ["compile", "tiny", "--target", "tpu:v5p:2x2x2", "mesh.fsdp=3", "train.global_batch_instances=15"],
+    ["compile", "tiny", "--target", "tpu:v5p:2x2x2", "mesh.fsdp=3"],  # the batch was blamed
+    ["plan", "tiny", "--target", "tpu:v5p:2x2x2", "mesh.fsdp=3", "--mfu", "0.4"],
+    ["config", "show", "olmo3_7b", "mesh.fsdp=3", "--target", "tpu:v5p:4x4x8"],
+    ["compile", "tiny", "--target", "tpu:v5p:2x2x2", "mesh.data=3"],  # fsdp -1: what 3 leaves of 8
+])
+def test_a_mesh_that_is_not_the_targets_devices_is_exit_2_naming_both(command, capsys):
+    """`compile tiny --target tpu:v5p:2x2x2 mesh.fsdp=3 train.global_batch_instances=15` compiled a mesh of 3
+    devices, reported as "8 x TPU v5", and `config show` printed it: exit 2 now, one line naming the mesh and the
+    target's device count, before anything is compiled."""
+    assert main(command) == 2
+    out, err = capsys.readouterr()
+    [line] = err.splitlines()
+    devices = "8" if "tpu:v5p:2x2x2" in command else "128"
+    assert line.startswith("olmax: ConfigError: mesh data ") and f"multiply to {devices}" in line, line
+    assert "fsdp 3" in line or "data 3" in line and out == ""
+
+
 @pytest.mark.slow  # the fast tier keeps a lighter test of the same module
 @needs_tpu
 def test_moe_experts_run_on_the_tpu_grouped_matmul_kernel(capsys):
@@ -172,7 +216,12 @@ def test_moe_experts_run_on_the_tpu_grouped_matmul_kernel(capsys):
     assert main(["compile", "tiny_moe", "mesh.expert=8", "mesh.fsdp=1", "--target", "tpu:v5p:2x2x2", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["moe_dispatch"] == "ragged_dot"
-    assert report["program"]["custom_calls"]["ragged-dot-none"] >= 3  # at least the forward's three matmuls
+    counts = report["program"]["custom_calls"]
+    assert counts["ragged-dot-none"] >= 3  # at least the forward's three matmuls
+    # the counts docs/model.md quotes of this command (a compiler that moves them fails this until it says them)
+    assert (f"`olmax compile tiny_moe mesh.expert=8 mesh.fsdp=1 --target tpu:v5p:2x2x2` counts `ragged-dot-none` "
+            f"x{counts['ragged-dot-none']} and `ragged-dot-metadata` x{counts['ragged-dot-metadata']}") in " ".join(
+        (ROOT / "docs" / "model.md").read_text().split())
     assert "experts by ragged_dot" in format_compile(report)
     moved = report["step_time"]["collectives"]["bytes_by_kind"]
     assert moved.get("ragged-all-to-all", 0) > 0 and "all-to-all" in moved, moved  # the counts first, then rows

@@ -214,6 +214,16 @@ def test_plan_report_draws_every_schedule(chromium, tmp_path):
     assert facts.facts["exact_window.chip_hours"] == report["exact_window"]["chip_hours"] > 0
 
 
+def test_a_report_or_run_that_does_not_exist_is_named_as_missing(tmp_path, capsys):
+    """`olmax report /no/such/run` said "not a report.json olmax wrote"."""
+    for reports in ([tmp_path / "no-run"], [STORED, tmp_path / "no.json"]):
+        assert main(["report", *map(str, reports), "--out", str(tmp_path / "out")]) == 2
+        [line] = capsys.readouterr().err.splitlines()
+        assert line == (f"olmax: ConfigError: {reports[-1]}: no such file or directory; give a run directory "
+                        "(output_dir), or report.json files of --report"), line
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_report_directory_that_is_a_file_is_refused_before_any_work(tmp_path, capsys):
     taken = tmp_path / "taken"
     taken.write_text("mine")
@@ -411,7 +421,8 @@ def _set(path: str, value):
 
 # A report.json whose figures are beyond a page's bounds: the field the one line names. A place in the slice of
 # 10^30 drew 10^30 panels (20 GB before the kernel killed it), stages of 10^9 as many rows; 10^400 bytes was an
-# OverflowError, NaN bytes a page of "nan%", an array 100,000 deep a RecursionError.
+# OverflowError, NaN bytes a page of "nan%", an array 100,000 deep a RecursionError, a pipeline schedule's tick table
+# of 4M cells a page of 491 MiB.
 BEYOND = {
     "a place in the slice of 10^30": (_set("chips.0.at.z", 10**30), "chips.0.at.z is 1e+30"),
     "a place in the slice of 1e30": (_set("chips.3.at.x", 1e30), "chips.3.at.x is 1e+30"),
@@ -420,6 +431,9 @@ BEYOND = {
     "a peak of NaN bytes": (_set("peak", math.nan), "peak is nan"),
     "an infinite step time": (_set("plan.exact_window.step_seconds", math.inf), "plan.exact_window.step_seconds is inf"),
     "a list 100 deep": (_set("remat", json.loads("[" * 100 + "]" * 100)), "remat.0.0.0"),
+    # 4M cells took 1.8 GiB and 40 s, and wrote a page of 491 MiB
+    "a tick table of 600 x 600 cells": (_set("plan.schedules.0.ticks", [[None] * 600] * 600),
+                                        "plan.schedules.0.ticks.436 is past the 262,144 cells of the tick tables"),
 }
 
 

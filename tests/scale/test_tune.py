@@ -9,6 +9,7 @@ import pytest
 from olmax.cli import main
 from olmax.config import load_config
 from olmax.parallel import schedules
+from olmax.scale.cli import format_compile
 from olmax.scale import targets, tune, tune_depth, tune_estimate, tune_space
 from olmax.scale.targets import aot_missing, parse_target
 from test_scale_report import check_rendered, chromium  # noqa: F401 (chromium: a fixture)
@@ -221,10 +222,14 @@ def test_tune_refuses_an_out_or_report_it_would_overwrite_or_cannot_write_before
     (tmp_path / "page" / "index.html").symlink_to(metrics)
     (tmp_path / "site").mkdir()
     (tmp_path / "site" / "index.html").write_text("<p>someone's page</p>")
+    (tmp_path / "linked").symlink_to(tmp_path / "site")
     tune_args = ["tune", "tiny", "--target", "tpu:v5p:2x2x2", "--budget", "1", "--jobs", "1"]
     for option, value, why in [("--out", metrics, "a file is there already"),
                                ("--out", tmp_path / "link.yaml", "a symbolic link is there already"),
                                ("--out", metrics / "best.yaml", "is a file, not a directory"),
+                               # written in its directory opened through no link: refused after the search before
+                               ("--out", tmp_path / "linked" / "best.yaml", f"{tmp_path / 'linked'} is a symbolic link"),
+                               ("--report", tmp_path / "linked", f"{tmp_path / 'linked'} is a symbolic link"),
                                ("--report", tmp_path / "page", "its index.html is a symbolic link"),
                                ("--report", tmp_path / "site", "an index.html with no report.json beside it")]:
         assert main([*tune_args, option, str(value)]) == 2
@@ -234,10 +239,52 @@ def test_tune_refuses_an_out_or_report_it_would_overwrite_or_cannot_write_before
     assert (tmp_path / "site" / "index.html").read_text() == "<p>someone's page</p>"
 
 
+@pytest.mark.parametrize("config, given, target", [
+    # settings given on the command line, a pipelined best (the file was refused: 4 layers over 2 stages)
+    ("tiny", ["model.n_layers=16", "impl.loss_chunk=null", "mesh.stage=2"], "tpu:v5p:2x2x2"),
+    # a config whose layout for the target sets what the search changed: it would apply over the file
+    ("olmo3_moe_47b", ["mesh.expert=8"], "gpu:b300x8"),
+])
+def test_the_written_layout_is_the_whole_program_ranked(tmp_path, config, given, target):
+    """`olmax tune tiny model.n_layers=16 mesh.stage=1 impl.loss_chunk=null --out best.yaml` wrote `base: tiny` and
+    the searched layout only: `olmax train best.yaml` trained 4 layers with the loss in chunks, another program
+    than the one ranked. The file is now that program's whole config: as the config, and merged over the config
+    tuned, it loads to exactly what was compiled."""
+    target = parse_target(target)
+    space = tune_space.given(tune_space.space(load_config(config, given, target.name), target), given)
+    layout = load_config(config, [], target.name)
+    best = next(c for c in space if c.remat != layout.impl.remat and c.micro_batch != layout.train.micro_batch_per_device)
+    search = tune.Search([tune.Result(best, "fits", peak=2**30, step_seconds=1.0, mfu=0.5)])
+    (tmp_path / "best.yaml").write_text(tune.overlay(config, given, search, target))
+    ranked = load_config(config, [*given, *best.overrides()], target.name)
+    assert load_config(str(tmp_path / "best.yaml"), [], target.name) == ranked
+    assert load_config(config, [str(tmp_path / "best.yaml")], target.name) == ranked
+    assert ranked.impl.remat == best.remat and (config != "tiny" or ranked.model.n_layers == 16)
+
+
+def test_a_depth_reduced_search_says_why_it_compiled_a_layout_whole():
+    """`tune --depth reduced` on pipelined candidates said "0 by depth-reduced compiles", and its rows nothing of
+    how each was found: each row compiled whole says why, and so does the count."""
+    space = tune_space.space(load_config("tiny", PIPELINED), parse_target("tpu:v5p:2x2x2"))
+    results = [tune.Result(space[0], "fits", peak=2**30, step_seconds=1.0, mfu=0.5, whole=tune.SHALLOW),
+               tune.Result(space[1], "fits", peak=2**30, step_seconds=2.0, mfu=0.4, depths=(4, 8))]
+    search = tune.Search(results, size=len(space), reduced=True)
+    rows = tune.table(search, parse_target("tpu:v5p:2x2x2")).splitlines()[1:]
+    assert rows[0].endswith("(compiled whole: its repeated layers are under 4 units deep (a unit: a layer_pattern "
+                            "period on each stage and chunk))")
+    assert rows[1].endswith("(extrapolated from 4 and 8 layers)")
+    assert ("1 by depth-reduced compiles; 1 compiled whole as its repeated layers are under 4 units deep"
+            in tune.coverage(search))
+    assert [r.row()["compiled_whole_because"] for r in search.ranked()] == [tune.SHALLOW, None]
+    assert "depth-reduced" not in tune.coverage(tune.Search(results[:1], size=len(space)))
+
+
 @pytest.fixture(scope="module")
 def tuned(tmp_path_factory):
     directory = tmp_path_factory.mktemp("tune")
-    args = ["tune", "tiny", "--target", "tpu:v5p:2x2x2", "--budget", "2", "--jobs", "1", "--json"]
+    # settings given on the command line, which the written layout keeps
+    args = ["tune", "tiny", "model.n_layers=8", "impl.loss_chunk=null", "--target", "tpu:v5p:2x2x2", "--budget", "2",
+            "--jobs", "1", "--json"]
     return directory, args
 
 
@@ -272,11 +319,16 @@ def test_the_written_layout_trains_and_compiles_to_the_layout_reported(tuned, ca
         capsys.readouterr()
     assert main(args) == 0
     best = json.loads(capsys.readouterr().out)["results"][0]
-    # merged over the config it was tuned for, it is that layout: the same compile, the same prediction
+    # merged over the config it was tuned for, and as the config itself, it is the program ranked (the settings
+    # given included): the same compile (cached: the same program text, target and flags), the same prediction
     assert main(["compile", "tiny", str(best_file), "--target", "tpu:v5p:2x2x2", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["step_time"]["step_seconds"] == pytest.approx(best["step_seconds"])
-    assert report["peak"] == best["peak"] and report["compile_cached"]
+    assert report["peak"] == best["peak"] and report["compile_cached"] and report["loss_chunk"] is None
+    assert "loss on whole sequences, remat" in format_compile(report)  # it said "loss chunk None"
+    assert main(["compile", str(best_file), "--target", "tpu:v5p:2x2x2", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["compile_cached"]
+    assert load_config(str(best_file)).model.n_layers == 8
     overrides = dict(o.split("=", 1) for o in best["overrides"])
     assert report["mesh"] == {k.split(".")[1]: int(v) for k, v in overrides.items() if k.startswith("mesh.")}
     # and it trains: two steps on the suite's 8 devices, the file as the config itself (base: tiny)
@@ -330,7 +382,7 @@ def test_tune_says_at_once_what_it_searches_and_keeps_its_result_when_out_appear
     assert err[1] == f"olmax tune: [0/1] compiling ({result.candidate.describe()})"
     assert err[2].startswith("olmax tune: [0/1] still compiling 1 candidate(s) (")
     assert out.read_text() == "someone's\n" and (tmp_path / "page" / "report.json").is_file()
-    layout = tune.overlay("tiny", searches[0], parse_target("tpu:v5p:2x2x2"))
+    layout = tune.overlay("tiny", [], searches[0], parse_target("tpu:v5p:2x2x2"))
     assert f"olmax tune: the best layout, not written to {out}:\n{layout}" in captured.err
     assert err[-1] == (f"olmax: ConfigError: --out {out}: something appeared there during the search; the best layout "
                        "is printed above: save it to a new file")

@@ -144,9 +144,11 @@ def test_watch_writes_the_page_again_as_the_run_goes_on(tmp_path):
         while logged() != 4 and time.monotonic() < deadline and watching.poll() is None:
             time.sleep(0.05)
         assert logged() == 4
+        watching.terminate()  # SIGTERM ends it as Ctrl-C does, with 143 for SIGTERM (it was 130 for both)
+        _, err = watching.communicate(timeout=60)
+        assert watching.returncode == 143 and err.splitlines()[-1] == "olmax: terminated", err[-500:]
     finally:
-        watching.terminate()
-        watching.wait(timeout=60)
+        watching.kill()
 
 
 def _replace_line(path: Path, number: int, edit) -> None:

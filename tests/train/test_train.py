@@ -115,6 +115,23 @@ def test_the_run_compiles_its_step_with_its_targets_flag_profile(tmp_path, synth
               f"data.mix_file={synth_mix}", f"output_dir={tmp_path}/run"])
 
 
+def test_a_head_gradient_in_the_compute_dtype_of_a_float32_run_is_said_to_change_nothing(tmp_path, synth_mix,
+                                                                                          caplog):
+    """`impl.logits_grad=compute` where the compute dtype is float32 changed nothing and said nothing: with
+    compute_dtype float32 it is refused; with auto on CPUs (float32) the run says so."""
+    from olmax.cli import main
+    from olmax.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="logits_grad=compute takes the LM head's gradient in the compute dtype, "
+                       "and compute_dtype is float32: it would change nothing"):
+        load_config("tiny", ["impl.logits_grad=compute", "impl.compute_dtype=float32"])
+    assert main(["train", "tiny", "mesh.fsdp=1", "train.steps=1", "model.n_layers=1", "model.layer_pattern=[global]",
+                 "impl.logits_grad=compute", f"data.mix_file={synth_mix}", f"output_dir={tmp_path}/run"]) == 0
+    assert [r.getMessage() for r in caplog.records if "logits_grad" in r.getMessage()] == [
+        "impl.logits_grad=compute takes the LM head's gradient in the compute dtype, float32 on these devices "
+        "(impl.compute_dtype auto): it changes nothing here"]
+
+
 @pytest.mark.parametrize("name, make", [("checkpoints", Path.touch), ("tensorboard", Path.touch),
                                         ("metrics.jsonl", Path.mkdir)])
 def test_an_output_path_taken_by_the_wrong_kind_is_refused_before_training(tmp_path, synth_mix, capsys, name, make):

@@ -10,6 +10,12 @@ from pydantic import Field, model_validator
 from olmax.config.section import Section
 
 REMAT_NAMES = ("qkv_proj", "out_proj", "mlpwi_0", "mlpwi_1", "mlpwo", "context")
+# The dropless exchange's bounds. A round of impl.moe.ep_buffer=F holds F x the rows a device is expected to receive:
+# the even routing alone takes about 1 / F rounds a layer (F=1e-30, a round of one row: ~2,000 rounds a step on
+# tiny_moe, 0.3 s -> 25-33 s a step). Each of impl.moe.exchange_chunks' parts is compiled on its own (tiny_moe: 40 s
+# whole, over 6 minutes in 64 parts).
+MIN_EP_BUFFER = 1 / 16
+MOST_EXCHANGE_CHUNKS = 8
 
 
 class SplashConfig(Section):
@@ -79,16 +85,28 @@ class MoEImplConfig(Section):
         "dropping (and counting, train/dropped rate) the rest: buffers independent of the EP size"
     )
     ep_buffer: float | None = Field(
-        None, gt=0, description="expert parallelism, dropless: a device's receive buffer holds this factor x the rows "
-        "it is expected to receive (a token goes to the peers holding any of its top_k experts), and the exchange "
+        None, gt=0, description=f"expert parallelism, dropless: a device's receive buffer holds this factor (at least "
+        f"{MIN_EP_BUFFER:g}) x the rows it is expected to receive (a token goes to the peers holding any of its top_k experts), and the exchange "
         "runs in rounds of that many rows while any device of the group has more: exact whatever the routing, one "
         "round when it fits (train/exchange extra rounds counts the others); None = the worst case in one round"
     )
     exchange_chunks: int = Field(
         1, ge=1, description="expert parallelism, dropless: the tokens of a layer exchanged and run in this many "
-        "parts, so that one part's exchange can run while the experts compute another's (XLA's asynchronous "
-        "collectives); each part's receive buffer is the worst case of its tokens"
+        f"parts (at most {MOST_EXCHANGE_CHUNKS}), so that one part's exchange can run while the experts compute "
+        "another's (XLA's asynchronous collectives); each part's receive buffer is the worst case of its tokens"
     )
+
+    @model_validator(mode="after")
+    def _exchange_bounds(self):
+        if self.ep_buffer is not None and self.ep_buffer < MIN_EP_BUFFER:
+            raise ValueError(f"ep_buffer={self.ep_buffer:g} makes a round of the exchange {self.ep_buffer:g} x the rows "
+                             f"a device is expected to receive, about {1 / self.ep_buffer:,.3g} rounds a layer even "
+                             f"when the routing is even; give at least {MIN_EP_BUFFER:g} ({1 / MIN_EP_BUFFER:.0f} "
+                             "rounds), or null for one round of the worst case")
+        if self.exchange_chunks > MOST_EXCHANGE_CHUNKS:
+            raise ValueError(f"exchange_chunks={self.exchange_chunks}: each part is compiled on its own (tiny_moe: 40 s "
+                             f"whole, over 6 minutes in 64 parts); give at most {MOST_EXCHANGE_CHUNKS}")
+        return self
 
 
 class ImplConfig(Section):
@@ -130,4 +148,8 @@ class ImplConfig(Section):
     def _names(self):
         if isinstance(self.remat, list) and (bad := set(self.remat) - set(REMAT_NAMES)):
             raise ValueError(f"remat has unknown names {sorted(bad)}; known: {list(REMAT_NAMES)}")
+        if self.logits_grad == "compute" and self.compute_dtype == "float32":
+            raise ValueError("logits_grad=compute takes the LM head's gradient in the compute dtype, and compute_dtype "
+                             "is float32: it would change nothing; set compute_dtype to bfloat16 (or auto, bfloat16 "
+                             "on accelerators), or logits_grad to float32")
         return self

@@ -212,6 +212,8 @@ def _overlay(path: str, config: str) -> dict:
     base = raw.pop("base", None)
     if base is not None and preset_path(base).resolve() != preset_path(config).resolve():
         raise ConfigError(f"{path} has base {base}, not {config}: merge it over {base}, or drop its base: line")
+    if "layouts" in raw and raw["layouts"] is None:  # `olmax tune --out`'s: the config's own, applied before it
+        del raw["layouts"]
     return raw
 
 

@@ -52,18 +52,19 @@ class Source:
 
 
 def read_mix_file(mix_file: str | os.PathLike, base_dir: str | None = None,
-                  tokenizer: str | None = None) -> list[Source]:
+                  tokenizer: str | None = None, given_as: str = "data.mix_file") -> list[Source]:
     """OLMo-core's mix format: `label,path` lines, `#` comments. Relative paths are relative to `base_dir`
     (OLMo-core's mix_base_dir), by default the mix file's directory; `{TOKENIZER}` becomes `tokenizer`, as
-    OLMo-core builds its published mixes (e.g. allenai/dolma2-tokenizer)."""
+    OLMo-core builds its published mixes (e.g. allenai/dolma2-tokenizer). `given_as`: the setting or option that
+    named the file, which an error tells to change."""
     if storage.is_remote(mix_file):
         text = storage.read_text(str(mix_file))
         return _parse_mix(str(mix_file), text, base_dir or storage.parent(mix_file), tokenizer)
     mix = Path(mix_file)
     if mix.is_dir():
-        raise DataError(f"mix file {mix} is a directory; set data.mix_file to a file of `label,path` lines in it")
+        raise DataError(f"mix file {mix} is a directory; {given_as} must name a file of `label,path` lines in it")
     if not mix.is_file():
-        raise DataError(f"mix file {mix} does not exist; set data.mix_file to an existing file of `label,path` lines")
+        raise DataError(f"mix file {mix} does not exist; {given_as} must name an existing file of `label,path` lines")
     try:
         text = mix.read_text()
     except (OSError, UnicodeDecodeError) as err:

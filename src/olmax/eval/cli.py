@@ -163,7 +163,7 @@ def cmd_harness(args) -> None:
 def cmd_compare(args) -> None:
     from olmax import storage
     from olmax.eval import curves
-    from olmax.run_dir import check_own_files, write_own
+    from olmax.run_dir import check_own_files, drawn, write_files
 
     first = args.a.rstrip("/")
     out = _stem(args.out or storage.join(first if storage.is_dir(first) else storage.parent(first), "compare"))
@@ -174,10 +174,13 @@ def cmd_compare(args) -> None:
     window = args.window or curves.default_window(a, b)
     smooth = window * (curves.SMOOTH // curves.WINDOW) if args.smooth is None else args.smooth
     result = curves.compare(a, b, window=window, smooth=smooth, ranges=curves.parse_ranges(args.ranges))
-    write_own(out + ".tsv", curves.window_table(result))
-    _write_plot(lambda png: curves.plot(a, b, result, args.metric, png), out + ".png")
-    _print_json({k: v for k, v in result.items() if k != "windows"} | {
-        "metric": args.metric, "delta": "B - A", "table": out + ".tsv", "plot": out + ".png"}, out + ".json")
+    summary = json.dumps({k: v for k, v in result.items() if k != "windows"} | {
+        "metric": args.metric, "delta": "B - A", "table": out + ".tsv", "plot": out + ".png"}, indent=2)
+    name = storage.basename(out)
+    write_files(storage.parent(out), {name + ".tsv": curves.window_table(result),  # the directory opened once
+                                      name + ".png": drawn(lambda png: curves.plot(a, b, result, args.metric, png)),
+                                      name + ".json": summary + "\n"})
+    print(summary)
 
 
 def _data_args(p) -> None:

@@ -129,7 +129,7 @@ def open_eval_set(label: str, paths: list[str], *, token_dtype: str, eos_id: int
 
 def shard_paths(paths: list[str], mix_file: str | None) -> list[str]:
     """The shards of an eval set given as paths or as a mix file (whose labels are not used)."""
-    return [s.path for s in read_mix_file(mix_file)] if mix_file else list(paths)
+    return [s.path for s in read_mix_file(mix_file, given_as="the eval set's mix_file")] if mix_file else list(paths)
 
 
 def sets_from_argument(argument: str, *, token_dtype: str, eos_id: int, setting: str = "--token-dtype") -> list[EvalSet]:
@@ -141,7 +141,7 @@ def sets_from_argument(argument: str, *, token_dtype: str, eos_id: int, setting:
     if Path(path).suffix != ".txt":
         return [open_eval_set(label or Path(path).stem, [path], token_dtype=token_dtype, eos_id=eos_id,
                               setting=setting)]
-    sources = read_mix_file(path)
+    sources = read_mix_file(path, given_as="--data")
     groups = {label: sources} if label else {name: [s for s in sources if s.label == name]
                                               for name in dict.fromkeys(s.label for s in sources)}
     return [open_eval_set(name, [s.path for s in group], token_dtype=token_dtype, eos_id=eos_id, setting=setting)

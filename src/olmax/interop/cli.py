@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 
 from olmax.arguments import given, old_spelling
-from olmax.errors import ExitCode
+from olmax.errors import ExitCode, InteropError
 
 
 def cmd_hf_to_olmax(args) -> None:
@@ -38,13 +39,31 @@ def cmd_olmax_to_hf(args) -> None:
           f"vocab trimmed to {cfg.model.vocab_size}")
 
 
+def _check_parity_paths(checkpoint: str, hf: str | None) -> None:
+    """Refuse a local checkpoint or --hf directory that is not there before the references' imports (a minute of
+    silence before the refusal)."""
+    from olmax import storage
+
+    if not storage.is_remote(checkpoint) and not os.path.exists(checkpoint):
+        raise InteropError(f"{checkpoint}: no such checkpoint; give an olmax checkpoint or run directory")
+    if hf and not storage.is_remote(hf):
+        if not os.path.isdir(hf):
+            raise InteropError(f"--hf {hf}: no such directory; give an HF model directory (config.json and "
+                               "safetensors)")
+        if not os.path.isfile(os.path.join(hf, "config.json")):
+            raise InteropError(f"--hf {hf} is not an HF model directory: config.json is missing")
+
+
 def cmd_parity(args) -> None:
     from olmax import storage
+
+    checkpoint = given(args, "checkpoint", "the olmax checkpoint (olmax parity CHECKPOINT)", required=True)
+    _check_parity_paths(checkpoint, args.hf)
     from olmax.interop.parity import format_report, run_parity, to_json
 
     with storage.local_copy(args.hf) if args.hf else contextlib.nullcontext() as hf:  # a bucket's: copied whole
         report = run_parity(
-            given(args, "checkpoint", "the olmax checkpoint (olmax parity CHECKPOINT)", required=True), hf_dir=hf, olmo_core=args.reference == "olmo-core", dtype=args.dtype,
+            checkpoint, hf_dir=hf, olmo_core=args.reference == "olmo-core", dtype=args.dtype,
             tokens=args.tokens, seq_len=args.seq_len, batches=args.batches, batch_size=args.batch_size,
             seed=args.seed, float64_reference=not args.no_float64,
         )

@@ -314,6 +314,10 @@ ROWS = (("kl_mean", "mean KL", "{:.3e}"), ("kl_max", "max KL", "{:.3e}"),
         ("tokens", "tokens", "{:,}"))
 
 
+def _count(n: int, one: str, many: str | None = None) -> str:
+    return f"{n:,} {one if n == 1 else many or one + 's'}"
+
+
 def format_report(report: dict) -> str:
     """One column per reference: each value, then the bound it was held to (when it has one)."""
     names = list(report["comparisons"])
@@ -322,8 +326,8 @@ def format_report(report: dict) -> str:
         f"olmax parity: {report['olmax']} (step {report['step']}) in {report['dtype']} against float32 references"
         + (" (and their float64 runs)" if any("reference_float32_error" in c for c in report["comparisons"].values())
            else ""),
-        f"inputs: {report['batches']} x {report['batch_size']} x {report['seq_len']} tokens ({report['inputs']}), "
-        f"sliding window {report['sliding_window']}",
+        f"inputs: {_count(report['batches'], 'batch', 'batches')} of {_count(report['batch_size'], 'sequence')} of "
+        f"{report['seq_len']:,} tokens ({report['inputs']}), sliding window {report['sliding_window']}",
         f"{'':<20}" + "".join(f"{n:>{width}}" for n in names),
     ]
     for key, label, fmt in ROWS:

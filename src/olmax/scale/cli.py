@@ -60,8 +60,9 @@ def add_commands(subparsers) -> None:
                    "and step to the whole depth, confirm the best by a full compile, and compile whole from the first "
                    "confirmation that misses by more than 5%%")
     p.add_argument("--out", metavar="FILE", help="write the best layout to this new file (its directory made if "
-                   "missing) as a config file (base: CONFIG, its settings over it): `olmax train FILE`, or "
-                   "`olmax train CONFIG FILE`")
+                   "missing) as a config file, the whole config of the program ranked (CONFIG, its layout for the "
+                   "target, the settings given, the layout searched): `olmax train FILE`, or `olmax train CONFIG "
+                   "FILE`")
     p.add_argument("--json", action="store_true", help="print the results as one JSON object")
     _report_option(p)
     p.set_defaults(func=run_tune)
@@ -87,7 +88,7 @@ def add_commands(subparsers) -> None:
 
 def _config_and_target(parser: argparse.ArgumentParser, overrides: str = "section.key=value") -> None:
     parser.add_argument("config", help="preset name (olmo3_7b, tiny, ...) or a YAML path")
-    parser.add_argument("overrides", nargs="*", help=overrides)
+    parser.add_argument("overrides", nargs="*", default=[], help=overrides)  # optional: not "required" in usage errors
     parser.add_argument("--target", required=True, help="tpu:KIND:TOPOLOGY (tpu:v5p:4x4x8) or gpu:KINDxN (gpu:h100x8)")
 
 
@@ -105,6 +106,7 @@ def _report_dir(value: str | None, option: str = "--report") -> str | None:
     cannot be written there."""
     from olmax import storage
     from olmax.config import writable_dir
+    from olmax.run_dir import own_dir, refuse_link
 
     if value is None:
         return None
@@ -116,6 +118,7 @@ def _report_dir(value: str | None, option: str = "--report") -> str | None:
     if os.path.exists(value) and not os.path.isdir(value):
         raise ConfigError(f"{option} {value}: a file is there; give a directory (created if missing)")
     writable_dir(Path(value), option)
+    refuse_link(value)  # the page's directory itself (opened through no link when written)
     # the page's files replace an earlier page's, never a file of something else, nor one through a link
     if link := next((name for name in PAGE_FILES if os.path.islink(os.path.join(value, name))), None):
         raise ConfigError(f"{option} {value}: its {link} is a symbolic link, which olmax does not write through; "
@@ -127,7 +130,7 @@ def _report_dir(value: str | None, option: str = "--report") -> str | None:
         raise ConfigError(f"{option} {value}: it holds an index.html with no report.json beside it (not a page "
                           "olmax wrote); give a new or empty directory")
     try:
-        os.makedirs(value, exist_ok=True)
+        own_dir(value)
     except OSError as err:
         raise ConfigError(f"{option} {value} cannot be made ({err.strerror}); give a directory that can be "
                           "written") from None
@@ -135,8 +138,10 @@ def _report_dir(value: str | None, option: str = "--report") -> str | None:
 
 
 def _new_file(value: str, option: str) -> None:
-    """Refuse `value` before any work unless it is a new file that can be written (made with its directory)."""
+    """Refuse `value` before any work unless it is a new file that can be written (made with its directory, which
+    is not a symbolic link: it is opened through none)."""
     from olmax.config import writable_dir
+    from olmax.run_dir import refuse_link
 
     if os.path.isdir(value):
         raise ConfigError(f"{option} {value}: a directory is there; give a new file to write to")
@@ -144,6 +149,7 @@ def _new_file(value: str, option: str) -> None:
         kind = "a symbolic link" if os.path.islink(value) else "a file"
         raise ConfigError(f"{option} {value}: {kind} is there already; give a new file, or delete it first")
     writable_dir(Path(value).absolute().parent, option)
+    refuse_link(Path(value).absolute().parent)
 
 
 def _compile_cache() -> None:
@@ -158,6 +164,15 @@ def _write_report(report: dict, directory: str | None, overrides: list[str]) -> 
         from olmax.scale.layout_page import write
 
         print(f"olmax: report {write({**report, 'overrides': overrides}, directory)}", file=sys.stderr)
+
+
+def _load(args: argparse.Namespace, target):
+    """The config as it runs on the target (its layout there, the overrides), its mesh taking the target's devices."""
+    from olmax.scale.targets import check_mesh
+
+    cfg = load_config(args.config, args.overrides, target.name)
+    check_mesh(cfg.mesh, target)
+    return cfg
 
 
 def _mfu_option(parser: argparse.ArgumentParser) -> None:
@@ -179,7 +194,7 @@ def run_plan(args: argparse.Namespace) -> None:
     target = parse_target(args.target)
     if args.goodput is not None and not 0 < args.goodput <= 1:
         raise ConfigError(f"--goodput {args.goodput}: give a fraction in (0, 1], e.g. 0.9")
-    cfg, mfu = load_config(args.config, args.overrides, target.name), _mfu(args.mfu)
+    cfg, mfu = _load(args, target), _mfu(args.mfu)
     if mfu is None:
         _compile_cache()
     directory = _report_dir(args.report)
@@ -203,13 +218,14 @@ def run_plan(args: argparse.Namespace) -> None:
 
 def _compile(args: argparse.Namespace, target):
     """(the compile report of the config for the target, the DoesNotFit when the step does not fit), saying each phase
-    and, in every 30 s of silence, what it still waits for."""
+    and, in every 30 s of silence, what it still waits for; a SIGINT or SIGTERM ends it at once (exit 130, 143)."""
     from olmax.errors import DoesNotFit
     from olmax.progress import ticking
+    from olmax.runtime import stopping_at_once
     from olmax.scale.compile import compile_train_step
 
     command = f"olmax {args.func.__name__.removeprefix('run_')}"
-    cfg = load_config(args.config, args.overrides, target.name)
+    cfg = _load(args, target)
     phase = ["starting"]
 
     def say(line: str) -> None:
@@ -217,7 +233,8 @@ def _compile(args: argparse.Namespace, target):
         print(f"{command}: {line}", file=sys.stderr, flush=True)
 
     try:
-        with ticking(lambda seconds: f"{command}: [{seconds:.0f} s] still waiting for XLA (last: {phase[0]})"):
+        with stopping_at_once(say), ticking(lambda seconds: f"{command}: [{seconds:.0f} s] still waiting for XLA "
+                                                           f"(last: {phase[0]})"):
             return compile_train_step(cfg, target, _mfu(args.mfu), progress=say), None
     except DoesNotFit as err:
         return err.report, err
@@ -227,7 +244,7 @@ def run_compile(args: argparse.Namespace) -> None:
     from olmax.scale.targets import parse_target
 
     target = parse_target(args.target)
-    load_config(args.config, args.overrides, target.name)  # refused before anything else
+    _load(args, target)  # refused before anything else
     layout = target_layout(args.config, target.name)
     layout = layout and {"target": layout[0], "settings": layout[1]}
     _compile_cache()
@@ -242,6 +259,9 @@ def run_compile(args: argparse.Namespace) -> None:
 
 
 def run_tune(args: argparse.Namespace) -> None:
+    from olmax.errors import RunDirError
+    from olmax.run_dir import OwnDir
+    from olmax.runtime import stopping_at_once
     from olmax.scale import tune, tune_space
     from olmax.scale.targets import aot_missing, parse_target
 
@@ -260,8 +280,9 @@ def run_tune(args: argparse.Namespace) -> None:
         raise ConfigError(reason)
     _compile_cache()
     directory = _report_dir(args.report)
-    search = tune.tune(args.config, args.overrides, target, args.budget, args.headroom,
-                       args.jobs or tune.default_jobs(), tune.print_err, args.depth == "reduced")
+    with stopping_at_once(tune.print_err):  # its compiles, here and in its workers, end at once
+        search = tune.tune(args.config, args.overrides, target, args.budget, args.headroom,
+                           args.jobs or tune.default_jobs(), tune.print_err, args.depth == "reduced")
     report = {"config": args.config, "overrides": args.overrides, "target": target.name, "budget": args.budget,
               "headroom": args.headroom, "depth": args.depth, "space": search.size, "compiled": search.compiled, "seconds": search.seconds,
               "memory_per_device": target.accelerator.memory_per_device,
@@ -274,14 +295,14 @@ def run_tune(args: argparse.Namespace) -> None:
         print(tune.main_line(search))
     unwritten = None
     if args.out and search.best is not None:
-        layout = tune.overlay(args.config, search, target)
-        try:
-            Path(args.out).absolute().parent.mkdir(parents=True, exist_ok=True)
-            with open(args.out, "x") as f:  # a new file (O_EXCL: not one made since the check, nor through a link)
-                f.write(layout)
+        layout = tune.overlay(args.config, args.overrides, search, target)
+        try:  # a new file (O_EXCL: not one made since the check, nor through a link) in its directory opened once
+            with OwnDir(Path(args.out).absolute().parent) as out_dir:
+                out_dir.create(Path(args.out).name, layout)
             print(f"olmax: best layout {args.out}", file=sys.stderr)
-        except OSError as err:  # something took its place during the search: the layout is printed instead
-            why = "something appeared there during the search" if isinstance(err, FileExistsError) else err.strerror
+        except (OSError, RunDirError) as err:  # something took its place during the search: printed instead
+            why = ("something appeared there during the search" if isinstance(err, FileExistsError)
+                   else getattr(err, "strerror", None) or str(err))
             print(f"olmax tune: the best layout, not written to {args.out}:\n{layout}", file=sys.stderr, end="")
             unwritten = f"--out {args.out}: {why}; the best layout is printed above: save it to a new file"
     if directory is not None:
@@ -307,6 +328,9 @@ def run_report(args: argparse.Namespace) -> None:
         return _run_page(args.reports[0], args.out, args.watch)
     if args.watch is not None:
         raise ConfigError("--watch: only a run's page is written again; give one run directory")
+    if missing := next((p for p in args.reports if not storage.is_remote(p) and not os.path.lexists(p)), None):
+        raise ConfigError(f"{missing}: no such file or directory; give a run directory (output_dir), or report.json "
+                          "files of --report")
     reports = [load(path) for path in args.reports]
     if args.out is None:
         raise ConfigError("--out: give the directory for the page of the report.json files")
@@ -369,12 +393,13 @@ def format_compile(r: dict) -> str:
         return f"{label:36}{size(value):>12}" + (f"   {percent(value / device)} of the device" if share else "")
 
     mesh = " x ".join(f"{axis} {size}" for axis, size in r["mesh"].items())
+    loss = "loss on whole sequences" if r["loss_chunk"] is None else f"loss in chunks of {r['loss_chunk']} positions"
     lines = [
         f"{r['config']} for {r['target']}: {r['devices']} x {r['device_kind']}, mesh {mesh}",
         f"{r['instances_per_device_micro_step']} x {r['sequence_length']} tokens per device per micro-step, "
         f"{r['micro_steps']} micro-step(s) per step, {r['compute_dtype']} compute"
         f"{FP8_NOTE[r['fp8']]}, {r['attention']} attention{_tiles(r.get('attention_tiles'))}, "
-        f"{'experts by ' + r['moe_dispatch'] + ', ' if r.get('moe_dispatch') else ''}loss chunk {r['loss_chunk']}, "
+        f"{'experts by ' + r['moe_dispatch'] + ', ' if r.get('moe_dispatch') else ''}{loss}, "
         f"remat {r['remat']}",
         *([f"layout for {r['layout']['target']} from the config: {' '.join(r['layout']['settings'])}"]
           if r.get("layout") else []),

@@ -45,7 +45,7 @@ from olmax.parallel.schedules import schedule_for
 from olmax.parallel.mesh import Layout, make_layout
 from olmax.scale import anatomy, hardware, op_cost, step_time
 from olmax.scale.plan import plan
-from olmax.scale.targets import GiB, Target, compile_only_devices
+from olmax.scale.targets import GiB, Target, check_mesh, compile_only_devices
 from olmax.train.step import abstract_state, batch_shardings, jit_train_step, micro_batch_rows
 
 log = logging.getLogger(__name__)
@@ -344,6 +344,7 @@ def compile_train_step(cfg: RunConfig, target: Target, mfu: float | None = None,
     ConfigError before anything is compiled when the compile cache cannot be used (`usable_cache_dir`).
     """
     usable_cache_dir()  # refused before the compile it would keep
+    check_mesh(cfg.mesh, target)
     start = time.perf_counter()
     progress(f"{cfg.name} for {target.name}: loading the target's devices")
     layout = make_layout(cfg.mesh, compile_only_devices(target))

@@ -8,10 +8,9 @@ from __future__ import annotations
 import html
 import json
 
-from olmax import storage
+from olmax import run_dir, storage
 from olmax.figures import figure, percent, size
 from olmax.pages import document, fact, table
-from olmax.run_dir import check_own_files, write_own
 from olmax.scale import step_time
 
 GiB = 2**30
@@ -474,11 +473,7 @@ def write(report: dict, directory: str) -> str:
 
 
 def write_files(directory: str, report: dict, html_page: str) -> str:
-    """DIR/report.json and DIR/index.html, each replaced whole through no symbolic link, even one planted while the
-    report was made (run_dir.write_own); neither is written when either would be refused."""
-    files = {storage.join(directory, "report.json"): json.dumps(report, indent=1) + "\n",
-             storage.join(directory, "index.html"): html_page}
-    check_own_files(*files)
-    for path, text in files.items():
-        write_own(path, text)
+    """DIR/report.json and DIR/index.html, each replaced whole in DIR opened once, through no symbolic link, even
+    one planted while the report was made (run_dir.write_files); neither is written when either would be refused."""
+    run_dir.write_files(directory, {"report.json": json.dumps(report, indent=1) + "\n", "index.html": html_page})
     return storage.join(directory, "index.html")

@@ -15,6 +15,11 @@ MOST_BYTES = 2**26  # 64 MiB: a compile's report.json of a whole v5p pod (8,960 
 MOST_CHIPS = 2**16  # more devices than any slice or cluster olmax compiles for (a v5p pod: 8,960 chips)
 LARGEST = 1e30  # beyond every count of bytes, FLOPs, tokens or seconds a report holds
 DEEPEST = 32  # olmax nests a report's values at most 7 deep
+# A cell of a schedule's tick table is a shape and a label on the page (about 450 bytes of memory drawing it: 4M
+# cells took 1.8 GiB and 40 s, and wrote a page of 491 MiB); a 1F1B schedule of 64 stages, 512 micro-batches and
+# 4 chunks a stage has 150,000
+MOST_TICK_CELLS = 2**18
+TICK_ROW = re.compile(r"(plan\.)?schedules\.\d+\.ticks\.\d+")
 # What a page draws a shape or a panel for each unit of, by the pattern of its path in report.json: lists, with the
 # most entries drawn (a picture of the devices for each mesh axis), and numbers, with the range drawn
 LONGEST = [(re.compile(r"chips"), MOST_CHIPS), (re.compile(r"mesh_axes"), 16)]
@@ -56,6 +61,7 @@ def out_of_bounds(report: dict) -> str | None:
     every one is within. A page loops over the places in the slice, the stages and the devices: one huge count
     would fill the machine's memory before anything is written."""
     stack = [("", report, 0)]
+    cells = 0
     while stack:
         path, value, depth = stack.pop()
         shown = _shown(path)
@@ -65,6 +71,11 @@ def out_of_bounds(report: dict) -> str | None:
             most = next((most for pattern, most in LONGEST if pattern.fullmatch(path)), None)
             if isinstance(value, list) and most is not None and len(value) > most:
                 return f"{shown} has {len(value):,} entries, more than the {most:,} a page draws"
+            if isinstance(value, list) and TICK_ROW.fullmatch(path):
+                cells += len(value)
+                if cells > MOST_TICK_CELLS:
+                    return (f"{shown} is past the {MOST_TICK_CELLS:,} cells of the tick tables a page draws (the "
+                            "schedules' ticks x stages)")
             items = value.items() if isinstance(value, dict) else enumerate(value)
             stack += reversed([(f"{path}.{key}" if path else str(key), item, depth + 1) for key, item in items])
         elif isinstance(value, (int, float)) and not isinstance(value, bool):

@@ -51,6 +51,7 @@ class Result:
     by: Candidate | None = None  # pruned: the out-of-memory candidate that proves it
     depths: tuple[int, int] | None = None  # extrapolated from compiles at these depths; None: compiled whole
     error: dict | None = None  # a confirmed extrapolation's relative error against the full compile
+    whole: str = ""  # a depth-reduced search: why this layout was compiled whole
 
     def row(self) -> dict:
         return {"layout": self.candidate.describe(), "overrides": self.candidate.overrides(),
@@ -58,7 +59,8 @@ class Result:
                 "step_seconds": self.step_seconds, "mfu": self.mfu, "tokens_per_second_per_chip": self.tokens_per_chip,
                 "compile_seconds": self.compile_seconds, "cached": self.cached, "reason": self.reason,
                 "pruned_by": self.by.describe() if self.by else None,
-                "extrapolated_from": list(self.depths) if self.depths else None, "extrapolation_error": self.error}
+                "extrapolated_from": list(self.depths) if self.depths else None, "extrapolation_error": self.error,
+                "compiled_whole_because": self.whole or None}
 
 
 def evaluate(config: str, overrides: list[str], target_name: str, candidate: Candidate, headroom: float,
@@ -138,6 +140,7 @@ class Search:
     size: int = 0
     compiled: int = 0  # compiles run (not from the cache)
     seconds: float = 0.0
+    reduced: bool = False  # depth-reduced compiles asked for
 
     def ranked(self) -> list[Result]:
         order = {"fits": 0, "over headroom": 1, "out of memory": 2, "failed": 3, "pruned": 4}
@@ -208,7 +211,7 @@ def tune(config: str, overrides: list[str], target: Target, budget: int, headroo
              f"{', Splash tiles' if any(c.tiles for c in candidates) else ''}"
              f"{', XLA flags' if target.xla_flags else ''}): up to {budget} compiles, {jobs} at a time, the most "
              "promising first")
-    search = Search(size=len(candidates))
+    search = Search(size=len(candidates), reduced=reduced)
     out_of_memory: list[Candidate] = []
     start = time.perf_counter()
     evaluated = 0
@@ -261,10 +264,13 @@ def tune(config: str, overrides: list[str], target: Target, budget: int, headroo
             # A compile here or in the workers takes minutes: said from a thread of its own, as the compile may hold
             # this one (an interrupt then comes when it returns).
             with repeating(TICK, lambda: progress(waiting()), "olmax tune progress"):
-                futures = [pool.submit(evaluate, config, overrides, target.name, c, headroom, trust[0] is not False)
+                at_depths = trust[0] is not False
+                futures = [pool.submit(evaluate, config, overrides, target.name, c, headroom, at_depths)
                            for c in batch]
                 for future in concurrent.futures.as_completed(futures):
                     result = future.result()
+                    if reduced and not result.depths and result.status != "failed":
+                        result.whole = SHALLOW if at_depths else MISSED
                     evaluated += 1
                     search.results.append(result)
                     search.compiled += (not result.cached and result.status != "failed") * (2 if result.depths else 1)
@@ -315,6 +321,9 @@ class _InProcess(concurrent.futures.Executor):
 
 
 CONFIRMED = 3  # full compiles at most to confirm the best of a depth-reduced search
+# why a depth-reduced search compiled a layout whole
+SHALLOW = "its repeated layers are under 4 units deep (a unit: a layer_pattern period on each stage and chunk)"
+MISSED = f"an extrapolation confirmed before missed by more than {TRUSTED:.0%}"
 TICK = SILENCE * 5 / 6  # seconds of compiling between two lines that say it goes on (olmax.progress's promise)
 
 
@@ -350,7 +359,7 @@ def _how(r: Result) -> str:
     if r.error:
         return "  (compiled whole; extrapolated " + ", ".join(
             f"{name} {100 * e:+.1f}%" for name, e in r.error.items() if e is not None) + ")"
-    return ""
+    return f"  (compiled whole: {r.whole})" if r.whole else ""
 
 
 def coverage(search: Search) -> str:
@@ -362,28 +371,35 @@ def coverage(search: Search) -> str:
             f"new, {sum(r.cached for r in search.results)} layouts from the cache), {counts['pruned']} pruned as out of memory "
             f"by a layout that keeps less; {counts['fits']} fit, {counts['over headroom']} over the headroom, "
             f"{counts['out of memory']} out of memory, {counts['failed']} failed; {left} not reached within the budget; "
-            f"{sum(bool(r.depths) for r in search.results)} by depth-reduced compiles; {search.seconds:.0f} s")
+            f"{_depths(search)}{search.seconds:.0f} s")
 
 
-def overlay(config: str, search: Search, target: Target) -> str:
-    """The best layout as a config file: `base:` the config tuned (so it runs as it is), its settings over it (so
-    it merges: `olmax train CONFIG best.yaml`)."""
+def _depths(search: Search) -> str:
+    """How many layouts a depth-reduced search extrapolated, and why it compiled the others whole."""
+    if not search.reduced:
+        return ""
+    why = {reason: sum(r.whole == reason for r in search.results) for reason in (SHALLOW, MISSED)}
+    whole = "; ".join(f"{n} compiled whole as {reason}" for reason, n in why.items() if n)
+    return f"{sum(bool(r.depths) for r in search.results)} by depth-reduced compiles{'; ' + whole if whole else ''}; "
+
+
+def overlay(config: str, overrides: list[str], search: Search, target: Target) -> str:
+    """The best layout as a config file: the whole config of the program compiled and ranked (CONFIG with its layout
+    for the target, the settings given on the command line, the layout searched), so that it compiles and trains to
+    that program, as `olmax train FILE` or merged over CONFIG (`olmax train CONFIG FILE`; its `base:` says which
+    config it is for). `layouts: null`: CONFIG's layouts for targets, applied already, do not apply over it again."""
     import yaml
 
     best = search.best
-    tree: dict = {}
-    for item in best.candidate.overrides():
-        key, value = item.split("=", 1)
-        node = tree
-        *path, last = key.split(".")
-        for part in path:
-            node = node.setdefault(part, {})
-        node[last] = yaml.safe_load(value)
-    head = (f"# olmax tune {config} --target {target.name}: the fastest layout that fits ({best.candidate.describe()})\n"
-            f"# predicted step {best.step_seconds:.4g} s, MFU {100 * best.mfu:.3g}%, peak {size(best.peak)} a device\n")
+    cfg = load_config(config, [*overrides, *best.candidate.overrides()], target.name)
+    head = (f"# olmax tune {' '.join([config, *overrides])} --target {target.name}: the fastest layout that fits "
+            f"({best.candidate.describe()})\n"
+            f"# predicted step {best.step_seconds:.4g} s, MFU {100 * best.mfu:.3g}%, peak {size(best.peak)} a device\n"
+            "# the whole config of the program ranked: what was given and what was searched, resolved\n")
     flag_note = ("" if best.candidate.flags or not target.xla_flags else
                  f"# compiled with the compiler's default flags: unset the {target.kind} profile on the chips\n")
-    return head + flag_note + yaml.safe_dump({"base": config, **tree}, sort_keys=False)
+    return head + flag_note + yaml.safe_dump({"base": config, **cfg.model_dump(mode="json"), "layouts": None},
+                                             sort_keys=False)
 
 
 def main_line(search: Search) -> str:

@@ -16,7 +16,7 @@ from pathlib import Path
 from olmax.config import ConfigError, load_config
 from olmax.data import build_loader
 from olmax.errors import OlmaxError
-from olmax.run_dir import RunDir, check_own_files, drawn, write_own
+from olmax.run_dir import RunDir, drawn, write_files
 
 OUTPUTS = ("resume_check.tsv", "resume_check.png")  # the table and its plot, in --out beside the two runs
 
@@ -66,12 +66,9 @@ def resume_check(config: str, overrides: list[str], at: int, steps: int, out: Pa
 
 def write_results(rows, out: Path, at: int) -> str:
     """The table of `rows` (`resume_check`'s), written to OUT/resume_check.tsv beside its plot, each through no
-    symbolic link (run_dir.write_own; neither written when either would be refused); the table."""
+    symbolic link (run_dir.write_files: OUT opened once; neither written when either would be refused); the table."""
     text = "\n".join(["step\tcontinuous\tresumed\tdelta"] + [f"{s}\t{a!r}\t{b!r}\t{d:.3f}" for s, a, b, d in rows])
-    files = dict(zip((out / name for name in OUTPUTS), (text + "\n", drawn(lambda png: plot(rows, png, at)))))
-    check_own_files(*files)
-    for path, data in files.items():
-        write_own(path, data)
+    write_files(out, dict(zip(OUTPUTS, (text + "\n", drawn(lambda png: plot(rows, png, at))))))
     return text
 
 

@@ -24,7 +24,7 @@ import yaml
 from olmax import storage
 from olmax.errors import BadInput
 from olmax.pages import document, fact, table
-from olmax.run_dir import RunDir, check_own_files, own_dir, write_own
+from olmax.run_dir import RunDir, write_files
 from olmax.train.goodput import CATEGORIES, COMPILED, between_runs, read_record, totals
 
 THROUGHPUT = "throughput/device/TPS"
@@ -500,9 +500,5 @@ def write(location: str, directory: str) -> str:
     files = {"report.json": json.dumps(r, indent=1) + "\n", "index.html": page(facts, r, directory)}
     if facts["config"]:
         files["config.yaml"] = yaml.safe_dump(facts["config"], sort_keys=False)
-    if not storage.is_remote(directory):
-        own_dir(directory)
-    check_own_files(*(storage.join(directory, name) for name in files))  # none written when one would be refused
-    for name, text in files.items():
-        write_own(storage.join(directory, name), text)
+    write_files(directory, files)  # none written when one would be refused
     return storage.join(directory, "index.html")

@@ -165,6 +165,10 @@ def _train(cfg: RunConfig, layout: Layout, quiet: bool, make_eval, bucket: Bucke
     step_fn = jit_train_step(cfg, layout, micro_rows, compiler_options)
     if (sched := schedules.schedule_for(cfg)) and not quiet and jax.process_index() == 0:
         print(f"pipeline: {sched.describe()}", flush=True)
+    if (cfg.impl.logits_grad == "compute" and compute_dtype(cfg.impl, layout) == jnp.float32 and not quiet
+            and jax.process_index() == 0):
+        log.warning("impl.logits_grad=compute takes the LM head's gradient in the compute dtype, float32 on these "
+                    "devices (impl.compute_dtype auto): it changes nothing here")
     evaluate = make_eval(cfg, layout) if make_eval else None
     sharding = batch_shardings(layout, cfg.data.sequence_length, micro_rows)
     writer = MetricsWriter(run_dir, start, enabled=jax.process_index() == 0)

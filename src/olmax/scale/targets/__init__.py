@@ -27,7 +27,7 @@ import re
 from dataclasses import dataclass
 from importlib.resources import files
 
-from olmax.errors import TargetError
+from olmax.errors import ConfigError, TargetError
 
 GiB = 2**30
 
@@ -221,6 +221,23 @@ def parse_target(name: str) -> Target:
         hosts, per_host = (1, count) if count <= GPUS_PER_HOST else (count // GPUS_PER_HOST, GPUS_PER_HOST)
         return Target(f"gpu:{kind}x{count}", kind, f"1x{hosts}x{per_host}", count)  # gpu:h100x8, not h100x008
     raise TargetError(f"bad target {name!r}; {usage}")
+
+
+def check_mesh(mesh, target: Target) -> None:
+    """ConfigError naming the mesh and the count unless `mesh` (a config's MeshConfig) takes exactly the target's
+    devices: a smaller one compiled for some of them only, reported as the whole target ("8 x TPU v5" for 3)."""
+    from olmax.config import MESH_AXES
+
+    sizes = {axis: getattr(mesh, axis) for axis in MESH_AXES}
+    fixed = math.prod(size for size in sizes.values() if size != -1)
+    if fixed == target.devices or -1 in sizes.values() and target.devices % fixed == 0:
+        return
+    shown = " x ".join(f"{axis} {size}" for axis, size in sizes.items())
+    has = f"{target.name} has {target.devices} devices"
+    mesh_is = (f"its fixed sizes' {fixed} devices do not divide into the {target.devices} of {target.name}"
+               if -1 in sizes.values() else f"{fixed} devices, and {has}")
+    raise ConfigError(f"mesh {shown}: {mesh_is}; make the mesh's sizes multiply to {target.devices} (mesh.fsdp=-1 "
+                      "takes what the other axes leave)")
 
 
 # JAX's device_kind -> the kind as targets name it (v5p chips call themselves "TPU v5")
