@@ -148,7 +148,7 @@ def _new_file(value: str, option: str) -> None:
 
 def _compile_cache() -> None:
     """Refuse a compile cache (`OLMAX_COMPILE_CACHE`) that cannot be used before anything is compiled or written."""
-    from olmax.scale.compile import usable_cache_dir
+    from olmax.scale.compile_cache import usable_cache_dir
 
     usable_cache_dir()
 
