@@ -272,6 +272,8 @@ def run_tune(args: argparse.Namespace) -> None:
         print(tune.table(search, target))
         print(tune.coverage(search))
         print(tune.main_line(search))
+    if search.interrupted:  # the results so far are printed; nothing is written of a search cut short
+        raise KeyboardInterrupt
     unwritten = None
     if args.out and search.best is not None:
         layout = tune.overlay(args.config, search, target)
