@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -53,7 +54,13 @@ def add_commands(subparsers) -> None:
                    "on a laptop's CPU at 2-3 minutes a compile)")
     p.add_argument("--headroom", type=float, default=0.1,
                    help="the share of a device's memory a layout must leave free to count as fitting (default 0.1)")
-    p.add_argument("--jobs", type=int, help="compiles side by side (default: one a core, as many as memory allows)")
+    p.add_argument("--jobs", type=int, help="compiles side by side (default: one a core, as many as memory allows); "
+                   "with --engine ray, the CPUs of the local Ray")
+    p.add_argument("--engine", choices=("processes", "ray"), default="processes",
+                   help="processes: compiles on this host (default); ray: each compile a Ray task on a cluster (the "
+                   "`ray` extra), as many at a time as its nodes' CPUs and memory hold, the search unchanged")
+    p.add_argument("--address", help="with --engine ray: the Ray cluster to join (host:port of its head; default: a "
+                   "local Ray started for the command)")
     p.add_argument("--depth", choices=("full", "reduced"), default="full",
                    help="full (default): compile every candidate whole; reduced: compile each with one and two units "
                    "of its repeated layers (a layer_pattern period on each pipeline stage) and extrapolate its peak "
@@ -252,16 +259,22 @@ def run_tune(args: argparse.Namespace) -> None:
         raise ConfigError(f"--headroom {args.headroom}: give a fraction in [0, 1), e.g. 0.1")
     if args.jobs is not None and args.jobs < 1:
         raise ConfigError(f"--jobs {args.jobs}: give at least 1")
+    _engine_options(args)
     if args.out:
         _new_file(args.out, "--out")
     # a bad config, or settings no layout agrees with, are refused before the environment is asked to compile
     tune_space.given(tune_space.space(load_config(args.config, args.overrides, target.name), target), args.overrides)
-    if reason := aot_missing(target.platform):
-        raise ConfigError(reason)
+    if args.engine == "processes" and (reason := aot_missing(target.platform)):
+        raise ConfigError(reason)  # (a Ray cluster's nodes are asked themselves, before the search)
     _compile_cache()
     directory = _report_dir(args.report)
+    engine = None
+    if args.engine == "ray":
+        from olmax.scale.tune_ray import on_ray
+
+        engine = functools.partial(on_ray, args.address, args.jobs)
     search = tune.tune(args.config, args.overrides, target, args.budget, args.headroom,
-                       args.jobs or tune.default_jobs(), tune.print_err, args.depth == "reduced")
+                       args.jobs or tune.default_jobs(), tune.print_err, args.depth == "reduced", engine)
     report = {"config": args.config, "overrides": args.overrides, "target": target.name, "budget": args.budget,
               "headroom": args.headroom, "depth": args.depth, "space": search.size, "compiled": search.compiled, "seconds": search.seconds,
               "memory_per_device": target.accelerator.memory_per_device,
@@ -296,6 +309,19 @@ def run_tune(args: argparse.Namespace) -> None:
         from olmax.errors import ExitCode
 
         sys.exit(ExitCode.FAILED)
+
+
+def _engine_options(args: argparse.Namespace) -> None:
+    """--engine ray's options, refused (ConfigError) before anything else where they cannot go together."""
+    import importlib.util
+
+    if args.address is not None and args.engine != "ray":
+        raise ConfigError("--address names a Ray cluster: give it with --engine ray")
+    if args.address is not None and args.jobs is not None:
+        raise ConfigError("--jobs sets the CPUs of a local Ray; the nodes of the cluster at --address have theirs: "
+                          "give one of them")
+    if args.engine == "ray" and importlib.util.find_spec("ray") is None:
+        raise ConfigError("--engine ray needs Ray, which is not installed: pip install 'olmax[ray]'")
 
 
 def run_report(args: argparse.Namespace) -> None:
