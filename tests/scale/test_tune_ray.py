@@ -64,7 +64,10 @@ def cluster(s3):
     try:
         nodes.append(Node(env, "127.0.0.1", cpus=1))
         with ThreadPoolExecutor(2) as pool:  # the workers start side by side
-            nodes += pool.map(lambda _: Node(env, "127.0.0.1", cpus=1, head=nodes[0].address), range(2))
+            starting = [pool.submit(Node, env, "127.0.0.1", 1, nodes[0].address) for _ in range(2)]
+        nodes += [node.result() for node in starting if node.exception() is None]
+        for node in starting:
+            node.result()  # a node that failed to start fails the tests, once those that started are to be stopped
         yield nodes, env
     finally:
         for node in reversed(nodes):
