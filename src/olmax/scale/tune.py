@@ -275,19 +275,20 @@ class Decisions:
                  f"{result.depths[0]} and {result.depths[1]} layers, {result.step_seconds:.4g} s, peak {size(result.peak)}")
         return Task(result.candidate, False)
 
-    def record(self, result: Result) -> None:
-        """The result of the task `next` gave."""
+    def record(self, result: Result) -> Result | None:
+        """The result of the task `next` gave; returns the candidate's evaluation when this completes one (a
+        depth-reduced one that fits waits for its confirmation, a confirmation after the search completes none)."""
         if self.confirming is not None:
             result = self._confirmed(self.confirming, result)
             if self.after:
-                return
+                return None
         else:
             self.evaluated += 1
             self.search.results.append(result)
             self.search.compiled += (not result.cached and result.status != "failed") * (2 if result.depths else 1)
             if result.depths and result.status == "fits" and self.trust is None:
                 self._confirm(result)
-                return
+                return None
         if result.status == "out of memory":
             self.out_of_memory.append(result.candidate)
         mesh = result.candidate.mesh
@@ -295,12 +296,10 @@ class Decisions:
             self.scale[mesh] = max(self.scale.get(mesh, 0.0), result.peak / self.estimates[result.candidate][1])
         if result.step_seconds:
             self.speed[mesh] = result.step_seconds / self.estimates[result.candidate][0]
-        elapsed = time.perf_counter() - self.start
-        eta = elapsed / self.evaluated * (min(self.budget, self.search.size) - self.evaluated)
-        self.say(f"[{self.evaluated}/{self.budget}] {said(result)}; {elapsed:.0f} s so far, about {eta:.0f} s left")
         # what the compiler said reorders the rest; a mesh not tried yet and the estimate's best take turns
         tried = {(r.candidate.mesh, r.candidate.micro_batch) for r in self.search.results if r.status != "pruned"}
         self.remaining = ordered(self.remaining, self.key, tried, leader_first=self.evaluated % 2 == 0)
+        return result
 
     def _confirmed(self, extrapolated: Result, full: Result) -> Result:
         """The candidate compiled whole in place of its extrapolation, with the extrapolation's error."""
@@ -381,8 +380,20 @@ def drive(decisions: Decisions, compiles, progress) -> int:
                 done[t] = result
                 if t != task:
                     progress(f"compiled ahead of the search: {said(result)}")
-        decisions.record(done[task])
+        if (evaluated := decisions.record(done[task])) is not None:
+            progress(f"[{decisions.evaluated}/{decisions.budget}] {said(evaluated)}; "
+                     + _time_left(decisions, done, needed, compiles.slots()))
     return sum(1 for t, result in done.items() if t not in needed and not result.cached)
+
+
+def _time_left(decisions: Decisions, done: dict, needed: set, slots: int) -> str:
+    """The time so far and the time left: the compiles left to run (those the search has yet to ask for, less those
+    run ahead of it already), a slot each, at the mean time of those finished."""
+    elapsed = time.perf_counter() - decisions.start
+    left = min(decisions.budget, decisions.search.size) - decisions.evaluated - sum(t not in needed for t in done)
+    mean = sum(r.compile_seconds for r in done.values()) / len(done)
+    eta = mean * math.ceil(max(left, 0) / max(slots, 1))
+    return f"{elapsed:.0f} s so far, about {eta:.0f} s left ({elapsed + eta:.0f} s in all)"
 
 
 def _ahead(decisions: Decisions, need: Task, done: dict, compiles) -> list[Task]:
