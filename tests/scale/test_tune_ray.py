@@ -180,3 +180,15 @@ def test_the_table_is_that_of_jobs_1_on_three_processes_and_on_ray_with_a_worker
     assert "compiling it again on another node" in err and (f"({lost}) " in err or "on its node" in err), err[-3000:]
     assert "reported lost" not in err
     assert table(out) == expected and expected.count("\n") == 6
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--address", "HEAD:6379"], "ConfigError: --address names a Ray cluster: give it with --engine ray"),
+    (["--engine", "ray", "--address", "HEAD:6379", "--jobs", "2"], "ConfigError: --jobs sets the CPUs of a local Ray"),
+    (["--engine", "ray", "--address", "garbage"], "ClusterError: --address garbage: not a Ray cluster's address "
+                                                  "(Invalid address format: garbage); give the address of its head"),
+])
+def test_ray_options_that_cannot_be_used_are_one_line_before_any_compile(argv, message, capsys):
+    assert main([*TUNE, "--budget", "1", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"olmax: {message}") and err.count("\n") == 1, err
