@@ -21,7 +21,7 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from olmax.data.tokenize_tasks import Progress, ProgressLine, Settings, Task, init_worker, remove_staging, run_task
-from olmax.errors import DataError, OlmaxError
+from olmax.errors import BadInput, DataError, OlmaxError
 
 log = logging.getLogger(__name__)
 
@@ -89,18 +89,18 @@ def _show_progress(line: ProgressLine, counter):
 
 
 @contextlib.contextmanager
-def joined(address: str | None, workers: int | None):
+def joined(address: str | None, workers: int | None, error: type[BadInput] = DataError):
     """Ray inside the block: the cluster at `address` (or RAY_ADDRESS), else a local one started with `workers`
-    CPUs; shut down after it. An address no cluster answers at, or not an address, is DataError."""
+    CPUs; shut down after it. An address no cluster answers at, or not an address, is `error`."""
     where = f"--address {address}" if address else f"RAY_ADDRESS={os.environ.get('RAY_ADDRESS')!r}"
     fix = "give the address of its head node (host:port, as `ray start --head` printed it)"
     try:
         ray.init(address=address, num_cpus=None if address else workers, include_dashboard=False,
                  log_to_driver=False, logging_level=logging.ERROR)
     except ConnectionError as err:
-        raise DataError(f"{where}: no Ray cluster answers there ({err}); {fix}") from None
+        raise error(f"{where}: no Ray cluster answers there ({err}); {fix}") from None
     except ValueError as err:  # an address Ray cannot read
-        raise DataError(f"{where}: not a Ray cluster's address ({str(err).splitlines()[0]}); {fix}") from None
+        raise error(f"{where}: not a Ray cluster's address ({str(err).splitlines()[0]}); {fix}") from None
     try:
         yield
     finally:

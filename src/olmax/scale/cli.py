@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import json
 import os
 import sys
@@ -53,7 +55,13 @@ def add_commands(subparsers) -> None:
                    "on a laptop's CPU at 2-3 minutes a compile)")
     p.add_argument("--headroom", type=float, default=0.1,
                    help="the share of a device's memory a layout must leave free to count as fitting (default 0.1)")
-    p.add_argument("--jobs", type=int, help="compiles side by side (default: one a core, as many as memory allows)")
+    p.add_argument("--jobs", type=int, help="compiles side by side (default: one a core, as many as memory allows); "
+                   "with --engine ray, the CPUs of the local Ray")
+    p.add_argument("--engine", choices=("processes", "ray"), default="processes",
+                   help="processes: compiles on this host (default); ray: each compile a Ray task on a cluster (the "
+                   "`ray` extra), as many at a time as its nodes' CPUs and memory hold, the search unchanged")
+    p.add_argument("--address", help="with --engine ray: the Ray cluster to join (host:port of its head; default: a "
+                   "local Ray started for the command)")
     p.add_argument("--depth", choices=("full", "reduced"), default="full",
                    help="full (default): compile every candidate whole; reduced: compile each with one and two units "
                    "of its repeated layers (a layer_pattern period on each pipeline stage) and extrapolate its peak "
@@ -154,7 +162,7 @@ def _new_file(value: str, option: str) -> None:
 
 def _compile_cache() -> None:
     """Refuse a compile cache (`OLMAX_COMPILE_CACHE`) that cannot be used before anything is compiled or written."""
-    from olmax.scale.compile import usable_cache_dir
+    from olmax.scale.compile_cache import usable_cache_dir
 
     usable_cache_dir()
 
@@ -272,17 +280,24 @@ def run_tune(args: argparse.Namespace) -> None:
         raise ConfigError(f"--headroom {args.headroom}: give a fraction in [0, 1), e.g. 0.1")
     if args.jobs is not None and args.jobs < 1:
         raise ConfigError(f"--jobs {args.jobs}: give at least 1")
+    _engine_options(args)
     if args.out:
         _new_file(args.out, "--out")
     # a bad config, or settings no layout agrees with, are refused before the environment is asked to compile
     tune_space.given(tune_space.space(load_config(args.config, args.overrides, target.name), target), args.overrides)
-    if reason := aot_missing(target.platform):
-        raise ConfigError(reason)
+    if args.engine == "processes" and (reason := aot_missing(target.platform)):
+        raise ConfigError(reason)  # (a Ray cluster's nodes are asked themselves, before the search)
     _compile_cache()
     directory = _report_dir(args.report)
-    with stopping_at_once(tune.print_err):  # its compiles, here and in its workers, end at once
+    engine, stopping = None, stopping_at_once(tune.print_err)  # its compiles, here and in its workers, end at once
+    if args.engine == "ray":
+        from olmax.scale.tune_ray import on_ray
+
+        # Ray's compiles run on its nodes, not in this thread: Ctrl-C cancels them and keeps the results so far
+        engine, stopping = functools.partial(on_ray, args.address, args.jobs), contextlib.nullcontext()
+    with stopping:
         search = tune.tune(args.config, args.overrides, target, args.budget, args.headroom,
-                           args.jobs or tune.default_jobs(), tune.print_err, args.depth == "reduced")
+                           args.jobs or tune.default_jobs(), tune.print_err, args.depth == "reduced", engine)
     report = {"config": args.config, "overrides": args.overrides, "target": target.name, "budget": args.budget,
               "headroom": args.headroom, "depth": args.depth, "space": search.size, "compiled": search.compiled, "seconds": search.seconds,
               "memory_per_device": target.accelerator.memory_per_device,
@@ -293,6 +308,8 @@ def run_tune(args: argparse.Namespace) -> None:
         print(tune.table(search, target))
         print(tune.coverage(search))
         print(tune.main_line(search))
+    if search.interrupted:  # the results so far are printed; nothing is written of a search cut short
+        raise KeyboardInterrupt
     unwritten = None
     if args.out and search.best is not None:
         layout = tune.overlay(args.config, args.overrides, search, target)
@@ -315,6 +332,19 @@ def run_tune(args: argparse.Namespace) -> None:
         from olmax.errors import ExitCode
 
         sys.exit(ExitCode.FAILED)
+
+
+def _engine_options(args: argparse.Namespace) -> None:
+    """--engine ray's options, refused (ConfigError) before anything else where they cannot go together."""
+    import importlib.util
+
+    if args.address is not None and args.engine != "ray":
+        raise ConfigError("--address names a Ray cluster: give it with --engine ray")
+    if args.address is not None and args.jobs is not None:
+        raise ConfigError("--jobs sets the CPUs of a local Ray; the nodes of the cluster at --address have theirs: "
+                          "give one of them")
+    if args.engine == "ray" and importlib.util.find_spec("ray") is None:
+        raise ConfigError("--engine ray needs Ray, which is not installed: pip install 'olmax[ray]'")
 
 
 def run_report(args: argparse.Namespace) -> None:

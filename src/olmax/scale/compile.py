@@ -18,24 +18,16 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import gzip
-import hashlib
-import json
-import logging
 import math
-import os
 import re
-import shutil
 import time
-import zlib
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 from jax._src import config as jax_config  # its options as context managers (the public jax.config has none)
 from jax.experimental.compilation_cache import compilation_cache
 
-from olmax.config import RunConfig, writable_dir
+from olmax.config import RunConfig
 from olmax.errors import DoesNotFit
 from olmax.model import attention, fp8, transformer
 from olmax.model.moe import block_loop, sublayer
@@ -43,12 +35,10 @@ from olmax.parallel import expert as expert_parallel
 from olmax.parallel import moe_sizing
 from olmax.parallel.schedules import schedule_for
 from olmax.parallel.mesh import Layout, make_layout
-from olmax.scale import anatomy, hardware, op_cost, step_time
+from olmax.scale import anatomy, compile_cache, hardware, op_cost, step_time
 from olmax.scale.plan import plan
 from olmax.scale.targets import GiB, Target, check_mesh, compile_only_devices
 from olmax.train.step import abstract_state, batch_shardings, jit_train_step, micro_batch_rows
-
-log = logging.getLogger(__name__)
 
 
 def device_bytes(tree) -> int:
@@ -170,42 +160,15 @@ def expert_exchange(cfg: RunConfig, layout: Layout, micro_rows: int) -> dict | N
             "receive_rows": rows.received, "receive_bytes": rows.received * width, "expected_rows": expected}
 
 
-def cache_dir() -> Path:
-    """Where compiled programs are kept by their program (`OLMAX_COMPILE_CACHE`, or the user's cache directory)."""
-    home = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(os.environ.get("OLMAX_COMPILE_CACHE") or os.path.join(home, "olmax", "compiles"))
-
-
-def usable_cache_dir() -> Path:
-    """The compile cache's directory, refused (ConfigError) before anything is compiled where a file is there or it
-    cannot be made or written."""
-    return writable_dir(cache_dir(), "OLMAX_COMPILE_CACHE")
-
-
-CACHE_FORMAT = 2  # in every key: an entry stored in an earlier layout (no key or digest inside) is never looked up
-
-
-def _cache_key(lowered_text: str, target: Target) -> str:
-    facts = json.dumps({"program": hashlib.sha256(lowered_text.encode()).hexdigest(), "target": target.name,
-                        "flags": target.xla_flags, "jax": jax.__version__, "format": CACHE_FORMAT}, sort_keys=True)
-    return hashlib.sha256(facts.encode()).hexdigest()[:32]
-
-
 def compiled_program(lowered, target: Target) -> dict:
     """The compiled program of `lowered` for `target`: its optimized HLO text, memory figures and compile time,
-    from the cache when the same program was compiled for the same target, compiler flags and JAX before. An entry
-    that cannot prove it is this program's, stored whole, with valid figures (see `_read_entry`) is compiled again,
-    with a warning naming it. A compile the compiler refuses for memory is cached too (its error); other failures
-    raise."""
-    key = _cache_key(lowered.as_text(), target)
-    entry = cache_dir() / key
-    if os.path.lexists(entry):
-        try:
-            return {**_read_entry(entry, key), "cached": True}
-        except (OSError, EOFError, ValueError, zlib.error) as err:  # a file cut short, garbled, or not this program's
-            log.warning("the compile cache entry %s cannot be used (%s: %s); compiling the program again", entry,
-                        type(err).__name__, err)
-            _remove(entry)
+    from the compile cache when the same program was compiled for the same target, compiler flags and JAX before
+    (an entry that cannot prove it is this program's, stored whole, with valid figures is compiled again, with a
+    warning naming it: olmax.scale.compile_cache). A compile the compiler refuses for memory is cached too (its
+    error); other failures raise."""
+    key = compile_cache.key(lowered.as_text(), target)
+    if (stored := compile_cache.lookup(key)) is not None:
+        return {**stored, "cached": True}
     start = time.perf_counter()
     try:
         with _without_persistent_cache():
@@ -219,91 +182,8 @@ def compiled_program(lowered, target: Target) -> dict:
         result = {"compile_seconds": time.perf_counter() - start, "text": compiled.as_text(),
                   "peak": memory.peak_memory_in_bytes, "arguments": memory.argument_size_in_bytes,
                   "temporaries": memory.temp_size_in_bytes, "xla_cost": xla_cost(compiled)}
-    _store(entry, key, result)
+    compile_cache.store(key, result)
     return {**result, "cached": False}
-
-
-def _digest(record: dict, text: str | None) -> str:
-    """What binds an entry's result.json to its program: a hash of the record (its key among it) and the text."""
-    digest = hashlib.sha256(json.dumps(record, sort_keys=True).encode())
-    if text is not None:
-        digest.update(text.encode())
-    return digest.hexdigest()
-
-
-def _read_entry(entry: Path, key: str) -> dict:
-    """A stored result, verified: the entry a directory of olmax's (not a symbolic link), its result.json a whole
-    JSON object holding this program's key and a digest of itself and the program in program.hlo.gz (gzip checks
-    its CRC-32 and length), and its figures valid; raises what is wrong otherwise."""
-    if entry.is_symlink():
-        raise ValueError(f"a symbolic link (to {os.readlink(entry)}), not an entry olmax stored")
-    record = json.loads((entry / "result.json").read_text())
-    if not isinstance(record, dict) or record.get("key") != key:
-        found = record.get("key") if isinstance(record, dict) else None
-        raise ValueError(f"it holds the result of another program (key {found}), not of this one")
-    text = None if "error" in record else gzip.decompress((entry / "program.hlo.gz").read_bytes()).decode()
-    if record.pop("digest", None) != _digest(record, text):
-        raise ValueError("its result.json and program.hlo.gz are not what was stored together (their digest differs)")
-    if why := _invalid(record):
-        raise ValueError(f"result.json's {why}")
-    del record["key"]
-    return record if text is None else {**record, "text": text}
-
-
-def _invalid(result: dict) -> str | None:
-    """What is wrong with a stored result's figures, if anything."""
-    def seconds(value) -> bool:
-        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= 0
-
-    def byte_count(value) -> bool:
-        return isinstance(value, int) and not isinstance(value, bool) and value >= 0
-
-    if not seconds(result.get("compile_seconds")):
-        return f"compile time {result.get('compile_seconds')!r} is not a number of seconds"
-    if "error" in result:  # refused for memory: nothing else is stored
-        if not isinstance(result["error"], str) or "RESOURCE_EXHAUSTED" not in result["error"]:
-            return "compiler error is not the compiler's refusal for memory"
-        return None
-    if bad := [k for k in ("peak", "arguments", "temporaries") if not byte_count(result.get(k))]:
-        return f"{', '.join(f'{k} {result.get(k)!r}' for k in bad)}: not a count of bytes"
-    cost = result.get("xla_cost")
-    if not isinstance(cost, dict) or not all(isinstance(cost.get(k), (int, float, type(None)))
-                                             for k in ("flops", "bytes_accessed")):
-        return "xla_cost is not XLA's FLOPs and bytes"
-    return None
-
-
-def _remove(entry: Path) -> None:
-    """An entry that cannot be used, out of the way: a link or a file unlinked (never what a link points to), a
-    directory removed."""
-    with contextlib.suppress(OSError):
-        if entry.is_symlink() or not entry.is_dir():
-            entry.unlink()
-        else:
-            shutil.rmtree(entry)
-
-
-def _store(entry: Path, key: str, result: dict) -> None:
-    """Written beside, then renamed: a reader sees a whole entry or none (two compiles of one program race
-    harmlessly). A cache that cannot keep it costs a compile next time, not this result: a warning says so."""
-    record = {"key": key, **{k: v for k, v in result.items() if k != "text"}}
-    record["digest"] = _digest(record, result.get("text"))
-    partial = entry.parent / f".{entry.name}.{os.getpid()}"
-    try:
-        entry.parent.mkdir(parents=True, exist_ok=True)
-        partial.mkdir(exist_ok=True)
-        if "text" in result:
-            (partial / "program.hlo.gz").write_bytes(gzip.compress(result["text"].encode(), compresslevel=6))
-        (partial / "result.json").write_text(json.dumps(record))
-    except OSError as err:
-        log.warning("the compile cache %s cannot keep this program (%s); it is compiled again next time",
-                    entry.parent, err)
-        _remove(partial)
-        return
-    try:
-        partial.rename(entry)
-    except OSError:  # another process stored it first
-        _remove(partial)
 
 
 def predicted_step(cfg: RunConfig, target: Target, layout: Layout, text: str) -> dict:
@@ -341,9 +221,9 @@ def compile_train_step(cfg: RunConfig, target: Target, mfu: float | None = None,
     lowering, compiling) as it starts, with the time so far.
 
     Raises DoesNotFit (with the report) when the step needs more memory per device than the target has, and
-    ConfigError before anything is compiled when the compile cache cannot be used (`usable_cache_dir`).
+    ConfigError before anything is compiled when the compile cache cannot be used (`compile_cache.usable_cache_dir`).
     """
-    usable_cache_dir()  # refused before the compile it would keep
+    compile_cache.usable_cache_dir()  # refused before the compile it would keep
     check_mesh(cfg.mesh, target)
     start = time.perf_counter()
     progress(f"{cfg.name} for {target.name}: loading the target's devices")

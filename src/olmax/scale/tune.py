@@ -14,18 +14,26 @@ activations, a larger micro-batch, the same mesh and flags; Splash's tiles live 
 too, and is not compiled; and the estimate is rescaled by what the compiler and the step-time model said of the
 candidates so far (its memory and its time, per mesh), so the search moves to what fits and runs fast. What did not
 compile for another reason is listed with the reason.
-"""
 
+The search (`Decisions`) is a pure function of the compiles' results: it takes them one at a time, in its own order,
+whatever ran them. An engine runs the compiles: this process, worker processes of this host, or Ray tasks on a
+cluster (olmax.scale.tune_ray); while the search waits for the result it needs, the compiles it is expected to ask
+for next run on the slots left free, so the same results give the same table however many run at once.
+"""
 from __future__ import annotations
 
-import concurrent.futures
+import contextlib
+import copy
+import dataclasses
 import itertools
 import math
 import multiprocessing
 import os
+import signal
 import sys
 import time
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from olmax.config import RunConfig, load_config
 from olmax.figures import size
@@ -40,7 +48,8 @@ from olmax.scale.tune_space import Candidate, given, pruned_by, space
 @dataclass
 class Result:
     candidate: Candidate
-    status: str  # fits, over (fits the device, not the headroom), out of memory, failed, pruned
+    status: str  # one of STATUSES: fits, over headroom (fits the device, not the headroom), ..., lost (its worker lost
+    # twice: olmax.scale.tune_ray)
     peak: int | None = None
     step_seconds: float | None = None
     mfu: float | None = None
@@ -134,17 +143,22 @@ class _NoFlags(Target):
         return {}
 
 
+STATUSES = ("fits", "over headroom", "out of memory", "failed", "lost", "pruned")  # the table's order
+
+
 @dataclass
 class Search:
     results: list[Result] = field(default_factory=list)
     size: int = 0
     compiled: int = 0  # compiles run (not from the cache)
     seconds: float = 0.0
+    ahead: int = 0  # compiles run ahead of the search that it did not need (kept in the compile cache)
+    interrupted: bool = False  # stopped by Ctrl-C: the results so far
     reduced: bool = False  # depth-reduced compiles asked for
 
     def ranked(self) -> list[Result]:
-        order = {"fits": 0, "over headroom": 1, "out of memory": 2, "failed": 3, "pruned": 4}
-        return sorted(self.results, key=lambda r: (order[r.status], r.step_seconds or math.inf))
+        order = {status: i for i, status in enumerate(STATUSES)}
+        return sorted(self.results, key=lambda r: (order.get(r.status, len(order)), r.step_seconds or math.inf))
 
     @property
     def best(self) -> Result | None:
@@ -164,10 +178,14 @@ def ordered(candidates: list[Candidate], key, tried: set = frozenset(), leader_f
     fit, only their meshes take turns (the 1.2T MoE's meshes with fewer expert-parallel devices need 2-10 times a
     device's memory). `leader_first` False starts with the estimate's best. The search orders what is left again
     after each compile, alternating which comes first."""
-    ranked = sorted(candidates, key=key)
+    # (a space holds up to about a million candidates, the 1.2T MoE's on 512 chips: each keyed once, and told apart
+    # by identity, not by their fields' hash)
+    keys = [key(c) for c in candidates]
+    ranks = sorted(range(len(candidates)), key=keys.__getitem__)  # stable: ties keep their order
+    ranked = [candidates[i] for i in ranks]
     meshes = {mesh for mesh, _ in tried}
     best: dict = {}
-    for c in [c for c in ranked if not key(c)[0]] or ranked:
+    for c in [candidates[i] for i in ranks if not keys[i][0]] or ranked:
         if (c.mesh, c.micro_batch) not in tried:
             best.setdefault((c.mesh, c.micro_batch), c)
     leaders = sorted(best.values(), key=lambda c: c.mesh in meshes)  # stable: by the estimate within each
@@ -175,152 +193,321 @@ def ordered(candidates: list[Candidate], key, tried: set = frozenset(), leader_f
     pairs = itertools.zip_longest(leaders, ranked) if leader_first else itertools.zip_longest(ranked, leaders)
     for pair in pairs:
         for c in pair:
-            if c is not None and c not in taken:
-                taken.add(c)
+            if c is not None and id(c) not in taken:
+                taken.add(id(c))
                 order.append(c)
     return order
 
 
-def tune(config: str, overrides: list[str], target: Target, budget: int, headroom: float = 0.1, jobs: int = 1,
-         progress=lambda line: None, reduced: bool = False) -> Search:
-    cfg = load_config(config, overrides, target.name)
-    candidates = given(space(cfg, target), overrides)
-    device_memory = target.accelerator.memory_per_device * (1 - headroom)
-    estimate = Estimate(cfg, target)
-    estimates = {c: estimate(c) for c in candidates}
-    # a mesh -> the compiler's peak over the estimate's (the largest), and the step-time model's prediction over the
-    # estimate's (the latest), for the meshes compiled; a mesh not compiled yet takes the median of the others
-    scale: dict = {}
-    speed: dict = {}
+class Task(NamedTuple):
+    """A compile the search asks for: a candidate, whole or (`reduced`) at two reduced depths."""
 
-    def learned(table: dict, mesh) -> float:
-        known = sorted(table.values())
-        return table.get(mesh, known[len(known) // 2] if known else 1.0)
+    candidate: Candidate
+    reduced: bool
 
-    def key(c: Candidate):
-        seconds, memory = estimates[c]
-        seconds *= learned(speed, c.mesh)
-        memory *= learned(scale, c.mesh)
+
+class Decisions:
+    """The search itself, a pure function of the results it is given: the task it needs next (`next`, which records
+    the candidates it prunes on the way), and what a task's result changes (`record`: what is out of memory, the
+    estimate's scale per mesh, the order of what is left, whether extrapolations are trusted). Whatever compiles the
+    tasks, and however many at once, the same results give the same candidates evaluated, the same table."""
+
+    def __init__(self, cfg: RunConfig, target: Target, candidates: list[Candidate], budget: int, headroom: float,
+                 reduced: bool, say=lambda line: None):
+        self.cfg, self.budget, self.say = cfg, budget, say
+        self.device_memory = target.accelerator.memory_per_device * (1 - headroom)
+        estimate = Estimate(cfg, target)
+        self.estimates = {c: estimate(c) for c in candidates}
+        self.estimated = {id(c): figures for c, figures in self.estimates.items()}  # the same, found fast (`key`)
+        # a mesh -> the compiler's peak over the estimate's (the largest), and the step-time model's prediction over
+        # the estimate's (the latest), for the meshes compiled; a mesh not compiled yet takes the median of the others
+        self.scale: dict = {}
+        self.speed: dict = {}
+        self.medians = (1.0, 1.0)  # of scale's and of speed's values
+        self.remaining = ordered(candidates, self.key)
+        self.search = Search(size=len(candidates), reduced=reduced)
+        self.out_of_memory: list[Candidate] = []
+        self.evaluated = 0
+        # depth-reduced compiles until a full compile of the first candidate they say fits shows them off by more
+        # than TRUSTED (then every compile is whole); None: not checked yet
+        self.trust: bool | None = None if reduced else False
+        self.confirming: Result | None = None  # an extrapolated result whose full compile the search waits for
+        self.confirmed = 0  # confirmations of the best after the search (CONFIRMED at most)
+        self.after = False  # the search is over: what is left is confirming its best
+        self.start = time.perf_counter()
+
+    def key(self, c: Candidate):
+        seconds, memory = self.estimated.get(id(c)) or self.estimates[c]
+        seconds *= self.speed.get(c.mesh, self.medians[1])
+        memory *= self.scale.get(c.mesh, self.medians[0])
         # the estimate cannot tell Splash's tiles apart: the config's own first, larger ones after
-        tiles = 0 if c.tiles in (None, cfg.impl.attention.splash.block_q) else c.tiles / cfg.data.sequence_length
-        return priority(seconds * (1 + tiles), memory, device_memory)
+        block_q, seq = self.cfg.impl.attention.splash.block_q, self.cfg.data.sequence_length
+        tiles = 0 if c.tiles in (None, block_q) else c.tiles / seq
+        return priority(seconds * (1 + tiles), memory, self.device_memory)
 
-    remaining = ordered(candidates, key)
-    progress(f"searching {len(candidates):,} layouts of {config} on {target.name} (remat, mesh, pipeline, ZeRO-1, "
-             "micro-batch"
-             f"{', Splash tiles' if any(c.tiles for c in candidates) else ''}"
-             f"{', XLA flags' if target.xla_flags else ''}): up to {budget} compiles, {jobs} at a time, the most "
-             "promising first")
-    search = Search(size=len(candidates), reduced=reduced)
-    out_of_memory: list[Candidate] = []
-    start = time.perf_counter()
-    evaluated = 0
-    # depth-reduced compiles until a full compile of the first candidate they say fits shows them off by more than
-    # TRUSTED (then every compile is whole); None: not checked yet
-    trust: list[bool | None] = [None if reduced else False]
+    def copy(self, looking: int) -> Decisions:
+        """The search as it stands, to be asked what it would do next (it says nothing), over the first `looking`
+        candidates of its order: those it takes next while the results change nothing (the best of each mesh and
+        micro-batch not tried yet, in turns with the estimate's best, lead the order)."""
+        twin = copy.copy(self)
+        twin.say = lambda line: None
+        twin.scale, twin.speed, twin.remaining = dict(self.scale), dict(self.speed), self.remaining[:looking]
+        twin.out_of_memory = list(self.out_of_memory)
+        twin.search = dataclasses.replace(self.search, results=list(self.search.results))
+        return twin
 
-    def confirm(result: Result, pool) -> Result:
-        """The candidate compiled whole in place of its extrapolation, with the extrapolation's error."""
-        progress(f"confirming ({result.candidate.describe()}) by a full compile: extrapolated from "
+    def next(self) -> Task | None:
+        """The task whose result the search needs next, or None when it is over."""
+        if self.confirming is not None:
+            return Task(self.confirming.candidate, False)
+        while not self.after and self.evaluated < self.budget and self.remaining:
+            candidate = self.remaining.pop(0)
+            if (by := pruned_by(candidate, self.out_of_memory)) is not None:
+                self.search.results.append(Result(candidate, "pruned", by=by, reason=f"keeps everything "
+                                                  f"{by.describe()} keeps, which ran out of memory"))
+                continue
+            return Task(candidate, self.trust is not False)
+        # the best is a layout compiled whole: an extrapolated best is confirmed, and the next if it does not fit
+        self.after = True
+        best = self.search.best
+        if self.confirmed == CONFIRMED or best is None or best.depths is None:
+            return None
+        self.confirmed += 1
+        return self._confirm(best)
+
+    def _confirm(self, result: Result) -> Task:
+        self.confirming = result
+        self.say(f"confirming ({result.candidate.describe()}) by a full compile: extrapolated from "
                  f"{result.depths[0]} and {result.depths[1]} layers, {result.step_seconds:.4g} s, peak {size(result.peak)}")
-        with repeating(TICK, lambda: progress(f"still compiling the confirmation ({time.perf_counter() - start:.0f} s "
-                                              "so far)"), "olmax tune progress"):
-            full = pool.submit(evaluate, config, overrides, target.name, result.candidate, headroom).result()
-        full.error = extrapolation_error(result, full)
-        full.compile_seconds += result.compile_seconds
-        search.results[search.results.index(result)] = full
-        search.compiled += not full.cached and full.status != "failed"
+        return Task(result.candidate, False)
+
+    def record(self, result: Result) -> Result | None:
+        """The result of the task `next` gave; returns the candidate's evaluation when this completes one (a
+        depth-reduced one that fits waits for its confirmation, a confirmation after the search completes none)."""
+        if self.confirming is not None:
+            result = self._confirmed(self.confirming, result)
+            if self.after:
+                return None
+        else:
+            self.evaluated += 1
+            if self.search.reduced and not result.depths and result.status != "failed":
+                result.whole = SHALLOW if self.trust is not False else MISSED
+            self.search.results.append(result)
+            self.search.compiled += (not result.cached and result.status != "failed") * (2 if result.depths else 1)
+            if result.depths and result.status == "fits" and self.trust is None:
+                self._confirm(result)
+                return None
+        if result.status == "out of memory":
+            self.out_of_memory.append(result.candidate)
+        mesh = result.candidate.mesh
+        if result.peak:
+            self.scale[mesh] = max(self.scale.get(mesh, 0.0), result.peak / self.estimates[result.candidate][1])
+        if result.step_seconds:
+            self.speed[mesh] = result.step_seconds / self.estimates[result.candidate][0]
+        self.medians = tuple(sorted(t.values())[len(t) // 2] if t else 1.0 for t in (self.scale, self.speed))
+        # what the compiler said reorders the rest; a mesh not tried yet and the estimate's best take turns
+        tried = {(r.candidate.mesh, r.candidate.micro_batch) for r in self.search.results if r.status != "pruned"}
+        self.remaining = ordered(self.remaining, self.key, tried, leader_first=self.evaluated % 2 == 0)
+        return result
+
+    def _confirmed(self, extrapolated: Result, full: Result) -> Result:
+        """The candidate compiled whole in place of its extrapolation, with the extrapolation's error."""
+        self.confirming = None
+        full.error = extrapolation_error(extrapolated, full)
+        full.compile_seconds += extrapolated.compile_seconds
+        self.search.results[self.search.results.index(extrapolated)] = full
+        self.search.compiled += not full.cached and full.status != "failed"
         misses = ", ".join(f"{name} {100 * e:+.1f}%" for name, e in full.error.items() if e is not None)
-        progress(f"confirmed: {full.status}, " + (f"{full.step_seconds:.4g} s, peak {size(full.peak)}; the "
+        self.say(f"confirmed: {full.status}, " + (f"{full.step_seconds:.4g} s, peak {size(full.peak)}; the "
                  f"extrapolation missed by {misses}" if full.step_seconds else full.reason[:100]))
-        if trust[0] is None:
-            trust[0] = trusted(full.error)
-            if not trust[0]:
-                progress(f"the extrapolation missed by more than {TRUSTED:.0%}: the rest of the search compiles "
+        if self.trust is None:
+            self.trust = trusted(full.error)
+            if not self.trust:
+                self.say(f"the extrapolation missed by more than {TRUSTED:.0%}: the rest of the search compiles "
                          "whole layouts")
         return full
 
-    with _pool(jobs) as pool:
-        while evaluated < budget and remaining:
-            batch = []
-            while remaining and len(batch) < min(jobs, budget - evaluated):
-                candidate = remaining.pop(0)
-                if (by := pruned_by(candidate, out_of_memory)) is not None:
-                    search.results.append(Result(candidate, "pruned", by=by,
-                                                 reason=f"keeps everything {by.describe()} keeps, which ran out of "
-                                                 "memory"))
-                    continue
-                batch.append(candidate)
-            if not batch:
-                break
-            if not evaluated:
-                progress(f"[0/{budget}] compiling {'; '.join(f'({c.describe()})' for c in batch)}")
-            before = evaluated
+
+def said(result: Result) -> str:
+    """A compiled candidate in a progress line: its layout, status and figures, and how they were found."""
+    figure = f"{result.step_seconds:.4g} s, peak {size(result.peak)}" if result.step_seconds else result.reason[:100]
+    way = f" (extrapolated from {result.depths[0]} and {result.depths[1]} layers)" if result.depths else ""
+    return (f"{result.candidate.describe()}: {result.status}, {figure}{way}"
+            f"{' (cached)' if result.cached else ''}")
+
+
+def tune(config: str, overrides: list[str], target: Target, budget: int, headroom: float = 0.1, jobs: int = 1,
+         progress=lambda line: None, reduced: bool = False, engine=None) -> Search:
+    """The search (`Decisions`), its compiles run `jobs` at a time on this host (one: in this process), or by
+    `engine(args, progress)`, a context manager of an engine (olmax.scale.tune_ray's on Ray) whose compiles are
+    `evaluate(*args[:3], candidate, args[3], reduced)`. Ctrl-C ends it with the results so far
+    (`Search.interrupted`)."""
+    cfg = load_config(config, overrides, target.name)
+    candidates = given(space(cfg, target), overrides)
+    decisions = Decisions(cfg, target, candidates, budget, headroom, reduced, progress)
+    args = (config, overrides, target.name, headroom)
+    with (engine(args, progress) if engine else _Processes(jobs, args) if jobs > 1
+          else contextlib.nullcontext(_InProcess(args))) as compiles:
+        progress(f"searching {len(candidates):,} layouts of {config} on {target.name} (remat, mesh, pipeline, ZeRO-1, "
+                 "micro-batch"
+                 f"{', Splash tiles' if any(c.tiles for c in candidates) else ''}"
+                 f"{', XLA flags' if target.xla_flags else ''}): up to {budget} compiles, {compiles.plan()}, the most "
+                 "promising first")
+        try:
+            decisions.search.ahead = drive(decisions, compiles, progress)
+        except KeyboardInterrupt:
+            decisions.search.interrupted = True
+            progress(f"interrupted: the compiles under way cancelled; the {decisions.evaluated} evaluated so far "
+                     "follow")
+    decisions.search.seconds = time.perf_counter() - decisions.start
+    return decisions.search
+
+
+def drive(decisions: Decisions, compiles, progress) -> int:
+    """Give the search the result of each task it asks for, from `compiles`; while it waits, the tasks it is
+    expected to ask for next start on the slots left free (`_ahead`). Returns how many of those it did not need."""
+    done: dict[Task, Result] = {}
+    needed = set()
+    while (task := decisions.next()) is not None:
+        needed.add(task)
+        while task not in done:
+            starting = _ahead(decisions, task, done, compiles)
+            if not done and not compiles.running:
+                progress(f"[0/{decisions.budget}] compiling {'; '.join(f'({t.candidate.describe()})' for t in starting)}")
 
             def waiting() -> str:
-                return (f"[{evaluated}/{budget}] still compiling {len(batch) - (evaluated - before)} candidate(s) "
-                        f"({time.perf_counter() - start:.0f} s so far)")
+                return (f"[{decisions.evaluated}/{decisions.budget}] still compiling {len(compiles.running)} "
+                        f"candidate(s) ({time.perf_counter() - decisions.start:.0f} s so far)")
 
             # A compile here or in the workers takes minutes: said from a thread of its own, as the compile may hold
             # this one (an interrupt then comes when it returns).
             with repeating(TICK, lambda: progress(waiting()), "olmax tune progress"):
-                at_depths = trust[0] is not False
-                futures = [pool.submit(evaluate, config, overrides, target.name, c, headroom, at_depths)
-                           for c in batch]
-                for future in concurrent.futures.as_completed(futures):
-                    result = future.result()
-                    if reduced and not result.depths and result.status != "failed":
-                        result.whole = SHALLOW if at_depths else MISSED
-                    evaluated += 1
-                    search.results.append(result)
-                    search.compiled += (not result.cached and result.status != "failed") * (2 if result.depths else 1)
-                    if result.depths and result.status == "fits" and trust[0] is None:
-                        result = confirm(result, pool)
-                    if result.status == "out of memory":
-                        out_of_memory.append(result.candidate)
-                    if result.peak:
-                        mesh = result.candidate.mesh
-                        scale[mesh] = max(scale.get(mesh, 0.0), result.peak / estimates[result.candidate][1])
-                    if result.step_seconds:
-                        speed[result.candidate.mesh] = result.step_seconds / estimates[result.candidate][0]
-                    elapsed = time.perf_counter() - start
-                    eta = elapsed / evaluated * (min(budget, len(candidates)) - evaluated)
-                    figure = (f"{result.step_seconds:.4g} s, peak {size(result.peak)}" if result.step_seconds
-                              else result.reason[:100])
-                    way = f" (extrapolated from {result.depths[0]} and {result.depths[1]} layers)" if result.depths else ""
-                    progress(f"[{evaluated}/{budget}] {result.candidate.describe()}: {result.status}, {figure}{way}"
-                             f"{' (cached)' if result.cached else ''}; {elapsed:.0f} s so far, about {eta:.0f} s left")
-            # what the compiler said reorders the rest; a mesh not tried yet and the estimate's best take turns
-            tried = {(r.candidate.mesh, r.candidate.micro_batch) for r in search.results if r.status != "pruned"}
-            remaining = ordered(remaining, key, tried, leader_first=evaluated % 2 == 0)
-        # the best is a layout compiled whole: an extrapolated best is confirmed, and the next if it does not fit
-        for _ in range(CONFIRMED):
-            best = search.best
-            if best is None or best.depths is None:
-                break
-            confirm(best, pool)
-    search.seconds = time.perf_counter() - start
-    return search
+                for t in starting:
+                    compiles.submit(t)
+                finished = compiles.wait()
+            for t, result in finished:
+                done[t] = result
+                if t != task:
+                    progress(f"compiled ahead of the search: {said(result)}")
+        if (evaluated := decisions.record(done[task])) is not None:
+            progress(f"[{decisions.evaluated}/{decisions.budget}] {said(evaluated)}; "
+                     + _time_left(decisions, done, needed, compiles.slots()))
+    return sum(1 for t, result in done.items() if t not in needed and not result.cached)
 
 
-def _pool(jobs: int):
-    """Worker processes to compile side by side, or this process for one job at a time (no start-up to pay)."""
-    if jobs > 1:
-        return concurrent.futures.ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn"))
-    return _InProcess()
+def _time_left(decisions: Decisions, done: dict, needed: set, slots: int) -> str:
+    """The time so far and the time left: the compiles left to run (those the search has yet to ask for, less those
+    run ahead of it already), a slot each, at the mean time of those finished."""
+    elapsed = time.perf_counter() - decisions.start
+    left = min(decisions.budget, decisions.search.size) - decisions.evaluated - sum(t not in needed for t in done)
+    mean = sum(r.compile_seconds for r in done.values()) / len(done)
+    eta = mean * math.ceil(max(left, 0) / max(slots, 1))
+    return f"{elapsed:.0f} s so far, about {eta:.0f} s left ({elapsed + eta:.0f} s in all)"
 
 
-class _InProcess(concurrent.futures.Executor):
-    def submit(self, fn, /, *args, **kwargs):
-        future = concurrent.futures.Future()
+def _ahead(decisions: Decisions, need: Task, done: dict, compiles) -> list[Task]:
+    """The tasks to start now: `need` unless it runs already, then, while the engine has slots free, those the
+    search is expected to ask for next (what it would ask if the results under way changed nothing)."""
+    starting = [] if need in compiles.running else [need]
+    free = compiles.slots() - len(compiles.running) - len(starting)
+    if free <= 0:
+        return starting
+    twin = decisions.copy(LOOKING_AHEAD)
+    twin.record(Result(need.candidate, "compiling"))
+    while free > 0 and (task := twin.next()) is not None:
+        if task in done:
+            twin.record(done[task])
+            continue
+        if task not in compiles.running and task not in starting:
+            starting.append(task)
+            free -= 1
+        twin.record(Result(task.candidate, "compiling"))
+    return starting
+
+
+class _InProcess:
+    """One compile at a time, in this process (no start-up to pay). An engine: `submit(task)`, `wait()` (the tasks
+    finished, at least one, with their results), `running` (the tasks under way), `slots()` (how many at a time),
+    `plan()` (that, in words)."""
+
+    def __init__(self, args: tuple):
+        self.args, self.running, self.finished = args, set(), []
+
+    def slots(self) -> int:
+        return 1
+
+    def plan(self) -> str:
+        return "1 at a time"
+
+    def submit(self, task: Task) -> None:
+        self.running.add(task)
+        config, overrides, target, headroom = self.args
+        self.finished.append((task, evaluate(config, overrides, target, task.candidate, headroom, task.reduced)))
+        self.running.discard(task)
+
+    def wait(self) -> list[tuple[Task, Result]]:
+        finished, self.finished = self.finished, []
+        return finished
+
+
+class _Processes:
+    """`jobs` compiles side by side, in worker processes of this host; those still running when the search ends
+    (compiles it asked for ahead and did not need) are killed with them."""
+
+    def __init__(self, jobs: int, args: tuple):
+        spawn = multiprocessing.get_context("spawn")
+        self.jobs, self.running, self.todo, self.done = jobs, set(), spawn.Queue(), spawn.Queue()
+        self.workers = [spawn.Process(target=_compile_tasks, args=(self.todo, self.done, args), daemon=True)
+                        for _ in range(jobs)]
+        for worker in self.workers:
+            worker.start()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for worker in self.workers:
+            worker.kill()  # SIGKILL: JAX's handler of SIGTERM would print a stack for each
+            worker.join()
+
+    def slots(self) -> int:
+        return self.jobs
+
+    def plan(self) -> str:
+        return f"{self.jobs} at a time"
+
+    def submit(self, task: Task) -> None:
+        self.running.add(task)
+        self.todo.put(task)
+
+    def wait(self) -> list[tuple[Task, Result]]:
+        finished = [self.done.get()]
+        while not self.done.empty():
+            finished.append(self.done.get())
+        for task, outcome in finished:
+            self.running.discard(task)
+            if isinstance(outcome, BaseException):
+                raise outcome
+        return finished
+
+
+def _compile_tasks(todo, done, args: tuple) -> None:
+    """A worker process of `_Processes`: the tasks of `todo`, evaluated, onto `done`. Ctrl-C is the command's to
+    handle (it ends the workers)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    config, overrides, target, headroom = args
+    while True:
+        task = todo.get()
         try:
-            future.set_result(fn(*args, **kwargs))
-        except BaseException as err:  # noqa: BLE001 - handed to the caller as a process pool would
-            future.set_exception(err)
-        return future
+            done.put((task, evaluate(config, overrides, target, task.candidate, headroom, task.reduced)))
+        except Exception as err:  # noqa: BLE001 - raised in the command, as a pool would
+            done.put((task, err))
 
 
 CONFIRMED = 3  # full compiles at most to confirm the best of a depth-reduced search
+# Candidates of the order a guess of the search's next compiles looks at (ordering them all again for each guess
+# took 26 s for the 1.2T MoE's 1.25 million on 512 v5p chips): many more than the meshes and micro-batches lead.
+LOOKING_AHEAD = 20_000
 # why a depth-reduced search compiled a layout whole
 SHALLOW = "its repeated layers are under 4 units deep (a unit: a layer_pattern period on each stage and chunk)"
 MISSED = f"an extrapolation confirmed before missed by more than {TRUSTED:.0%}"
@@ -348,7 +535,7 @@ def table(search: Search, target: Target, limit: int | None = None) -> str:
         tps = f"{r.tokens_per_chip:14,.0f}" if r.tokens_per_chip else f"{'-':>14}"
         peak = f"{size(r.peak):>11}" if r.peak else f"{'-':>11}"
         lines.append(f"{i:3}  {step} {mfu} {tps} {peak}  {r.status:15} {r.candidate.describe()}"
-                     + (f"  ({r.reason})" if r.status == "failed" else "") + _how(r))
+                     + (f"  ({r.reason})" if r.status in ("failed", "lost") else "") + _how(r))
     return "\n".join(lines)
 
 
@@ -363,15 +550,18 @@ def _how(r: Result) -> str:
 
 
 def coverage(search: Search) -> str:
-    counts = {s: sum(r.status == s for r in search.results)
-              for s in ("fits", "over headroom", "out of memory", "failed", "pruned")}
+    counts = {s: sum(r.status == s for r in search.results) for s in STATUSES}
     tried = len(search.results) - counts["pruned"]
     left = search.size - len(search.results)
+    lost = f", {counts['lost']} lost with their workers" if counts["lost"] else ""
+    ahead = (f"{search.ahead} compiled ahead of the search and not needed (kept in the compile cache); "
+             if search.ahead else "")
     return (f"searched {len(search.results)} of {search.size} layouts: {tried} compiled ({search.compiled} programs "
             f"new, {sum(r.cached for r in search.results)} layouts from the cache), {counts['pruned']} pruned as out of memory "
             f"by a layout that keeps less; {counts['fits']} fit, {counts['over headroom']} over the headroom, "
-            f"{counts['out of memory']} out of memory, {counts['failed']} failed; {left} not reached within the budget; "
-            f"{_depths(search)}{search.seconds:.0f} s")
+            f"{counts['out of memory']} out of memory, {counts['failed']} failed{lost}; {left} not reached "
+            f"{'before the interrupt' if search.interrupted else 'within the budget'}; "
+            f"{_depths(search)}{ahead}{search.seconds:.0f} s")
 
 
 def _depths(search: Search) -> str:
