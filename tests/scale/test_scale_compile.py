@@ -251,14 +251,14 @@ def test_the_model_expects_the_rows_a_dropless_exchange_sends_and_each_part_runs
 @pytest.mark.parametrize("config, target", [("olmo3_moe_47b", "gpu:b300x8"), ("olmo_moe_1t", "tpu:v5p:8x8x8"),
                                             ("olmo_moe_1t", "gpu:b300x512")])
 def test_the_model_the_compile_report_and_tune_size_an_moe_layer_alike(config, target):
-    if aot_missing(target.split(":")[0]):
-        pytest.skip(aot_missing(target.split(":")[0]))
     """How many rows an expert, a block, a round of the exchange and a device receive was written three times: in
     the model's layer, the compile report and tune's estimate. Each now reads one definition (olmax.parallel.
     moe_sizing) from its own inputs: the model from the tokens its layer gets and its mesh, the compile report from
     the layout and a micro-step's rows, tune from its candidate layout. For the 47B and the 1.2T in their preset
     layouts (dropless in rounds of 1.25 x the expected rows; a capacity of 1.25 a peer under 8 or 2 pipeline stages)
     the three agree, and so do the figures the report and tune's estimate show; no program is compiled."""
+    if aot_missing(target.split(":")[0]):
+        pytest.skip(aot_missing(target.split(":")[0]))
     from olmax.model import fp8
     from olmax.model.moe import sublayer
     from olmax.parallel.mesh import make_layout

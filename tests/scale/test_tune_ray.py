@@ -123,10 +123,12 @@ def test_a_candidate_lost_twice_is_a_row_and_ctrl_c_keeps_the_results_and_the_co
     killed = kill_tasks(alive, times=1, name=TASK), kill_tasks(alive, times=1, name=f"{TASK}-again")
     running = driver(alive, {**env, "OLMAX_COMPILE_CACHE": "s3://compiles/cache"}, "--budget", "6", "--json",
                      wait=False)
-    said = []
-    for line in running.stderr:
+    said, fitted, lost = [], False, False
+    for line in running.stderr:  # a row that fits and the row lost (in either order)
         said.append(line)
-        if re.match(r"olmax tune: \[\d/6\] .*: fits", line):
+        fitted |= bool(re.match(r"olmax tune: \[\d/6\] .*: fits", line))
+        lost |= bool(re.match(r"olmax tune: \[\d/6\] .*: lost", line))  # a row of the search (not compiled ahead)
+        if fitted and lost:
             break
     while not any(line.startswith(TASK) for node in alive for line in node.processes().values()):
         assert running.poll() is None, running.communicate()

@@ -270,7 +270,7 @@ def run_tune(args: argparse.Namespace) -> None:
     from olmax.errors import RunDirError
     from olmax.run_dir import OwnDir
     from olmax.runtime import stopping_at_once
-    from olmax.scale import tune, tune_space
+    from olmax.scale import tune, tune_space, tune_text
     from olmax.scale.targets import aot_missing, parse_target
 
     target = parse_target(args.target)
@@ -305,14 +305,14 @@ def run_tune(args: argparse.Namespace) -> None:
     if args.json:
         print(json.dumps(report, indent=2))
     else:
-        print(tune.table(search, target))
-        print(tune.coverage(search))
-        print(tune.main_line(search))
+        print(tune_text.table(search, target))
+        print(tune_text.coverage(search))
+        print(tune_text.main_line(search))
     if search.interrupted:  # the results so far are printed; nothing is written of a search cut short
         raise KeyboardInterrupt
     unwritten = None
     if args.out and search.best is not None:
-        layout = tune.overlay(args.config, args.overrides, search, target)
+        layout = tune_text.overlay(args.config, args.overrides, search, target)
         try:  # a new file (O_EXCL: not one made since the check, nor through a link) in its directory opened once
             with OwnDir(Path(args.out).absolute().parent) as out_dir:
                 out_dir.create(Path(args.out).name, layout)
