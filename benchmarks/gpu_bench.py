@@ -217,18 +217,18 @@ def experts_benchmark(rows: int, d: int, f: int, groups: int, steps: int, chip=N
     return report
 
 
-def kernel_checks(products: dict, block: int, dtypes=(jnp.bfloat16, jnp.float32)) -> dict:
-    """Each of `products` (name: product with grouped.matmul's arguments, on the layout of `block` rows) in each
-    dtype: the run's check's verdict ("passed" or its line) and the largest errors of y, dx and dw against
-    float64, each a fraction of the reference's largest value."""
+def kernel_checks(products: dict, chip, dtypes=(jnp.bfloat16, jnp.float32)) -> dict:
+    """Each of `products` (name: product with grouped.matmul's arguments, on the layout of `chip`'s blocks) in each
+    dtype: the run's check's verdict ("passed" or its line) on its problem for `chip`, and the largest errors of y,
+    dx and dw against float64, each a fraction of the reference's largest value."""
     from olmax.model.moe import selfcheck
 
-    report = {}
+    report, shape = {}, selfcheck.Shape.of(chip)
     for name, product in products.items():
         for dtype in map(jnp.dtype, dtypes):
-            line = selfcheck.verdict(product, name, dtype, block)
+            line = selfcheck.verdict(product, name, dtype, chip.block, shape)
             try:
-                found = selfcheck.errors(product, dtype, block, selfcheck.float64)
+                found = selfcheck.errors(product, dtype, chip.block, shape, selfcheck.float64)
             except Exception as e:  # the verdict says what it raised
                 found = {"error": f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"}
             report[f"{name} {dtype.name}"] = {"verdict": line or "passed", "error_vs_float64": found}
@@ -343,7 +343,7 @@ def main() -> None:
 
         chip = Chip.of(jax.devices()[0])
         report = kernel_checks({selfcheck.kernel_name(chip): lambda x, w, s, b: grouped.matmul(x, w, s, b, chip),
-                                "block loop": lambda x, w, s, b: block_loop.matmul(x, w, s, b)}, chip.block)
+                                "block loop": lambda x, w, s, b: block_loop.matmul(x, w, s, b)}, chip)
     elif args.what == "experts":
         report = experts_benchmark(**EXPERT_SHAPE, steps=args.steps)
     elif args.what == "predict-experts":  # the 47B preset's layout: 8-way EP, 8192 tokens a GPU, capacity 1.25
