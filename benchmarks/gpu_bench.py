@@ -244,6 +244,7 @@ def moe_layer_benchmark(tokens: int, d: int, f: int, experts: int, top_k: int, d
     from olmax.config import MoEConfig
     from olmax.model.moe import block_loop, sublayer
     from olmax.model.moe.kernels.chip import Chip
+    from olmax.parallel import moe_sizing
     from olmax.scale import hardware, op_cost, step_time
     from olmax.scale.targets import parse_target, running_target
 
@@ -265,7 +266,7 @@ def moe_layer_benchmark(tokens: int, d: int, f: int, experts: int, top_k: int, d
         step = jax.jit(jax.grad(loss, argnums=(0, 1)))
         compiled = step.lower(p, x).compile()
         rows = tokens * top_k / experts
-        block = chip.block if dispatch == "grouped" else block_loop.auto_block_size(tokens * top_k, experts)
+        block = chip.block if dispatch == "grouped" else moe_sizing.auto_block_size(tokens * top_k, experts)
         loops = op_cost.ExpertBlocks(rows, block, cfg.routing, block_loop.BLOCK_LOOP)
         predicted = step_time.predict(compiled.as_text(), device, None, None, experts=loops)
         measured = statistics.median(timed(lambda: jax.block_until_ready(compiled(p, x)), 1, steps))
@@ -283,12 +284,13 @@ def experts_prediction(target: str, dispatch: str, rows: int, routed: int, d: in
     from olmax.model.moe.experts import grouped_swiglu
     from olmax.model.moe.kernels import grouped
     from olmax.model.moe.kernels.chip import Chip
+    from olmax.parallel import moe_sizing
     from olmax.scale import hardware, op_cost, step_time
     from olmax.scale.targets import compile_only_devices, parse_target
 
     device = compile_only_devices(parse_target(target))[0]
     chip = Chip.of(device)
-    block = chip.block if dispatch == "grouped" else block_loop.auto_block_size(rows, groups)
+    block = chip.block if dispatch == "grouped" else moe_sizing.auto_block_size(rows, groups)
     sharding = jax.sharding.SingleDeviceSharding(device)
     spec = {"x": (rows, d), "w1": (groups, d, f), "w3": (groups, d, f), "w2": (groups, f, d)}
     args = {k: jax.ShapeDtypeStruct(v, jnp.bfloat16, sharding=sharding) for k, v in spec.items()}

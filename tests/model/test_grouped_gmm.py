@@ -79,17 +79,16 @@ def _device(cc, sms=132, platform="gpu"):
 
 def test_auto_takes_the_kernels_where_they_run():
     """Any width: the kernels pad to their tiles (the 1.2T MoE's 4,480-wide experts were refused)."""
-    assert sublayer.dispatch_for("auto", "gpu", 1, _device("9.0")) == "grouped"
-    assert sublayer.dispatch_for("auto", "gpu", 1, _device("10.3")) == "grouped"
-    assert sublayer.dispatch_for("auto", "gpu", 1, _device("8.0")) == "blocks"  # an A100
-    assert sublayer.dispatch_for("auto", "gpu", 2, _device("9.0")) == "grouped"  # pipeline stages too
-    assert sublayer.dispatch_for("auto", "gpu", 1, _device("9.0"), mxfp8=True) == "blocks"
-    assert sublayer.dispatch_for("auto", "gpu", 1, _device("10.3"), mxfp8=True) == "grouped"  # MXFP8 kernels
-    assert sublayer.dispatch_for("auto", "cpu", 1, None, mxfp8=True) == "blocks"  # the CPU emulates MXFP8
-    assert sublayer.dispatch_for("auto", "cpu", 1, None) == "blocks"  # the CPU keeps its loop
-    assert sublayer.dispatch_for("grouped", "gpu", 2, _device("10.0"), mxfp8=True) == "grouped"
+    assert sublayer.dispatch_for("auto", "gpu", _device("9.0")) == "grouped"
+    assert sublayer.dispatch_for("auto", "gpu", _device("10.3")) == "grouped"
+    assert sublayer.dispatch_for("auto", "gpu", _device("8.0")) == "blocks"  # an A100
+    assert sublayer.dispatch_for("auto", "gpu", _device("9.0"), mxfp8=True) == "blocks"
+    assert sublayer.dispatch_for("auto", "gpu", _device("10.3"), mxfp8=True) == "grouped"  # MXFP8 kernels
+    assert sublayer.dispatch_for("auto", "cpu", None, mxfp8=True) == "blocks"  # the CPU emulates MXFP8
+    assert sublayer.dispatch_for("auto", "cpu", None) == "blocks"  # the CPU keeps its loop
+    assert sublayer.dispatch_for("grouped", "gpu", _device("10.0"), mxfp8=True) == "grouped"
     with pytest.raises(ConfigError, match="CPUs; set impl.moe.dispatch=auto or blocks"):
-        sublayer.dispatch_for("grouped", "cpu", 1, None)
+        sublayer.dispatch_for("grouped", "cpu", None)
 
 
 def test_kernels_under_a_map_over_stages_run_each_stage_unbatched():
@@ -133,9 +132,9 @@ def test_grouped_runs_mxfp8_on_blackwell_only(capsys):
 
     assert main(["config", "show", "tiny_moe", "impl.fp8=mxfp8", "impl.moe.dispatch=grouped"]) == 0
     capsys.readouterr()
-    assert sublayer.dispatch_for("grouped", "gpu", 1, _device("10.0"), mxfp8=True) == "grouped"
+    assert sublayer.dispatch_for("grouped", "gpu", _device("10.0"), mxfp8=True) == "grouped"
     with pytest.raises(ConfigError, match="MXFP8 kernels are Blackwell's .*; set impl.moe.dispatch=auto or blocks"):
-        sublayer.dispatch_for("grouped", "gpu", 1, _device("9.0"), mxfp8=True)
+        sublayer.dispatch_for("grouped", "gpu", _device("9.0"), mxfp8=True)
 
 
 def _untiled(values, tiled):

@@ -11,7 +11,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from olmax.config import MoEConfig
 from testlib import moe_layer_params
 from olmax.model.moe import sublayer
-from olmax.parallel import expert
+from olmax.parallel import expert, moe_sizing
 
 D = 16
 BATCH_AXES = ("data", "fsdp", "expert")
@@ -157,7 +157,7 @@ def test_capacity_dispatch_sends_routed_rows_only_and_drops_beyond_capacity():
                for c in (capacity, None)]
     for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(results[0]), jax.tree.leaves(results[1])):
         np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5, err_msg=jax.tree_util.keystr(path))
-    assert expert.peer_capacity(8, 2, 4, 1.25) == 5
+    assert moe_sizing.peer_capacity(8, 2, 4, 1.25) == 5
 
 
 def test_send_plan_sends_each_token_once_to_each_device_holding_its_experts():
@@ -238,7 +238,7 @@ def test_dropless_exchange_equals_one_device_with_skewed_routing(buffer):
     np.testing.assert_array_equal(first_device_sends, [0, 0, 0, 8, 0, 0, 0, 0])  # each token once, not twice
     # the rounds past the first: the busiest device's assignments over the buffer's
     extra = jax.jit(lambda x, e, g, w: expert.routed_experts(run, x, e, g, (w,), mesh, BATCH_AXES, buffer=buffer)[1])
-    slots = expert.receive_slots(8, E, k, 8, buffer) if buffer else 8 * 8 * 2
+    slots = moe_sizing.receive_slots(8, E, k, 8, buffer) if buffer else 8 * 8 * 2
     assigned = [int(np.sum(np.asarray(experts) // 2 == d)) for d in range(8)]
     assert int(extra(placed[0], experts, placed[1], placed[2])) == -(-max(assigned) // slots) - 1
     assert buffer is None or -(-max(assigned) // slots) > 2

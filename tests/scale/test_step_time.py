@@ -315,12 +315,12 @@ def test_a_ragged_all_to_all_moves_the_rows_the_routing_sends_not_its_static_buf
 def test_a_token_reaches_the_expected_number_of_peers():
     """Devices a token with top_k distinct experts is sent to: every device with one expert each; one device when
     they all sit there; ep x P(a device holds one of them) between (128 experts, top-4, 8 devices: 3.34)."""
-    from olmax.parallel import expert
+    from olmax.parallel import moe_sizing
 
-    assert expert.expected_peers(8, 2, 8) == pytest.approx(2)
-    assert expert.expected_peers(8, 2, 1) == pytest.approx(1)
-    assert expert.expected_peers(128, 4, 8) == pytest.approx(8 * (1 - math.comb(112, 4) / math.comb(128, 4)))
-    assert 3.3 < expert.expected_peers(128, 4, 8) < 3.4
+    assert moe_sizing.expected_peers(8, 2, 8) == pytest.approx(2)
+    assert moe_sizing.expected_peers(8, 2, 1) == pytest.approx(1)
+    assert moe_sizing.expected_peers(128, 4, 8) == pytest.approx(8 * (1 - math.comb(112, 4) / math.comb(128, 4)))
+    assert 3.3 < moe_sizing.expected_peers(128, 4, 8) < 3.4
 
 
 RAGGED_DOT = """  %offsets = s32[9]{{0}} parameter(0)

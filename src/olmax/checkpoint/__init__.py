@@ -21,8 +21,9 @@ value on any number of devices (a resume on another topology verifies the same
 numbers).
 
 Its parts: `checksums.py` (the checksums), `orbax_io.py` (Orbax quiet and one host array at a time, disk-full
-detection); here the errors, the `Checkpointer`, and the run helpers (`locate`, `read_params`,
-`check_model_compatible`, `run_meta`); `remote.py` the committed steps of a checkpoint in a bucket.
+detection), `remote.py` (the committed steps of a checkpoint in a bucket), `async_save.py` (a save written
+beside the training); here the `Checkpointer`, which steps are kept (`retained`), and the run helpers (`locate`,
+`read_params`, `check_model_compatible`, `run_meta`). The errors are olmax.errors'.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ from olmax.checkpoint.checksums import CHECKSUM, checksums, meta_digest
 from olmax.checkpoint.orbax_io import (
     disk_full, ignore_abandoned_io, numpy_one_array_at_a_time, on_host, quiet_absl, quiet_absl_from_now, reason,
 )
+from olmax.checkpoint.remote import local_step
 
 log = logging.getLogger(__name__)
 
@@ -247,9 +249,7 @@ def read_params(path: str | Path, params_like, step: int | None = None) -> tuple
     are filled on the host one at a time, whatever the sharding the checkpoint was written with. In a bucket,
     only the step read is copied down (olmax.checkpoint.remote)."""
     if storage.is_remote(path):
-        from olmax.checkpoint import remote  # it imports this module
-
-        with remote.local_step(str(path), step) as local:
+        with local_step(str(path), step) as local:
             return read_params(local, params_like)
     directory, located = locate(path)
     checkpointer = Checkpointer(directory, CheckpointConfig(), read_only=True)

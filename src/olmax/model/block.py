@@ -83,11 +83,11 @@ def mlp_sublayer(cfg: ModelConfig, impl: ImplConfig, layout: Layout | None = Non
     if (kind or cfg.mlp) == "dense":
         return functools.partial(dense_mlp, dense=dense)
 
-    target = moe_target(cfg, impl, layout)
-    dispatch, chip = sublayer.dispatch_for(impl.moe.dispatch, *target), None
+    dispatch, chip = sublayer.dispatch_for_layout(cfg, impl, layout), None
     if dispatch == "grouped":
-        chip = Chip.of(target[2])
-        if target[2] in jax.devices():  # this process's GPUs, not a compile-only target's: the kernels run here
+        device = sublayer.moe_target(cfg, impl, layout).device
+        chip = Chip.of(device)
+        if device in jax.devices():  # this process's GPUs, not a compile-only target's: the kernels run here
             check = functools.partial(selfcheck.check, mxfp8=impl.fp8 == "mxfp8")
             dispatch = selfcheck.checked_dispatch(dispatch, chip, compute_dtype(impl, layout), check)
     mx = {}
@@ -102,13 +102,6 @@ def mlp_sublayer(cfg: ModelConfig, impl: ImplConfig, layout: Layout | None = Non
                                 chip=chip, **mx)
 
     return moe_mlp
-
-
-def moe_target(cfg: ModelConfig, impl: ImplConfig, layout: Layout | None) -> tuple:
-    """What sublayer.dispatch_for needs beyond impl.moe.dispatch: platform, pipeline stages, device and MXFP8."""
-    stages = layout.mesh.shape.get("stage", 1) if layout else 1
-    device = layout.mesh.devices.flat[0] if layout else jax.devices()[0]
-    return platform(layout), stages, device, impl.fp8 == "mxfp8"
 
 
 def training_hooks(cfg: ModelConfig, seed: int):

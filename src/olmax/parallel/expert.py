@@ -20,7 +20,8 @@ all_to_all over padded blocks.
 With a capacity per peer (`impl.moe.ep_capacity`), each device sends each peer only the assignments
 routed there, up to `capacity` rows (assignments beyond it are dropped before the exchange, by
 `drop_over_peer_capacity`, and counted): buffers of P x capacity rows, about factor x k x a device's
-tokens, whatever P; it changes the training math wherever it drops.
+tokens, whatever P; it changes the training math wherever it drops. How many rows each of these is:
+olmax.parallel.moe_sizing.
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh, PartitionSpec
+
+from olmax.parallel.moe_sizing import receive_slots
 
 EXPERT_AXIS = "expert"
 # What an exchange received (a device's rows, their expert ids and gates) and the routed output it summed: named so
@@ -72,11 +75,6 @@ def rank_within(ids: jax.Array, num_ids: int) -> tuple[jax.Array, jax.Array]:
     return jnp.zeros_like(rank_sorted).at[order].set(rank_sorted), counts
 
 
-def peer_capacity(local_tokens: int, top_k: int, ep: int, factor: float) -> int:
-    """Rows a device sends each peer of its expert group: factor x its mean share of the assignments."""
-    return max(1, math.ceil(factor * local_tokens * top_k / ep))
-
-
 def drop_over_peer_capacity(experts: jax.Array, n_experts: int, ep: int, ranks: int, capacity: int) -> jax.Array:
     """experts [N, k] with the assignments beyond `capacity` per (batch shard, destination device) set to
     n_experts (dropped): each of the `ranks` contiguous shards keeps, for each device of the expert axis,
@@ -106,20 +104,6 @@ def send_plan(experts: jax.Array, per_device: int, ep: int) -> tuple[jax.Array, 
     return token, destination, send_sizes
 
 
-def expected_peers(num_experts: int, top_k: int, ep: int) -> float:
-    """Devices of an expert group a token is sent to, expected when its top_k distinct experts are uniformly
-    drawn from num_experts spread evenly over ep devices: ep x P(a device holds at least one of them)."""
-    per_device = num_experts // ep
-    return ep * (1 - math.comb(num_experts - per_device, top_k) / math.comb(num_experts, top_k))
-
-
-def receive_slots(tokens: int, num_experts: int, top_k: int, ep: int, factor: float) -> int:
-    """Assignments a bounded exchange takes a round: `factor` x the assignments a device of `tokens` tokens is
-    expected to receive (tokens x top_k), at most the worst case (every token of the group, with all of its
-    experts a device holds)."""
-    return min(ep * tokens * min(top_k, num_experts // ep), max(1, math.ceil(factor * tokens * top_k)))
-
-
 def exclusive_cumsum(sizes: jax.Array) -> jax.Array:
     return jnp.cumsum(sizes) - sizes
 
@@ -146,7 +130,7 @@ def emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, outpu
     return output.at[landing.reshape(-1)].set(received.reshape(-1, *operand.shape[1:]), mode="drop")
 
 
-OVERFLOW_SCOPE = "expert_exchange_overflow"  # the rounds past the first of a bounded exchange (olmax.scale.step_time)
+OVERFLOW_SCOPE = "expert_exchange_overflow"  # the rounds past the first of a bounded exchange (olmax.scale.simulator)
 
 
 def ragged_exchange(run_experts: Callable, x, experts, gates, local_weights, per_device: int, ep: int,
@@ -274,8 +258,8 @@ def routed_experts(
     that many assignments to each peer; None: dropless, each token to each peer holding any of its experts, a
     device's tokens in `chunks` parts, each exchanged and run on its own: no part depends on another, so XLA's
     scheduler can run one part's exchange while the experts compute another's. `buffer` (dropless): a receive
-    buffer of that factor x the assignments a device is expected to receive (`receive_slots`), in rounds while a device
-    has more (`ragged_exchange`); None: the worst case, one round.
+    buffer of that factor x the assignments a device is expected to receive (moe_sizing.receive_slots), in rounds
+    while a device has more (`ragged_exchange`); None: the worst case, one round.
 
     Returns the output and the most rounds past the first any expert group's exchange took [] (summed over the
     parts; 0 with a capacity or a worst-case buffer).

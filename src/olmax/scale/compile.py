@@ -9,8 +9,9 @@ figures); the GPU compiler does not check, so the peak is compared with the GPU'
 FLOPs come from olmax's own count, not from XLA's cost analysis, which counts a scanned layer body
 once and does not see into Pallas kernels. The report also counts what the compiled program runs: its
 attention kernels (Splash, cuDNN; Splash's tiles), the experts' grouped matmul kernels (`ragged-dot-*` on TPU,
-where `impl.moe.dispatch` auto takes ragged_dot), its matmuls with float8 operands (impl.fp8) and the collectives
-run on the SparseCores. The compiler gets the target's XLA flag profile (`targets.XLA_FLAGS`) as compile options.
+where `impl.moe.dispatch` auto takes ragged_dot; olmax's Mosaic GPU kernels by name), its matmuls with float8
+operands (impl.fp8) and the collectives run on the SparseCores. The compiler gets the target's XLA flag profile
+(`targets.XLA_FLAGS`) as compile options.
 """
 
 from __future__ import annotations
@@ -37,9 +38,10 @@ from jax.experimental.compilation_cache import compilation_cache
 from olmax.config import RunConfig, writable_dir
 from olmax.errors import DoesNotFit
 from olmax.model import attention, fp8, transformer
-from olmax.model.block import moe_target
 from olmax.model.moe import block_loop, sublayer
 from olmax.parallel import expert as expert_parallel
+from olmax.parallel import moe_sizing
+from olmax.parallel.schedules import schedule_for
 from olmax.parallel.mesh import Layout, make_layout
 from olmax.scale import anatomy, hardware, op_cost, step_time
 from olmax.scale.plan import plan
@@ -127,68 +129,45 @@ def attention_info(cfg: RunConfig, layout: Layout) -> op_cost.AttentionInfo:
     return op_cost.AttentionInfo(seq, windows, 128, 128)
 
 
+def expert_rows(cfg: RunConfig, layout: Layout, micro_rows: int) -> moe_sizing.LayerRows:
+    """An MoE layer's rows on one device of the layout (olmax.parallel.moe_sizing): a micro-step's, or with
+    pipeline stages one pipeline micro-batch's."""
+    sched = schedule_for(cfg)
+    return moe_sizing.config_rows(cfg, layout.mesh.shape.get("expert", 1), micro_rows // layout.data_parallel_size,
+                                  sched.microbatches if sched else 1)
+
+
 def expert_blocks(cfg: RunConfig, layout: Layout, micro_rows: int) -> op_cost.ExpertBlocks | None:
     """What the step-time model needs to know of the experts' block loops (impl.moe.dispatch blocks) and of the
     grouped kernels, which run the rows routed: the rows each of a device's experts gets a micro-step under the
     routing's expectation (a device's tokens x top_k, spread evenly over the experts it holds; dropless, one
-    part's of impl.moe.exchange_chunks), the block the model picks for them (olmax.model.moe.sublayer) and the
-    rows a ragged exchange sends."""
+    part's of impl.moe.exchange_chunks), the block the model picks for them and the rows a ragged exchange sends
+    (`expert_rows`)."""
     if cfg.model.mlp != "moe":
         return None
-    moe = cfg.model.moe
-    ep = layout.mesh.shape.get("expert", 1)
-    local_experts = moe.num_experts // ep
-    tokens = _tokens_at_once(cfg, layout, micro_rows)
-    routed = tokens * moe.top_k  # expected
-    exchanged = None
-    if ep > 1 and cfg.impl.moe.ep_capacity is not None:
-        sized_for = ep * expert_parallel.peer_capacity(tokens, moe.top_k, ep, cfg.impl.moe.ep_capacity)
-    else:
-        sized_for = routed
-        if ep > 1:  # the dropless ragged exchange (olmax.parallel.expert)
-            exchanged = tokens * expert_parallel.expected_peers(moe.num_experts, moe.top_k, ep)
-    smallest = fp8.MX_BLOCK if cfg.impl.fp8 == "mxfp8" else 16
-    block = cfg.impl.moe.block or block_loop.auto_block_size(sized_for, local_experts, smallest)
-    slots = (expert_parallel.receive_slots(tokens, moe.num_experts, moe.top_k, ep, cfg.impl.moe.ep_buffer)
-             if exchanged is not None and cfg.impl.moe.ep_buffer is not None else None)
-    return op_cost.ExpertBlocks(routed / local_experts, block, moe.routing, block_loop.BLOCK_LOOP, exchanged, routed,
-                                  slots, expert_parallel.OVERFLOW_SCOPE)
-
-
-def _tokens_at_once(cfg: RunConfig, layout: Layout, micro_rows: int) -> int:
-    """A device's tokens the experts run on at once: a micro-step's, or with pipeline stages one pipeline
-    micro-batch's; dropless over several devices, one of impl.moe.exchange_chunks parts of them."""
-    passes = (cfg.impl.pipeline.microbatches or cfg.mesh.stage) if cfg.mesh.stage > 1 else 1
-    tokens = micro_rows // layout.data_parallel_size * cfg.data.sequence_length // passes
-    if layout.mesh.shape.get("expert", 1) > 1 and cfg.impl.moe.ep_capacity is None:
-        tokens //= cfg.impl.moe.exchange_chunks
-    return tokens
+    rows = expert_rows(cfg, layout, micro_rows)
+    block = rows.block(cfg.impl.moe.block, fp8.MX_BLOCK if cfg.impl.fp8 == "mxfp8" else 16)
+    return op_cost.ExpertBlocks(rows.rows_per_expert, block, cfg.model.moe.routing, block_loop.BLOCK_LOOP,
+                                rows.exchanged, rows.routed, rows.slots, expert_parallel.OVERFLOW_SCOPE)
 
 
 def expert_exchange(cfg: RunConfig, layout: Layout, micro_rows: int) -> dict | None:
     """What expert parallelism's exchange holds a layer on a device: the rows its receive buffer is sized for
     (dropless: the worst case, every token of the expert group, or impl.moe.ep_buffer's bound; with a capacity:
-    the capacity of each peer) and
-    their bytes in the compute dtype, and the rows the routing is expected to fill (olmax.parallel.expert)."""
-    ep = layout.mesh.shape.get("expert", 1)
-    if cfg.model.mlp != "moe" or ep == 1:
+    the capacity of each peer) and their bytes in the compute dtype, and the rows the routing is expected to fill
+    (`expert_rows`)."""
+    if cfg.model.mlp != "moe" or layout.mesh.shape.get("expert", 1) == 1:
         return None
-    tokens, top_k = _tokens_at_once(cfg, layout, micro_rows), cfg.model.moe.top_k
-    if cfg.impl.moe.ep_capacity is not None:
-        rows = ep * expert_parallel.peer_capacity(tokens, top_k, ep, cfg.impl.moe.ep_capacity)
-        kind = f"capacity {cfg.impl.moe.ep_capacity:g} a peer (drops beyond it)"
-        expected = min(rows, tokens * top_k)  # one row an assignment
+    rows, moe = expert_rows(cfg, layout, micro_rows), cfg.impl.moe
+    if rows.capacity is not None:
+        kind, expected = f"capacity {moe.ep_capacity:g} a peer (drops beyond it)", min(rows.received, rows.routed)
     else:
-        rows, kind = ep * tokens, "dropless, ragged"
-        expected = tokens * expert_parallel.expected_peers(cfg.model.moe.num_experts, top_k, ep)
-        if cfg.impl.moe.ep_buffer is not None:
-            slots = expert_parallel.receive_slots(tokens, cfg.model.moe.num_experts, top_k, ep, cfg.impl.moe.ep_buffer)
-            rows = min(rows, slots)
-            kind = (f"dropless, ragged, rounds of {cfg.impl.moe.ep_buffer:g} x the {tokens * top_k:,} assignments "
-                    "expected")
+        kind, expected = "dropless, ragged", rows.exchanged
+        if moe.ep_buffer is not None:
+            kind = f"dropless, ragged, rounds of {moe.ep_buffer:g} x the {rows.routed:,} assignments expected"
     width = jnp.dtype(transformer.compute_dtype(cfg.impl, layout)).itemsize * cfg.model.d_model
-    return {"kind": kind, "parts": cfg.impl.moe.exchange_chunks if cfg.impl.moe.ep_capacity is None else 1,
-            "receive_rows": rows, "receive_bytes": rows * width, "expected_rows": expected}
+    return {"kind": kind, "parts": moe.exchange_chunks if moe.ep_capacity is None else 1,
+            "receive_rows": rows.received, "receive_bytes": rows.received * width, "expected_rows": expected}
 
 
 def cache_dir() -> Path:
@@ -385,9 +364,7 @@ def compile_train_step(cfg: RunConfig, target: Target, mfu: float | None = None,
         "compute_dtype": jnp.dtype(transformer.compute_dtype(cfg.impl, layout)).name,
         "attention": attention.implementation(cfg.impl, layout, cfg.data.sequence_length),
         "attention_tiles": _attention_tiles(cfg, layout),
-        "moe_dispatch": sublayer.dispatch_for(cfg.impl.moe.dispatch, *moe_target(cfg.model, cfg.impl, layout))
-        if cfg.model.mlp == "moe"
-        else None,
+        "moe_dispatch": sublayer.dispatch_for_layout(cfg.model, cfg.impl, layout) if cfg.model.mlp == "moe" else None,
         "expert_exchange": expert_exchange(cfg, layout, micro_rows),
         "fp8": cfg.impl.fp8,
         "loss_chunk": cfg.impl.loss_chunk,

@@ -71,10 +71,12 @@ def op_group(module: hlo.Module, instruction: hlo.Instruction, region: str) -> s
 
 @dataclass
 class Tally:
-    """Seconds by (category, region), exposed collective seconds, hidden collective seconds, FLOPs."""
+    """What a step's simulation counted: seconds by (category, region), the compute waiting for collectives among
+    them (category `collective`); every collective's seconds and bytes, hidden or not; FLOPs and ops; the loops
+    whose trip counts were derived or could not be; the kernels it did not know; the ops at libtpu's estimate; and
+    the timeline's events."""
 
     seconds: dict = field(default_factory=lambda: collections.defaultdict(float))
-    hidden: float = 0.0
     collective_seconds: float = 0.0
     collective_bytes: dict = field(default_factory=lambda: collections.defaultdict(float))
     flops: float = 0.0
@@ -88,8 +90,8 @@ class Tally:
     total: float = 0.0  # the step's seconds
     timeline_cut: float = math.inf  # where the timeline stops, when a step has more events than it keeps
     events: list = field(default_factory=list)  # (start, end, lane, category, label) of the timeline
-    groups: dict = field(default_factory=lambda: collections.defaultdict(lambda: [0.0, 0.0]))  # (category, op_group) -> [seconds, ops]
-
+    # (category, op_group) -> [seconds, ops]
+    groups: dict = field(default_factory=lambda: collections.defaultdict(lambda: [0.0, 0.0]))
 
 
 @dataclass

@@ -27,7 +27,9 @@ COSTLIEST = 20  # op groups the prediction lists, by their seconds a step
 
 
 def _downsample(events: list, total: float, limit: int = 4000) -> list:
-    """At most `limit` timeline events: neighbours on one lane with one category and label merged when short."""
+    """The timeline's events, at most 2 x `limit` of them where there are more than `limit`: neighbours on one lane
+    with one category closer than a `limit`-th of the step merged into one (it keeps the first's label), then the
+    first 2 x `limit` of what is left, in time order."""
     if len(events) <= limit:
         return events
     quantum = total / limit

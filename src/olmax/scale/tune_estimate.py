@@ -9,7 +9,7 @@ from jax.sharding import AbstractMesh
 
 from olmax.config import MESH_AXES, RunConfig
 from olmax.model import families, flops
-from olmax.parallel import expert as expert_parallel
+from olmax.parallel import moe_sizing
 from olmax.parallel import schedules
 from olmax.parallel.mesh import Layout, spec_axes
 from olmax.scale import anatomy
@@ -60,9 +60,9 @@ class Estimate:
         return self._saved[key]
 
     def layer_tokens(self, candidate: Candidate) -> int:
-        """The tokens a device runs a layer on at a time (a stage runs one of the pipeline's micro-batches)."""
-        split = candidate.pipeline[1] if candidate.pipeline else 1
-        return candidate.micro_batch * self.cfg.data.sequence_length // split
+        """The tokens a device runs a layer on at a time (moe_sizing.layer_tokens)."""
+        return moe_sizing.layer_tokens(self.cfg, candidate.micro_batch, candidate.pipeline[1] if candidate.pipeline
+                                       else 1)
 
     def bubble(self, candidate: Candidate) -> float:
         """The share of a stage's time idle in the pipeline's fill and drain."""
@@ -73,27 +73,29 @@ class Estimate:
             self._bubble[key] = schedules.schedule_for(configured(self.cfg, *key)).bubble
         return self._bubble[key]
 
+    def layer_rows(self, candidate: Candidate) -> moe_sizing.LayerRows:
+        """An MoE layer's rows on one device of the candidate's layout (olmax.parallel.moe_sizing)."""
+        return moe_sizing.config_rows(self.cfg, dict(candidate.mesh)["expert"], candidate.micro_batch,
+                                      candidate.pipeline[1] if candidate.pipeline else 1)
+
     def routed(self, candidate: Candidate) -> tuple[int, int, int]:
-        """An MoE layer on one device, at a time: (the rows its experts run, the expert outputs it gathers back,
-        the rows it receives over the expert axis); zeros for a dense model. Each device of an expert group runs its
-        experts on what its peers send: with a capacity a peer, that many rows from each; dropless, every token of
-        the group, once for each local expert it chose, or with impl.moe.ep_buffer a round's buffer
-        (olmax.parallel.expert, olmax.model.moe.experts)."""
-        cfg, m = self.cfg, self.cfg.model
-        if m.mlp != "moe":
+        """An MoE layer on one device: (the rows its experts run at a time, the expert outputs it gathers back at a
+        time, the rows it receives over the expert axis in all); zeros for a dense model. Each device of an expert
+        group runs its experts on what its peers send: with a capacity a peer, that many rows from each; dropless,
+        every token of the group, once for each local expert it chose, or with impl.moe.ep_buffer a round's buffer,
+        one of impl.moe.exchange_chunks parts at a time (olmax.parallel.expert, olmax.model.moe.experts)."""
+        if self.cfg.model.mlp != "moe":
             return 0, 0, 0
-        tokens, k = self.layer_tokens(candidate), m.moe.top_k
-        peers = dict(candidate.mesh)["expert"]
-        local = m.moe.num_experts // peers
+        rows = self.layer_rows(candidate)
+        tokens, k, peers = rows.tokens, rows.top_k, rows.ep
         if peers == 1:
-            return tokens * min(k, local), tokens * k, 0
-        if cfg.impl.moe.ep_capacity is not None:
-            received = peers * expert_parallel.peer_capacity(tokens, k, peers, cfg.impl.moe.ep_capacity)
-            return received, received, received
-        if cfg.impl.moe.ep_buffer is not None:  # a round's buffer, the expected routing's one round
-            slots = expert_parallel.receive_slots(tokens, m.moe.num_experts, k, peers, cfg.impl.moe.ep_buffer)
-            return slots, slots, min(slots, peers * tokens)
-        return peers * tokens * min(k, local), peers * tokens * k, peers * tokens
+            return tokens * min(k, rows.local_experts), rows.routed, 0
+        if rows.capacity is not None:
+            return rows.received, rows.received, rows.received
+        parts = self.cfg.impl.moe.exchange_chunks
+        if rows.slots is not None:  # a round's buffer, the expected routing's one round
+            return rows.slots, rows.slots, rows.received * parts
+        return peers * tokens * min(k, rows.local_experts), peers * rows.routed, rows.received * parts
 
     def __call__(self, candidate: Candidate) -> tuple[float, float]:
         # Splash's tiles and the flag profile do not change the estimate: one figure for all of them

@@ -25,7 +25,6 @@ from olmax.config import ConfigError, RunConfig, writable_dir
 from olmax.errors import Diverged, ExitCode, Preempted
 from olmax.data import build_loader
 from olmax.model import flops
-from olmax.model.block import moe_target
 from olmax.model.moe import selfcheck, sublayer
 from olmax.model.transformer import compute_dtype
 from olmax.parallel import schedules
@@ -98,7 +97,7 @@ def train(cfg: RunConfig, *, quiet: bool = False, make_eval=None, on_start=None,
     # The config against these devices, before the run directory is made: the mesh, and the experts' matmuls.
     layout = make_layout(cfg.mesh)
     if cfg.model.mlp == "moe":
-        sublayer.dispatch_for(cfg.impl.moe.dispatch, *moe_target(cfg.model, cfg.impl, layout))
+        sublayer.dispatch_for_layout(cfg.model, cfg.impl, layout)
     remote = storage.is_remote(cfg.run_location)
     if not remote:
         check_outputs(cfg.run_dir)

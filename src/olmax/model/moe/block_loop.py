@@ -14,14 +14,6 @@ import functools
 import jax
 import jax.numpy as jnp
 
-def auto_block_size(expected_rows: int, groups: int, smallest: int = 16) -> int:
-    """A power of two near a quarter of the mean rows per group, in [smallest, 128]: a group's last, partly
-    filled block wastes half a block on average (about an eighth of the work), and smaller blocks make
-    smaller, less efficient matmuls."""
-    target = max(expected_rows // (4 * groups), 1)
-    return min(max(1 << (target.bit_length() - 1), smallest), 128)
-
-
 def vary_like(a, *like):
     # Inside shard_map, `a` made to vary over the mesh axes that `like` varies over (a no-op outside):
     # a loop carry must keep its type, and a custom_vjp's gradient must match its input's. The add's

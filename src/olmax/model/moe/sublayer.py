@@ -13,12 +13,13 @@ inside `olmax.parallel.expert`, experts resident on the `expert` mesh axis and t
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from olmax.config import ConfigError, ModelConfig, MoEConfig
+from olmax.config import ConfigError, ImplConfig, ModelConfig, MoEConfig
 from olmax.model import fp8
 from olmax.model.mlp import swiglu
 from olmax.model.moe import block_loop, router
@@ -26,19 +27,28 @@ from olmax.model.moe.experts import grouped_swiglu
 from olmax.model.moe.kernels import grouped
 from olmax.model.moe.kernels.chip import Chip, unsupported
 from olmax.parallel import expert as expert_parallel
+from olmax.parallel import moe_sizing
+from olmax.parallel.mesh import Layout, platform
 
 
-def dispatch_for(chosen: str, platform: str, stages: int = 1, device=None, mxfp8: bool = False) -> str:
+class MoETarget(NamedTuple):
+    """The devices the experts run on, as dispatch_for takes them."""
+
+    platform: str  # cpu, gpu or tpu
+    device: object  # one of the devices (a GPU's compute capability picks its kernels)
+    mxfp8: bool  # impl.fp8=mxfp8
+
+
+def dispatch_for(chosen: str, platform: str, device=None, mxfp8: bool = False) -> str:
     """The experts' matmul `impl.moe.dispatch` means on `platform` ('cpu', 'gpu', 'tpu'), for GPUs on `device`
-    (one of the target's), with or without pipeline stages (`stages`: each kernel launch runs unbatched under the
-    pipeline's map over its stages, olmax.model.moe.kernels.chip.one_launch_a_device and experts.ragged_dot). `auto`
+    (one of the target's), with or without pipeline stages (each kernel launch runs unbatched under the pipeline's
+    map over its stages: olmax.model.moe.kernels.chip.one_launch_a_device, experts.ragged_dot). `auto`
     takes ragged_dot where the compiler runs it as a grouped-matmul kernel: on TPU (its `ragged-dot` kernels,
     tests/scale/test_scale_compile.py). XLA:CPU expands ragged_dot densely, and so did XLA:GPU in jax 0.10.2 (a
     compile for gpu:h100x8 made each expert matmul a batched dot over every expert and every row), so on GPUs
     `auto` takes `grouped`, the Pallas Mosaic GPU kernels of olmax.model.moe.kernels, where they run (Hopper and
     Blackwell, any width; `mxfp8` on Blackwell only), and the block loop elsewhere (the CPU emulates MXFP8 in
     it)."""
-    del stages
     if chosen in ("auto", "grouped"):
         refusal = None
         if platform != "gpu":
@@ -52,6 +62,29 @@ def dispatch_for(chosen: str, platform: str, stages: int = 1, device=None, mxfp8
         if chosen == "auto":
             return "ragged_dot" if platform == "tpu" else "blocks" if refusal else "grouped"
     return chosen
+
+
+def moe_target(cfg: ModelConfig, impl: ImplConfig, layout: Layout | None) -> MoETarget:
+    """What dispatch_for needs beyond impl.moe.dispatch, of the layout's devices (this process's without one)."""
+    device = layout.mesh.devices.flat[0] if layout else jax.devices()[0]
+    return MoETarget(platform(layout), device, impl.fp8 == "mxfp8")
+
+
+def dispatch_for_layout(cfg: ModelConfig, impl: ImplConfig, layout: Layout | None) -> str:
+    """The experts' matmul impl.moe.dispatch means on the layout's devices (`dispatch_for`); ConfigError where it
+    cannot run there."""
+    return dispatch_for(impl.moe.dispatch, *moe_target(cfg, impl, layout))
+
+
+def layer_rows(cfg: MoEConfig, mesh: Mesh | None, batch_axes: tuple[str, ...], tokens: int,
+               ep_capacity: float | None = None, exchange_chunks: int = 1,
+               ep_buffer: float | None = None) -> moe_sizing.LayerRows:
+    """The rows of a layer run on `tokens` tokens (all the mesh's) at once (olmax.parallel.moe_sizing): each
+    batch shard's tokens, over the mesh's expert axis."""
+    ranks = expert_parallel.batch_shards(mesh, batch_axes) if mesh is not None else 1
+    ep = mesh.shape.get(expert_parallel.EXPERT_AXIS, 1) if mesh is not None else 1
+    return moe_sizing.layer_rows(cfg.num_experts, cfg.top_k, ep, tokens // ranks, ep_capacity, exchange_chunks,
+                                 ep_buffer)
 
 
 def moe_mlp(
@@ -108,15 +141,14 @@ def moe_mlp(
     experts = r.experts
     if cfg.capacity_factor is not None:
         experts = router.drop_over_capacity(cfg, experts, ranks)
-    ep = mesh.shape.get(expert_parallel.EXPERT_AXIS, 1) if mesh is not None else 1
-    capacity = None
-    if ep > 1 and ep_capacity is not None:
-        capacity = expert_parallel.peer_capacity(tokens.shape[0] // ranks, cfg.top_k, ep, ep_capacity)
-        experts = expert_parallel.drop_over_peer_capacity(experts, cfg.num_experts, ep, ranks, capacity)
+    rows = layer_rows(cfg, mesh, batch_axes, tokens.shape[0], ep_capacity, exchange_chunks, ep_buffer)
+    if rows.capacity is not None:
+        experts = expert_parallel.drop_over_peer_capacity(experts, cfg.num_experts, rows.ep, ranks, rows.capacity)
     aux["dropped_tokens"] = jnp.sum(experts == cfg.num_experts, dtype=jnp.int32)
 
     def run_experts(x_local, groups, gates, w1, w3, w2, expected_rows, assignments=None):
-        block = block_size or block_loop.auto_block_size(expected_rows, w1.shape[0], smallest_block)
+        # the layer's block (moe_sizing), sized for the rows the exchange says it expects (`expected_rows`)
+        block = rows.block(block_size, smallest_block)
         product = None
         if dispatch == "grouped":  # the kernels' layout (Chip.block), whatever impl.moe.block
             # the block loop's MXFP8 product means the kernels' MXFP8 products
@@ -131,7 +163,7 @@ def moe_mlp(
         y = run_experts(tokens, experts, r.gates, *weights, experts.size)
     else:
         y, aux["exchange_rounds"] = expert_parallel.routed_experts(
-            run_experts, tokens, experts, r.gates, weights, mesh, batch_axes, capacity, exchange_chunks, ep_buffer)
+            run_experts, tokens, experts, r.gates, weights, mesh, batch_axes, rows.capacity, exchange_chunks, ep_buffer)
     if cfg.shared_expert_hidden:
         shared = swiglu(tokens, p["shared_w1"], p["shared_w3"], p["shared_w2"], lambda a, w, _: a @ w.astype(x.dtype))
         y = (shared + cfg.top_k * y) / (cfg.top_k + 1)

@@ -56,7 +56,8 @@ def mx_operand(a: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 def _ring(block_m: int, block_n: int, bk: int) -> list:
     return [((block_m, bk), MX_VALUES, True), ((block_n, bk), MX_VALUES, True),
-            ((block_m // SCALE_ROWS, 1, 32, 16), MX_SCALES, False), ((block_n // SCALE_ROWS, 1, 32, 16), MX_SCALES, False)]
+            ((block_m // SCALE_ROWS, 1, 32, 16), MX_SCALES, False),
+            ((block_n // SCALE_ROWS, 1, 32, 16), MX_SCALES, False)]
 
 
 @one_launch_a_device
