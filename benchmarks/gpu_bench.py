@@ -217,18 +217,18 @@ def experts_benchmark(rows: int, d: int, f: int, groups: int, steps: int, chip=N
     return report
 
 
-def kernel_checks(products: dict, block: int, dtypes=(jnp.bfloat16, jnp.float32)) -> dict:
-    """Each of `products` (name: product with grouped.matmul's arguments, on the layout of `block` rows) in each
-    dtype: the run's check's verdict ("passed" or its line) and the largest errors of y, dx and dw against
-    float64, each a fraction of the reference's largest value."""
+def kernel_checks(products: dict, chip, dtypes=(jnp.bfloat16, jnp.float32)) -> dict:
+    """Each of `products` (name: product with grouped.matmul's arguments, on the layout of `chip`'s blocks) in each
+    dtype: the run's check's verdict ("passed" or its line) on its problem for `chip`, and the largest errors of y,
+    dx and dw against float64, each a fraction of the reference's largest value."""
     from olmax.model.moe import selfcheck
 
-    report = {}
+    report, shape = {}, selfcheck.Shape.of(chip)
     for name, product in products.items():
         for dtype in map(jnp.dtype, dtypes):
-            line = selfcheck.verdict(product, name, dtype, block)
+            line = selfcheck.verdict(product, name, dtype, chip.block, shape)
             try:
-                found = selfcheck.errors(product, dtype, block, selfcheck.float64)
+                found = selfcheck.errors(product, dtype, chip.block, shape, selfcheck.float64)
             except Exception as e:  # the verdict says what it raised
                 found = {"error": f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"}
             report[f"{name} {dtype.name}"] = {"verdict": line or "passed", "error_vs_float64": found}
@@ -242,6 +242,7 @@ def moe_layer_benchmark(tokens: int, d: int, f: int, experts: int, top_k: int, d
     tokens, top-4), forward and gradients for each dispatch: measured, and predicted by the step-time model
     from the compiled program (for this GPU by its datasheet row, a CPU measured now)."""
     from olmax.config import MoEConfig
+    from olmax.model import kernel_work
     from olmax.model.moe import block_loop, sublayer
     from olmax.model.moe.kernels.chip import Chip
     from olmax.parallel import moe_sizing
@@ -267,7 +268,8 @@ def moe_layer_benchmark(tokens: int, d: int, f: int, experts: int, top_k: int, d
         compiled = step.lower(p, x).compile()
         rows = tokens * top_k / experts
         block = chip.block if dispatch == "grouped" else moe_sizing.auto_block_size(tokens * top_k, experts)
-        loops = op_cost.ExpertBlocks(rows, block, cfg.routing, block_loop.BLOCK_LOOP)
+        loops = op_cost.ExpertBlocks(rows, block, cfg.routing, block_loop.BLOCK_LOOP,
+                                     routed=kernel_work.RoutedRows(experts, top_k, 1, tokens))
         predicted = step_time.predict(compiled.as_text(), device, None, None, experts=loops)
         measured = statistics.median(timed(lambda: jax.block_until_ready(compiled(p, x)), 1, steps))
         report[dispatch] = {"measured_s": measured, "predicted_s": predicted["step_seconds"],
@@ -280,6 +282,7 @@ def experts_prediction(target: str, dispatch: str, rows: int, routed: int, d: in
     micro-step under expert parallelism, forward and both gradients: `rows` received after the all-to-all (the
     buffer), `routed` of them to its `groups` resident experts (balanced), the rest to none. Compiled for the
     target's device without the hardware (a GPU generation a process: Mosaic GPU's compiler keeps the first)."""
+    from olmax.model import kernel_work
     from olmax.model.moe import block_loop
     from olmax.model.moe.experts import grouped_swiglu
     from olmax.model.moe.kernels import grouped
@@ -302,7 +305,9 @@ def experts_prediction(target: str, dispatch: str, rows: int, routed: int, d: in
         return jnp.sum(y.astype(jnp.float32))
 
     text = jax.jit(jax.grad(loss)).lower(args, ids).compile().as_text()
-    loops = op_cost.ExpertBlocks(routed / groups, block, "balanced", block_loop.BLOCK_LOOP)
+    # its `routed` rows spread over its experts as routing spreads them (one assignment each)
+    loops = op_cost.ExpertBlocks(routed / groups, block, "balanced", block_loop.BLOCK_LOOP,
+                                 routed=kernel_work.RoutedRows(groups, 1, 1, routed))
     predicted = step_time.predict(text, hardware.target_hardware(parse_target(target)), None, None, experts=loops)
     return {"target": target, "dispatch": dispatch, "rows": rows, "routed": routed, "d": d, "f": f, "groups": groups,
             "block": block, "predicted_s": predicted["step_seconds"], "ops": predicted["executed_ops"],
@@ -345,7 +350,7 @@ def main() -> None:
 
         chip = Chip.of(jax.devices()[0])
         report = kernel_checks({selfcheck.kernel_name(chip): lambda x, w, s, b: grouped.matmul(x, w, s, b, chip),
-                                "block loop": lambda x, w, s, b: block_loop.matmul(x, w, s, b)}, chip.block)
+                                "block loop": lambda x, w, s, b: block_loop.matmul(x, w, s, b)}, chip)
     elif args.what == "experts":
         report = experts_benchmark(**EXPERT_SHAPE, steps=args.steps)
     elif args.what == "predict-experts":  # the 47B preset's layout: 8-way EP, 8192 tokens a GPU, capacity 1.25

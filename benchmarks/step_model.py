@@ -152,18 +152,23 @@ def predict_row(row: Row) -> dict:
         "seconds": prediction["seconds"], "collectives": prediction["collectives"],
         "loops": prediction["loops"], "warnings": prediction["warnings"], "costliest": prediction["costliest"],
         "libtpu_estimate": prediction.get("libtpu_estimate"), "step_range": prediction.get("step_range"),
+        "kernel_range": prediction.get("kernel_range"),
     }
 
 
 def step_range(result: dict) -> str:
-    """A prediction's range where libtpu's estimate and the roofline give steps more than 10% apart (the step and
-    the MFU, every layer global, at each end), and which the point figure follows; empty where it has none."""
+    """A prediction's range where its two predictions give steps more than 10% apart (the step and the MFU, every
+    layer global, at each end), and which the point figure follows; empty where it has none. On a TPU: libtpu's
+    estimate and the roofline; on a GPU: the grouped kernels' tiles re-read from L2 at cuBLAS's rate, or loaded
+    from HBM at their designs' rates."""
     if not result.get("step_range"):
         return ""
     low, high = result["step_range"]
     flops = result["mfu_all_global"] * result["step_seconds"]
-    return (f" (range {low:.3g}-{high:.3g} s, {flops / high:.1%}-{flops / low:.1%}: the point figure is libtpu's "
-            "estimate, the range's other end the roofline)")
+    ends = ("the point figure is libtpu's estimate, the range's other end the roofline" if result.get("libtpu_estimate")
+            else "the point figure has the grouped kernels' re-reads from L2 at cuBLAS's rate, the other end every "
+                 "tile load from HBM at their designs' rates")
+    return f" (range {low:.3g}-{high:.3g} s, {flops / high:.1%}-{flops / low:.1%}: {ends})"
 
 
 def compare(row: Row, result: dict, by_name: dict) -> tuple[float | None, str]:

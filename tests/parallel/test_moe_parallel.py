@@ -91,6 +91,10 @@ def test_compiled_step_exchanges_tokens_and_never_gathers_expert_weights():
     assert not any(f"[{E},{D},{F}]" in shapes or f"[{E},{F},{D}]" in shapes for _, shapes in ops), ops
     # The gradients of the local experts' weights are summed over the 2 data-parallel replicas.
     assert any(kind == "all-reduce" and f"f32[{E // 4},{D},{F}]" in shapes for kind, shapes in ops), ops
+    # The rows move by gathers both ways (olmax.parallel.permute): no scatter-add of rows [*, D] (the experts'
+    # sums added into each token's row, autodiff's transposes of the gathers) is left in the program.
+    added = re.findall(rf"= (\S+\[\d+,{D}\]){{[^}}]*}} scatter\(.*op_name=\"[^\"]*scatter-add\"", hlo)
+    assert not added, added
 
 
 def test_capacity_and_micro_batch_losses_are_per_rank():
@@ -164,10 +168,12 @@ def test_send_plan_sends_each_token_once_to_each_device_holding_its_experts():
     """4 devices of 2 experts each: a token whose two experts sit on one device is one row to it; a dropped id
     (8) goes nowhere; a device no token chose gets no row, and the buffer's rest is empty."""
     experts = jnp.array([[0, 1], [2, 7], [8, 3], [0, 8]])
-    token, destination, send_sizes = expert.send_plan(experts, per_device=2, ep=4)
+    token, destination, send_sizes, sent_at = expert.send_plan(experts, per_device=2, ep=4)
     np.testing.assert_array_equal(send_sizes, [2, 2, 0, 1])
     np.testing.assert_array_equal(token, [0, 3, 1, 2, 1, 4, 4, 4])
     np.testing.assert_array_equal(destination, [0, 0, 1, 1, 3, 4, 4, 4])
+    # where each token's row to each device is (8: not sent)
+    np.testing.assert_array_equal(sent_at, [[0, 8, 8, 8], [8, 2, 8, 4], [8, 3, 8, 8], [1, 8, 8, 8]])
 
 
 def test_emulated_ragged_all_to_all_has_the_primitive_semantics():
@@ -234,7 +240,7 @@ def test_dropless_exchange_equals_one_device_with_skewed_routing(buffer):
     got = jax.jit(lambda *a: grad(*a, mesh))(*placed)
     for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want), strict=True):
         np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5, err_msg=jax.tree_util.keystr(path))
-    _, _, first_device_sends = expert.send_plan(experts[:8], per_device=2, ep=8)
+    _, _, first_device_sends, _ = expert.send_plan(experts[:8], per_device=2, ep=8)
     np.testing.assert_array_equal(first_device_sends, [0, 0, 0, 8, 0, 0, 0, 0])  # each token once, not twice
     # the rounds past the first: the busiest device's assignments over the buffer's
     extra = jax.jit(lambda x, e, g, w: expert.routed_experts(run, x, e, g, (w,), mesh, BATCH_AXES, buffer=buffer)[1])

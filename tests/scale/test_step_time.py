@@ -442,56 +442,115 @@ def test_a_pallas_kernel_is_costed_by_the_work_registered_under_its_name(monkeyp
     assert seen == [grid] and found["executed_flops"] == 2 * 512 * 512 * 256 and found["warnings"] == []
 
 
-def test_a_hopper_grouped_kernel_costs_the_rows_routed_and_blackwells_its_whole_grid():
-    """The Hopper kernels skip the row tiles after the last group: given the rows each group is expected to get
-    they cost those, padded to whole 64-row tiles, not the static buffer; without the expectation, the buffer (an
-    upper bound). So does Blackwell's weight gradient, its groups padded to 256-row blocks. JAX's Blackwell
-    kernel runs every tile of its grid and costs it whatever the routing."""
+def _simulated_launched(routed, block: int, trials: int = 300) -> float:
+    """The busiest device's rows with each group padded to `block`, averaged over `trials` routings drawn as the
+    distribution says: each token of the group picks top_k distinct experts, each equally likely."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    tokens, experts = routed.devices * routed.tokens, routed.experts
+    found = []
+    for _ in range(trials):
+        chosen = np.argsort(rng.random((tokens, experts)), axis=1)[:, :routed.top_k]
+        counts = np.bincount(chosen.ravel(), minlength=experts)
+        padded = -(-counts // block) * block
+        found.append(padded.reshape(routed.devices, routed.groups).sum(axis=1).max())
+    return float(np.mean(found))
+
+
+@pytest.mark.parametrize("experts, top_k, devices, tokens, block", [(32, 4, 8, 512, 64), (16, 2, 4, 2048, 256),
+                                                                    (8, 2, 1, 1024, 64)])
+def test_the_routed_rows_count_the_padding_and_the_busiest_device(experts, top_k, devices, tokens, block):
+    """An expert's rows vary under routing: padded to a block, a group whose mean is a multiple of the block (the
+    47B's 4,096 rows in 256-row blocks) still wastes about half a block, and the busiest device of the group, which
+    the others wait for, runs more than the mean. The distribution's expectation against routings drawn at
+    random, to within their own spread."""
+    from olmax.model.kernel_work import RoutedRows
+
+    routed = RoutedRows(experts, top_k, devices, tokens)
+    assert routed.per_group * routed.groups == tokens * top_k
+    assert block / 4 < routed.padding(block) < 3 * block / 4
+    assert routed.launched(block) == pytest.approx(_simulated_launched(routed, block), rel=0.01)
+    assert (routed.busiest(block) > 0) == (devices > 1)
+
+
+def test_the_47bs_kernels_run_four_percent_more_rows_than_the_mean():
+    """The 47B on 8 B300s: 16 experts a GPU of 4,096 rows each on average, a multiple of the 256-row block. The
+    expectation alone counted no padding; the distribution counts 127 rows a group and 610 more on the busiest
+    GPU: 4.0% more work launched."""
+    from olmax.model.kernel_work import RoutedRows
+
+    routed = RoutedRows(128, 4, 8, 2 * 8192)
+    assert routed.per_group == 4096
+    assert routed.padding(256) == pytest.approx(127, abs=1)
+    assert routed.busiest(256) == pytest.approx(610, abs=2)
+    assert routed.launched(256) / (16 * 4096) == pytest.approx(1.040, abs=0.001)
+
+
+def _array(*dims, dtype="bf16", size=2):
     from types import SimpleNamespace
 
+    return SimpleNamespace(dims=dims, dtype=dtype, bytes=size * math.prod(dims))
+
+
+def test_a_hopper_grouped_kernel_costs_the_rows_routed_and_blackwells_its_whole_grid():
+    """The Hopper kernels skip the row tiles after the last group: given the routing's distribution they cost the
+    busiest device's rows, each group padded to whole 64-row tiles, not the static buffer; without it, the buffer
+    (an upper bound). So does Blackwell's weight gradient, its groups padded to 256-row blocks. JAX's Blackwell
+    kernel runs every tile of its grid and costs it whatever the routing. Each counts the bytes its tiles load (x
+    once a column tile, w[g] once a row tile) beside each operand's once, and its design's rate."""
     from olmax.model import kernel_work
     from olmax.model.moe.kernels import blackwell as blackwell_kernels
     from olmax.model.moe.kernels import hopper
 
-    def array(*dims, dtype="bf16"):
-        return SimpleNamespace(dims=dims, dtype=dtype, bytes=2 * math.prod(dims))
-
+    array = _array
     rows, k, n, groups = 4096, 512, 1024, 8
-    forward = [array(groups + 1, dtype="s32"), array(rows, k), array(groups, k, n)]
-    weight_grad = [array(groups + 1, dtype="s32"), array(k, rows), array(rows, n)]
+    routed = kernel_work.RoutedRows(experts=groups, top_k=1, devices=1, tokens=800)  # 100 rows a group
+    forward = [array(groups + 1, dtype="s32", size=4), array(rows, k), array(groups, k, n)]
+    weight_grad = [array(groups + 1, dtype="s32", size=4), array(k, rows), array(rows, n)]
 
-    def work(entry, operands, outputs, per_group):
-        return entry(kernel_work.KernelCall("k", operands, outputs, rows_per_group=per_group))
+    def work(entry, operands, outputs, routed):
+        return entry(kernel_work.KernelCall("k", operands, outputs, routed=routed))
 
     whole = work(hopper.matmul_work, forward, [array(rows, n)], None)
-    routed = work(hopper.matmul_work, forward, [array(rows, n)], 100.0)
-    assert (whole.flops, routed.flops) == (2.0 * rows * k * n, 2.0 * groups * 128 * k * n)
-    assert routed.bytes == pytest.approx(groups * k * n * 2 + 2 * (groups * 128) * (k + n) + 2 * (groups + 1))
-    assert work(hopper.matmul_work, forward, [array(rows, n)], 1e9).flops == whole.flops
-    dw = work(hopper.weight_grad_work, weight_grad, [array(groups, k, n, dtype="f32")], 100.0)
-    assert dw.flops == 2.0 * k * groups * 128 * n
-    blackwell_dw = work(blackwell_kernels.weight_grad_work, weight_grad, [array(groups, k, n)], 100.0)
-    assert blackwell_dw.flops == 2.0 * k * groups * 256 * n and blackwell_dw.tile == (128, 256, 256)
-    assert blackwell_dw.bytes == pytest.approx(2 * groups * k * n + 2 * (groups * 256) * (k + n) + 2 * (groups + 1))
+    y = work(hopper.matmul_work, forward, [array(rows, n)], routed)
+    used = routed.launched(64)
+    assert used == pytest.approx(groups * 128, rel=0.01)  # 100 rows a group, padded to two 64-row tiles
+    assert (whole.flops, y.flops) == (2.0 * rows * k * n, 2.0 * used * k * n)
+    assert y.bytes == pytest.approx(groups * k * n * 2 + 2 * used * (k + n) + 4 * (groups + 1))
+    assert y.loaded == pytest.approx(2 * used * k * (n // 128) + 2 * used / 64 * k * n + 2 * used * n)
+    assert y.of_cublas == kernel_work.OF_CUBLAS["pipelined"]
+    assert work(hopper.matmul_work, forward, [array(rows, n)],
+                kernel_work.RoutedRows(groups, 1, 1, 10**6)).flops == whole.flops  # at most the buffer
+    dw = work(hopper.weight_grad_work, weight_grad, [array(groups, k, n, dtype="f32", size=4)], routed)
+    assert dw.flops == 2.0 * k * used * n
+    assert dw.loaded == pytest.approx(2 * used * k * (n // 128) + 2 * used * n * (k // 128) + 4 * groups * k * n)
+    blackwell_dw = work(blackwell_kernels.weight_grad_work, weight_grad, [array(groups, k, n)], routed)
+    used = routed.launched(256)
+    assert blackwell_dw.flops == 2.0 * k * used * n and blackwell_dw.tile == (128, 256, 256)
+    assert blackwell_dw.bytes == pytest.approx(2 * groups * k * n + 2 * used * (k + n) + 4 * (groups + 1))
+    assert blackwell_dw.of_cublas == kernel_work.OF_CUBLAS["warp-specialized"]
     assert work(blackwell_kernels.weight_grad_work, weight_grad, [array(groups, k, n)], None).flops == whole.flops
-    blackwell = [array(rows, k), array(groups, k, n), array(groups, dtype="s32")]
-    assert (work(blackwell_kernels.ragged_dot_work, blackwell, [array(rows, n)], 100.0).flops
-            == work(blackwell_kernels.ragged_dot_work, blackwell, [array(rows, n)], None).flops)
+    blackwell = [array(rows, k), array(groups, k, n), array(groups, dtype="s32", size=4)]
+    ragged = work(blackwell_kernels.ragged_dot_work, blackwell, [array(rows, n)], routed)
+    assert ragged.flops == work(blackwell_kernels.ragged_dot_work, blackwell, [array(rows, n)], None).flops
+    tiles = rows // 256 + groups - 1
+    assert ragged.loaded == pytest.approx(2 * tiles * 256 * k * (n // 256) + 2 * tiles * k * n + 2 * rows * n)
+    assert ragged.of_cublas == 1.0
 
 
 def test_blackwells_mxfp8_kernels_cost_the_rows_routed_at_the_float8_rate():
     """impl.fp8=mxfp8's grouped kernels skip the tiles after the last group as the bf16 ones do (groups padded to
     256-row blocks), move their e4m3 values and e8m0 scales (a byte per 32 values), and name e4m3 as their
     operands' dtype (the step-time model's float8 rate)."""
-    from types import SimpleNamespace
-
     from olmax.model import kernel_work
     from olmax.model.moe.kernels import mxfp8
 
     def array(*dims, dtype="f8e4m3fn", size=1):
-        return SimpleNamespace(dims=dims, dtype=dtype, bytes=size * math.prod(dims))
+        return _array(*dims, dtype=dtype, size=size)
 
     rows, k, n, groups = 4096, 512, 1024, 8
+    routed = kernel_work.RoutedRows(experts=groups, top_k=1, devices=1, tokens=800)
 
     def scales(r, c):
         return array(r // 128, c // 128, 32, 16, dtype="f8e8m0fnu")
@@ -501,18 +560,49 @@ def test_blackwells_mxfp8_kernels_cost_the_rows_routed_at_the_float8_rate():
     weight_grad = [array(groups + 1, dtype="s32", size=4), array(k, rows), array(n, rows), scales(k, rows),
                    scales(n, rows)]
 
-    def work(entry, operands, outputs, per_group):
-        return entry(kernel_work.KernelCall("k", operands, outputs, rows_per_group=per_group))
+    def work(entry, operands, outputs, routed):
+        return entry(kernel_work.KernelCall("k", operands, outputs, routed=routed))
 
-    y = work(mxfp8.matmul_work, forward, [array(rows, n, dtype="bf16", size=2)], 100.0)
-    used = groups * 256
+    y = work(mxfp8.matmul_work, forward, [array(rows, n, dtype="bf16", size=2)], routed)
+    used = routed.launched(256)
     assert y.flops == 2.0 * used * k * n and y.dtype == "f8e4m3fn"
     assert y.bytes == pytest.approx(groups * n * k * 33 / 32 + used * k * 33 / 32 + 2 * used * n + 4 * rows // 128)
-    dw = work(mxfp8.weight_grad_work, weight_grad, [array(groups, k, n, dtype="bf16", size=2)], 100.0)
+    assert y.loaded == pytest.approx(used * k * 33 / 32 * (n // 256) + used / 128 * k * n * 33 / 32 + 2 * used * n)
+    dw = work(mxfp8.weight_grad_work, weight_grad, [array(groups, k, n, dtype="bf16", size=2)], routed)
     assert dw.flops == 2.0 * k * used * n and dw.tile == (128, 256, 256)
     assert dw.bytes == pytest.approx(used * (k + n) * 33 / 32 + 2 * groups * k * n + 4 * (groups + 1))
     whole = work(mxfp8.weight_grad_work, weight_grad, [array(groups, k, n, dtype="bf16", size=2)], None)
     assert whole.flops == 2.0 * k * rows * n
+
+
+GROUPED_CALL = """  %starts = s32[{tiles}]{{0}} parameter(0)
+  %x = bf16[{rows},{k}]{{1,0}} parameter(1)
+  %w = bf16[{groups},{k},{n}]{{2,1,0}} parameter(2)
+  ROOT %y = bf16[{rows},{n}]{{1,0}} custom-call(%starts, %x, %w), custom_call_target="mosaic_gpu_v2", metadata={{op_name="jit(step)/grouped_matmul/mpmd_map"}}, backend_config={{kernel_hash = "x"}}"""
+
+
+def test_a_grouped_kernels_time_is_a_range_of_what_it_assumes():
+    """A Hopper grouped matmul on an H100: at the fast end its tiles' re-reads come from L2 at cuBLAS's rate; at
+    the slow end every tile load comes from HBM at its design's fraction of cuBLAS's rate (59.4%, one pipelined
+    warpgroup); each assumption alone between them. The step is a range where its ends are over a tenth apart, and
+    the plan says what each end assumed; the point figure is the fast end."""
+    from olmax.model.kernel_work import RoutedRows
+    from olmax.scale.plan import format_prediction
+
+    rows, k, n, groups = 8192, 2048, 1024, 8
+    text = program(GROUPED_CALL.format(tiles=rows // 64, rows=rows, k=k, n=n, groups=groups))
+    hw = hardware.target_hardware(parse_target("gpu:h100x8"))
+    experts = op_cost.ExpertBlocks(1024, 64, "learned", "expert_block_loop", routed=RoutedRows(groups, 1, 1, 8192))
+    found = step_time.predict(text, hw, None, None, experts=experts)
+    ends = found["kernel_range"]["seconds"]
+    assert found["step_seconds"] == pytest.approx(ends["fast"])
+    assert ends["fast"] < min(ends["hbm"], ends["own_rate"]) <= max(ends["hbm"], ends["own_rate"]) < ends["slow"] + 1e-12
+    assert ends["own_rate"] - hw.op_overhead == pytest.approx((ends["fast"] - hw.op_overhead) / 0.594)
+    assert found["kernel_range"]["slow_step_seconds"] == pytest.approx(ends["slow"])
+    assert found["step_range"] == [found["step_seconds"], ends["slow"]]
+    lines = "\n".join(format_prediction(found))
+    assert "with its 1 grouped-matmul kernels' re-reads from L2 at cuBLAS's rate" in lines
+    assert "with every tile load from HBM" in lines and "the point figure follows L2 and cuBLAS's rate" in lines
 
 
 def test_a_fresh_process_costs_every_grouped_gpu_kernel_from_its_work():

@@ -26,6 +26,7 @@ olmax.parallel.moe_sizing.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Callable
 
@@ -33,6 +34,8 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh, PartitionSpec
+
+from olmax.parallel.permute import sum_rows, take_rows
 
 from olmax.parallel.moe_sizing import receive_slots
 
@@ -85,13 +88,14 @@ def drop_over_peer_capacity(experts: jax.Array, n_experts: int, ep: int, ranks: 
     return jnp.where(rank < capacity, per_rank, n_experts).reshape(experts.shape)
 
 
-def send_plan(experts: jax.Array, per_device: int, ep: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+def send_plan(experts: jax.Array, per_device: int, ep: int
+              ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """Which rows a device sends, for expert ids [n, k] (ids past the last expert: dropped) of its n tokens with
     `per_device` experts on each of `ep` devices: each token once to each device holding any of its experts.
 
     Returns the send buffer's rows grouped by destination, as (token [S] (n: an empty row), destination [S]
-    (ep: empty), send_sizes [ep]); S = n x min(k, ep) holds the worst case, every token's experts on
-    min(k, ep) devices."""
+    (ep: empty), send_sizes [ep], and where each token's row to each device is [n, ep] (S: not sent)); S = n x
+    min(k, ep) holds the worst case, every token's experts on min(k, ep) devices."""
     n, k = experts.shape
     holds = jnp.any(experts[:, :, None] // per_device == jnp.arange(ep), axis=1)  # [n, ep]
     send_sizes = jnp.sum(holds, axis=0, dtype=jnp.int32)
@@ -101,7 +105,7 @@ def send_plan(experts: jax.Array, per_device: int, ep: int) -> tuple[jax.Array, 
     token = jnp.full(rows, n, jnp.int32).at[slot].set(jnp.repeat(jnp.arange(n, dtype=jnp.int32), ep), mode="drop")
     destination = jnp.full(rows, ep, jnp.int32).at[slot].set(jnp.tile(jnp.arange(ep, dtype=jnp.int32), n),
                                                              mode="drop")
-    return token, destination, send_sizes
+    return token, destination, send_sizes, slot.reshape(n, ep)
 
 
 def exclusive_cumsum(sizes: jax.Array) -> jax.Array:
@@ -147,7 +151,7 @@ def ragged_exchange(run_experts: Callable, x, experts, gates, local_weights, per
     and a buffer sized for what the routing sends on average costs one round when it fits."""
     n, k = experts.shape
     width = min(k, per_device)  # the most assignments a row carries to one device
-    token, destination, send_sizes = send_plan(experts, per_device, ep)
+    token, destination, send_sizes, sent_at = send_plan(experts, per_device, ep)
     input_offsets = exclusive_cumsum(send_sizes)
     sent_experts = jnp.take(experts, token, axis=0, mode="fill", fill_value=ep * per_device)
     local = jnp.where(sent_experts // per_device == destination[:, None], sent_experts % per_device, per_device)
@@ -167,8 +171,7 @@ def ragged_exchange(run_experts: Callable, x, experts, gates, local_weights, per
     slots = min(buffer or worst, worst)
     round_of = jnp.where(destination < ep, start // slots, jnp.iinfo(jnp.int32).max)
     rows = min(slots, ep * n)
-    sent_x = jnp.take(x, token, axis=0, mode="fill", fill_value=0)
-    sent_gates = jnp.take(gates, token, axis=0, mode="fill", fill_value=0)
+    sent_x, sent_gates = (take_rows(a, token, sent_at) for a in (x, gates))
 
     def one_round(r, plan, local, sent_x, sent_gates, weights):
         """The rows of round r back from the peers, in this device's send buffer [S, D] (zeros elsewhere)."""
@@ -180,15 +183,16 @@ def ragged_exchange(run_experts: Callable, x, experts, gates, local_weights, per
         peer_offsets = exclusive_cumsum(peer_sizes)  # the peers' rows packed in peer order
         offsets = exchange(peer_offsets)
 
+        there, back = (at, sizes, offsets, peer_sizes), (peer_offsets, peer_sizes, peer_at, sizes)
+
         def send(a, fill):
-            return checkpoint_name(ragged_all_to_all(a, own_full((rows, *a.shape[1:]), fill, a.dtype, sizes), at,
-                                                     sizes, offsets, peer_sizes, axis_name=EXPERT_AXIS), EXCHANGED)
+            out = own_full((rows, *a.shape[1:]), fill, a.dtype, sizes)
+            return checkpoint_name(exchange_rows(ragged_all_to_all, a, out, there, back, sizes), EXCHANGED)
 
         y = run_experts(send(sent_x, 0), send(local, per_device), send(sent_gates, 0), *weights, n * k,
                         min(slots + width - 1, rows * width))
-        return checkpoint_name(ragged_all_to_all(y, own_full((local.shape[0], y.shape[1]), 0, y.dtype, sizes),
-                                                 peer_offsets, peer_sizes, peer_at, sizes, axis_name=EXPERT_AXIS),
-                               EXCHANGED)
+        out = own_full((local.shape[0], y.shape[1]), 0, y.dtype, sizes)
+        return checkpoint_name(exchange_rows(ragged_all_to_all, y, out, back, there, sizes), EXCHANGED)
 
     plan = (round_of, destination, input_offsets)
     extra = jnp.zeros((), jnp.int32)
@@ -198,8 +202,33 @@ def ragged_exchange(run_experts: Callable, x, experts, gates, local_weights, per
         back = rounds(one_round, extra, plan, local, sent_x, sent_gates, local_weights)
     else:  # the worst case in one round
         back = one_round(0, plan, local, sent_x, sent_gates, local_weights)
-    out = own_full((n, back.shape[1]), 0, jnp.float32, send_sizes).at[token].add(back.astype(jnp.float32), mode="drop")
+    out = sum_rows(back, sent_at, token * ep + destination)  # each token's rows back from its peers, summed
     return checkpoint_name(out.astype(x.dtype), EXCHANGED), extra
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def exchange_rows(ragged_all_to_all: Callable, a, out, there: tuple, back: tuple, routing) -> jax.Array:
+    """`ragged_all_to_all` of a's rows into `out` as `there` says (input offsets, send sizes, output offsets,
+    receive sizes); its backward sends the cotangent's rows back as `back` says (the same rows the other way,
+    the reverse exchange's plan, which the caller has) into a buffer of a's rows of its own (`own_full` of
+    `routing`). Autodiff's transpose of the primitive would exchange the offsets again and send into a buffer of
+    zeros that XLA shares between layers (a copy before each exchange)."""
+    return ragged_all_to_all(a, out, *there, axis_name=EXPERT_AXIS)
+
+
+def _exchange_rows_fwd(ragged_all_to_all, a, out, there, back, routing):
+    # a's shape kept as an empty array of a's rows: a residual must be an array
+    return ragged_all_to_all(a, out, *there, axis_name=EXPERT_AXIS), (back, routing, jnp.zeros((a.shape[0], 0)))
+
+
+def _exchange_rows_bwd(ragged_all_to_all, saved, g):
+    back, routing, rows = saved
+    da = ragged_all_to_all(g, own_full((rows.shape[0], *g.shape[1:]), 0, g.dtype, routing), *back,
+                           axis_name=EXPERT_AXIS)
+    return da, None, None, None, None
+
+
+exchange_rows.defvjp(_exchange_rows_fwd, _exchange_rows_bwd)
 
 
 def rounds(one_round: Callable, extra, plan, local, sent_x, sent_gates, weights) -> jax.Array:

@@ -29,7 +29,7 @@ from jax.experimental.compilation_cache import compilation_cache
 
 from olmax.config import RunConfig
 from olmax.errors import DoesNotFit
-from olmax.model import attention, fp8, transformer
+from olmax.model import attention, fp8, kernel_work, transformer
 from olmax.model.moe import block_loop, sublayer
 from olmax.parallel import expert as expert_parallel
 from olmax.parallel import moe_sizing
@@ -132,13 +132,14 @@ def expert_blocks(cfg: RunConfig, layout: Layout, micro_rows: int) -> op_cost.Ex
     grouped kernels, which run the rows routed: the rows each of a device's experts gets a micro-step under the
     routing's expectation (a device's tokens x top_k, spread evenly over the experts it holds; dropless, one
     part's of impl.moe.exchange_chunks), the block the model picks for them and the rows a ragged exchange sends
-    (`expert_rows`)."""
+    (`expert_rows`); for the kernels, the routing's distribution of those rows over the experts and devices."""
     if cfg.model.mlp != "moe":
         return None
     rows = expert_rows(cfg, layout, micro_rows)
     block = rows.block(cfg.impl.moe.block, fp8.MX_BLOCK if cfg.impl.fp8 == "mxfp8" else 16)
     return op_cost.ExpertBlocks(rows.rows_per_expert, block, cfg.model.moe.routing, block_loop.BLOCK_LOOP,
-                                rows.exchanged, rows.routed, rows.slots, expert_parallel.OVERFLOW_SCOPE)
+                                rows.exchanged, rows.routed, rows.slots, expert_parallel.OVERFLOW_SCOPE,
+                                kernel_work.RoutedRows(rows.num_experts, rows.top_k, rows.ep, rows.tokens))
 
 
 def expert_exchange(cfg: RunConfig, layout: Layout, micro_rows: int) -> dict | None:

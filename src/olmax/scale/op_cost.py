@@ -40,6 +40,15 @@ class Cost:
     bytes: float = 0.0
     roofline: float | None = None  # the roofline's seconds, where `seconds` are libtpu's estimate instead
     unknown_kernel: str | None = None  # a custom call the model does not know, costed by its bytes
+    # a kernel's seconds under each assumption its range spans (KERNEL_ENDS), where they differ; `seconds` is one
+    # of them (ProgramCost's `kernels`)
+    kernel_ends: dict | None = None
+
+
+# What a kernel's time assumes, each end of its range: its tiles' re-reads served by L2 (each operand moved across
+# HBM once) or each tile load from HBM; its matmuls at cuBLAS's rate for its tiles or at its design's fraction of
+# that (olmax.model.kernel_work.OF_CUBLAS).
+KERNEL_ENDS = {"fast": ("L2", "cuBLAS"), "hbm": ("HBM", "cuBLAS"), "own_rate": ("L2", "own"), "slow": ("HBM", "own")}
 
 
 # --- compute ops --------------------------------------------------------------------------------------------------
@@ -176,6 +185,9 @@ class ExpertBlocks:
     received_assignments: float | None = None
     buffer_slots: int | None = None
     overflow_scope: str = ""
+    # the routing's distribution of a device's rows over its experts, for the grouped kernels that run the rows
+    # routed (their padding, the busiest device); None: they cost their whole buffer
+    routed: kernel_work.RoutedRows | None = None
 
     @property
     def trips(self) -> int:
@@ -246,8 +258,10 @@ class ProgramCost:
     """Costs of a module's ops, memoised per instruction (a loop body's ops are costed once)."""
 
     def __init__(self, module: hlo.Module, hw: Hardware, coords: list[dict] | None,
-                 attention: AttentionInfo | None = None, experts: ExpertBlocks | None = None):
+                 attention: AttentionInfo | None = None, experts: ExpertBlocks | None = None, kernels: str = "fast"):
+        """`kernels`: which end of the kernels' ranges (KERNEL_ENDS) their seconds take."""
         self.module, self.hw, self.coords, self.attention, self.experts = module, hw, coords or [], attention, experts
+        self.kernels = kernels
         self.n_devices = max(len(self.coords), 1)
         self._fusions: dict[str, tuple] = {}
 
@@ -408,12 +422,18 @@ class ProgramCost:
             return Cost(moved / (hw.memory_bandwidth * hw.memory_efficiency) + hw.op_overhead, "memory", 0.0, moved,
                         unknown_kernel=name)
         grid = tuple(int(v) for v in re.findall(r"grid_[xyz] = (\d+)", instruction.attributes)) or None
-        per_group = self.experts.rows_per_expert if self.experts is not None else None
+        routed = self.experts.routed if self.experts is not None else None
         work = entry(kernel_work.KernelCall(name, operands, instruction.outputs, grid, frontend_attributes(instruction),
-                                            per_group))
-        seconds = _matmul_seconds(work.flops, work.dtype, *work.tile, hw) if work.flops else 0.0
-        return Cost(max(seconds, work.bytes / (hw.memory_bandwidth * hw.memory_efficiency)) + hw.op_overhead,
-                    "matmul" if work.flops else "memory", work.flops, work.bytes)
+                                            routed))
+        rate = _matmul_seconds(work.flops, work.dtype, *work.tile, hw) if work.flops else 0.0
+        bandwidth = hw.memory_bandwidth * hw.memory_efficiency
+        loaded = work.bytes if work.loaded is None else work.loaded
+        ends = {end: max(rate / (work.of_cublas if matmuls == "own" else 1.0),
+                         (loaded if memory == "HBM" else work.bytes) / bandwidth) + hw.op_overhead
+                for end, (memory, matmuls) in KERNEL_ENDS.items()}
+        ranged = ends["slow"] > ends["fast"]
+        return Cost(ends[self.kernels if ranged else "fast"], "matmul" if work.flops else "memory", work.flops,
+                    work.bytes, kernel_ends=ends if ranged else None)
 
     # -- collectives
     def collective(self, computation: hlo.Computation, instruction: hlo.Instruction, kind: str) -> Cost:

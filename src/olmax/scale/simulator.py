@@ -73,8 +73,8 @@ def op_group(module: hlo.Module, instruction: hlo.Instruction, region: str) -> s
 class Tally:
     """What a step's simulation counted: seconds by (category, region), the compute waiting for collectives among
     them (category `collective`); every collective's seconds and bytes, hidden or not; FLOPs and ops; the loops
-    whose trip counts were derived or could not be; the kernels it did not know; the ops at libtpu's estimate; and
-    the timeline's events."""
+    whose trip counts were derived or could not be; the kernels it did not know; the ops at libtpu's estimate; the
+    kernels whose time is a range, at each end; and the timeline's events."""
 
     seconds: dict = field(default_factory=lambda: collections.defaultdict(float))
     collective_seconds: float = 0.0
@@ -87,6 +87,8 @@ class Tally:
     estimated_ops: set = field(default_factory=set)  # ops costed at libtpu's estimated cycles
     estimated_seconds: float = 0.0  # their seconds a step at those cycles
     roofline_seconds: float = 0.0  # and at the roofline
+    ranged_kernels: set = field(default_factory=set)  # kernels whose time is a range (op_cost.KERNEL_ENDS)
+    kernel_ends: dict = field(default_factory=lambda: collections.defaultdict(float))  # their seconds a step, by end
     total: float = 0.0  # the step's seconds
     timeline_cut: float = math.inf  # where the timeline stops, when a step has more events than it keeps
     events: list = field(default_factory=list)  # (start, end, lane, category, label) of the timeline
@@ -204,6 +206,10 @@ class Simulator:
             return
         if cost.unknown_kernel:
             tally.unknown_kernels[cost.unknown_kernel] += weight
+        if cost.kernel_ends is not None:
+            tally.ranged_kernels.add(instruction.name)
+            for end, seconds in cost.kernel_ends.items():
+                tally.kernel_ends[end] += weight * seconds
         if cost.roofline is not None:
             tally.estimated_ops.add(instruction.name)
             tally.estimated_seconds += weight * cost.seconds

@@ -4,9 +4,11 @@ between their start and their done.
 
 Every op of the optimized, scheduled HLO (olmax.scale.hlo) is costed on one device (olmax.scale.op_cost) of the
 target (olmax.scale.hardware), and the step is simulated in the order the compiler scheduled it
-(olmax.scale.simulator). The result says where the time goes: matmuls, attention, memory-bound work and exposed
-collectives, by layer kind (from the op names the model's named scopes write), the costliest op groups, plus a
-timeline of one step for the layout page; `matmul_rate`, `range_line` and `notes` say in words what it assumed.
+(olmax.scale.simulator); where the grouped-matmul kernels' time rests on assumptions no measurement has checked
+(their tiles' re-reads served by L2, cuBLAS's rate), again at the other end of them (`kernel_range`). The result
+says where the time goes: matmuls, attention, memory-bound work and exposed collectives, by layer kind (from the op
+names the model's named scopes write), the costliest op groups, plus a timeline of one step for the layout page;
+`matmul_rate`, `range_line` and `notes` say in words what it assumed.
 """
 
 from __future__ import annotations
@@ -104,6 +106,14 @@ def predict(text: str, hw: Hardware, coords: list[dict] | None = None, attention
                                      "roofline_step_seconds": roofline}
         if step and max(step, roofline) > (1 + SPREAD) * min(step, roofline):
             report["step_range"] = [min(step, roofline), max(step, roofline)]
+    if tally.ranged_kernels:
+        # the same step with the kernels at the slow end of their assumptions: tile loads from HBM, their designs'
+        # rates
+        slow = Simulator(ProgramCost(module, hw, coords, attention, experts, kernels="slow"), keep_events=0).run().total
+        report["kernel_range"] = {"kernels": len(tally.ranged_kernels), "seconds": dict(tally.kernel_ends),
+                                  "slow_step_seconds": slow}
+        if step and slow > (1 + SPREAD) * step:
+            report["step_range"] = [step, slow]
     if model_flops_per_device:
         report["model_flops_per_device"] = model_flops_per_device
         report["mfu"] = model_flops_per_device / (step * peak) if step else None
@@ -130,15 +140,24 @@ def range_line(prediction: dict) -> str | None:
         return None
     from olmax.figures import figure, percent
 
-    estimate, step = prediction["libtpu_estimate"], prediction["step_seconds"]
-    (low, high), roofline = prediction["step_range"], estimate["roofline_step_seconds"]
+    step, (low, high) = prediction["step_seconds"], prediction["step_range"]
     scale, unit = next(((scale, unit) for scale, unit in ((1.0, "s"), (1e-3, "ms")) if low >= scale), (1e-6, "us"))
     mfu = [f"{percent(prediction[key] * step / high)}-{percent(prediction[key] * step / low)}{count}"
            for key, count in (("mfu", " (exact count)"), ("mfu_all_global", " (every layer global)")) if prediction.get(key)]
+    if estimate := prediction.get("libtpu_estimate"):
+        other = estimate["roofline_step_seconds"]
+        ends = (f"{figure(step / scale)} {unit} with its {estimate['ops']:,} ops at libtpu's estimated cycles, "
+                f"{figure(other / scale)} {unit} with them at the roofline")
+        follows = "libtpu's estimate"
+    else:
+        kernels, other = prediction["kernel_range"], prediction["kernel_range"]["slow_step_seconds"]
+        ends = (f"{figure(step / scale)} {unit} with its {kernels['kernels']:,} grouped-matmul kernels' re-reads from "
+                f"L2 at cuBLAS's rate, {figure(other / scale)} {unit} with every tile load from HBM at their designs' "
+                "rates")
+        follows = "L2 and cuBLAS's rate"
     return (f"predicted step {figure(low / scale)}-{figure(high / scale)} {unit}"
-            f"{', MFU ' + ', '.join(mfu) if mfu else ''}: {figure(step / scale)} {unit} with its {estimate['ops']:,} "
-            f"ops at libtpu's estimated cycles, {figure(roofline / scale)} {unit} with them at the roofline, "
-            f"{max(step, roofline) / min(step, roofline) - 1:.0%} apart; the point figure follows libtpu's estimate")
+            f"{', MFU ' + ', '.join(mfu) if mfu else ''}: {ends}, {max(step, other) / min(step, other) - 1:.0%} apart; "
+            f"the point figure follows {follows}")
 
 
 def notes(prediction: dict) -> list[str]:
@@ -149,5 +168,11 @@ def notes(prediction: dict) -> list[str]:
     if estimate := prediction.get("libtpu_estimate"):
         lines.append(f"{estimate['ops']:,} ops at libtpu's estimated cycles: {estimate['seconds']:.4g} s a step, "
                      f"where the roofline gives them {estimate['roofline_seconds']:.4g} s")
+    if kernels := prediction.get("kernel_range"):
+        ends = kernels["seconds"]
+        lines.append(f"{kernels['kernels']:,} grouped-matmul kernels: {ends['fast']:.4g} s a step with their tiles' "
+                     f"re-reads from L2 at cuBLAS's rate; {ends['hbm']:.4g} s with every tile load from HBM, "
+                     f"{ends['own_rate']:.4g} s at their designs' fraction of cuBLAS's rate (JAX's Blackwell matmul "
+                     f"guide), {ends['slow']:.4g} s with both (the step {kernels['slow_step_seconds']:.4g} s)")
     return lines + [f"warning: {w}" for w in prediction.get("warnings", [])]
 

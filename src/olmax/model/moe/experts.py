@@ -1,7 +1,8 @@
 """The experts' SwiGLU over the rows routed to them (`grouped_swiglu`): each row's assignments laid out by expert,
 each expert's rows padded to a block multiple (the layout the block loop, olmax.model.moe.block_loop, and the GPU
 kernels, olmax.model.moe.kernels, run on), or sorted for `jax.lax.ragged_dot`; the outputs weighed by their gates
-and summed per row (`combine`)."""
+and summed per row. The rows are moved by olmax.parallel.permute's gathers, whose backward is the gather of the
+other direction: no scatter-add of rows runs, forward or backward."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ from jax.ad_checkpoint import checkpoint_name
 
 from olmax.model.mlp import swiglu
 from olmax.model.moe.block_loop import dot_f32, matmul, vary_like
-from olmax.parallel.expert import own_full, rank_within
+from olmax.parallel.expert import rank_within
+from olmax.parallel.permute import sum_rows, take_rows
 
 
 def _swiglu_blocks(x, groups, w1, w3, w2, block, product, assignments=None, gates=None):
@@ -25,24 +27,15 @@ def _swiglu_blocks(x, groups, w1, w3, w2, block, product, assignments=None, gate
     # under one block.
     real = min(M * min(k, G), assignments or M * min(k, G))
     n_blocks = -(-(real + G * (block - 1)) // block)
+    # the layout row of each assignment (past the layout: dropped) and the assignment of each layout row (R: none)
     slot = jnp.where(flat < G, block_starts[jnp.minimum(flat, G - 1)] * block + rank, n_blocks * block)
     source = jnp.full(n_blocks * block, R, jnp.int32).at[slot].set(jnp.arange(R, dtype=jnp.int32), mode="drop")
-    xp = jnp.take(x, source // k, axis=0, mode="fill", fill_value=0)
+    xp = take_rows(x, source // k, slot.reshape(M, k))
     w1, w3, w2 = (vary_like(w.astype(x.dtype), x) for w in (w1, w3, w2))
     y = swiglu(xp, w1, w3, w2, lambda a, w, name: checkpoint_name(product(a, w, block_starts, block), name))
-    if gates is None or k == 1:  # one id a row (a capacity's exchange): a gather, no scatter
-        y = jnp.take(y, slot, axis=0, mode="fill", fill_value=0).reshape(M, k, -1)
-        return y if gates is None else combine(y, gates)
-    return _summed(y, gates, source, M)
-
-
-def _summed(y, gates, assignment, M: int) -> jax.Array:
-    """[M, D]: each laid-out row of y, the output of flat assignment `assignment` of gates [M, k] (M x k: none),
-    weighed by its gate and added to its row: the laid-out rows' work, not M x k rows'."""
-    k = gates.shape[1]
-    weighed = y.astype(jnp.float32) * jnp.take(gates.reshape(-1), assignment, mode="fill", fill_value=0)[:, None]
-    out = own_full((M, y.shape[1]), 0, jnp.float32, assignment)
-    return out.at[assignment // k].add(weighed, mode="drop").astype(y.dtype)
+    if gates is None:  # each assignment's output (a capacity's exchange)
+        return take_rows(y, slot, source[:, None]).reshape(M, k, -1)
+    return sum_rows(y, slot.reshape(M, k), source, gates)
 
 
 @jax.custom_vjp
@@ -74,15 +67,20 @@ def _swiglu_ragged(x, groups, w1, w3, w2, assignments=None, gates=None):
     G = w1.shape[0]
     flat = groups.reshape(-1)
     # dropped ids (G) sort last, outside every group: the first `assignments` hold every real one
-    order = jnp.argsort(flat, stable=True)[:min(M * k, assignments or M * k)]
+    used = min(M * k, assignments or M * k)
+    order = jnp.argsort(flat, stable=True)[:used]
     counts = jnp.zeros(G + 1, jnp.int32).at[flat].add(1)[:G]
-    xs = jnp.take(x, order // k, axis=0)
+    # where each assignment's row is in the sorted rows (used: past them, or dropped), and each sorted row's
+    # assignment (M x k: dropped)
+    position = jnp.where(flat < G, jnp.full(M * k, used, jnp.int32).at[order].set(jnp.arange(used, dtype=jnp.int32)),
+                         used)
+    order = jnp.where(flat[order] < G, order, M * k)
+    xs = take_rows(x, order // k, position.reshape(M, k))
     y = swiglu(xs, w1, w3, w2,
                lambda a, w, name: checkpoint_name(ragged_dot(a, w.astype(x.dtype), counts), name))
-    y = jnp.where((flat[order] < G)[:, None], y, 0)
     if gates is None:
-        return jnp.zeros((M * k, y.shape[1]), y.dtype).at[order].set(y).reshape(M, k, -1)
-    return _summed(y, gates, order, M)
+        return take_rows(y, position, order[:, None]).reshape(M, k, -1)
+    return sum_rows(y, position.reshape(M, k), order, gates)
 
 
 def grouped_swiglu(x: jax.Array, groups: jax.Array, w1, w3, w2, *, dispatch: str, block: int,

@@ -27,8 +27,8 @@ from jax.experimental.pallas.ops.gpu import blackwell_ragged_dot_mgpu
 
 from olmax.model import kernel_work
 from olmax.model.fp8 import MX_BLOCK, MX_SCALES
-from olmax.model.moe.kernels.chip import (BLACKWELL_BLOCK, WARPGROUP, Chip, one_launch_a_device, padded,
-                                          tiled_weight_grad_work)
+from olmax.model.moe.kernels.chip import (BLACKWELL_BLOCK, WARPGROUP, Chip, item, matmul_loads, one_launch_a_device,
+                                          padded, tiled_weight_grad_work)
 
 # JAX's kernel: 128 x 128 per SM, two SMs of a cluster sharing one 256 x 256 tile (the kernel's `collective`
 # form, the one its benchmark tunes).
@@ -37,6 +37,11 @@ RAGGED_DOT = blackwell_ragged_dot_mgpu.TuningConfig(
     grid_minor_dim=blackwell_ragged_dot_mgpu.blackwell_matmul_mgpu.MatmulDimension.M)
 ROW_TILE = 2 * RAGGED_DOT.tile_m  # rows a cluster's tile takes: the rows are padded to a multiple
 SWIZZLE = 128  # bytes
+
+
+# olmax's Blackwell kernels (tcgen05_tiles): a warp for the TMA loads, a warp for the MMAs, the epilogue stored in
+# column slices; one SM a program, a program per output tile.
+DESIGN = "warp-specialized"
 
 
 @dataclass(frozen=True)
@@ -216,16 +221,17 @@ def weight_grad_kernel(xt, dy, step_starts):
 
 
 def ragged_dot_work(call: kernel_work.KernelCall) -> kernel_work.Work:
-    x, w = call.operands[0], call.operands[1]
-    (rows, k), (groups, _, n) = x.dims, w.dims
-    tile_m = 2 * RAGGED_DOT.tile_m  # a cluster's pair of SMs
+    x, w, _ = call.operands
+    (rows, k), (groups, _, n), out = x.dims, w.dims, call.outputs[0]
+    tile_m, tile_n = ROW_TILE, 2 * RAGGED_DOT.tile_n  # a cluster's pair of SMs
     tiles = rows // tile_m + groups - 1  # the kernel's linear grid of row tiles: every group may start one
-    return kernel_work.Work(2.0 * tiles * tile_m * k * n, kernel_work.moved(call),
-                            (RAGGED_DOT.tile_m, 2 * RAGGED_DOT.tile_n, k), x.dtype)
+    loaded = matmul_loads(tiles * tile_m, k, n, item(x), item(w), 0, tile_m, tile_n) + out.bytes
+    return kernel_work.Work(2.0 * tiles * tile_m * k * n, kernel_work.moved(call), (RAGGED_DOT.tile_m, tile_n, k),
+                            x.dtype, loaded, kernel_work.OF_CUBLAS["persistent, collective"])
 
 
 def weight_grad_work(call: kernel_work.KernelCall) -> kernel_work.Work:
-    return tiled_weight_grad_work(call, BLACKWELL_BLOCK, WEIGHT_GRAD.block_m, WEIGHT_GRAD.block_n)
+    return tiled_weight_grad_work(call, BLACKWELL_BLOCK, WEIGHT_GRAD.block_m, WEIGHT_GRAD.block_n, DESIGN)
 
 
 WORK = {f"ragged_dot_kernel_{RAGGED_DOT}": ragged_dot_work,  # by the kernels' names

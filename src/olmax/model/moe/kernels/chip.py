@@ -86,16 +86,16 @@ def in_groups(y, counts):
     return jnp.where((jnp.arange(y.shape[0]) < jnp.sum(counts))[:, None], y, 0)
 
 
-# The kernels' work for the step-time model (olmax.model.kernel_work), from their grids and tiles as they
-# launch them, each operand read from HBM once (the grid orders keep the programs that run together on the same
-# rows and weights). olmax's kernels skip the tiles after the last group: they run the rows the routing fills,
-# each group's padded to whole tiles or blocks (at the routing's expectation where the step-time model gives it;
-# the whole buffer otherwise, an upper bound). JAX's Blackwell kernel runs every row tile of its grid, filled or
-# not.
-def routed_rows(call: kernel_work.KernelCall, rows: int, groups: int, block: int = ALIGN) -> int:
-    if call.rows_per_group is None:
+# The kernels' work for the step-time model (olmax.model.kernel_work), from their grids and tiles as they launch
+# them: each operand read from HBM once (the grid orders keep the programs that run together on the same rows and
+# weights, so L2 serves their re-reads), and at the range's other end every tile load from HBM. olmax's kernels skip
+# the tiles after the last group: they run the rows the routing fills, each group's padded to whole tiles or blocks
+# (the busiest device's under the routing's distribution where the step-time model gives it; the whole buffer
+# otherwise, an upper bound). JAX's Blackwell kernel runs every row tile of its grid, filled or not.
+def routed_rows(call: kernel_work.KernelCall, rows: int, block: int = ALIGN) -> float:
+    if call.routed is None:
         return rows
-    return min(rows, groups * -(-math.ceil(call.rows_per_group) // block) * block)
+    return min(rows, call.routed.launched(block))
 
 
 def moved_routed(call: kernel_work.KernelCall, over_rows: float, share: float) -> float:
@@ -104,11 +104,35 @@ def moved_routed(call: kernel_work.KernelCall, over_rows: float, share: float) -
     return kernel_work.moved(call) - over_rows * (1 - share)
 
 
-def tiled_weight_grad_work(call: kernel_work.KernelCall, block: int, tile_m: int, tile_n: int) -> kernel_work.Work:
+def item(a) -> float:
+    """Bytes an element of `a` takes in HBM."""
+    return a.bytes / math.prod(a.dims)
+
+
+def matmul_loads(rows: float, k: int, n: int, x_item: float, w_item: float, out_item: float, tile_m: int,
+                 tile_n: int) -> float:
+    """Bytes a grouped matmul's tiles load and store over `rows` rows: a program of a tile_m x tile_n output tile
+    reads its rows of x whole along k and its group's w[:, its columns], so x is read once a column tile and each
+    w[g] once a row tile of its group; the output is stored once."""
+    return rows * k * x_item * -(-n // tile_n) + rows / tile_m * k * n * w_item + rows * n * out_item
+
+
+def weight_grad_loads(rows: float, k: int, n: int, xt_item: float, dy_item: float, out_bytes: float, tile_m: int,
+                      tile_n: int) -> float:
+    """Bytes a weight gradient's tiles load and store: a program of a tile_m x tile_n tile of a group's [k, n]
+    reads its tile_m rows of x^T and tile_n columns of dy over the group's rows, so x^T is read once a column
+    tile and dy once a row tile of k; the output is stored once."""
+    return rows * k * xt_item * -(-n // tile_n) + rows * n * dy_item * -(-k // tile_m) + out_bytes
+
+
+def tiled_weight_grad_work(call: kernel_work.KernelCall, block: int, tile_m: int, tile_n: int, design: str
+                           ) -> kernel_work.Work:
     """A weight gradient's work (olmax's kernels, Hopper's and Blackwell's): its programs, one per tile_m x tile_n
     output tile and group, step over their group's rows, each group padded to whole blocks."""
     xt, dy = call.operands[1], call.operands[2]
     (k, rows), n, groups = xt.dims, dy.dims[1], call.outputs[0].dims[0]
-    used = routed_rows(call, rows, groups, block)
-    tile = (tile_m, tile_n, max(used // groups, block))  # a group's rows, on average
-    return kernel_work.Work(2.0 * k * used * n, moved_routed(call, xt.bytes + dy.bytes, used / rows), tile, xt.dtype)
+    used = routed_rows(call, rows, block)
+    tile = (tile_m, tile_n, max(int(used // groups), block))  # a group's rows, on average
+    loaded = weight_grad_loads(used, k, n, item(xt), item(dy), call.outputs[0].bytes, tile_m, tile_n)
+    return kernel_work.Work(2.0 * k * used * n, moved_routed(call, xt.bytes + dy.bytes, used / rows), tile, xt.dtype,
+                            loaded, kernel_work.OF_CUBLAS[design])

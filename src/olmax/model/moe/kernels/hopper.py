@@ -18,8 +18,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from olmax.model import kernel_work
-from olmax.model.moe.kernels.chip import (ALIGN, WARPGROUP, moved_routed, one_launch_a_device, padded, routed_rows,
-                                          tile_groups, tiled_weight_grad_work)
+from olmax.model.moe.kernels.chip import (ALIGN, WARPGROUP, item, matmul_loads, moved_routed, one_launch_a_device,
+                                          padded, routed_rows, tile_groups, tiled_weight_grad_work)
 
 
 @dataclass(frozen=True)
@@ -114,18 +114,22 @@ def weight_grad_kernel(xt, dy, block_starts):
     )(block_starts, xt, dy)
 
 
+# One warpgroup a program, its loads pipelined (no warp of its own for them), a program per output tile.
+DESIGN = "pipelined"
+
+
 def matmul_work(call: kernel_work.KernelCall) -> kernel_work.Work:
-    x, w = call.operands[1], call.operands[2]
-    rows, k = x.dims
-    n = w.dims[2]
-    used = routed_rows(call, rows, w.dims[0])
-    over_rows = x.bytes + sum(a.bytes for a in call.outputs)
-    return kernel_work.Work(2.0 * used * k * n, moved_routed(call, over_rows, used / rows),
-                            (ALIGN, TUNING.block_n, k), x.dtype)
+    _, x, w = call.operands
+    (rows, k), n, out = x.dims, w.dims[2], call.outputs[0]
+    used = routed_rows(call, rows)
+    over_rows = x.bytes + out.bytes
+    loaded = matmul_loads(used, k, n, item(x), item(w), item(out), ALIGN, TUNING.block_n)
+    return kernel_work.Work(2.0 * used * k * n, moved_routed(call, over_rows, used / rows), (ALIGN, TUNING.block_n, k),
+                            x.dtype, loaded, kernel_work.OF_CUBLAS[DESIGN])
 
 
 def weight_grad_work(call: kernel_work.KernelCall) -> kernel_work.Work:
-    return tiled_weight_grad_work(call, ALIGN, TUNING.block_m, TUNING.block_n)
+    return tiled_weight_grad_work(call, ALIGN, TUNING.block_m, TUNING.block_n, DESIGN)
 
 
 WORK = {"grouped_matmul": matmul_work, "grouped_weight_grad": weight_grad_work}  # by the kernels' names

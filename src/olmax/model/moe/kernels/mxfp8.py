@@ -18,10 +18,10 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from olmax.model import fp8, kernel_work
-from olmax.model.fp8 import MX_SCALES, MX_VALUES
-from olmax.model.moe.kernels.blackwell import ROW_TILE, tcgen05_tiles
-from olmax.model.moe.kernels.chip import (BLACKWELL_BLOCK, in_groups, moved_routed, one_launch_a_device, padded,
-                                          routed_rows, tile_groups)
+from olmax.model.fp8 import MX_BLOCK, MX_SCALES, MX_VALUES
+from olmax.model.moe.kernels.blackwell import DESIGN, ROW_TILE, tcgen05_tiles
+from olmax.model.moe.kernels.chip import (BLACKWELL_BLOCK, in_groups, item, matmul_loads, moved_routed,
+                                          one_launch_a_device, padded, routed_rows, tile_groups, weight_grad_loads)
 
 
 @dataclass(frozen=True)
@@ -161,20 +161,25 @@ matmul.defvjp(_matmul_fwd, _matmul_bwd)
 # values), the groups padded to Blackwell's 256-row blocks.
 def matmul_work(call: kernel_work.KernelCall) -> kernel_work.Work:
     _, x, w, x_scales, _ = call.operands
-    (rows, k), (groups, n, _) = x.dims, w.dims
-    used = routed_rows(call, rows, groups, BLACKWELL_BLOCK)
-    over_rows = x.bytes + x_scales.bytes + sum(a.bytes for a in call.outputs)
+    (rows, k), n, out = x.dims, w.dims[1], call.outputs[0]
+    used = routed_rows(call, rows, BLACKWELL_BLOCK)
+    over_rows = x.bytes + x_scales.bytes + out.bytes
+    scaled = 1 + 1 / MX_BLOCK  # an e4m3 value and its share of an e8m0 scale
+    loaded = matmul_loads(used, k, n, scaled, scaled, item(out), TUNING.block_m, TUNING.block_n)
     return kernel_work.Work(2.0 * used * k * n, moved_routed(call, over_rows, used / rows),
-                            (TUNING.block_m, TUNING.block_n, k), x.dtype)
+                            (TUNING.block_m, TUNING.block_n, k), x.dtype, loaded, kernel_work.OF_CUBLAS[DESIGN])
 
 
 def weight_grad_work(call: kernel_work.KernelCall) -> kernel_work.Work:
     xt, dyt = call.operands[1], call.operands[2]
     (k, rows), n, groups = xt.dims, dyt.dims[0], call.outputs[0].dims[0]
-    used = routed_rows(call, rows, groups, BLACKWELL_BLOCK)
-    tile = (TUNING.block_m, TUNING.block_n, max(used // groups, BLACKWELL_BLOCK))
+    used = routed_rows(call, rows, BLACKWELL_BLOCK)
+    tile = (TUNING.block_m, TUNING.block_n, max(int(used // groups), BLACKWELL_BLOCK))
     over_rows = sum(a.bytes for a in call.operands[1:])  # the values and scales of x^T and dy^T
-    return kernel_work.Work(2.0 * k * used * n, moved_routed(call, over_rows, used / rows), tile, xt.dtype)
+    scaled = 1 + 1 / MX_BLOCK
+    loaded = weight_grad_loads(used, k, n, scaled, scaled, call.outputs[0].bytes, TUNING.block_m, TUNING.block_n)
+    return kernel_work.Work(2.0 * k * used * n, moved_routed(call, over_rows, used / rows), tile, xt.dtype, loaded,
+                            kernel_work.OF_CUBLAS[DESIGN])
 
 
 # by the kernels' names
