@@ -397,6 +397,8 @@ def test_1f1b_loss_and_gradients_equal_autodiff_of_the_sequential_layers(stages,
 
 @pytest.mark.parametrize("preset, overrides", [
     ("tiny", "mesh.stage=2 mesh.fsdp=4 impl.pipeline.schedule=1f1b impl.pipeline.microbatches=4"),
+    # each pipeline micro-batch's rows as two parts staggered (two-batch overlap), pipelined and not
+    ("tiny", "mesh.stage=2 mesh.fsdp=4 impl.pipeline.schedule=1f1b impl.pipeline.microbatches=2 impl.batch_split=2"),
     ("tiny", "mesh.stage=2 mesh.data=2 mesh.tensor=2 impl.pipeline.schedule=interleaved_1f1b "
              "impl.pipeline.microbatches=4"),
     pytest.param("tiny_moe", "mesh.stage=2 mesh.expert=2 mesh.fsdp=2 impl.pipeline.schedule=interleaved_1f1b "
@@ -426,10 +428,12 @@ def test_1f1b_model_loss_and_gradients_equal_the_unpipelined_model(preset, overr
                                                    sched, lambda aux: hooks.loss(aux, tokens_each, n_labels)[0])
         return loss, (sums, aux)
 
+    whole = cfg.impl.model_copy(update={"batch_split": 1})
+
     def unpipelined(params):  # each pipeline micro-batch (rows m, m + M, ...) on its own, as the MoE test above
         loss, sums, aux = 0.0, (0.0, 0.0), []
         for m in range(M):
-            hidden, own = transformer.forward(cfg.model, cfg.impl, params, tokens[m::M])
+            hidden, own = transformer.forward(cfg.model, whole, params, tokens[m::M])
             own_loss, own_sums = head_loss(params, hidden, (tokens[m::M], rows[m::M]))
             loss += own_loss + hooks.loss(own, tokens[m::M].size, n_labels)[0]
             sums, aux = jax.tree.map(jnp.add, sums, own_sums), [*aux, own]
