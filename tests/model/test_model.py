@@ -215,11 +215,10 @@ def test_the_heads_backward_runs_in_the_compute_dtype_where_asked():
     assert all(jnp.array_equal(a, b) for a, b in zip(want, plain(params["lm_head"], hidden)))
 
 
-@pytest.mark.parametrize("preset, overrides", [
-    ("tiny", "mesh.fsdp=8"),
-    ("tiny_moe", "mesh.expert=4 mesh.fsdp=2"),
-    pytest.param("tiny_moe", "mesh.stage=2 mesh.expert=4 mesh.fsdp=1 model.n_layers=8 "
-                 "model.layer_pattern=[sliding,global] impl.pipeline.schedule=circular", marks=pytest.mark.slow),
+@pytest.mark.parametrize("preset, overrides", [  # a dense model's, pipelined: test_pipeline's 1F1B test
+    ("tiny_moe", "mesh.expert=4 mesh.fsdp=2 model.n_layers=2 model.layer_pattern=[sliding,global]"),
+    pytest.param("tiny_moe", "mesh.stage=2 mesh.expert=4 mesh.fsdp=1 model.n_layers=4 "
+                 "model.layer_pattern=[sliding,global] impl.pipeline.schedule=gpipe", marks=pytest.mark.slow),
 ])
 def test_batch_split_runs_the_same_function_part_by_part(preset, overrides):
     """impl.batch_split=2 (dense; a mixture of experts, expert parallel; pipelined too): the rows run as two parts
