@@ -221,7 +221,7 @@ def test_the_heads_backward_runs_in_the_compute_dtype_where_asked():
                  "model.layer_pattern=[sliding,global] impl.pipeline.schedule=gpipe", marks=pytest.mark.slow),
 ])
 def test_batch_split_runs_the_same_function_part_by_part(preset, overrides):
-    """impl.batch_split=2 (dense; a mixture of experts, expert parallel; pipelined too): the rows run as two parts
+    """impl.batch_split=2 (a mixture of experts, expert parallel; pipelined too): the rows run as two parts
     staggered sublayer by sublayer, and the model is the same function: the same hidden states, loss and gradients,
     the same tokens per expert and router z-loss in every layer; the load-balancing loss is each part's (rows j,
     j + 2, ... of the batch, or of a pipeline micro-batch), as a micro-batch's."""
