@@ -142,6 +142,9 @@ def test_every_float_must_be_finite(tmp_path, capsys, value):
     # refused after 38 s of start-up, the run directory made
     ("tiny_moe", ["impl.moe.dispatch=grouped"],
      "impl.moe.dispatch=grouped: its kernels are for NVIDIA GPUs, and this layout's devices are CPUs"),
+    ("tiny", ["impl.batch_split=0"], "impl.batch_split: Input should be greater than or equal to 1"),
+    ("tiny", ["impl.batch_split=3"], "instances per device do not split into impl.batch_split 3 parts; make "
+     "train.micro_batch_per_device a multiple of it or lower impl.batch_split"),
     ("tiny", ["train.steps=3000000000"], "train.steps: Input should be less than or equal to 2147483647"),
     ("tiny", ["output_dir={run}/{{foo}}"], "output_dir: the one placeholder is {{name}}, the run's name, as it is"),
     # str.format reached the name's attributes, or padded it (an AttributeError traceback, a docstring in the path)

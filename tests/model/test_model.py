@@ -213,3 +213,50 @@ def test_the_heads_backward_runs_in_the_compute_dtype_where_asked():
         assert float(jnp.abs(g.astype(jnp.float32) - w).max()) < 0.02 * float(jnp.abs(w).max())
     plain = jax.grad(lambda h, x: jnp.sum(jnp.dot(x, h, preferred_element_type=jnp.float32) * targets), (0, 1))
     assert all(jnp.array_equal(a, b) for a, b in zip(want, plain(params["lm_head"], hidden)))
+
+
+@pytest.mark.parametrize("preset, overrides", [  # a dense model's, pipelined: test_pipeline's 1F1B test
+    ("tiny_moe", "mesh.expert=4 mesh.fsdp=2 model.n_layers=2 model.layer_pattern=[sliding,global]"),
+    pytest.param("tiny_moe", "mesh.stage=2 mesh.expert=4 mesh.fsdp=1 model.n_layers=4 "
+                 "model.layer_pattern=[sliding,global] impl.pipeline.schedule=gpipe", marks=pytest.mark.slow),
+])
+def test_batch_split_runs_the_same_function_part_by_part(preset, overrides):
+    """impl.batch_split=2 (a mixture of experts, expert parallel; pipelined too): the rows run as two parts
+    staggered sublayer by sublayer, and the model is the same function: the same hidden states, loss and gradients,
+    the same tokens per expert and router z-loss in every layer; the load-balancing loss is each part's (rows j,
+    j + 2, ... of the batch, or of a pipeline micro-batch), as a micro-batch's."""
+    from olmax.model.loss import label_mask, loss_sums
+    from olmax.parallel import schedules
+    from olmax.parallel.mesh import make_layout
+
+    split, whole = (load_config(preset, [*overrides.split(), f"impl.batch_split={parts}"]) for parts in (2, 1))
+    sched, layout = schedules.schedule_for(whole), make_layout(whole.mesh)
+    params = families.init_params(whole.model, jax.random.key(0))
+    params = jax.device_put(params, layout.shardings(families.param_axes(whole.model), params))
+    tokens = jax.random.randint(jax.random.key(1), (16, whole.data.sequence_length), 2, whole.model.vocab_size)
+
+    def grad(cfg):
+        def loss(params, tokens):
+            hidden, aux = transformer.forward(cfg.model, cfg.impl, params, tokens, layout, None, sched)
+            mask = label_mask(tokens, cfg.data.pad_id, False)
+            ce, _ = loss_sums(params, hidden, tokens, mask, jnp.ones(tokens.shape[:1], bool), cfg.impl.loss_chunk)
+            return ce / mask.sum(), (hidden, aux)
+
+        return jax.jit(jax.value_and_grad(loss, has_aux=True))
+
+    (ce, (hidden, aux)), grads = grad(split)(params, tokens)
+    (ref_ce, (ref_hidden, ref_aux)), ref_grads = grad(whole)(params, tokens)
+    np.testing.assert_allclose(ce, ref_ce, rtol=1e-6)
+    np.testing.assert_allclose(hidden, ref_hidden, atol=1e-5)
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(ref_grads)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7, err_msg=jax.tree_util.keystr(path))
+    np.testing.assert_array_equal(aux["tokens_per_expert"], ref_aux["tokens_per_expert"])
+    np.testing.assert_allclose(aux["router_z_loss"], ref_aux["router_z_loss"], rtol=1e-5)
+    # each part of each (pipeline) micro-batch on its own, unsplit and unpipelined
+    M = sched.microbatches if sched else 1
+    balance = jax.jit(lambda params, tokens: transformer.forward(
+        whole.model, whole.impl, params, tokens, None, None, None)[1]["load_balancing_loss"])
+    own = [balance(params, tokens[part::2 * M]) for part in range(2 * M)]
+    parts = jnp.stack([jnp.mean(jnp.stack(own[m::M]), axis=0) for m in range(M)])
+    np.testing.assert_allclose(aux["load_balancing_loss"], parts if sched else parts[0], rtol=1e-5)
+    assert not np.allclose(aux["load_balancing_loss"], ref_aux["load_balancing_loss"], rtol=1e-3)

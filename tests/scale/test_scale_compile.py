@@ -23,6 +23,7 @@ from testlib import ROOT
 from olmax.cli import main
 from olmax.config import load_config
 from olmax.model import families
+from olmax.parallel.schedules import schedule_for
 from olmax.scale.cli import format_compile
 from olmax.scale.compile import compile_train_step
 from olmax.figures import size
@@ -328,18 +329,53 @@ def test_moe_dispatch_auto_is_ragged_dot_on_tpu_only():
     assert dispatch_for("blocks", "tpu") == "blocks" and dispatch_for("ragged_dot", "cpu") == "ragged_dot"
 
 
+# 2 stages x 4-way expert parallelism on 8 devices, 4 layer_pattern periods (2 chunks a stage for the circular
+# schedules), 2 pipeline micro-batches of 2 instances.
+PIPELINED_MOE = ["mesh.stage=2", "mesh.expert=4", "mesh.fsdp=1", "model.n_layers=8", "model.layer_pattern=[sliding,global]",
+                 "impl.pipeline.microbatches=2", "--json"]
+
+
 @pytest.mark.slow  # the fast tier keeps a lighter test of the same module
-@needs_tpu
-def test_a_pipelined_moe_runs_its_experts_on_the_tpu_ragged_dot_kernel(capsys):
-    """The pipeline maps the layers over its stages, a batch dimension the TPU's ragged-dot kernel does not take
-    ("Failed to create RaggedConvSpec"): each stage's ragged_dot runs unbatched (experts.ragged_dot), so `auto`
-    takes the kernel under stages too, forward and backward, and no expert block loop is left (before: the
-    block loop, and ragged_dot asked for was refused)."""
-    assert main(["compile", "tiny_moe", "--target", "tpu:v5p:2x2x2", "mesh.stage=2", "model.n_layers=8", "--json"]) == 0
-    report = json.loads(capsys.readouterr().out)
-    assert report["moe_dispatch"] == "ragged_dot"
-    assert report["program"]["custom_calls"]["ragged-dot-none"] >= 9  # a layer's 3 matmuls and their 6 gradients
-    assert not report["step_time"]["loops"]  # no loop over an expert's blocks
+@pytest.mark.parametrize("target, schedule", [
+    pytest.param("tpu:v5p:2x2x2", "gpipe", marks=needs_tpu),
+    pytest.param("tpu:v5p:2x2x2", "interleaved_1f1b", marks=needs_tpu),
+    pytest.param("gpu:b300x8", "circular", marks=needs_gpu),
+    pytest.param("gpu:b300x8", "1f1b", marks=needs_gpu),
+])
+def test_pipelined_expert_parallel_moe_runs_the_platforms_kernels(target, schedule, capsys):
+    """Under pipeline stages, expert parallel: the experts run on the platform's grouped-matmul kernels (the TPU's
+    `ragged-dot`, Blackwell's Mosaic GPU kernels), forward and both gradients, each stage's launch unbatched under
+    the pipeline's map over its stages, and the tokens travel by the ragged all-to-all; no expert block loop is left
+    (a loop over an expert's blocks would be in the step's derived loops). Each schedule once, each of the two runners
+    on both platforms: GPipe and circular share pipeline.run (circular through its chunk-picking remat, GPipe not),
+    1F1B and interleaved 1F1B pipeline.run_1f1b; a schedule whose runner maps a kernel it cannot batch fails its
+    compile. (Before: the block loop under stages, and ragged_dot asked for there refused.) A B300's kernels are
+    compiled in a process of their own (Mosaic GPU keeps the first GPU generation a process compiles for)."""
+    args = ["compile", "tiny_moe", "--target", target, f"impl.pipeline.schedule={schedule}", *PIPELINED_MOE]
+    if target.startswith("tpu"):
+        assert main(args) == 0
+        report = json.loads(capsys.readouterr().out)
+    else:
+        done = subprocess.run([sys.executable, "-c", "import sys; from olmax.cli import main; sys.exit(main())",
+                               *args], capture_output=True, text=True, timeout=900)
+        assert done.returncode == 0, done.stderr[-3000:]
+        report = json.loads(done.stdout)
+    sched = schedule_for(load_config("tiny_moe", [f"impl.pipeline.schedule={schedule}", *PIPELINED_MOE[:-1]]))
+    assert report["plan"]["pipeline"]["schedule"] == sched.title
+    calls, found = report["program"]["custom_calls"], report["step_time"]
+    if target.startswith("tpu"):
+        assert report["moe_dispatch"] == "ragged_dot" and "experts by ragged_dot" in format_compile(report)
+        assert calls["ragged-dot-none"] >= 9, calls  # a layer's 3 matmuls and their 6 gradients
+    else:
+        from olmax.model.moe.kernels import blackwell
+
+        assert report["moe_dispatch"] == "grouped"
+        assert calls[f"mosaic_gpu_v2 ragged_dot_kernel_{blackwell.RAGGED_DOT}"] >= 6, calls  # 3 products, 3 gradients
+        assert calls["mosaic_gpu_v2 blackwell_weight_grad"] >= 3, calls
+    assert found["loops"] == [] and found["warnings"] == [] and found["unknown_kernels"] == {}
+    # the counts first (all-to-all), then the rows, costed by what the routing sends
+    assert found["collectives"]["bytes_by_kind"].get("ragged-all-to-all", 0) > 0 and "all-to-all" in \
+        found["collectives"]["bytes_by_kind"]
 
 
 @needs_gpu

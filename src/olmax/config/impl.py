@@ -137,6 +137,12 @@ class ImplConfig(Section):
         "(e4m3 in blocks of 32 along each product's contraction, e8m0 scales; cuDNN on GPUs of compute capability "
         "10.x, emulated on CPU); the embedding, LM head, router and attention stay as they are"
     )
+    batch_split: int = Field(
+        1, ge=1, description="each micro-batch's rows (a pipeline micro-batch's) run through the layers as this many "
+        "parts, staggered sublayer by sublayer, so that one part's MLP (an MoE's expert exchange) runs while another "
+        "part's attention computes (two-batch overlap); a device's rows must divide into them. A load-balancing loss "
+        "is then each part's, as a micro-batch's"
+    )
     pipeline: PipelineConfig = Field(default_factory=PipelineConfig)
     shard_optimizer: bool = Field(
         False, description="ZeRO-1: the optimizer state of each parameter is also sharded over the mesh axes the "

@@ -113,6 +113,15 @@ def training_hooks(cfg: ModelConfig, seed: int):
 def block(cfg: ModelConfig, p: dict, x: jax.Array, *, rope: tuple, attention: Callable, mlp: Callable,
           layout: Layout | None = None, dense: Callable = dense):
     """x [B, T, D] -> (out [B, T, D], mlp aux, attention state); rope = (cos, sin) at the tokens' positions."""
+    h, state = attention_sublayer(cfg, p, x, rope=rope, attention=attention, layout=layout, dense=dense)
+    out, aux = mlp_residual(cfg, p, h, mlp=mlp, layout=layout)
+    return out, aux, state
+
+
+def attention_sublayer(cfg: ModelConfig, p: dict, x: jax.Array, *, rope: tuple, attention: Callable,
+                       layout: Layout | None = None, dense: Callable = dense):
+    """The block's first half: x [B, T, D] -> (h = x + its attention's output, normed as the family places the
+    norm, the attention state)."""
     B, T, _ = x.shape
     Dh = cfg.head_size
     family = families.of(cfg)
@@ -132,6 +141,12 @@ def block(cfg: ModelConfig, p: dict, x: jax.Array, *, rope: tuple, attention: Ca
     context = checkpoint_name(context, "context")
     attn_out = dense(context.reshape(B, T, cfg.n_heads * Dh), p["o_proj"], "out_proj")
     h = constrain(layout, x + (attn_out if pre else rms_norm(attn_out, p["attn_norm"], cfg.norm_eps)), ACTIVATION)
+    return h, state
+
+
+def mlp_residual(cfg: ModelConfig, p: dict, h: jax.Array, *, mlp: Callable, layout: Layout | None = None):
+    """The block's second half: h [B, T, D] -> (h + its MLP's output, normed as the family places the norm, aux)."""
+    pre = families.of(cfg).NORM_PLACEMENT == "pre"
     mlp_out, aux = mlp(p, rms_norm(h, p["mlp_norm"], cfg.norm_eps) if pre else h)
     out = h + (mlp_out if pre else rms_norm(mlp_out, p["mlp_norm"], cfg.norm_eps))
-    return constrain(layout, out, ACTIVATION), aux, state
+    return constrain(layout, out, ACTIVATION), aux

@@ -24,7 +24,8 @@ from olmax.model import families
 from olmax.model import rope as rope_lib
 from olmax.model.attention import cached
 from olmax.model import block as block_lib
-from olmax.model.block import ACTIVATION, block, compute_dtype, dense_for, mlp_sublayer, rms_norm
+from olmax.model.block import (ACTIVATION, attention_sublayer, block, compute_dtype, dense_for, mlp_residual,
+                               mlp_sublayer, rms_norm)
 from olmax.parallel import expert as expert_parallel
 from olmax.parallel import pipeline, schedules
 from olmax.parallel.mesh import Layout, constrain
@@ -135,12 +136,49 @@ def _stacks(cfg: ModelConfig, impl: ImplConfig, layout: Layout | None, key: jax.
     return stacks + [("blocks", n, mlp_sublayer(cfg, impl, layout, dense=dense), keys)]
 
 
-def _with_key(mlp, keys, i):
-    return mlp if keys is None else functools.partial(mlp, key=keys[i])
+def _with_key(mlp, keys, i, part: int = 0):
+    if keys is None:
+        return mlp
+    return functools.partial(mlp, key=keys[i] if part == 0 else jax.random.fold_in(keys[i], part))
+
+
+def _row_parts(x: jax.Array, parts: int, layout: Layout | None) -> list[jax.Array]:
+    """x [B, T, D] as `parts` row groups (part j: rows j, j + parts, ...: each device keeps its own rows), or whole
+    where a device's rows do not divide into them (an evaluation's batch; the train step's are checked,
+    schedules.check_rows)."""
+    shards = layout.data_parallel_size if layout is not None else 1
+    if parts == 1 or x.shape[0] % (parts * shards):
+        return [x]
+    return [constrain(layout, part, ACTIVATION) for part in pipeline.split_microbatches(x, parts)]
+
+
+def _staggered(fn, parts: list) -> list:
+    """fn on each part, part j's after part j - 1's: an optimization barrier ties part j - 1's result to part j's
+    input, so XLA neither merges the parts' ops nor runs part j's first, and what depends on part j - 1's result
+    (its next sublayer) can run while part j's computes."""
+    parts, done = list(parts), []
+    for j in range(len(parts)):
+        out = fn(parts[j], j)
+        if j + 1 < len(parts):
+            out, parts[j + 1] = jax.lax.optimization_barrier((out, parts[j + 1]))
+        done.append(out)
+    return done
+
+
+def _merged_aux(auxes: list[dict]) -> dict:
+    """One layer's aux from its row parts': a float is a mean over a part's tokens (the parts are the same size),
+    so their mean, each part's as a micro-batch's (a load-balancing loss is its part's); an int is a count, so
+    their sum."""
+    if len(auxes) == 1:
+        return auxes[0]
+    return jax.tree.map(lambda *a: sum(a) if jnp.issubdtype(a[0].dtype, jnp.integer) else sum(a) / len(a), *auxes)
 
 
 def _group_fn(cfg: ModelConfig, impl: ImplConfig, positions: np.ndarray, layout: Layout | None):
-    """stack_group(mlp) -> group(x, (group params, keys)) -> (x, aux): one layer_pattern period of blocks."""
+    """stack_group(mlp) -> group(x, (group params, keys)) -> (x, aux): one layer_pattern period of blocks. With
+    impl.batch_split the rows run as that many parts, staggered sublayer by sublayer (`_staggered`): one part's
+    MLP, an MoE's exchange over the links, runs while the next part's attention computes, and that part's MLP
+    while the first part's next attention does (two-batch overlap)."""
     ropes = {kind: rope_lib.tables(cfg.rope[kind], cfg.head_size, positions) for kind in set(cfg.layer_pattern)}
     # Splash kernels anew for each forward: JAX tells a trace's constants apart by the object, and a kernel
     # kept from an earlier trace had its mask tables hoisted once where a new one puts them in twice, so the
@@ -152,13 +190,18 @@ def _group_fn(cfg: ModelConfig, impl: ImplConfig, positions: np.ndarray, layout:
     def stack_group(mlp):
         def group(x, inputs):
             group_params, keys = inputs
-            auxes = []
+            parts, auxes = _row_parts(x, impl.batch_split, layout), []
             for i, kind in enumerate(cfg.layer_pattern):
                 p = jax.tree.map(lambda a: a[i], group_params)
                 with jax.named_scope(f"layer{i}.{kind}"):  # for the step-time model's breakdown by layer kind
-                    x, aux, _ = block(cfg, p, x, rope=ropes[kind], attention=attentions[i],
-                                      mlp=_with_key(mlp, keys, i), layout=layout, dense=dense)
-                auxes.append(aux)
+                    hs = _staggered(lambda x, j: attention_sublayer(cfg, p, x, rope=ropes[kind],
+                                                                    attention=attentions[i], layout=layout,
+                                                                    dense=dense)[0], parts)
+                    outs = _staggered(lambda h, j: mlp_residual(cfg, p, h, mlp=_with_key(mlp, keys, i, j),
+                                                                layout=layout), hs)
+                parts = [out for out, _ in outs]
+                auxes.append(_merged_aux([aux for _, aux in outs]))
+            x = parts[0] if len(parts) == 1 else pipeline.merge_microbatches(jnp.stack(parts))
             return x, jax.tree.map(lambda *a: jnp.stack(a), *auxes)
 
         return group

@@ -257,10 +257,18 @@ def _forward_ticks(stages: int, microbatches: int, repeats: int) -> Ticks:
     return Ticks(f_mb, f_rep, none, none, none, none, slots=M)
 
 
-def check_rows(sched: Schedule | None, rows_per_device: int) -> None:
+def check_rows(cfg: RunConfig, rows_per_device: int) -> None:
+    """A device's rows of a micro-step divide into the pipeline's micro-batches and each of those into
+    impl.batch_split's parts; ConfigError naming the fix when not."""
+    sched = schedule_for(cfg)
     if sched is not None and rows_per_device % sched.microbatches:
         raise ConfigError(
             f"{rows_per_device} instances per device per micro-step do not split into impl.pipeline.microbatches "
             f"{sched.microbatches}; make train.micro_batch_per_device (or the global batch per device) a multiple "
             "of it")
-
+    rows = rows_per_device // (sched.microbatches if sched is not None else 1)
+    if rows % cfg.impl.batch_split:
+        where = " per pipeline micro-batch" if sched is not None else ""
+        raise ConfigError(
+            f"{rows} instances per device{where} do not split into impl.batch_split {cfg.impl.batch_split} parts; "
+            "make train.micro_batch_per_device a multiple of it or lower impl.batch_split")

@@ -99,7 +99,7 @@ def micro_batch_rows(cfg: RunConfig, dp_size: int) -> int:
             f"train.global_batch_instances {global_batch} must be divisible by data-parallel size {dp_size} "
             f"x train.micro_batch_per_device {per_device} = {rows}; change the global batch or the micro-batch"
         )
-    schedules.check_rows(schedules.schedule_for(cfg), rows // dp_size)
+    schedules.check_rows(cfg, rows // dp_size)
     return rows
 
 

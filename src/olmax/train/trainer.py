@@ -96,6 +96,7 @@ def train(cfg: RunConfig, *, quiet: bool = False, make_eval=None, on_start=None,
     storage.configure(cfg.storage.retry_seconds)
     # The config against these devices, before the run directory is made: the mesh, and the experts' matmuls.
     layout = make_layout(cfg.mesh)
+    micro_batch_rows(cfg, layout.data_parallel_size)  # the rows split into the pipeline's and batch_split's parts
     if cfg.model.mlp == "moe":
         sublayer.dispatch_for_layout(cfg.model, cfg.impl, layout)
     remote = storage.is_remote(cfg.run_location)
