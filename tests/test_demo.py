@@ -86,7 +86,9 @@ def test_demo_end_to_end_twice_bitwise(first_demo, monkeypatch, capsys):
 @pytest.mark.slow
 def test_demo_moe_reports_the_load_of_every_expert(first_demo, monkeypatch, capsys):
     """Beside the dense demo (its data reused, its report left as it was), 10 steps: the load of every expert of the
-    whole global batch in the report and its picture."""
+    whole global batch in the report and its picture.
+    Cost: the MoE demo, 10 steps with an evaluation and its report, and the dense demo's data built first when run
+    alone."""
     where, _, _ = first_demo
     monkeypatch.chdir(where)
     dense = Path("runs/demo/report.md").read_bytes()

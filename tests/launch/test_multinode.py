@@ -110,6 +110,8 @@ def _wait(what: str, condition, launcher: subprocess.Popen, timeout: float = 600
 @pytest.mark.slow
 def test_a_two_node_job_survives_a_dead_node_and_a_frozen_one_and_matches_one_process(cluster, tmp_path, monkeypatch,
                                                                                         capsys):
+    """Cost: two nodes in network namespaces training 16 steps, a node killed and one frozen past the hang
+    timeout, and the one-process reference: the waits are the watchdog's real timeouts."""
     cluster, s3 = cluster
     for key, value in s3.items():
         monkeypatch.setenv(key, value)

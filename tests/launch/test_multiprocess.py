@@ -32,6 +32,7 @@ def _overrides(shards, run_dir):
 
 @pytest.mark.slow
 def test_two_processes_preempt_together_resume_and_match_one_process(tmp_path, shards):
+    """Cost: two jax.distributed processes trained, preempted and resumed, and the one-process reference."""
     run = tmp_path / "two_processes"
     env = child_env(2, OLMAX_LOCAL_DEVICES="2")
     sleeps = []

@@ -181,6 +181,8 @@ def _squeue(env) -> list[str]:
 
 @pytest.mark.slow
 def test_slurm_job_signalled_midway_is_requeued_resumes_then_continues_on_one_task(slurm, tmp_path, shards, capsys):
+    """Cost: a real slurmctld/slurmd, the job trained, signalled, requeued and resumed: three trainings of the
+    tiny model in Slurm's processes."""
     run = tmp_path / "run"
     # Every task one CPU device; the compilation cache of the session (conftest) is shared with the tasks.
     env = {**slurm, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": cpu_devices(1)}

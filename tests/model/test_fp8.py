@@ -142,7 +142,8 @@ def test_mx_matmul_and_its_gradients_round_each_product_along_its_contraction():
 @pytest.mark.parametrize("preset", ["tiny", "tiny_moe"])
 def test_ten_steps_in_mxfp8_track_bfloat16(tmp_path, preset):
     """The tiny presets (dense, and MoE: the experts' grouped matmuls in MXFP8 too) trained 10 steps with bfloat16
-    compute, with and without MXFP8, on the same data. Tolerance: every step within 0.05 nats of bfloat16."""
+    compute, with and without MXFP8, on the same data. Tolerance: every step within 0.05 nats of bfloat16.
+    Cost: two trainings of 10 steps (MXFP8 and bfloat16), the MXFP8 one through the block loop's quantization."""
     shards = write_synthetic_shards(tmp_path / "shards", vocab_size=512, eos_id=0, n_tokens=50_000, n_shards=1,
                                     seed=0, token_dtype="uint16")
     losses = {}

@@ -284,6 +284,7 @@ def test_compile_report_names_the_kernels(target):
 @pytest.mark.slow
 @pytest.mark.skipif(aot_missing("gpu") is not None, reason="needs the aot-gpu extra")
 def test_compile_report_names_the_mxfp8_kernels_on_a_b300():
+    """Cost: a compile of the MXFP8 grouped kernels for a B300 (Mosaic GPU), in a process of its own."""
     _compiled_in_own_process("_compile_mxfp8_train_step_report", "gpu:b300x8")
 
 

@@ -473,7 +473,8 @@ def test_moe_training_under_every_schedule_matches_the_unpipelined_model(tmp_pat
     the same code at any expert-parallel size, and 2 experts a device also runs a grouped matmul over several
     groups. The load-balancing loss is off: it is a function of how the rows are grouped into micro-batches
     (a pipeline's are rows m, m + M, ..., gradient accumulation's consecutive rows), so the two runs would
-    train different objectives (each pipeline micro-batch's own is tested above)."""
+    train different objectives (each pipeline micro-batch's own is tested above).
+    Cost: five trainings of 3 steps (the unpipelined reference and each of the four schedules), each its own compile."""
     common = [*MODEL, f"data.paths={json.dumps(shards)}", "train.steps=3", "optim.lr=3e-3", "mesh.expert=4",
               "mesh.fsdp=1", "impl.moe.dispatch=ragged_dot", "model.moe.load_balancing_loss=0"]
 

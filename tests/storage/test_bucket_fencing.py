@@ -46,6 +46,7 @@ def _in_flight(checkpoints: str) -> list[int]:
 
 @pytest.mark.slow
 def test_a_holder_stopped_mid_upload_writes_and_deletes_nothing_once_taken_over(stores, synth_mix, tmp_path):
+    """Cost: two trainings against a real S3 server, one stopped mid-upload and taken over by the other."""
     run = f"s3://{stores.bucket}/run"
     checkpoints, lease = f"{run}/checkpoints", f"{run}/run.lock"
     command = [sys.executable, "-c", TRAIN, "train", "tiny", *OVERRIDES, f"data.mix_file={synth_mix}",

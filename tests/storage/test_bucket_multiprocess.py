@@ -29,7 +29,8 @@ def test_olmax_launch_restarts_two_processes_from_the_one_checkpoint_they_wrote_
     """`olmax launch --nprocs 2` with output_dir in a bucket: its records go to runs/s3/BUCKET/PATH here; process 1 is
     killed once step 3 is committed in the bucket, the group restarts, resumes from the bucket and finishes; the
     progress the launcher judges attempts by is the bucket's committed steps. (One scenario for what were two
-    tests: two processes writing one checkpoint and resuming from it, and the launcher restarting them.)"""
+    tests: two processes writing one checkpoint and resuming from it, and the launcher restarting them.)
+    Cost: two launches of two jax.distributed processes each against a real S3 server, and the one-process reference."""
     from olmax.launch.supervisor import Backoff, Supervisor
 
     monkeypatch.chdir(tmp_path)

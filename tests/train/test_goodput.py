@@ -160,12 +160,16 @@ def test_goodput_of_a_directory_without_a_record_is_one_line_exit_2(tmp_path, ca
 
 
 def test_plan_turns_chip_hours_into_what_the_run_costs_at_a_goodput(capsys):
-    assert main(["plan", "olmo3_7b", "--target", "tpu:v5p:4x4x8", "--json"]) == 0
+    """At an MFU given (no compile: the chip-hours a compiled step's prediction gives go through the same lines of
+    olmax.scale.plan, which tests/scale/test_scale_plan.py compiles for)."""
+    plan = ["plan", "olmo3_7b", "--target", "tpu:v5p:4x4x8", "--mfu", "0.4"]
+    assert main([*plan, "--json"]) == 0
     plain = json.loads(capsys.readouterr().out)
-    assert main(["plan", "olmo3_7b", "--target", "tpu:v5p:4x4x8", "--goodput", "0.8", "--json"]) == 0
+    assert main([*plan, "--goodput", "0.8", "--json"]) == 0
     at_goodput = json.loads(capsys.readouterr().out)["exact_window"]
     assert at_goodput["chip_hours_at_goodput"] == pytest.approx(plain["exact_window"]["chip_hours"] / 0.8)
-    assert main(["plan", "olmo3_7b", "--target", "tpu:v5p:4x4x8", "--goodput", "1.5"]) == 2
+    assert plain["exact_window"]["chip_hours_at_goodput"] is None
+    assert main([*plan, "--goodput", "1.5"]) == 2
 
 
 def _edited(record: dict, edit) -> str:

@@ -93,7 +93,7 @@ def test_what_is_not_a_run_nor_a_report_is_refused_in_one_line(tmp_path, capsys)
     run = tmp_path / "run"
     write_run(run, 10)
     for args, words in ((["report", str(tmp_path / "empty")], "not a run directory"),
-                        (["report", str(tmp_path / "missing")], "not a report.json olmax wrote"),
+                        (["report", str(tmp_path / "missing")], "no such file or directory"),
                         (["report", str(run), "--watch", "0"], "--watch 0"),
                         (["report", str(run / "metrics.jsonl"), "--watch", "5"], "--watch"),
                         (["report", str(run / "goodput.json")], "not a report.json olmax wrote")):
