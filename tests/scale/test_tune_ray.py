@@ -1,11 +1,10 @@
 """`olmax tune --engine ray` on a real Ray cluster on this machine: a head and two worker nodes started with `ray
 start` (the tests' own ports, directories and token: tests/ray_cluster.py), and moto's S3 server on 127.0.0.1. The
 search's table is `--jobs 1`'s with a worker node killed in the middle of it; a candidate whose worker is killed
-twice is reported lost; a compile cache in the bucket is shared by the nodes and the driver's host; Ctrl-C keeps the
-results so far; a node without the target's extra refuses the search, one line. Every driver runs in a process of
+twice is reported lost; a compile cache in the bucket is shared by the nodes and the driver's host; Ctrl-C stops the
+search at once and keeps the compiles finished; a node without the target's extra refuses the search, one line. Every driver runs in a process of
 its own, as the tokenize tests' do (a process that drove Ray keeps some of it after ray.shutdown)."""
 
-import json
 import os
 import re
 import signal
@@ -111,25 +110,23 @@ def test_a_node_without_the_targets_extra_refuses_the_search_in_one_line(cluster
     assert done.stdout == ""
 
 
-def test_a_candidate_lost_twice_is_a_row_and_ctrl_c_keeps_the_results_and_the_compiles_in_a_bucket(cluster, s3,
-                                                                                                    monkeypatch, capsys):
+def test_a_candidate_lost_twice_is_a_row_and_ctrl_c_keeps_the_compiles_in_a_bucket(cluster, s3, monkeypatch):
     """One search, OLMAX_COMPILE_CACHE=s3://...: a candidate's worker is killed, and its rerun's on the other node
-    too: the candidate is a row of the results, lost, and the search goes on. The nodes keep their compiles in the
-    bucket. Ctrl-C once a compile has finished and another runs: the results so far are printed (exit 130), the
-    compiles under way end; the bucket holds the whole entry of each compile that finished, which a compile on
-    this host finds there.
-    Cost: a search on the Ray cluster until a row is lost and one fits, then a compile on this host from the bucket."""
+    too: the candidate is a row of the search, lost, and the search goes on. The nodes keep their compiles in the
+    bucket. Ctrl-C once a row fits and the lost row is the search's, with a compile running: the search stops at
+    once (exit 130, one line), the compiles under way end with it (Ray ends a driver's tasks), and the bucket holds
+    the whole entry of each compile that finished. Cost: a search on the Ray cluster until then."""
     nodes, env = cluster
     alive = [n for n in nodes if n.process.poll() is None]
     killed = kill_tasks(alive, times=1, name=TASK), kill_tasks(alive, times=1, name=f"{TASK}-again")
-    running = driver(alive, {**env, "OLMAX_COMPILE_CACHE": "s3://compiles/cache"}, "--budget", "12", "--json",
-                     wait=False)
+    running = driver(alive, {**env, "OLMAX_COMPILE_CACHE": "s3://compiles/cache"}, "--budget", "12", wait=False)
     # a budget the search cannot finish before the interrupt (its compiles run ahead of it on 3 slots): 12 of tiny's
     said, fitted, lost = [], False, False
     for line in running.stderr:  # a row that fits and the row lost (in either order)
         said.append(line)
         fitted |= bool(re.match(r"olmax tune: \[\d+/12\] .*: fits", line))
-        lost |= bool(re.match(r"olmax tune: \[\d+/12\] .*: lost", line))  # a row of the search (not compiled ahead)
+        lost |= bool(re.match(r"olmax tune: \[\d+/12\] .*: lost, its worker was lost 2 times \(WorkerCrashedError "
+                              r"on node", line))  # a row of the search (not a compile run ahead of it)
         if fitted and lost:
             break
     while not any(line.startswith(TASK) for node in alive for line in node.processes().values()):
@@ -138,25 +135,18 @@ def test_a_candidate_lost_twice_is_a_row_and_ctrl_c_keeps_the_results_and_the_co
     running.send_signal(signal.SIGINT)
     out, err = running.communicate(timeout=300)
     err = "".join(said) + err
-    assert running.returncode == 130, err[-3000:]
+    assert running.returncode == 130 and out == "", err[-3000:]
+    assert err.splitlines()[-1] == "olmax tune: stopping (SIGINT)", err[-3000:]
     assert [len(k) for k in killed] == [1, 1]
     assert "compiling it again on another node" in err and "reported lost" in err, err[-3000:]
-    assert "interrupted: the compiles under way cancelled" in err, err[-3000:]
-    rows = json.loads(out)["results"]
-    lost = [r for r in rows if r["status"] == "lost"]
-    assert len(lost) == 1 and lost[0]["reason"].startswith("its worker was lost 2 times (WorkerCrashedError on node")
-    fits = [r for r in rows if r["status"] == "fits"]
-    assert fits and len(rows) < 12
+    fits = len(re.findall(r"olmax tune: (?:\[\d+/12\]|compiled ahead of the search:) .*: fits", err))
     while any(line.startswith(TASK) for node in alive for line in node.processes().values()):
-        time.sleep(0.01)  # the compiles under way end (cancelled, their workers killed)
-    for key, value in {**s3, "OLMAX_COMPILE_CACHE": "s3://compiles/cache"}.items():
+        time.sleep(0.01)  # the compiles under way end (their driver gone)
+    for key, value in s3.items():
         monkeypatch.setenv(key, value)
     entries = storage.listdir("s3://compiles/cache")
-    assert len(entries) >= len(fits) and all(
+    assert len(entries) >= fits > 0 and all(
         storage.listdir(f"s3://compiles/cache/{e}") == ["program.hlo.gz", "result.json"] for e in entries)
-    assert main(["compile", "tiny", *fits[0]["overrides"], "--target", "tpu:v5p:2x2x2", "--json"]) == 0
-    report = json.loads(capsys.readouterr().out)
-    assert report["compile_cached"] and report["peak"] == fits[0]["peak"]
 
 
 def test_the_table_is_that_of_jobs_1_on_three_processes_and_on_ray_with_a_worker_node_killed(cluster, capsys):

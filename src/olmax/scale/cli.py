@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 import functools
 import json
 import os
@@ -289,13 +288,14 @@ def run_tune(args: argparse.Namespace) -> None:
         raise ConfigError(reason)  # (a Ray cluster's nodes are asked themselves, before the search)
     _compile_cache()
     directory = _report_dir(args.report)
-    engine, stopping = None, stopping_at_once(tune.print_err)  # its compiles, here and in its workers, end at once
+    engine = None
     if args.engine == "ray":
         from olmax.scale.tune_ray import on_ray
 
-        # Ray's compiles run on its nodes, not in this thread: Ctrl-C cancels them and keeps the results so far
-        engine, stopping = functools.partial(on_ray, args.address, args.jobs), contextlib.nullcontext()
-    with stopping:
+        engine = functools.partial(on_ray, args.address, args.jobs)
+    # its compiles end at once, here, in its workers, or on Ray (the tasks of a driver gone); those finished are kept
+    # in the compile cache
+    with stopping_at_once(tune.print_err):
         search = tune.tune(args.config, args.overrides, target, args.budget, args.headroom,
                            args.jobs or tune.default_jobs(), tune.print_err, args.depth == "reduced", engine)
     report = {"config": args.config, "overrides": args.overrides, "target": target.name, "budget": args.budget,
