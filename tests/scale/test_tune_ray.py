@@ -1,9 +1,9 @@
 """`olmax tune --engine ray` on a real Ray cluster on this machine: a head and two worker nodes started with `ray
 start` (the tests' own ports, directories and token: tests/ray_cluster.py), and moto's S3 server on 127.0.0.1. The
 search's table is `--jobs 1`'s with a worker node killed in the middle of it; a candidate whose worker is killed
-twice is reported lost; a compile cache in the bucket is shared by the nodes and the driver's host; Ctrl-C stops the
-search at once and keeps the compiles finished; a node without the target's extra refuses the search, one line. Every driver runs in a process of
-its own, as the tokenize tests' do (a process that drove Ray keeps some of it after ray.shutdown)."""
+twice is reported lost; a compile cache in the bucket is shared by the nodes; Ctrl-C stops the search at once and
+keeps the compiles finished; a node without the target's extra refuses the search, one line. Every driver runs in
+a process of its own, as the tokenize tests' do (a process that drove Ray keeps some of it after ray.shutdown)."""
 
 import os
 import re
