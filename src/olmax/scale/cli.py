@@ -308,8 +308,6 @@ def run_tune(args: argparse.Namespace) -> None:
         print(tune_text.table(search, target))
         print(tune_text.coverage(search))
         print(tune_text.main_line(search))
-    if search.interrupted:  # the results so far are printed; nothing is written of a search cut short
-        raise KeyboardInterrupt
     unwritten = None
     if args.out and search.best is not None:
         layout = tune_text.overlay(args.config, args.overrides, search, target)

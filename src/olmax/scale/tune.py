@@ -153,7 +153,6 @@ class Search:
     compiled: int = 0  # compiles run (not from the cache)
     seconds: float = 0.0
     ahead: int = 0  # compiles run ahead of the search that it did not need (kept in the compile cache)
-    interrupted: bool = False  # stopped by Ctrl-C: the results so far
     reduced: bool = False  # depth-reduced compiles asked for
 
     def ranked(self) -> list[Result]:
@@ -340,8 +339,7 @@ def tune(config: str, overrides: list[str], target: Target, budget: int, headroo
          progress=lambda line: None, reduced: bool = False, engine=None) -> Search:
     """The search (`Decisions`), its compiles run `jobs` at a time on this host (one: in this process), or by
     `engine(args, progress)`, a context manager of an engine (olmax.scale.tune_ray's on Ray) whose compiles are
-    `evaluate(*args[:3], candidate, args[3], reduced)`. Ctrl-C ends it with the results so far
-    (`Search.interrupted`)."""
+    `evaluate(*args[:3], candidate, args[3], reduced)`."""
     cfg = load_config(config, overrides, target.name)
     candidates = given(space(cfg, target), overrides)
     decisions = Decisions(cfg, target, candidates, budget, headroom, reduced, progress)
@@ -353,12 +351,7 @@ def tune(config: str, overrides: list[str], target: Target, budget: int, headroo
                  f"{', Splash tiles' if any(c.tiles for c in candidates) else ''}"
                  f"{', XLA flags' if target.xla_flags else ''}): up to {budget} compiles, {compiles.plan()}, the most "
                  "promising first")
-        try:
-            decisions.search.ahead = drive(decisions, compiles, progress)
-        except KeyboardInterrupt:
-            decisions.search.interrupted = True
-            progress(f"interrupted: the compiles under way cancelled; the {decisions.evaluated} evaluated so far "
-                     "follow")
+        decisions.search.ahead = drive(decisions, compiles, progress)
     decisions.search.seconds = time.perf_counter() - decisions.start
     return decisions.search
 

@@ -43,7 +43,7 @@ def coverage(search: Search) -> str:
             f"new, {sum(r.cached for r in search.results)} layouts from the cache), {counts['pruned']} pruned as out of memory "
             f"by a layout that keeps less; {counts['fits']} fit, {counts['over headroom']} over the headroom, "
             f"{counts['out of memory']} out of memory, {counts['failed']} failed{lost}; {left} not reached "
-            f"{'before the interrupt' if search.interrupted else 'within the budget'}; "
+            "within the budget; "
             f"{_depths(search)}{ahead}{search.seconds:.0f} s")
 
 
